@@ -1,0 +1,194 @@
+"""The unified token scheduler (vLLM V1 semantics).
+
+There is no prefill phase and no decode phase. Each step hands out a token budget
+(``max_num_batched_tokens``) and at most ``max_num_seqs`` running requests; every request
+is given ``min(num_tokens - num_computed_tokens, budget left)`` new tokens, running requests
+first, then waiting ones in arrival order (FCFS). A fresh request is a prefill, a long one is
+a chunked prefill, one with a single token to go is a decode, a prefix-cache hit starts
+with ``num_computed_tokens > 0``. When a block cannot be allocated, the most recently
+admitted running request is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, from num_computed_before on
+    num_computed_before: int
+    block_ids: list[int]  # the request's block table (a live list; read it, do not keep it)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last token, so a new token is sampled."""
+        return self.num_computed_before + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    Args:
+        kv_cache: the block allocator.
+        max_num_seqs: cap on running requests.
+        max_num_batched_tokens: token budget per step.
+        max_model_len: longest sequence (prompt + output) a request may reach.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside (abort, or a stop string found by the front end)."""
+        ended = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            ended.append(request)
+        return ended
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                self._schedule(out, request, num_new)
+                budget -= num_new
+                i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if out.preempted:  # no room for newcomers in a step that had to preempt
+                break
+            request = self.waiting[0]
+            blocks, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            request.num_computed_tokens = num_hit
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, blocks):
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._schedule(out, request, num_new)
+            budget -= num_new
+        return out
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        out.scheduled.append(
+            ScheduledRequest(
+                request,
+                num_new,
+                request.num_computed_tokens,
+                self.kv_cache.block_ids(request.request_id),
+            )
+        )
+        out.num_batched_tokens += num_new
+        request.num_computed_tokens += num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- after the forward pass ----------------------------------------------------------
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: list[list[int]]
+    ) -> list[tuple[ScheduledRequest, list[int]]]:
+        """Append each request's sampled tokens and finish those that hit a stop condition.
+
+        Args:
+            sampled: per scheduled request (same order), the token ids it accepted this
+                step: empty for a prefill chunk that did not reach the end of the prompt.
+
+        Returns:
+            (scheduled request, new token ids) for every request with new tokens or that
+            finished; finished requests have their blocks freed already.
+        """
+        results = []
+        for sched, new_tokens in zip(out.scheduled, sampled):
+            request = sched.request
+            if request.is_finished or not new_tokens:  # aborted meanwhile, or mid-prefill
+                continue
+            accepted: list[int] = []
+            if request.max_tokens == 0:  # prompt scoring only: done once the prompt is computed
+                request.status = RequestStatus.FINISHED_LENGTH
+                new_tokens = []
+                self.running.remove(request)
+                self._free(request)
+            for token in new_tokens:
+                request.append_output_token(token)
+                accepted.append(token)
+                if request.check_stop(self.max_model_len):
+                    self.running.remove(request)
+                    self._free(request)
+                    break
+            results.append((sched, accepted))
+        return results
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]

@@ -1,0 +1,143 @@
+"""The engine core: scheduler + KV cache + model runner, stepped one batch at a time.
+
+It sees token ids only; tokenization, detokenization and stop strings live in the front
+end. The same object runs in process (offline ``LLM``) or inside the engine-core process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.models.loader import load_model, resolve_model
+from pagedllm.worker.kv_cache import bytes_per_block
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The engine's max_model_len: the user's value, else the model's context capped at 8192.
+
+    Raises:
+        ValueError: if the user's value exceeds the model's context length.
+    """
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return min(limit, 8192)
+    if not 0 < config.max_model_len <= limit:
+        raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {config.max_model_len}")
+    return config.max_model_len
+
+
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
+    """How many KV blocks the memory budget buys (or the explicit override)."""
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    return config.kv_cache_memory // bytes_per_block(model_config, config.block_size, config.dtype)
+
+
+class EngineCore:
+    """Loads the model and runs steps.
+
+    Args:
+        config: engine settings (model, dtype, cache budget, scheduler limits).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.config = config
+        t0 = time.perf_counter()
+        model, model_config = load_model(resolve_model(config.model), config.dtype)
+        self.model_config = model_config
+        logger.info("loaded %s in %.2f s (%s)", model_config.name or config.model, time.perf_counter() - t0, config.dtype)
+
+        num_blocks = num_kv_blocks(config, model_config)
+        self.max_model_len = min(resolve_max_model_len(config, model_config), num_blocks * config.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes is smaller than one KV block")
+        self.num_blocks = num_blocks
+        kv_bytes = num_blocks * bytes_per_block(model_config, config.block_size, config.dtype)
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB",
+            num_blocks, config.block_size, num_blocks * config.block_size, kv_bytes / 1024**3,
+        )
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
+        self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, config.dtype)
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request (the front end has validated it)."""
+        self.scheduler.add_request(
+            Request(
+                req.request_id,
+                req.prompt_token_ids,
+                req.sampling_params,
+                req.eos_token_ids,
+                self.max_model_len,
+                cache_salt=req.cache_salt,
+                arrival_time=req.arrival_time,
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache.reset_prefix_cache()
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, run the model, update the requests; return what changed."""
+        sched = self.scheduler.schedule()
+        outputs: list[EngineCoreOutput] = []
+        if not sched.is_empty:
+            result = self.runner.execute(sched)
+            index = {id(s): i for i, s in enumerate(sched.scheduled)}
+            for s, new_tokens in self.scheduler.update_from_output(sched, result.sampled):
+                i = index[id(s)]
+                request = s.request
+                outputs.append(
+                    EngineCoreOutput(
+                        request.request_id,
+                        new_tokens,
+                        request.status.finish_reason,
+                        request.stop_reason,
+                        result.logprobs[i],
+                        result.prompt_logprobs[i],
+                        max(request.num_cached_tokens, 0),
+                    )
+                )
+            # Prompt logprobs of chunks that sampled nothing still have to reach the front end.
+            for i, s in enumerate(sched.scheduled):
+                if not result.sampled[i] and result.prompt_logprobs[i] is not None:
+                    outputs.append(
+                        EngineCoreOutput(s.request.request_id, [], prompt_logprobs=result.prompt_logprobs[i])
+                    )
+        return EngineCoreOutputs(outputs, self.stats(sched.num_batched_tokens), time.monotonic())
+
+    def stats(self, num_batched_tokens: int = 0) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv_cache.prefix_queries,
+            prefix_cache_hits=self.kv_cache.prefix_hits,
+            num_batched_tokens=num_batched_tokens,
+        )

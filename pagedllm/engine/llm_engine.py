@@ -1,0 +1,81 @@
+"""The synchronous front end: tokenizer, input and output processing over an engine core."""
+
+from __future__ import annotations
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.stat_logger import StatLogger
+from pagedllm.models.loader import load_tokenizer, resolve_model
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """Runs the engine core in this process and steps it on demand.
+
+    Args:
+        config: engine settings.
+        log_stats: log a throughput line every few seconds while stepping.
+    """
+
+    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(resolve_model(config.model))
+        self.core = EngineCore(config)
+        model_config = self.core.model_config
+        self.max_model_len = self.core.max_model_len
+        self.processor = Processor(
+            self.tokenizer, self.max_model_len, model_config.vocab_size, model_config.eos_token_ids
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_logger = StatLogger() if log_stats else None
+
+    def prepare(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, cache_salt: str | None = None
+    ) -> tuple[str | None, list[EngineCoreRequest]]:
+        """Validate and tokenize a request without queueing it: (prompt text, core requests).
+
+        Raises:
+            ValueError: for invalid input.
+        """
+        text, token_ids = self.processor.tokenize(prompt)
+        return text, self.processor.process(request_id, token_ids, params, cache_salt)
+
+    def submit(self, request_id: str, text: str | None, core_requests: list[EngineCoreRequest], stream: bool = False) -> None:
+        """Queue a request made by ``prepare``."""
+        self.output_processor.add_request(request_id, text, core_requests, stream)
+        for r in core_requests:
+            self.core.add_request(r)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        stream: bool = False,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validate, tokenize and queue a request (ValueError on invalid input)."""
+        text, core_requests = self.prepare(request_id, prompt, params, cache_salt)
+        self.submit(request_id, text, core_requests, stream)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.core.abort_requests(self.output_processor.child_ids(request_id))
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor.requests) or self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_out = self.core.step()
+        outputs, to_abort = self.output_processor.process_outputs(core_out.outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        if self.stat_logger is not None:
+            num_gen = sum(len(o.new_token_ids) for o in core_out.outputs)
+            num_batched = core_out.stats.num_batched_tokens if core_out.stats else 0
+            self.stat_logger.record(core_out.stats, max(num_batched - num_gen, 0), num_gen)
+        return outputs

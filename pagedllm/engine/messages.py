@@ -1,0 +1,57 @@
+"""Messages between the front end and the engine core: plain msgspec structs, never pickle."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from pagedllm.outputs import TokenLogprobs
+from pagedllm.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
+    num_cached_tokens: int = 0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, [0, 1]
+    num_preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative, tokens
+    prefix_cache_hits: int = 0  # cumulative, tokens
+    num_batched_tokens: int = 0  # this step
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_call_id: int | None = None  # set on the reply to a utility call
+    utility_result: Any = None
+
+
+class RequestType(enum.IntEnum):
+    """First frame of each front end → core message."""
+
+    ADD = 0
+    ABORT = 1
+    UTILITY = 2  # (call_id, method name, args): e.g. reset_prefix_cache
+    SHUTDOWN = 3

@@ -1,0 +1,210 @@
+"""Front-end output processing: detokenize, apply stop strings, assemble RequestOutputs.
+
+A user request with ``n`` samples is ``n`` engine-core requests ("{id}-{i}"); their outputs
+are gathered here into one ``RequestOutput``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs, TokenLogprobs
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleState:
+    """One of the ``n`` samples of a request."""
+
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[SampleState]
+    stream: bool  # emit deltas every step, else one cumulative output at the end
+    arrival_time: float
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+@dataclass
+class TokenTiming:
+    """What the metrics need per new-token event: first token (TTFT) or a later one (ITL)."""
+
+    request_id: str
+    is_first: bool
+    latency: float  # seconds since arrival (first) or since the previous token (later)
+    num_tokens: int
+
+
+class OutputProcessor:
+    """Keeps the front-end state of every in-flight request.
+
+    Args:
+        tokenizer: used for detokenization and logprob token strings.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._child_to_parent: dict[str, tuple[RequestState, SampleState]] = {}
+        self.timings: list[TokenTiming] = []  # drained by metrics consumers
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        core_requests: list[EngineCoreRequest],
+        stream: bool = False,
+    ) -> None:
+        first = core_requests[0]
+        samples = [
+            SampleState(i, r.sampling_params, IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids, r.sampling_params))
+            for i, r in enumerate(core_requests)
+        ]
+        state = RequestState(request_id, prompt, first.prompt_token_ids, samples, stream, first.arrival_time)
+        if first.sampling_params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        self.requests[request_id] = state
+        for r, s in zip(core_requests, samples):
+            self._child_to_parent[r.request_id] = (state, s)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return [] if state is None else [f"{request_id}-{s.index}" for s in state.samples]
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark every unfinished sample aborted and drop the request; return its final output."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for s in state.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        self._drop(state)
+        return self._make_output(state)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one engine step's outputs.
+
+        Returns:
+            (request outputs to deliver, engine-core request ids to abort because a stop
+            string ended them in the front end).
+        """
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            entry = self._child_to_parent.get(out.request_id)
+            if entry is None:
+                continue  # finished here already (stop string) or aborted
+            state, sample = entry
+            touched[state.request_id] = state
+            if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(self._to_dicts(out.prompt_logprobs))
+            state.num_cached_tokens = out.num_cached_tokens
+            if out.new_token_ids:
+                self._record_timing(state, sample, out.request_id, now, len(out.new_token_ids))
+                sample.token_ids.extend(out.new_token_ids)
+                if out.logprobs is not None:
+                    self._add_logprobs(sample, out.logprobs)
+                stop = sample.detokenizer.update(out.new_token_ids)
+                if stop is not None:
+                    sample.finish_reason, sample.stop_reason = "stop", stop
+                    if out.finish_reason is None:  # the core still runs it
+                        to_abort.append(out.request_id)
+            if sample.finish_reason is None and out.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+                sample.detokenizer.flush()
+            if sample.finish_reason is not None:
+                self._child_to_parent.pop(out.request_id, None)
+
+        results = []
+        for state in touched.values():
+            if state.finished:
+                self.requests.pop(state.request_id, None)
+            if state.stream or state.finished:
+                results.append(self._make_output(state))
+        return results, to_abort
+
+    # -- helpers -------------------------------------------------------------------------
+    def _record_timing(self, state: RequestState, sample: SampleState, child_id: str, now: float, n: int) -> None:
+        if sample.first_token_time is None:
+            sample.first_token_time = now
+            self.timings.append(TokenTiming(child_id, True, now - state.arrival_time, n))
+        else:
+            self.timings.append(TokenTiming(child_id, False, now - sample.last_token_time, n))
+        sample.last_token_time = now
+
+    def _add_logprobs(self, sample: SampleState, lp: TokenLogprobs) -> None:
+        if sample.logprobs is None:
+            sample.logprobs, sample.cumulative_logprob = [], 0.0
+        for entry in self._to_dicts(lp):
+            sample.logprobs.append(entry)
+        sample.cumulative_logprob += sum(row[0] for row in lp.logprobs)
+
+    def _to_dicts(self, lp: TokenLogprobs) -> list[dict[int, Logprob]]:
+        result = []
+        for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+            entry: dict[int, Logprob] = {}
+            for j, (tid, value) in enumerate(zip(ids, lps)):
+                if tid not in entry:  # the chosen token may also be among the top-N
+                    entry[tid] = Logprob(value, rank if j == 0 else j, self.tokenizer.decode([tid]))
+            result.append(entry)
+        return result
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        outputs = []
+        for s in state.samples:
+            if state.stream:
+                tokens = s.token_ids[s.num_sent_tokens :]
+                logprobs = None if s.logprobs is None else s.logprobs[s.num_sent_logprobs :]
+                text = s.detokenizer.get_delta()
+                s.num_sent_tokens = len(s.token_ids)
+                s.num_sent_logprobs = 0 if s.logprobs is None else len(s.logprobs)
+            else:
+                tokens, logprobs, text = list(s.token_ids), s.logprobs, s.detokenizer.output_text
+            outputs.append(
+                CompletionOutput(s.index, text, tokens, s.finish_reason, s.stop_reason, logprobs, s.cumulative_logprob)
+            )
+        first_times = [s.first_token_time for s in state.samples if s.first_token_time is not None]
+        metrics = {"arrival_time": state.arrival_time}
+        if first_times:
+            metrics["first_token_time"] = min(first_times)
+        return RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            outputs,
+            state.finished,
+            state.prompt_logprobs,
+            state.num_cached_tokens,
+            metrics,
+        )
+
+    def _drop(self, state: RequestState) -> None:
+        self.requests.pop(state.request_id, None)
+        for i in range(len(state.samples)):
+            self._child_to_parent.pop(f"{state.request_id}-{i}", None)

@@ -1,0 +1,124 @@
+"""The offline batch API, in vLLM's shape: ``LLM(...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedllm.config import DEFAULT_MODEL, EngineConfig, parse_dtype, parse_memory
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.processor import PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Args:
+        model: a .gguf path, an HF checkpoint directory, or an installed model alias.
+        dtype: compute dtype: "auto" (bfloat16), "bfloat16" or "float32".
+        max_model_len: longest prompt + output; default the model's context, at most 8192.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget per step.
+        kv_cache_memory: KV cache size: bytes, or a string such as "2GiB".
+        **kwargs: any other ``EngineConfig`` field (block_size, enable_prefix_caching, ...).
+
+    Raises:
+        ValueError: for an unknown model, an unsupported architecture or a bad setting.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory: int | str = "2GiB",
+        **kwargs: Any,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=parse_dtype(dtype),
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory=parse_memory(kv_cache_memory),
+            **kwargs,
+        )
+        self.engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; return outputs in input order.
+
+        Args:
+            prompts: a string, a token-id list, or a list of either.
+            sampling_params: one for all prompts, or one per prompt.
+
+        Raises:
+            ValueError: if any prompt or parameter is invalid (nothing is run then).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        # Validate everything before queueing anything.
+        ids = [str(next(self._counter)) for _ in prompts]
+        prepared = [self.engine.prepare(i, p, sp) for i, p, sp in zip(ids, prompts, params)]
+        for request_id, (text, core_requests) in zip(ids, prepared):
+            self.engine.submit(request_id, text, core_requests)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and generate.
+
+        Args:
+            messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.engine.tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start, num_out = time.perf_counter(), 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    num_out += sum(len(o.token_ids) for o in out.outputs)
+                    bar.update(1)
+                    bar.set_postfix_str(f"output: {num_out / (time.perf_counter() - start):.1f} tok/s")
+        bar.close()
+        return [done[i] for i in request_ids]

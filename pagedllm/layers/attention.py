@@ -1,0 +1,171 @@
+"""Paged attention on CPU: K/V live in fixed-size blocks, read through each request's block table.
+
+PagedAttention: Kwon et al. 2023, "Efficient Memory Management for Large Language Model
+Serving with PagedAttention", §4. A step's tokens are flattened (no padding to the longest
+request); new K/V are written into the cache through the slot mapping, then each query
+attends over its request's cached context.
+
+Two paths, chosen per request by its query length:
+- decode (one query token): all such requests are batched into one SDPA call over their
+  gathered blocks, padded to the longest context and masked. Grouped-query heads are folded
+  into the query-length axis, so K/V are never repeated per query head.
+- prefill or chunked prefill (several query tokens): one SDPA call per request, causal with
+  the chunk's offset into its context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+@dataclass
+class PrefillMeta:
+    """One request with several query tokens in this step."""
+
+    query_start: int  # first row of this request's tokens in the flattened step
+    query_len: int
+    seq_len: int  # context length after this step (cached + new tokens)
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
+    mask: torch.Tensor | None  # [query_len, seq_len] bool (True = attend); None: plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs shared by every attention layer.
+
+    Decode requests (query length 1) come first in the flattened tokens.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) per token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64, padded with 0
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillMeta]
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+    ) -> AttentionMetadata:
+        """Build the metadata for one step.
+
+        Args:
+            query_lens: new tokens per request this step; requests with 1 must come first.
+            seq_lens: context length per request after this step (num_computed + query_len).
+            block_tables: block ids per request, covering at least ``seq_len`` tokens.
+            block_size: tokens per block.
+        """
+        slots: list[int] = []
+        for q, s, table in zip(query_lens, seq_lens, block_tables):
+            for pos in range(s - q, s):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        if any(q == 1 for q in query_lens[num_decodes:]):
+            raise ValueError("decode requests (query length 1) must come first")
+
+        decode_tables = decode_mask = None
+        if num_decodes:
+            max_blocks = max(-(-s // block_size) for s in seq_lens[:num_decodes])
+            padded = [t[: -(-s // block_size)] for t, s in zip(block_tables, seq_lens[:num_decodes])]
+            decode_tables = torch.tensor(
+                [t + [0] * (max_blocks - len(t)) for t in padded], dtype=torch.long
+            )
+            lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.long)
+            key_pos = torch.arange(max_blocks * block_size)
+            decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
+
+        prefills = []
+        start = num_decodes
+        for i in range(num_decodes, len(query_lens)):
+            q, s = query_lens[i], seq_lens[i]
+            mask = None
+            if q != s:  # a later chunk or a cache hit: causal with an offset
+                q_pos = torch.arange(s - q, s)
+                mask = torch.arange(s)[None, :] <= q_pos[:, None]
+            num_blocks = -(-s // block_size)
+            ids = torch.tensor(block_tables[i][:num_blocks], dtype=torch.long)
+            prefills.append(PrefillMeta(start, q, s, ids, mask))
+            start += q
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            num_decodes=num_decodes,
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V ([T, num_kv_heads, head_dim]) into their cache slots."""
+    k_cache, v_cache = kv_cache
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of this step's queries over their requests' paged K/V.
+
+    Args:
+        q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (this step's tokens).
+        kv_cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+        meta: the step's metadata (slot mapping, decode batch, prefill list).
+        scale: softmax scale, usually head_dim ** -0.5.
+
+    Returns:
+        [T, num_heads * head_dim], same dtype as q.
+    """
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    k_cache, v_cache = kv_cache
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+
+    b = meta.num_decodes
+    if b:
+        tables = meta.decode_block_tables
+        # [b, L, Hkv, D] -> [b, Hkv, L, D]; the G query heads of a KV head ride the query axis.
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
+        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        query = q[:b].view(b, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=scale)
+        out[:b] = o.reshape(b, num_heads * head_dim)
+
+    for p in meta.prefills:
+        rows = slice(p.query_start, p.query_start + p.query_len)
+        query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if p.mask is None:  # whole context is this chunk: use it directly, no gather
+            keys, values = k[rows], v[rows]
+        else:
+            keys = k_cache[p.block_ids].flatten(0, 1)[: p.seq_len]
+            values = v_cache[p.block_ids].flatten(0, 1)[: p.seq_len]
+        keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        values = values.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[rows] = o[0].transpose(0, 1).reshape(p.query_len, num_heads * head_dim)
+    return out

@@ -1,0 +1,64 @@
+"""Result types: what the engine core returns per step and what users receive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Top-N log-probabilities at consecutive positions (sampled or prompt tokens).
+
+    Per position: ``token_ids[i][0]`` is the chosen token, the rest the top-N in order;
+    ``logprobs[i]`` are their natural-log probabilities (float); ``ranks[i]`` is the chosen
+    token's rank in the vocabulary (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def extend(self, other: TokenLogprobs) -> None:
+        self.token_ids.extend(other.token_ids)
+        self.logprobs.extend(other.logprobs)
+        self.ranks.extend(other.ranks)
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability, as in vLLM's ``Logprob``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: {token_id: Logprob}; the chosen token is included (vLLM's shape).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first entry None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,144 @@
+"""Scheduler and KV cache manager with a fake model: budgets, chunking, preemption, stops."""
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=False):
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    return Scheduler(kv, max_num_seqs, budget, max_model_len)
+
+
+def make_request(rid, n_prompt, max_model_len=256, **params):
+    params.setdefault("max_tokens", 8)
+    prompt = [10 + (i % 50) for i in range(n_prompt)]
+    return Request(str(rid), prompt, SamplingParams(**params), [EOS], max_model_len)
+
+
+def step(sched, token=7):
+    """Schedule, 'run' (every sampling request gets ``token``), update; return the output."""
+    out = sched.schedule()
+    sampled = [[token] if s.samples else [] for s in out.scheduled]
+    sched.update_from_output(out, sampled)
+    return out
+
+
+def assert_pool_whole(sched):
+    pool = sched.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def test_budget_and_max_num_seqs_respected():
+    sched = make_scheduler(max_num_seqs=3, budget=20)
+    for i in range(5):
+        sched.add_request(make_request(i, 9))
+    while sched.num_unfinished:
+        out = step(sched)
+        assert out.num_batched_tokens <= 20
+        assert len(out.scheduled) <= 3
+        assert len(sched.running) <= 3
+    assert_pool_whole(sched)
+
+
+def test_chunked_prefill_then_decode():
+    sched = make_scheduler(budget=32)
+    sched.add_request(make_request(0, 100, max_tokens=3))
+    chunks = [step(sched).scheduled[0].num_new_tokens for _ in range(6)]
+    assert chunks == [32, 32, 32, 4, 1, 1]
+    assert sched.num_unfinished == 0
+    assert_pool_whole(sched)
+
+
+def test_no_token_sampled_mid_prefill():
+    sched = make_scheduler(budget=8)
+    req = make_request(0, 20)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert not out.scheduled[0].samples
+    assert req.num_computed_tokens == 8
+
+
+def test_preempts_most_recently_admitted_and_recomputes():
+    # 6 blocks of 4 tokens: two requests of 8 prompt tokens fill 4 blocks, growth forces preemption.
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a, b = make_request("a", 8, max_tokens=12), make_request("b", 8, max_tokens=12)
+    sched.add_request(a)
+    sched.add_request(b)
+    preempted = []
+    while sched.num_unfinished:
+        out = step(sched)
+        preempted += [r.request_id for r in out.preempted]
+    assert preempted and set(preempted) == {"b"}
+    assert a.status == b.status == RequestStatus.FINISHED_LENGTH
+    assert a.num_output_tokens == b.num_output_tokens == 12
+    assert b.num_preemptions >= 1
+    assert_pool_whole(sched)
+
+
+def test_stop_conditions():
+    sched = make_scheduler()
+    eos = make_request("eos", 4)
+    stop_tok = make_request("stop", 4, stop_token_ids=[9])
+    ignore = make_request("ignore", 4, ignore_eos=True, max_tokens=3)
+    min_tok = make_request("min", 4, min_tokens=2)
+    for r in (eos, stop_tok, ignore, min_tok):
+        sched.add_request(r)
+    out = sched.schedule()
+    tokens = {"eos": EOS, "stop": 9, "ignore": EOS, "min": EOS}
+    sched.update_from_output(out, [[tokens[s.request.request_id]] for s in out.scheduled])
+    assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_reason is None
+    assert stop_tok.status == RequestStatus.FINISHED_STOPPED and stop_tok.stop_reason == 9
+    assert not ignore.is_finished and not min_tok.is_finished  # EOS ignored / before min_tokens
+    while sched.num_unfinished:
+        out = sched.schedule()
+        sched.update_from_output(out, [[EOS] for _ in out.scheduled])
+    assert ignore.status == RequestStatus.FINISHED_LENGTH and ignore.num_output_tokens == 3
+    assert min_tok.status == RequestStatus.FINISHED_STOPPED and min_tok.num_output_tokens == 2
+    assert_pool_whole(sched)
+
+
+def test_max_tokens_and_max_model_len():
+    sched = make_scheduler(max_model_len=12)
+    capped = Request("cap", list(range(10, 20)), SamplingParams(max_tokens=None), [EOS], 12)
+    exact = make_request("exact", 3, max_model_len=12, max_tokens=5)
+    sched.add_request(capped)
+    sched.add_request(exact)
+    while sched.num_unfinished:
+        step(sched)
+    assert capped.num_output_tokens == 2 and capped.status == RequestStatus.FINISHED_LENGTH
+    assert exact.num_output_tokens == 5 and exact.status == RequestStatus.FINISHED_LENGTH
+    assert_pool_whole(sched)
+
+
+def test_abort_waiting_and_running_frees_blocks():
+    sched = make_scheduler(max_num_seqs=1)
+    a, b = make_request("a", 6), make_request("b", 6)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    ended = sched.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert {r.request_id for r in ended} == {"a", "b"}
+    assert a.status == b.status == RequestStatus.FINISHED_ABORTED
+    assert sched.num_unfinished == 0
+    assert_pool_whole(sched)
+
+
+def test_invariants_hold_every_step():
+    sched = make_scheduler(num_blocks=20, block_size=4, max_num_seqs=4, budget=16, max_model_len=64)
+    reqs = [make_request(i, 3 + 5 * i, max_model_len=64, max_tokens=6) for i in range(6)]
+    for r in reqs:
+        sched.add_request(r)
+    while sched.num_unfinished:
+        step(sched)
+        pool = sched.kv_cache.pool
+        in_use = sum(1 for b in pool.blocks if b.ref_cnt > 0)
+        assert in_use + pool.num_free_blocks == pool.num_blocks
+        for r in sched.running:
+            assert 0 <= r.num_computed_tokens <= r.num_tokens <= 64
+    assert all(r.num_output_tokens == 6 for r in reqs)
+    assert_pool_whole(sched)
