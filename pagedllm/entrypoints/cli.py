@@ -1,0 +1,144 @@
+"""The ``pagedllm`` command: generate, chat, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from pagedllm.config import DEFAULT_MODEL
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    """Flags shared by every command that builds an engine (vLLM's names)."""
+    if positional_model:
+        parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model path or alias")
+    else:
+        parser.add_argument("--model", default=DEFAULT_MODEL, help=".gguf path, HF directory, or installed alias")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16) | bfloat16 | float32")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 2GiB")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse cached KV blocks of shared prefixes (default on)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """``LLM(**kwargs)`` from the engine flags."""
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace):
+    from pagedllm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from pagedllm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    for out in outputs:
+        for c in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt": out.prompt, "text": c.text, "finish_reason": c.finish_reason}))
+            else:
+                print(f"--- prompt: {out.prompt!r}\n{c.text}\n--- finish_reason: {c.finish_reason}")
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.chat_repl import run_repl
+
+    run_repl(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference and serving with a paged KV cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat that streams tokens")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.set_defaults(func=cmd_chat, temperature=0.7, max_tokens=512)
+
+    from pagedllm.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+
+    try:
+        from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
+    except ImportError:  # the server is optional until its module lands
+        pass
+    else:
+        serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+        add_engine_args(serve, positional_model=True)
+        add_serve_args(serve)
+        serve.set_defaults(func=run_serve)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Prefix caching at the block level: hash chain, sharing, eviction order, salts."""
+
+from pagedllm.core.kv_cache_manager import KVCacheManager, hash_block
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.sampling_params import SamplingParams
+
+BS = 4
+
+
+def req(rid, tokens, salt=None, **params):
+    params.setdefault("max_tokens", 4)
+    return Request(str(rid), list(tokens), SamplingParams(**params), [2], 1024, cache_salt=salt)
+
+
+def admit(kv: KVCacheManager, r: Request) -> int:
+    """What the scheduler does at admission; returns the hit length in tokens."""
+    blocks, hit = kv.get_computed_blocks(r)
+    r.num_computed_tokens = hit
+    assert kv.allocate_slots(r, r.num_tokens - hit, blocks)
+    r.num_computed_tokens = r.num_tokens
+    return hit
+
+
+def test_hash_chain_depends_on_parent_tokens_and_salt():
+    a = hash_block(None, [1, 2, 3, 4], None)
+    assert a == hash_block(None, [1, 2, 3, 4], None)
+    assert a != hash_block(None, [1, 2, 3, 5], None)
+    assert a != hash_block(None, [1, 2, 3, 4], "tenant")
+    b = hash_block(a, [5, 6, 7, 8], None)
+    assert b != hash_block(hash_block(None, [0, 2, 3, 4], None), [5, 6, 7, 8], None)
+
+
+def test_shared_prefix_hits_and_refcounts():
+    kv = KVCacheManager(16, BS, True)
+    first = req("a", range(10))  # 2 full blocks + a partial one
+    assert admit(kv, first) == 0
+    second = req("b", list(range(8)) + [99, 98, 97])
+    assert admit(kv, second) == 8
+    shared = kv.req_blocks["a"][:2]
+    assert shared == kv.req_blocks["b"][:2]
+    assert [b.ref_cnt for b in shared] == [2, 2]
+    assert kv.req_blocks["a"][2] is not kv.req_blocks["b"][2]  # partial blocks never shared
+    assert kv.req_blocks["a"][2].block_hash is None
+    kv.free(first)
+    kv.free(second)
+    assert kv.pool.num_free_blocks == 16 and all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_last_token_always_computed():
+    kv = KVCacheManager(16, BS, True)
+    admit(kv, req("a", range(8)))
+    again = req("b", range(8))  # the whole prompt is cached, but its last token must run
+    assert admit(kv, again) == 4
+
+
+def test_eviction_order_after_free():
+    kv = KVCacheManager(6, BS, True)
+    a = req("a", range(12))  # 3 full blocks
+    admit(kv, a)
+    ids = [b.block_id for b in kv.req_blocks["a"]]
+    kv.free(a)
+    order = [b.block_id for b in kv.pool.free_queue]
+    # never-used blocks first, then a's blocks tail first (its tail is evicted before its head)
+    assert order[-3:] == ids[::-1]
+    assert set(order[:3]) == set(range(6)) - set(ids)
+    # a new request hits a's head: those blocks leave the middle of the queue
+    b = req("b", list(range(8)) + [50, 51])
+    assert admit(kv, b) == 8
+    assert kv.pool.num_free_blocks == 3  # 6 - 2 hit - 1 new partial
+    # filling the pool evicts a's tail block last of the free ones, and drops its hash lazily
+    tail = kv.req_blocks.get("a")
+    assert tail is None
+    c = req("c", range(100, 112))  # needs 3 new blocks: takes every free block
+    admit(kv, c)
+    assert kv.pool.get_cached_block(hash_block(None, list(range(4)), None)) is not None  # a's head, held by b
+    assert len(kv.pool.cached) == 2 + 3  # b's two shared + c's three
+
+
+def test_salted_request_never_hits_unsalted():
+    kv = KVCacheManager(16, BS, True)
+    admit(kv, req("plain", range(9)))
+    assert admit(kv, req("salted", range(9), salt="t1")) == 0
+    assert admit(kv, req("salted2", range(9), salt="t1")) == 8
+    assert admit(kv, req("other", range(9), salt="t2")) == 0
+
+
+def test_preempted_request_finds_its_blocks_again():
+    kv = KVCacheManager(8, BS, True)
+    sched = Scheduler(kv, 4, 64, 1024)
+    r = req("a", range(10), max_tokens=3)
+    sched.add_request(r)
+    out = sched.schedule()
+    sched.update_from_output(out, [[7]])
+    sched._preempt(sched.running.pop())
+    out = sched.schedule()
+    assert out.scheduled[0].num_computed_before == 8  # two full blocks found again
+
+
+def test_hit_counters_in_tokens():
+    kv = KVCacheManager(16, BS, True)
+    admit(kv, req("a", range(10)))
+    admit(kv, req("b", range(10)))
+    assert kv.prefix_queries == 20 and kv.prefix_hits == 8
+
+
+def test_caching_off_never_hits():
+    kv = KVCacheManager(16, BS, False)
+    admit(kv, req("a", range(10)))
+    assert admit(kv, req("b", range(10))) == 0
+    assert not kv.pool.cached
