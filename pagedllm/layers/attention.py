@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedllm.layers.cpu_kernels import paged_decode_attention
+
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
 
@@ -45,6 +47,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64, padded with 0
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillMeta]
 
     @staticmethod
@@ -72,7 +75,7 @@ class AttentionMetadata:
         if any(q == 1 for q in query_lens[num_decodes:]):
             raise ValueError("decode requests (query length 1) must come first")
 
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = lens = None
         if num_decodes:
             max_blocks = max(-(-s // block_size) for s in seq_lens[:num_decodes])
             padded = [t[: -(-s // block_size)] for t, s in zip(block_tables, seq_lens[:num_decodes])]
@@ -100,6 +103,7 @@ class AttentionMetadata:
             num_decodes=num_decodes,
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
+            decode_seq_lens=lens,
             prefills=prefills,
         )
 
@@ -140,13 +144,12 @@ def paged_attention(
 
     b = meta.num_decodes
     if b:
-        tables = meta.decode_block_tables
-        # [b, L, Hkv, D] -> [b, Hkv, L, D]; the G query heads of a KV head ride the query axis.
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-        query = q[:b].view(b, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=scale)
-        out[:b] = o.reshape(b, num_heads * head_dim)
+        o = paged_decode_attention(
+            q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
+        if o is None:
+            o = _decode_attention_torch(q[:b], k_cache, v_cache, meta, scale)
+        out[:b] = o.view(b, num_heads * head_dim)
 
     for p in meta.prefills:
         rows = slice(p.query_start, p.query_start + p.query_len)
@@ -169,3 +172,18 @@ def paged_attention(
         )
         out[rows] = o[0].transpose(0, 1).reshape(p.query_len, num_heads * head_dim)
     return out
+
+
+def _decode_attention_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Decode attention in PyTorch (no native kernel): gather blocks, pad, mask. [b, H, D] out."""
+    b, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    tables = meta.decode_block_tables
+    # [b, L, Hkv, D] -> [b, Hkv, L, D]; the G query heads of a KV head ride the query axis.
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    query = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=scale)
+    return o.reshape(b, num_heads, head_dim)

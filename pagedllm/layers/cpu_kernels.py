@@ -1,0 +1,98 @@
+"""Native CPU kernels (pagedllm/csrc), compiled on first use with the system C++ compiler.
+
+A plain shared library called through ctypes: no torch headers, so it builds in about a
+second, and is cached under ``$PAGEDLLM_CACHE`` (default ``~/.cache/pagedllm``) by source
+hash. Where no compiler works, ``decode_kernel()`` returns None and callers use PyTorch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pagedllm")
+
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDLLM_CACHE", Path.home() / ".cache" / "pagedllm"))
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("PAGEDLLM_DISABLE_NATIVE") == "1":
+        return None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    path = cache_dir() / f"paged_attention_{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            cmd = [os.environ.get("CXX", "g++"), *_FLAGS, "-o", str(out), str(_SOURCE)]
+            try:
+                subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError) as e:
+                logger.warning("native attention kernel unavailable (%s); using PyTorch attention", e)
+                return None
+            os.replace(out, path)  # atomic: concurrent processes never load a half-written file
+    lib = ctypes.CDLL(str(path))
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    # is_bf16, q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv, D, BS, scale
+    fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+    return lib
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """Decode attention read in place through block tables; None if the kernel cannot run.
+
+    Args:
+        q: [B, num_heads, head_dim], bfloat16 or float32.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype.
+        block_tables: [B, max_blocks] int64; seq_lens: [B] int64 (keys per request).
+
+    Returns:
+        [B, num_heads, head_dim] in q's dtype.
+    """
+    lib = _library()
+    if lib is None or q.dtype not in (torch.bfloat16, torch.float32) or q.shape[-1] not in (64, 128, 256):
+        return None
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    b, hq, d = q.shape
+    status = lib.paged_decode_attention(
+        int(q.dtype == torch.bfloat16),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        b,
+        hq,
+        k_cache.shape[2],
+        d,
+        k_cache.shape[1],
+        scale,
+    )
+    return out if status == 0 else None
