@@ -2,8 +2,10 @@
 
 import random
 
+import pytest
 import torch
 
+from pagedllm.layers import attention, cpu_kernels
 from pagedllm.layers.attention import AttentionMetadata, paged_attention
 
 
@@ -20,10 +22,18 @@ def _dense(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
 
 
-def test_mixed_decode_and_chunked_prefill_match_dense():
+def test_native_kernel_builds():
+    assert cpu_kernels._library() is not None
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_decode_and_chunked_prefill_match_dense(native, dtype, monkeypatch):
+    if not native:
+        monkeypatch.setattr(attention, "paged_decode_attention", lambda *args: None)
     torch.manual_seed(0)
     rng = random.Random(0)
-    block_size, num_blocks, hkv, h, d = 4, 64, 2, 6, 8
+    block_size, num_blocks, hkv, h, d = 4, 64, 2, 6, 64
     k_cache = torch.zeros(num_blocks, block_size, hkv, d)
     v_cache = torch.zeros_like(k_cache)
     free = list(range(num_blocks))
@@ -45,9 +55,11 @@ def test_mixed_decode_and_chunked_prefill_match_dense():
     q = torch.randn(sum(query_lens), h, d)
     k = torch.cat([kk[c:] for kk, (c, _) in zip(full_k, reqs)])
     v = torch.cat([vv[c:] for vv, (c, _) in zip(full_v, reqs)])
-    out = paged_attention(q, k, v, (k_cache, v_cache), meta, d**-0.5)
+    k_cache, v_cache, q, k, v = (t.to(dtype) for t in (k_cache, v_cache, q, k, v))
+    out = paged_attention(q, k, v, (k_cache, v_cache), meta, d**-0.5).float()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
     start = 0
     for (cached, new), kk, vv in zip(reqs, full_k, full_v):
-        ref = _dense(q[start : start + new], kk, vv, d**-0.5)
-        torch.testing.assert_close(out[start : start + new], ref, atol=1e-5, rtol=1e-5)
+        ref = _dense(q[start : start + new].float(), kk.to(dtype).float(), vv.to(dtype).float(), d**-0.5)
+        torch.testing.assert_close(out[start : start + new], ref, atol=tol, rtol=tol)
         start += new
