@@ -1,0 +1,168 @@
+"""Incremental detokenization of one request's output, with stop-string matching.
+
+Text is produced with the prefix-offset/read-offset technique (as in vLLM and HF TGI): each
+step decodes only a short window of recent token ids, ``ids[prefix_offset:]``, and emits what
+it adds to the decode of ``ids[prefix_offset:read_offset]``. Decoding a window (rather than one
+token alone) keeps context-dependent decoders right: sentencepiece decoders drop the leading
+space of the first token they see, and a byte-level BPE token may carry half a UTF-8
+character. Each step therefore costs O(window), not O(output length).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from pagedllm.sampling_params import SamplingParams
+
+# What a decoder yields for bytes that do not (yet) form a whole UTF-8 character.
+_REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens decoded ahead of the output so that its first token is decoded in context.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text, a few tokens at a time.
+
+    ``output_text`` holds the text so far. Text is withheld while the last tokens end inside a
+    UTF-8 character; ``flush()`` releases it when the request ends for another reason.
+
+    The first output token is decoded after the last few prompt tokens, as vLLM does, so
+    ``output_text`` equals ``tokenizer.decode(output_ids)`` for byte-level BPE tokenizers, and
+    for sentencepiece ones keeps the leading space that ``decode`` would strip from the
+    first output token (``decode(prompt) + output_text == decode(prompt + output)``).
+
+    Stop strings are searched across token boundaries. When several complete in the same
+    update, the one that ends first wins (the longest of those ending at the same place), so
+    the result does not depend on how the text was split into tokens. Matching starts once the
+    output has ``min_tokens`` tokens.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        """Prepare to detokenize the output of a request with these prompt ids and params.
+
+        Raises:
+            ValueError: if ``params`` has stop strings but ``detokenize`` is off.
+        """
+        if params.stop and not params.detokenize:
+            raise ValueError("stop strings need detokenize=True")
+        self.tokenizer = tokenizer
+        self.params = params
+        self.output_text = ""
+        self.stop_reason: str | None = None
+        self.num_output_tokens = 0
+        self._max_stop_len = max(map(len, params.stop), default=0)
+        self._stop_first_chars = {stop[0] for stop in params.stop}
+        self._finished = False
+        self._num_sent = 0  # chars of output_text already returned by get_delta()
+
+        context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
+        context_text = self._decode(context)
+        if context_text.endswith(_REPLACEMENT_CHAR):
+            # The prompt ends inside a character: output bytes completing it would rewrite the
+            # context's text, so decode the output on its own instead.
+            context, context_text = [], ""
+        self._ids = list(context)  # context ids, then every output id
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = context_text  # decode of ids[prefix_offset:read_offset]
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Append output tokens and extend ``output_text``.
+
+        Returns:
+            The stop string that matched, else None. On a match ``output_text`` is cut right
+            before the stop string (right after it with ``include_stop_str_in_output``), and
+            the caller must finish the request with reason "stop"; call no further updates.
+        """
+        self.num_output_tokens += len(new_token_ids)
+        if not self.params.detokenize:
+            return None
+        old_len = len(self.output_text)
+        for token_id in new_token_ids:
+            self._ids.append(token_id)
+            self.output_text += self._decode_step()
+        if not self.params.stop or self.num_output_tokens < self.params.min_tokens:
+            return None
+        return self._match_stop(old_len)
+
+    def get_delta(self) -> str:
+        """Return the text not yet returned by earlier calls, for streaming.
+
+        Until the request finishes, a tail that could begin a stop string is withheld, so a
+        client never sees text that a later match cuts off.
+        """
+        end = len(self.output_text)
+        if not self._finished and not self.params.include_stop_str_in_output:
+            end -= self._stop_prefix_len()
+        delta = self.output_text[self._num_sent : end]
+        self._num_sent += len(delta)
+        return delta
+
+    def flush(self) -> str:
+        """Finish the text (the request ended by length or EOS); return the final delta.
+
+        Tokens held back for ending inside a character are decoded as they are (with U+FFFD),
+        as ``tokenizer.decode`` would, and the stop-string tail is released.
+        """
+        if not self._finished and self._read_offset < len(self._ids):
+            new_text = self._decode(self._ids[self._prefix_offset :])
+            self.output_text += new_text[len(self._prefix_text) :]
+        self._finished = True
+        return self.get_delta()
+
+    def _decode(self, token_ids: list[int]) -> str:
+        # No clean-up: it rewrites " ." and the like, so a window's text would stop being a
+        # prefix of the next window's text.
+        return self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self.params.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def _decode_step(self) -> str:
+        """Decode the window after one token was appended; return the new text, maybe ""."""
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        # Not longer: the token decoded to nothing (e.g. a skipped special token); keep the
+        # window so the next token is still decoded in context.
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(self._prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        return delta
+
+    def _match_stop(self, old_len: int) -> str | None:
+        """Find the first stop string completed by text after ``old_len``; cut the text there."""
+        text = self.output_text
+        matches: list[tuple[int, int, str]] = []
+        for stop in self.params.stop:
+            # Start far enough back to catch a stop string split across updates.
+            start = text.find(stop, max(0, old_len - len(stop) + 1))
+            if start >= 0:
+                matches.append((start + len(stop), -len(stop), stop))
+        if not matches:
+            return None
+        end, neg_len, stop = min(matches)  # ends first; the longest of those ending there
+        self.output_text = text[: end if self.params.include_stop_str_in_output else end + neg_len]
+        self.stop_reason = stop
+        self._finished = True
+        return stop
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest tail of ``output_text`` that is a proper prefix of a stop."""
+        text = self.output_text
+        for start in range(max(0, len(text) - self._max_stop_len + 1), len(text)):
+            # The first-character test skips most positions cheaply (this runs every step).
+            if text[start] in self._stop_first_chars:
+                tail = text[start:]
+                if any(stop.startswith(tail) for stop in self.params.stop):
+                    return len(text) - start
+        return 0
