@@ -1,0 +1,37 @@
+"""RMSNorm (Zhang & Sennrich 2019), with the residual add of pre-norm blocks fused in."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension.
+
+    Args:
+        hidden_size: size of the normalized (last) dimension.
+        eps: added to the mean square for stability.
+        dtype: dtype of the weight (the model's dtype).
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.shape = (hidden_size,)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add ``x`` to the residual stream, then normalize it.
+
+        Args:
+            x: [T, hidden_size], the previous block's output (or the embeddings).
+            residual: [T, hidden_size], the residual stream so far; None before the first block.
+
+        Returns:
+            (normalized [T, hidden_size], new residual stream [T, hidden_size]), both in x's dtype.
+        """
+        if residual is not None:
+            x = x + residual
+        return F.rms_norm(x, self.shape, self.weight, self.eps), x

@@ -1,0 +1,46 @@
+"""Rotary position embedding (Su et al. 2021) in the GPT-NeoX / HF ``rotate_half`` layout.
+
+The first and second halves of each head are the two coordinates of each rotated pair:
+``out = x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for every position up to ``max_position``, computed once, looked up per step.
+
+    Args:
+        head_dim: rotated dimension (the whole head).
+        max_position: number of positions to precompute.
+        base: RoPE theta.
+        dtype: dtype of the cache (the model's dtype, as HF casts cos/sin to it).
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        # Explicit CPU device: the loader builds the model under torch.device("meta"), and
+        # this buffer is not in any checkpoint, so it must hold real values from the start.
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+        freqs = torch.outer(torch.arange(max_position, device="cpu").float(), inv_freq).repeat(1, 2)  # [P, D]
+        cache = torch.stack([freqs.cos(), freqs.sin()], 1)  # [P, 2, D]
+        # Sign of rotate_half folded into sin: rotate_half(x) * sin == roll(x, D/2) * signed_sin.
+        cache[:, 1, : head_dim // 2].neg_()
+        self.register_buffer("cos_sin", cache.unsqueeze(2).to(dtype), persistent=False)  # [P, 2, 1, D]
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of each token's position: two [T, 1, head_dim] tensors.
+
+        Looked up once per step and shared by all layers.
+        """
+        cos_sin = self.cos_sin[positions]
+        return cos_sin[:, 0], cos_sin[:, 1]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x: [T, num_heads, head_dim] (q and k heads together) by the cos and signed sin
+    of :meth:`RotaryEmbedding.forward`; returns a new tensor."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)

@@ -1,0 +1,323 @@
+"""GGUF files (llama.cpp's format): metadata -> ModelConfig, tensors -> HF-named float tensors.
+
+A small header parser of our own instead of ``gguf.GGUFReader``: the reader builds numpy
+views for every string of the vocabulary and merges (2.4 s for SmolLM2); here string arrays
+are skipped (35 ms for Qwen2's 150k tokens + merges) and walked only when a token is looked
+up. The common block formats are dequantized in torch (~4x faster than ``gguf.quants``,
+bit-identical); the rest (K-quants) fall back to ``gguf.quants``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize as gguf_dequantize
+
+from pagedllm.config import ModelConfig
+from pagedllm.models.registry import check_architecture
+
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
+
+@dataclass(frozen=True)
+class StringArray:
+    """A metadata array of strings, left in the file: ``count`` strings starting at ``offset``."""
+
+    offset: int
+    count: int
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lies in the file. ``shape`` is in torch order ([out, in] for weights)."""
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    offset: int  # absolute, in bytes
+    nbytes: int
+
+
+class GGUFFile:
+    """A memory-mapped GGUF (v2/v3) file: ``metadata`` and ``tensors`` by name.
+
+    Metadata values are Python scalars/str, numpy arrays for numeric arrays, and
+    :class:`StringArray` for string arrays (read with :meth:`find_strings`).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        with open(path, "rb") as f:
+            # Copy-on-write mapping: writable, so torch views of it need no copy and warn not.
+            self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if len(self._buf) < 24 or self._buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, num_tensors, num_kv = struct.unpack_from("<IQQ", self._buf, 4)
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported (need 2 or 3)")
+        self._pos = 24
+        self.metadata: dict[str, Any] = {}
+        for _ in range(num_kv):
+            key = self._read_str()
+            self.metadata[key] = self._read_value(GGUFValueType(self._unpack("<I")))
+        infos = []
+        for _ in range(num_tensors):
+            name = self._read_str()
+            dims = [self._unpack("<Q") for _ in range(self._unpack("<I"))]
+            qtype = GGMLQuantizationType(self._unpack("<I"))
+            infos.append((name, qtype, tuple(reversed(dims)), self._unpack("<Q")))
+        align = int(self.metadata.get("general.alignment", 32))
+        data_start = -(-self._pos // align) * align
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, qtype, shape, offset in infos:
+            block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+            nbytes = int(np.prod(shape)) // block_elems * block_bytes
+            self.tensors[name] = TensorInfo(name, qtype, shape, data_start + offset, nbytes)
+        self._data = torch.frombuffer(self._buf, dtype=torch.uint8)
+
+    def _unpack(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self._buf, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return value
+
+    def _read_str(self) -> str:
+        n = self._unpack("<Q")
+        self._pos += n
+        return self._buf[self._pos - n : self._pos].decode("utf-8", errors="replace")
+
+    def _read_value(self, vtype: GGUFValueType) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self._read_str()
+        if vtype != GGUFValueType.ARRAY:
+            return self._unpack(_SCALAR_FORMATS[vtype])
+        etype, count = GGUFValueType(self._unpack("<I")), self._unpack("<Q")
+        if etype == GGUFValueType.STRING:
+            array = StringArray(self._pos, count)
+            for _ in range(count):
+                self._pos += 8 + struct.unpack_from("<Q", self._buf, self._pos)[0]
+            return array
+        if etype == GGUFValueType.ARRAY:
+            raise ValueError("nested GGUF metadata arrays are not supported")
+        dtype = np.dtype(_SCALAR_FORMATS[etype])
+        values = np.frombuffer(self._buf, dtype=dtype, count=count, offset=self._pos).copy()
+        self._pos += count * dtype.itemsize
+        return values
+
+    def find_strings(self, array: StringArray, wanted: set[str]) -> dict[str, int]:
+        """Index of each string of ``wanted`` found in ``array`` (e.g. token ids by text)."""
+        found: dict[str, int] = {}
+        targets = {s.encode(): s for s in wanted}
+        pos = array.offset
+        for i in range(array.count):
+            (n,) = struct.unpack_from("<Q", self._buf, pos)
+            text = targets.get(self._buf[pos + 8 : pos + 8 + n])
+            if text is not None:
+                found[text] = i
+                if len(found) == len(targets):
+                    break
+            pos += 8 + n
+        return found
+
+    def dequantize(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor as a new torch tensor of its (torch-order) shape, in ``dtype``."""
+        info = self.tensors[name]
+        raw = self._data[info.offset : info.offset + info.nbytes]
+        if info.qtype in _PLAIN:
+            return raw.view(_PLAIN[info.qtype]).view(info.shape).to(dtype, copy=True)
+        kernel = _DEQUANTIZE.get(info.qtype)
+        if kernel is None:
+            return torch.from_numpy(gguf_dequantize(raw.numpy(), info.qtype)).view(info.shape).to(dtype)
+        blocks = raw.view(-1, GGML_QUANT_SIZES[info.qtype][1])
+        out = torch.empty(blocks.shape[0], 32, dtype=dtype)
+        # In chunks: the temporaries stay in cache, and a low-precision ``out`` is filled
+        # from a float32 buffer (exact weights, rounded once).
+        chunk = torch.empty(min(_CHUNK, blocks.shape[0]), 32) if dtype != torch.float32 else None
+        for start in range(0, blocks.shape[0], _CHUNK):
+            rows = slice(start, start + _CHUNK)
+            if chunk is None:
+                kernel(blocks[rows], out[rows])
+            else:
+                n = out[rows].shape[0]
+                kernel(blocks[rows], chunk[:n])
+                out[rows].copy_(chunk[:n])
+        return out.view(info.shape)
+
+
+_PLAIN = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
+_CHUNK = 4096  # blocks per kernel call
+
+# Block formats of ggml-common.h: 32 weights per block, an fp16 scale ``d`` first; 4-bit
+# quants store weight j in the low nibble of byte j and weight j+16 in its high nibble.
+# Each kernel writes the [n, 32] float32 weights of [n, block_bytes] blocks into ``out``.
+
+
+def _scale(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at byte ``start`` of each block, as [n, 1] float32."""
+    return blocks[:, start : start + 2].view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 16] bytes -> [n, 32] uint8: the low nibbles, then the high nibbles."""
+    q = torch.empty(qs.shape[0], 32, dtype=torch.uint8)
+    torch.bitwise_and(qs, 0x0F, out=q[:, :16])
+    torch.bitwise_right_shift(qs, 4, out=q[:, 16:])
+    return q
+
+
+def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:  # d, 32 x int8; w = d * q
+    torch.mul(blocks[:, 2:].view(torch.int8), _scale(blocks, 0), out=out)
+
+
+def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:  # d, 16 bytes of nibbles; w = d * (q - 8)
+    d = _scale(blocks, 0)
+    torch.addcmul(d * -8, _nibbles(blocks[:, 2:]), d, out=out)  # d * q - 8 * d: exact in float32
+
+
+def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:  # d, m, 16 bytes of nibbles; w = d * q + m
+    torch.addcmul(_scale(blocks, 2), _nibbles(blocks[:, 4:]), _scale(blocks, 0), out=out)
+
+
+_BITS = torch.arange(8, dtype=torch.uint8)
+
+
+def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """d, 32 fifth bits (uint32 little-endian), 16 bytes of nibbles; w = d * (q - 16)."""
+    q = _nibbles(blocks[:, 6:])
+    q |= (((blocks[:, 2:6].unsqueeze(-1) >> _BITS) & 1) << 4).flatten(1)  # bit j of qh -> 16 of q_j
+    d = _scale(blocks, 0)
+    torch.addcmul(d * -16, q, d, out=out)  # d * q - 16 * d: exact in float32
+
+
+_DEQUANTIZE = {
+    GGMLQuantizationType.Q8_0: _q8_0,
+    GGMLQuantizationType.Q4_0: _q4_0,
+    GGMLQuantizationType.Q4_1: _q4_1,
+    GGMLQuantizationType.Q5_0: _q5_0,
+}
+
+# llama.cpp's converter permutes the q/k rows of these architectures (not qwen2's).
+_PERMUTED_QK = {"llama"}
+# Qwen2 chat models end a turn with <|im_end|> and a document with <|endoftext|>; HF's
+# generation_config stops on both, while the GGUF names only one eos id.
+_EXTRA_EOS = {"qwen2": ("<|im_end|>", "<|endoftext|>")}
+_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_PER_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
+    """ModelConfig from the ``{arch}.*`` and ``tokenizer.ggml.*`` metadata.
+
+    Raises:
+        ValueError: unsupported architecture, partial rotary or RoPE scaling.
+    """
+    md = f.metadata
+    arch = md.get("general.architecture", "<missing>")
+    check_architecture(arch)
+
+    def get(key: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{key}", default)
+
+    hidden, num_heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // num_heads))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
+    if get("rope.scaling.type", "none") != "none":
+        raise ValueError(f"RoPE scaling {get('rope.scaling.type')!r} is not supported")
+    eos = [int(md[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    extra = _EXTRA_EOS.get(arch)
+    if extra and isinstance(md.get("tokenizer.ggml.tokens"), StringArray):
+        found = f.find_strings(md["tokenizer.ggml.tokens"], set(extra))
+        eos += [found[t] for t in extra if t in found]
+    bos = md.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(get("vocab_size", f.tensors["token_embd.weight"].shape[0])),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings="output.weight" not in f.tensors,
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=list(dict.fromkeys(eos)),
+        name=name or str(md.get("general.name", "")),
+    )
+
+
+def hf_name(gguf_name: str) -> str:
+    """GGUF tensor name -> HF transformers name (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+    base, _, suffix = gguf_name.rpartition(".")
+    try:
+        if base.startswith("blk."):
+            _, layer, part = base.split(".", 2)
+            return f"model.layers.{layer}.{_PER_LAYER[part]}.{suffix}"
+        return f"{_TOP_LEVEL[base]}.{suffix}"
+    except (KeyError, ValueError):
+        raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file") from None
+
+
+def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's ``permute`` (convert_hf_to_gguf.py): back to HF's rotate_half rows."""
+    return w.view(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_weights(
+    f: GGUFFile, config: ModelConfig, dtype: torch.dtype, num_workers: int = 1
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor in ``dtype``) for every tensor of the file, in file order.
+
+    ``num_workers`` threads dequantize different tensors at once (torch ops release the GIL);
+    meant to run with torch's intra-op parallelism off (see ``loader.load_model``).
+    """
+    names = {name: hf_name(name) for name in f.tensors}  # reject unknown tensors before any work
+    permuted = config.architecture in _PERMUTED_QK
+
+    def load(name: str) -> tuple[str, torch.Tensor]:
+        tensor = f.dequantize(name, dtype)
+        if permuted and ".attn_q." in name:
+            tensor = _unpermute(tensor, config.num_heads)
+        elif permuted and ".attn_k." in name:
+            tensor = _unpermute(tensor, config.num_kv_heads)
+        return names[name], tensor
+
+    with ThreadPoolExecutor(num_workers) as pool:
+        yield from pool.map(load, names)

@@ -1,0 +1,197 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) over flattened tokens and a paged KV cache.
+
+Qwen2 is the same network with a bias on the q/k/v projections (``attention_bias``) and,
+for some checkpoints, an untied lm_head (``tie_word_embeddings``).
+
+The projections are fused at load time: q/k/v into one ``qkv_proj``, gate/up into one
+``gate_up_proj``, so a layer runs 4 matmuls instead of 7.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.config import ModelConfig
+from pagedllm.layers.attention import AttentionMetadata, KVCache, paged_attention
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+
+# HF projection name -> (our fused projection, index of its rows in it)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with RoPE, reading/writing the paged KV cache."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.num_heads * config.head_dim
+        self.qk_size = q_size + config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size,
+            self.qk_size + config.num_kv_heads * config.head_dim,
+            bias=config.attention_bias,
+            dtype=dtype,
+        )
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x: [T, hidden]; cos, sin: [T, 1, head_dim]. Returns [T, hidden]."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side: one RoPE pass rotates both.
+        qk = apply_rotary(qkv[:, : self.qk_size].view(t, -1, self.head_dim), cos, sin)
+        v = qkv[:, self.qk_size :].view(t, self.num_kv_heads, self.head_dim)
+        out = paged_attention(
+            qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, attn_metadata, self.scale
+        )
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), the adds fused into the norms."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this block's MLP output, residual stream before it), both [T, hidden]."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, attn_metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder plus the lm_head.
+
+    Args:
+        config: hyper-parameters (``architecture`` "llama" or "qwen2").
+        dtype: dtype of weights and activations (bfloat16 to serve, float32 for tests).
+
+    Parameters are randomly initialized; :meth:`load_weights` replaces them (the loader
+    builds the module on the meta device to skip that initialization).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # Tied: the logits reuse embed_tokens.weight; there is no separate parameter.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        )
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, dtype)
+        self.requires_grad_(False)  # inference only: no autograd bookkeeping even outside inference_mode
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One step over all scheduled tokens of all requests, flattened.
+
+        Args:
+            input_ids: [T] int64 token ids.
+            positions: [T] int64 position of each token in its sequence.
+            kv_caches: one (k_cache, v_cache) per layer, each
+                [num_blocks, block_size, num_kv_heads, head_dim] in the model's dtype.
+            attn_metadata: the step's paged-attention metadata.
+
+        Returns:
+            [T, hidden_size] final hidden states (after the last norm), in the model's dtype.
+        """
+        cos, sin = self.rotary_emb(positions)
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, hidden_size] -> [S, vocab_size] float32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace all parameters with checkpoint tensors named as in HF transformers.
+
+        Fuses q/k/v and gate/up, casts to the model's dtype, and checks that every
+        parameter is given exactly once (a missing or unexpected name raises).
+        """
+        state: dict[str, torch.Tensor] = {}
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
+                continue  # recomputed / tied to embed_tokens
+            tensor = tensor.to(self.dtype)
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in _STACKED:
+                fused, index = _STACKED[parts[-2]]
+                parts[-2] = fused
+                shards.setdefault(".".join(parts), {})[index] = tensor
+            else:
+                state[name] = tensor
+        for name, pieces in shards.items():
+            num = _NUM_SHARDS[name.split(".")[-2]]
+            if len(pieces) != num:
+                raise ValueError(f"checkpoint has {len(pieces)} of the {num} projections fused into {name}")
+            state[name] = torch.cat([pieces[i] for i in range(num)])
+        self.load_state_dict(state, strict=True, assign=True)

@@ -1,0 +1,33 @@
+"""Architecture name (GGUF ``general.architecture`` / HF ``model_type``) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pagedllm.models.llama import LlamaForCausalLM
+
+# Qwen2 is Llama with q/k/v biases: the same class, driven by ModelConfig.attention_bias.
+_MODELS: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+
+def check_architecture(arch: str) -> None:
+    """Raise ValueError if ``arch`` has no model class."""
+    if arch not in _MODELS:
+        raise ValueError(
+            f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def get_model_class(arch: str) -> type[nn.Module]:
+    """The model class for an architecture name.
+
+    Raises:
+        ValueError: naming the supported architectures, for an unknown one.
+    """
+    check_architecture(arch)
+    return _MODELS[arch]

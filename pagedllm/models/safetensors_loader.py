@@ -1,0 +1,73 @@
+"""HF checkpoint directories: config.json -> ModelConfig, *.safetensors -> HF-named tensors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from pagedllm.config import ModelConfig
+from pagedllm.models.registry import check_architecture
+
+
+def _ids(value: Any) -> list[int]:
+    """A token id field (int, list of ints or null) as a list."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
+    """ModelConfig from ``config.json`` (eos ids from ``generation_config.json`` when present).
+
+    Raises:
+        ValueError: unsupported architecture, RoPE scaling, sliding window or MLP bias.
+    """
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = cfg.get("model_type", "<missing>")
+    check_architecture(arch)
+    # transformers >= 5 nests rope settings in rope_parameters; older files use rope_theta/rope_scaling.
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"RoPE scaling {rope_type!r} is not supported")
+    if cfg.get("use_sliding_window") or cfg.get("mlp_bias"):
+        raise ValueError("sliding-window attention and MLP biases are not supported")
+    eos = _ids(cfg.get("eos_token_id"))
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        eos = _ids(json.loads(gen_path.read_text()).get("eos_token_id")) or eos
+    hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or hidden // num_heads,
+        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(cfg["rms_norm_eps"]),
+        max_position_embeddings=cfg["max_position_embeddings"],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),  # Qwen2 always has q/k/v bias
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+        name=name or model_dir.name,
+    )
+
+
+def hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of every ``*.safetensors`` file in the directory."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
