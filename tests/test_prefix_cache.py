@@ -109,3 +109,77 @@ def test_caching_off_never_hits():
     admit(kv, req("a", range(10)))
     assert admit(kv, req("b", range(10))) == 0
     assert not kv.pool.cached
+
+
+# -- end to end on the default model ----------------------------------------------------
+import pytest  # noqa: E402
+
+from pagedllm import LLM  # noqa: E402
+
+SYSTEM = (
+    "You are a meticulous assistant for a hardware store. Answer in one short sentence, "
+    "mention the aisle number when you can, and never invent prices."
+)
+
+
+def _pool_whole(llm) -> bool:
+    pool = llm.engine.core.kv_cache.pool
+    return pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.fixture(scope="module")
+def engines():
+    on = LLM(dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=True)
+    off = LLM(dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=False)
+    yield on, off
+    assert _pool_whole(on) and _pool_whole(off)
+
+
+def _tokens(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def test_shared_system_prompt_same_output_on_and_off(engines):
+    on, off = engines
+    questions = ["Where are the hammers?", "Do you sell paint?", "Where can I find screws?", "Any ladders?"]
+    convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    first = on.chat(convs[:1], params)  # fills the cache with the system prompt
+    rest = on.chat(convs[1:], params)
+    assert on.engine.core.kv_cache.prefix_hits > 0
+    assert _tokens(first + rest) == _tokens(off.chat(convs, params))
+    assert rest[0].num_cached_tokens > 0
+
+
+def test_n_samples_share_prompt_blocks_and_match(engines):
+    on, off = engines
+    prompt = "Write a list of tools: " + "hammer, saw, drill, " * 6
+    params = SamplingParams(n=4, temperature=0.8, seed=11, max_tokens=16)
+    got = on.generate([prompt], params)
+    assert _tokens(got) == _tokens(off.generate([prompt], params))
+
+
+def test_preemption_with_caching_matches(engines):
+    _, off = engines
+    prompts = [f"{SYSTEM} Question {i}: what is aisle {i}?" for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    expected = _tokens(off.generate(prompts, params))
+    tight = LLM(dtype="float32", num_gpu_blocks_override=16, enable_prefix_caching=True)
+    assert _tokens(tight.generate(prompts, params)) == expected
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert _pool_whole(tight)
+
+
+def test_hit_count_is_block_arithmetic():
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", block_size=16)
+    kv = llm.engine.core.kv_cache
+    prompt = list(range(1000, 1050))  # 50 tokens: 3 full blocks
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([prompt], params)
+    assert (kv.prefix_queries, kv.prefix_hits) == (50, 0)
+    llm.generate([prompt], params)
+    assert (kv.prefix_queries, kv.prefix_hits) == (100, 48)  # (50 - 1) // 16 full blocks
+    llm.generate([prompt[:40] + [7, 8, 9]], params)  # shares 2 full blocks
+    assert (kv.prefix_queries, kv.prefix_hits) == (143, 80)
+    llm.generate([prompt[:32]], params)  # whole prompt cached: its last block is recomputed
+    assert (kv.prefix_queries, kv.prefix_hits) == (175, 96)

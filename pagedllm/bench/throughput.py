@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-
-@dataclass
-class BenchRequest:
-    prompt_token_ids: list[int]
-    output_len: int
+from pagedllm.bench.datasets import BenchRequest, parse_range, prefix_repetition_requests, random_requests
 
 
 @dataclass
@@ -22,6 +18,7 @@ class BenchResult:
     elapsed_s: float
     prompt_tokens: int
     output_tokens: int
+    ttft_s: list[float] = field(default_factory=list, repr=False)
 
     @property
     def requests_per_s(self) -> float:
@@ -36,35 +33,17 @@ class BenchResult:
         return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
 
     def report(self) -> str:
-        return (
+        line = (
             f"[{self.backend}] {self.num_requests} requests in {self.elapsed_s:.2f} s: "
             f"{self.requests_per_s:.2f} req/s, {self.output_tokens_per_s:.1f} output tok/s, "
             f"{self.total_tokens_per_s:.1f} total tok/s"
         )
+        if self.ttft_s:
+            line += f", TTFT mean {statistics.mean(self.ttft_s):.3f} s, median {statistics.median(self.ttft_s):.3f} s"
+        return line
 
 
-def parse_range(text: str) -> tuple[int, int]:
-    """"32:512" -> (32, 512); "128" -> (128, 128)."""
-    lo, _, hi = text.partition(":")
-    lo_i, hi_i = int(lo), int(hi or lo)
-    if not 0 < lo_i <= hi_i:
-        raise ValueError(f"range must be LO:HI with 0 < LO <= HI, got {text!r}")
-    return lo_i, hi_i
-
-
-def random_requests(
-    num: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, special_ids: set[int], seed: int
-) -> list[BenchRequest]:
-    """Prompts of random non-special token ids, lengths uniform in the given ranges."""
-    rng = random.Random(seed)
-    ids = [t for t in range(vocab_size) if t not in special_ids]
-    return [
-        BenchRequest([rng.choice(ids) for _ in range(rng.randint(*input_range))], rng.randint(*output_range))
-        for _ in range(num)
-    ]
-
-
-def run_pagedllm(args: argparse.Namespace, requests: list[BenchRequest], llm) -> BenchResult:
+def run_pagedllm(requests: list[BenchRequest], llm, label: str = "pagedllm") -> BenchResult:
     from pagedllm import SamplingParams
 
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
@@ -73,7 +52,8 @@ def run_pagedllm(args: argparse.Namespace, requests: list[BenchRequest], llm) ->
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return BenchResult("pagedllm", len(requests), elapsed, sum(len(p) for p in prompts), out_tokens)
+    ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outputs]
+    return BenchResult(label, len(requests), elapsed, sum(len(p) for p in prompts), out_tokens, ttft)
 
 
 def run_hf(args: argparse.Namespace, requests: list[BenchRequest]) -> BenchResult:
@@ -110,39 +90,58 @@ def run_hf(args: argparse.Namespace, requests: list[BenchRequest]) -> BenchResul
     return BenchResult("hf", len(requests), elapsed, sum(len(r.prompt_token_ids) for r in requests), out_tokens)
 
 
+def make_requests(args: argparse.Namespace, llm) -> list[BenchRequest]:
+    tokenizer = llm.get_tokenizer()
+    vocab, special = llm.engine.core.model_config.vocab_size, set(tokenizer.all_special_ids)
+    output_range = parse_range(args.output_len_range)
+    if args.dataset == "prefix-repetition":
+        return prefix_repetition_requests(
+            args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes, output_range, vocab, special, args.seed
+        )
+    return random_requests(args.num_prompts, parse_range(args.input_len_range), output_range, vocab, special, args.seed)
+
+
 def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM
     from pagedllm.entrypoints.cli import engine_kwargs
 
-    llm = LLM(**engine_kwargs(args))
-    tokenizer = llm.get_tokenizer()
-    requests = random_requests(
-        args.num_prompts,
-        parse_range(args.input_len_range),
-        parse_range(args.output_len_range),
-        llm.engine.core.model_config.vocab_size,
-        set(tokenizer.all_special_ids),
-        args.seed,
-    )
+    kwargs = engine_kwargs(args)
+    if args.compare == "prefix-caching":
+        kwargs["enable_prefix_caching"] = True
+    llm = LLM(**kwargs)
+    requests = make_requests(args, llm)
     results = []
     if args.backend == "pagedllm" or args.compare:
-        results.append(run_pagedllm(args, requests, llm))
+        label = "pagedllm, prefix caching on" if args.compare == "prefix-caching" else "pagedllm"
+        results.append(run_pagedllm(requests, llm, label))
+    if args.compare == "prefix-caching":
+        del llm
+        llm = LLM(**(kwargs | {"enable_prefix_caching": False}))
+        results.append(run_pagedllm(requests, llm, "pagedllm, prefix caching off"))
     if args.backend == "hf" or args.compare == "hf":
         results.append(run_hf(args, requests))
     for r in results:
         print(r.report())
     if len(results) == 2:
-        print(f"pagedllm / hf output tokens/s: {results[0].output_tokens_per_s / results[1].output_tokens_per_s:.2f}x")
+        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        print(f"output tokens/s, {results[0].backend} / {results[1].backend}: {ratio:.2f}x")
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump([asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results], f, indent=2)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", choices=["random", "prefix-repetition"], default="random")
     parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--prefix-len", type=int, default=512, help="prefix-repetition: shared prefix tokens")
+    parser.add_argument("--suffix-len", type=int, default=128, help="prefix-repetition: own suffix tokens")
+    parser.add_argument("--num-prefixes", type=int, default=10, help="prefix-repetition: distinct prefixes")
     parser.add_argument("--input-len-range", default="32:512", help="LO:HI prompt tokens")
     parser.add_argument("--output-len-range", default="32:256", help="LO:HI output tokens")
     parser.add_argument("--backend", choices=["pagedllm", "hf"], default="pagedllm")
-    parser.add_argument("--compare", choices=["hf"], default=None, help="also run this backend and print the ratio")
+    parser.add_argument(
+        "--compare", choices=["hf", "prefix-caching"], default=None,
+        help="hf: also run transformers generate; prefix-caching: run with caching on, then off; print the ratio",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")
     parser.add_argument("--result-json", default=None)
