@@ -175,6 +175,7 @@ def test_prompt_scoring_with_zero_max_tokens(llm):
         ("hi", {"temperature": -1.0}, "temperature"),
         ("hi", {"n": 0}, "n must be"),
         ([1, 2, 10**9], {}, "outside the vocabulary"),
+        ("hi", {"stop_token_ids": [10**9], "min_tokens": 1}, "stop_token_ids"),
     ],
 )
 def test_bad_input_raises_before_scheduling(llm, prompt, kwargs, match):

@@ -54,6 +54,9 @@ class Processor:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
         if n_prompt + max_tokens > self.max_model_len:
             raise ValueError(

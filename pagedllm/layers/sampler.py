@@ -305,18 +305,68 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from ``logits`` (FloatTensor[S, V], float32, left unmodified)."""
-        raw = logits
-        if meta.penalties is not None or meta.min_tokens_mask is not None:
-            logits = logits.clone()  # ``raw`` stays the model's distribution, for logprobs
-            if meta.penalties is not None:
-                _apply_penalties(logits, meta.penalties)
-            if meta.min_tokens_mask is not None:
-                logits.index_put_(meta.min_tokens_mask, logits.new_tensor(-torch.inf))
-        sampled = _greedy(logits) if meta.all_greedy else _sample(logits, meta)
+        processed = process_logits(logits, meta)
+        sampled = _greedy(processed) if meta.all_greedy else _sample(processed, meta)
         logprobs = None
-        if meta.max_num_logprobs is not None:
-            logprobs = compute_logprobs(raw, sampled, meta.max_num_logprobs)
+        if meta.max_num_logprobs is not None:  # of ``logits``: the model's own distribution
+            logprobs = compute_logprobs(logits, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, logprobs)
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Stages 1-2: penalties and the ``min_tokens`` mask, on a copy (FloatTensor[S, V]).
+
+    ``logits`` itself is returned when no row uses either; it is never modified.
+    """
+    if meta.penalties is None and meta.min_tokens_mask is None:
+        return logits
+    logits = logits.clone()
+    if meta.penalties is not None:
+        _apply_penalties(logits, meta.penalties)
+    if meta.min_tokens_mask is not None:
+        logits.index_put_(meta.min_tokens_mask, logits.new_tensor(-torch.inf))
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution each sampling row draws from, as a full FloatTensor[R, V].
+
+    Stage 4 without the draw: temperature, top-k, top-p and min-p applied to
+    ``process_logits`` output, renormalized. ``Sampler`` draws from exactly this
+    distribution without materializing it; speculative decoding's rejection sampler needs it
+    whole (its target distribution p). Rows are ``meta.random_rows`` (all rows when None).
+    """
+    x = logits if meta.random_rows is None else logits[meta.random_rows]
+    if meta.temperature is not None:
+        x = x / meta.temperature
+    probs = x.softmax(dim=-1)
+    min_prob = None if meta.min_p is None else meta.min_p * probs.amax(dim=-1, keepdim=True)
+    if meta.truncation is not None:
+        probs[meta.truncation.rows] = _truncated_probs(probs, meta.truncation)
+    if min_prob is not None:
+        probs.masked_fill_(probs < min_prob, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _truncated_probs(probs: torch.Tensor, trunc: TruncationTensors) -> torch.Tensor:
+    """FloatTensor[T, V]: the ``trunc.rows`` of ``probs`` [R, V] with all but their top-k / top-p
+    nucleus zeroed (not renormalized); the same candidate search as ``_draw_truncated``."""
+    vocab = probs.shape[1]
+    out = torch.zeros(len(trunc.rows), vocab, dtype=probs.dtype, device=probs.device)
+    pending = torch.arange(len(trunc.rows), device=probs.device)  # indices into trunc.rows
+    k = min(vocab, max(trunc.max_top_k, _FIRST_CANDIDATES))
+    while True:
+        top, top_ids = _largest(probs[trunc.rows[pending]], k)
+        num_kept, complete = _nucleus_size(top, trunc.top_k[pending], trunc.top_p[pending])
+        kept = torch.arange(k, device=top.device) < num_kept
+        if k == vocab:
+            complete = torch.ones_like(complete)
+        done = pending[complete]
+        out[done] = out[done].scatter_(1, top_ids[complete], (top * kept)[complete])
+        pending = pending[~complete]
+        if not len(pending):
+            return out
+        k = min(vocab, k * _CANDIDATE_GROWTH)
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:

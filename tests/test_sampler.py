@@ -1,0 +1,331 @@
+"""Sampler: each stage's semantics on hand-made distributions, seeds, logprobs, batch mixes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedllm.layers.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    SamplingRow,
+    _apply_penalties,
+    _largest,
+    _nucleus_size,
+    compute_logprobs,
+)
+from pagedllm.sampling_params import SamplingParams
+
+
+def row(
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    eos: list[int] | None = None,
+    seed: int | None = None,
+    **params: object,
+) -> SamplingRow:
+    return SamplingRow(
+        params=SamplingParams(seed=seed, **params),
+        prompt_token_ids=prompt or [],
+        output_token_ids=output or [],
+        eos_token_ids=eos or [],
+        generator=None if seed is None else torch.Generator().manual_seed(seed),
+    )
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    return Sampler()(logits, SamplingMetadata.build(rows))
+
+
+def sampled_set(probs: list[float], n: int = 4000, **params: object) -> set[int]:
+    """The tokens drawn in ``n`` rows that all have distribution ``probs``."""
+    logits = torch.tensor(probs).log().expand(n, -1).contiguous()
+    return set(sample(logits, [row(**params)] * n).sampled_token_ids.tolist())
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def test_greedy_is_argmax_first_index_on_ties() -> None:
+    logits = torch.randn(64, 3000)
+    logits[5, [7, 9]] = 100.0  # a tie: argmax's first index
+    out = sample(logits, [row(temperature=0.0)] * 64)
+    assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
+    assert out.sampled_token_ids[5] == 7
+    assert out.logprobs is None
+
+
+def test_all_greedy_step_is_one_reduction() -> None:
+    logits = torch.randn(64, 4096)
+    meta = SamplingMetadata.build([row(temperature=0.0)] * 64)
+    assert meta.all_greedy and meta.no_penalties and meta.no_top_k_top_p
+    assert meta.max_num_logprobs is None
+    with torch.profiler.profile() as prof:
+        Sampler()(logits, meta)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::max" in ops
+    assert not ops & {"aten::softmax", "aten::_softmax", "aten::sort", "aten::topk", "aten::clone"}
+
+
+def test_temperature_only_batch_neither_sorts_nor_selects() -> None:
+    logits = torch.randn(64, 4096)
+    with torch.profiler.profile() as prof:
+        sample(logits, [row(temperature=0.8)] * 32 + [row(temperature=1.3)] * 32)
+    ops = {e.key for e in prof.key_averages()}
+    assert not ops & {"aten::sort", "aten::topk", "aten::multinomial", "aten::exponential_"}
+
+
+def test_same_seed_same_tokens_whatever_the_batch() -> None:
+    vocab = 500
+    seeded_logits = torch.randn(vocab)
+    params = dict(temperature=0.9, top_p=0.95, top_k=200)
+
+    def run(batch_size: int, position: int, seed: int) -> list[int]:
+        seeded = row(seed=seed, **params)  # one generator, advanced step after step
+        tokens = []
+        for step in range(20):
+            logits = torch.randn(batch_size, vocab) * 2
+            logits[position] = seeded_logits
+            # Neighbours: greedy, unseeded and seeded random rows, changing every step.
+            rows = [
+                row(temperature=float(i % 2), seed=step * i if i % 3 == 0 else None)
+                for i in range(batch_size)
+            ]
+            rows[position] = seeded
+            tokens.append(sample(logits, rows).sampled_token_ids[position].item())
+        return tokens
+
+    alone = run(1, 0, seed=1234)
+    assert run(7, 3, seed=1234) == alone
+    assert run(16, 15, seed=1234) == alone
+    assert run(7, 3, seed=4321) != alone
+
+
+def test_unseeded_rows_share_the_global_generator() -> None:
+    logits = torch.zeros(16, 1000)
+    torch.manual_seed(7)
+    first = sample(logits, [row()] * 16).sampled_token_ids
+    torch.manual_seed(7)
+    assert torch.equal(sample(logits, [row()] * 16).sampled_token_ids, first)
+
+
+@pytest.mark.parametrize(
+    ("probs", "params", "kept"),
+    [
+        ([0.05, 0.3, 0.1, 0.25, 0.2, 0.1], dict(top_k=2), {1, 3}),
+        ([0.05, 0.3, 0.1, 0.25, 0.2, 0.1], dict(top_k=1), {1}),
+        # mass before token 1: 0.4 < 0.6, before token 2: 0.7 >= 0.6
+        ([0.4, 0.3, 0.2, 0.1], dict(top_p=0.6), {0, 1}),
+        ([0.4, 0.3, 0.2, 0.1], dict(top_p=0.75), {0, 1, 2}),
+        ([0.4, 0.3, 0.2, 0.1], dict(top_p=0.3), {0}),
+        # top-p on the top-k distribution renormalized: 4/7 >= 0.5 before token 1.
+        ([0.4, 0.3, 0.2, 0.1], dict(top_k=2, top_p=0.5), {0}),
+        ([0.5, 0.3, 0.1, 0.06, 0.04], dict(min_p=0.15), {0, 1, 2}),  # p >= 0.075
+        ([0.5, 0.3, 0.1, 0.06, 0.04], dict(min_p=0.15, top_k=2), {0, 1}),
+        ([0.5, 0.3, 0.1, 0.06, 0.04], dict(min_p=0.7, top_p=0.9), {0}),
+        ([0.5, 0.3, 0.1, 0.06, 0.04], dict(), {0, 1, 2, 3, 4}),
+    ],
+)
+def test_truncation_keeps_exactly_the_expected_tokens(
+    probs: list[float], params: dict[str, float], kept: set[int]
+) -> None:
+    assert sampled_set(probs, **params) == kept
+
+
+def test_rows_keep_their_own_truncation_in_one_batch() -> None:
+    probs = [0.5, 0.3, 0.1, 0.06, 0.04]
+    settings = [dict(top_k=2), dict(min_p=0.15), dict(), dict(top_p=0.6, min_p=0.3)]
+    kept = [{0, 1}, {0, 1, 2}, {0, 1, 2, 3, 4}, {0, 1}]
+    n = 1000
+    logits = torch.tensor(probs).log().expand(n * len(settings), -1).contiguous()
+    rows = [row(**settings[i % len(settings)]) for i in range(n * len(settings))]
+    drawn = sample(logits, rows).sampled_token_ids
+    for i, expected in enumerate(kept):
+        assert set(drawn[i :: len(settings)].tolist()) == expected, settings[i]
+
+
+def _reference_size(probs: torch.Tensor, top_k: int, top_p: float) -> int:
+    """vLLM's sort-based top-k then top-p, for one row: how many tokens it keeps."""
+    top = probs.double().sort(descending=True).values
+    top = top[:top_k] if top_k else top
+    top = top / top.sum()
+    return int((top.cumsum(0) - top < top_p).sum())
+
+
+SETTINGS = [(0, 0.9), (50, 1.0), (0, 0.5), (30, 0.95), (40, 0.99), (0, 0.999), (1, 0.5)]
+
+
+@pytest.mark.parametrize("num_candidates", [64, 1024, 20480])
+def test_nucleus_size_matches_a_full_sort(num_candidates: int) -> None:
+    vocab = 20480
+    scales = [8.0, 4.0, 2.0, 1.0, 0.3, 0.05, 0.01]  # peaked to flat
+    probs = (torch.randn(len(scales), vocab) * torch.tensor(scales)[:, None]).softmax(-1)
+    top = probs.topk(num_candidates, dim=-1).values
+    for k, p in SETTINGS:
+        column = torch.full((len(scales), 1), k or 2**62), torch.full((len(scales), 1), p)
+        num_kept, complete = _nucleus_size(top, *column)
+        for i in range(len(scales)):
+            # float32 sums: a token whose mass before lies within 1e-6 of p may go either way
+            low, high = (_reference_size(probs[i], k, p + d) for d in (-1e-6, 1e-6))
+            if complete[i]:
+                assert low <= num_kept[i] <= high, (i, k, p)
+            assert bool(complete[i]) == (low < num_candidates or 0 < k <= num_candidates)
+
+
+def test_wide_nuclei_are_drawn_from_exactly() -> None:
+    vocab, n = 2048, 4000
+    logits = torch.linspace(2.0, 0.0, vocab)  # flat: nuclei of hundreds of tokens
+    settings = [dict(top_p=0.5), dict(top_k=1500, top_p=0.8), dict(temperature=0.0)]
+    rows = [row(**settings[i % 3]) for i in range(3 * n)]
+    drawn = sample(logits.expand(3 * n, -1).contiguous(), rows).sampled_token_ids
+    probs = logits.softmax(-1)
+    for i, (k, p) in enumerate([(0, 0.5), (1500, 0.8)]):
+        size = _reference_size(probs, k, p)
+        assert 300 < size < 1500
+        tokens = set(drawn[i::3].tolist())
+        assert max(tokens) < size and len(tokens) > 0.9 * size  # linspace: token id = rank
+    assert set(drawn[2::3].tolist()) == {0}
+
+
+def test_two_stage_topk_gives_the_k_largest_values_even_with_ties() -> None:
+    values = torch.cat([torch.randn(8, 64 * 512), torch.randint(0, 4, (8, 64 * 512)).float()])
+    values[3, 5 * 64 : 9 * 64] = 50.0  # the largest values crowd into a few blocks
+    for k in (0, 1, 64, 128, 200, 400, 1024, 5000):  # blocks of 64, 32, 16, 8, then none
+        top, ids = _largest(values, k)
+        assert torch.equal(top, values.topk(k, dim=-1).values), k
+        assert torch.equal(values.gather(1, ids), top)
+        assert all(len(set(r)) == k for r in ids.tolist())  # distinct tokens
+
+
+def test_temperature_reshapes_the_distribution() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    n = 20000
+    for temperature in (0.5, 1.0, 2.0):
+        batch = logits.expand(n, -1).contiguous()
+        tokens = sample(batch, [row(temperature=temperature)] * n).sampled_token_ids
+        freq = torch.bincount(tokens, minlength=3).float() / n
+        expected = (logits / temperature).softmax(-1)
+        assert torch.allclose(freq, expected, atol=0.015), temperature
+
+
+def _penalized(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
+    out = logits.clone()
+    _apply_penalties(out, SamplingMetadata.build([r]).penalties)
+    return out
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative() -> None:
+    logits = torch.tensor([[3.0, -1.0, 2.0, -2.0, 0.5]])
+    out = _penalized(logits, row(prompt=[0, 1], output=[3], repetition_penalty=2.0))
+    assert out.tolist() == [[1.5, -2.0, 2.0, -4.0, 0.5]]  # prompt and output tokens only
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
+    logits = torch.tensor([[3.0, -1.0, 2.0, -2.0, 0.5]])
+    r = row(prompt=[0, 4], output=[2, 2, 2, 3], presence_penalty=0.5, frequency_penalty=0.25)
+    assert _penalized(logits, r).tolist() == [[3.0, -1.0, 2.0 - 0.5 - 0.75, -2.0 - 0.5 - 0.25, 0.5]]
+
+
+def test_repetition_then_presence_and_frequency_in_one_row() -> None:
+    logits = torch.tensor([[3.0, -1.0, 2.0], [3.0, -1.0, 2.0]])
+    r = row(
+        prompt=[0, 0], output=[0, 1, 1], repetition_penalty=2.0, presence_penalty=0.5,
+        frequency_penalty=0.25,
+    )
+    out = _penalized(logits, r)  # build() sees row 0 only: row 1 stays as it was
+    assert out.tolist() == [[3.0 / 2 - 0.25 - 0.5, -1.0 * 2 - 0.5 - 0.5, 2.0], [3.0, -1.0, 2.0]]
+    # First decode step: penalties but no output yet.
+    first = _penalized(logits, row(prompt=[2], frequency_penalty=1.0, repetition_penalty=0.5))
+    assert first.tolist() == [[3.0, -1.0, 4.0], [3.0, -1.0, 2.0]]
+
+
+def test_penalties_apply_to_their_rows_and_flip_greedy() -> None:
+    logits = torch.tensor([[5.0, 4.0, 0.0]] * 3)
+    rows = [
+        row(temperature=0.0, output=[0], repetition_penalty=1.5),  # 5 / 1.5 < 4
+        row(temperature=0.0, output=[0]),
+        row(temperature=0.0, output=[0, 0], frequency_penalty=0.6),  # 5 - 1.2 < 4
+    ]
+    meta = SamplingMetadata.build(rows)
+    assert meta.penalties.seen[0].unique().tolist() == [0]
+    assert meta.penalties.output[0].tolist() == [2]
+    assert Sampler()(logits, meta).sampled_token_ids.tolist() == [1, 0, 1]
+    assert SamplingMetadata.build(rows[1:2]).no_penalties
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 8.0]])  # 3: EOS, 4: a stop token id
+    stop = dict(temperature=0.0, eos=[3], stop_token_ids=[4], min_tokens=2)
+    assert sample(logits, [row(output=[1], **stop)]).sampled_token_ids.tolist() == [2]
+    assert sample(logits, [row(output=[1, 1], **stop)]).sampled_token_ids.tolist() == [3]
+    # ignore_eos: EOS is an ordinary token, not masked; the stop id still is.
+    ignoring = row(output=[1], ignore_eos=True, **stop)
+    assert sample(logits, [ignoring]).sampled_token_ids.tolist() == [3]
+    # Random rows never draw a masked id either.
+    many = [row(output=[1], eos=[3], stop_token_ids=[4], min_tokens=2)] * 2000
+    drawn = sample(logits.expand(2000, -1).contiguous(), many).sampled_token_ids
+    assert not set(drawn.tolist()) & {3, 4}
+
+
+def test_logprobs_are_raw_with_the_sampled_token_first() -> None:
+    logits = torch.randn(6, 800) * 3
+    original = logits.clone()
+    rows = [
+        row(temperature=0.0, logprobs=2),
+        row(temperature=0.7, top_p=0.8, logprobs=5),
+        row(temperature=1.0, repetition_penalty=1.8, output=[3], logprobs=0),
+        row(temperature=0.0),
+        row(min_p=0.2, logprobs=1),
+        row(temperature=0.0, min_tokens=4, eos=[int(logits[5].argmax())], logprobs=3),
+    ]
+    out = sample(logits, rows)
+    assert torch.equal(logits, original)  # the caller's logits are left as they were
+    ids, lps, ranks = out.logprobs
+    assert ids.shape == lps.shape == (6, 6) and ranks.shape == (6,)
+    assert torch.equal(ids[:, 0], out.sampled_token_ids)
+    raw = logits.log_softmax(-1)  # before penalties, temperature and truncation
+    assert torch.allclose(lps, raw.gather(1, ids), atol=1e-5)
+    assert torch.equal(ids[:, 1:], raw.topk(5, dim=-1).indices)
+    expected_ranks = (raw > raw.gather(1, ids[:, :1])).sum(-1) + 1
+    assert torch.equal(ranks, expected_ranks)
+    assert ranks[0] == 1 and ranks[5] > 1  # greedy is rank 1; min_tokens masked the argmax
+
+
+def test_compute_logprobs_for_prompt_positions() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    ids, lps, ranks = compute_logprobs(logits, torch.tensor([2, 3]), 0)
+    assert ids.tolist() == [[2], [3]]
+    assert torch.allclose(lps[:, 0], torch.tensor([logits[0].log_softmax(0)[2], -math.log(4)]))
+    assert ranks.tolist() == [2, 4]  # tied tokens count against the scored one, as in vLLM
+    ids, lps, _ = compute_logprobs(logits, torch.tensor([0, 3]), 2)
+    assert ids[0].tolist() == [0, 1, 2] and lps.shape == (2, 3)
+
+
+def test_mixed_batch_of_greedy_and_random_rows() -> None:
+    logits = torch.randn(8, 1000) * 2
+    rows = [
+        row(temperature=0.0),
+        row(temperature=0.9, top_k=1),  # random but forced to the argmax
+        row(temperature=1.2),
+        row(temperature=0.0, top_k=3),  # greedy ignores sampling settings
+        row(temperature=0.5, min_p=1.0),  # only the most likely token
+        row(temperature=1.0, seed=3),
+        row(temperature=0.0),
+        row(temperature=1.0, top_p=0.01),  # only the most likely token
+    ]
+    meta = SamplingMetadata.build(rows)
+    assert meta.random_rows.tolist() == [1, 2, 4, 5, 7] and not meta.all_random
+    tokens = Sampler()(logits, meta).sampled_token_ids
+    argmax = logits.argmax(-1)
+    for i in (0, 1, 3, 4, 6, 7):
+        assert tokens[i] == argmax[i]
+    # The unconstrained rows are draws, not argmaxes (flat enough that 20 tries suffice).
+    flat = torch.zeros(20, 1000)
+    flat_rows = [row(temperature=0.0), row(temperature=1.0)] * 10
+    drawn = sample(flat, flat_rows).sampled_token_ids
+    assert set(drawn[0::2].tolist()) == {0} and len(set(drawn[1::2].tolist())) > 1
