@@ -22,7 +22,9 @@ class RMSNorm(nn.Module):
         self.shape = (hidden_size,)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add ``x`` to the residual stream, then normalize it.
 
         Args:

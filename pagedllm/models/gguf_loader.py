@@ -3,8 +3,8 @@
 A small header parser of our own instead of ``gguf.GGUFReader``: the reader builds numpy
 views for every string of the vocabulary and merges (2.4 s for SmolLM2); here string arrays
 are skipped (35 ms for Qwen2's 150k tokens + merges) and walked only when a token is looked
-up. The common block formats are dequantized in torch (~4x faster than ``gguf.quants``,
-bit-identical); the rest (K-quants) fall back to ``gguf.quants``.
+up. The common block formats are dequantized in torch, bit-identical to ``gguf.quants`` and
+4x faster on SmolLM2's Q4_1/Q8_0; the rest (K-quants) fall back to ``gguf.quants``.
 """
 
 from __future__ import annotations
@@ -151,15 +151,14 @@ class GGUFFile:
         out = torch.empty(blocks.shape[0], 32, dtype=dtype)
         # In chunks: the temporaries stay in cache, and a low-precision ``out`` is filled
         # from a float32 buffer (exact weights, rounded once).
-        chunk = torch.empty(min(_CHUNK, blocks.shape[0]), 32) if dtype != torch.float32 else None
+        buf = None if dtype == torch.float32 else torch.empty(min(_CHUNK, blocks.shape[0]), 32)
         for start in range(0, blocks.shape[0], _CHUNK):
-            rows = slice(start, start + _CHUNK)
-            if chunk is None:
-                kernel(blocks[rows], out[rows])
+            src, dst = blocks[start : start + _CHUNK], out[start : start + _CHUNK]
+            if buf is None:
+                kernel(src, dst)
             else:
-                n = out[rows].shape[0]
-                kernel(blocks[rows], chunk[:n])
-                out[rows].copy_(chunk[:n])
+                kernel(src, buf[: len(src)])
+                dst.copy_(buf[: len(src)])
         return out.view(info.shape)
 
 
@@ -284,7 +283,7 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
 
 
 def hf_name(gguf_name: str) -> str:
-    """GGUF tensor name -> HF transformers name (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+    """GGUF tensor name -> HF name: ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
     base, _, suffix = gguf_name.rpartition(".")
     try:
         if base.startswith("blk."):

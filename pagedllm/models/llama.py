@@ -75,7 +75,9 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype
+        )
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +127,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        embedding = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
+        if not embedding.is_meta:  # nn.Embedding's own normal_ on meta imports torch._dynamo: 1.5 s
+            nn.init.normal_(embedding)
+        self.embed_tokens = nn.Embedding.from_pretrained(embedding)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # Tied: the logits reuse embed_tokens.weight; there is no separate parameter.
@@ -134,7 +139,9 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         )
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, dtype)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype
+        )
         self.requires_grad_(False)  # inference only: no autograd bookkeeping even outside inference_mode
 
     def forward(
@@ -172,8 +179,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace all parameters with checkpoint tensors named as in HF transformers.
 
-        Fuses q/k/v and gate/up, casts to the model's dtype, and checks that every
-        parameter is given exactly once (a missing or unexpected name raises).
+        Fuses q/k/v and gate/up and casts to the model's dtype. A missing or unexpected
+        name raises (ValueError for a fused projection's shard, else RuntimeError).
         """
         state: dict[str, torch.Tensor] = {}
         shards: dict[str, dict[int, torch.Tensor]] = {}

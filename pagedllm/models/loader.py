@@ -124,7 +124,9 @@ def _packaged_file(package: _Package) -> Path:
     for module, rel in package.parts:
         spec = importlib.util.find_spec(module)  # finds without importing (no side effects)
         if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"model {package.name} needs the package {module!r}; install it with: {package.pip}")
+            raise ValueError(
+                f"model {package.name} needs the package {module!r}; install it with: {package.pip}"
+            )
         source = Path(spec.submodule_search_locations[0]) / rel
         if not source.is_file():
             raise ValueError(f"{source} is missing; reinstall with: {package.pip}")
@@ -148,6 +150,7 @@ def _packaged_file(package: _Package) -> Path:
                         digest.update(chunk)
                         out.write(chunk)
         _check_hash(digest.hexdigest(), package, " ".join(str(s) for s in sources))
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; it is a plain shared model file
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -160,8 +163,9 @@ def _verify(path: Path, package: _Package) -> None:
     """Check a file's sha256 unless a marker shows it was checked at its current size/mtime."""
     if _is_verified(path, package.sha256):
         return
-    if path.stat().st_size != package.size:
-        _check_hash("<size mismatch>", package, str(path))
+    size = path.stat().st_size
+    if size != package.size:  # no need to hash
+        _check_hash(f"unknown ({size} bytes instead of {package.size})", package, str(path))
     with open(path, "rb") as f:
         _check_hash(hashlib.file_digest(f, "sha256").hexdigest(), package, str(path))
     _mark_verified(path, package.sha256)

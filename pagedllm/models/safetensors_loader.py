@@ -69,5 +69,5 @@ def hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise ValueError(f"no *.safetensors files in {model_dir}")
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 yield key, f.get_tensor(key)
