@@ -1,0 +1,90 @@
+"""Prometheus metrics of a serving engine, named as vLLM's with the ``pagedllm:`` prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.engine.messages import SchedulerStats
+from pagedllm.engine.output_processor import TokenTiming
+from pagedllm.outputs import RequestOutput
+
+# vLLM's bucket edges, so dashboards built for vLLM read these histograms unchanged.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0]
+_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0]
+
+
+class EngineMetrics:
+    """Owns a private registry (so several engines in one process do not collide)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("pagedllm:num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("pagedllm:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
+        self.kv_usage = Gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", registry=r)
+        self.preemptions = Counter("pagedllm:num_preemptions", "Preemptions of running requests.", registry=r)
+        self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prefill tokens computed.", registry=r)
+        self.generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", registry=r)
+        self.prefix_queries = Counter(
+            "pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_hits = Counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.spec_draft_tokens = Counter(
+            "pagedllm:spec_decode_num_draft_tokens", "Speculative draft tokens verified.", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "pagedllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", registry=r
+        )
+        self.ttft = Histogram(
+            "pagedllm:time_to_first_token_seconds", "Time to first token.", buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "pagedllm:inter_token_latency_seconds", "Time between output tokens.", buckets=_ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "pagedllm:e2e_request_latency_seconds", "Arrival to last token.", buckets=_E2E_BUCKETS, registry=r
+        )
+        self.success = Counter(
+            "pagedllm:request_success", "Finished requests, by finish reason.", ["finished_reason"], registry=r
+        )
+        # The core reports cumulative counts; counters take the increments.
+        self._last = SchedulerStats()
+
+    def record_step(
+        self,
+        stats: SchedulerStats | None,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        timings: list[TokenTiming],
+    ) -> None:
+        """Apply one engine step: its scheduler stats, token counts and per-token timings."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generation_tokens)
+        for t in timings:
+            (self.ttft if t.is_first else self.itl).observe(t.latency)
+        if stats is None:
+            return
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        last = self._last
+        self.preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        self.prefix_queries.inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
+        self.prefix_hits.inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
+        self.spec_draft_tokens.inc(max(stats.spec_num_draft_tokens - last.spec_num_draft_tokens, 0))
+        self.spec_accepted_tokens.inc(max(stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens, 0))
+        self._last = stats
+
+    def record_finished(self, output: RequestOutput, now: float) -> None:
+        """Count a finished request (each of its samples) and its end-to-end latency."""
+        self.e2e.observe(now - output.metrics["arrival_time"])
+        for c in output.outputs:
+            self.success.labels(finished_reason=c.finish_reason or "abort").inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

@@ -1,0 +1,294 @@
+"""The FastAPI app of the OpenAI-compatible server: routes, error bodies, auth and body-size limits.
+
+Run it with ``pagedllm serve`` or ``python -m pagedllm.entrypoints.openai.api_server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+from collections.abc import AsyncIterator, Awaitable
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import pagedllm
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+
+logger = logging.getLogger("pagedllm")
+
+# After the engine core dies, keep answering (503 on /health, errors to in-flight requests)
+# this long before exiting, so that clients and supervisors see why.
+_DEAD_ENGINE_GRACE_S = 1.0
+
+_ERROR_TYPES = {401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+                413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def http_error(status: int, message: str) -> OpenAIError:
+    return OpenAIError(status, message, _ERROR_TYPES.get(status, "BadRequestError"))
+
+
+# -- ASGI middleware (pure ASGI: wrapping receive must not hide client disconnects) -----------
+class BearerAuthMiddleware:
+    """401 for a /v1 request whose ``Authorization: Bearer`` token is missing or wrong."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(http_error(401, "missing or invalid API key (Authorization: Bearer ...)"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body larger than ``max_bytes`` (by Content-Length, or as it streams in)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await error_response(self._too_large())(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise HTTPException(413, self._too_large().message)  # FastAPI answers it while reading the body
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large(self) -> OpenAIError:
+        return http_error(413, f"request body exceeds the limit of {self.max_bytes} bytes")
+
+
+# -- the app --------------------------------------------------------------------------------
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _respond(request: Request, result: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:
+    """Run a handler; a client that hangs up while it runs cancels it (so its requests are aborted)."""
+    handler = asyncio.ensure_future(result)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        handler.cancel()  # a no-op once it is done; else the client hung up or the server is stopping
+    if not handler.done():
+        return Response(status_code=499)  # nobody is listening any more
+    body = handler.result()
+    if isinstance(body, BaseModel):
+        return JSONResponse(body.model_dump(mode="json"))
+    return StreamingResponse(body, media_type="text/event-stream")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    param = ".".join(loc) or None
+    return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
+
+
+def build_app(
+    engine: AsyncLLM,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_request_body_bytes: int = 16 * 1024**2,
+) -> FastAPI:
+    """The FastAPI app over a started-or-not engine (the app's lifespan starts and stops it)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
+    completion = OpenAIServingCompletion(engine, served_model_name)
+    chat = OpenAIServingChat(engine, served_model_name)
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.post("/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await _respond(request, completion.create(body))
+
+    @v1.post("/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _respond(request, chat.create(body))
+
+    @v1.get("/models")
+    async def list_models() -> dict[str, Any]:
+        card = ModelCard(id=served_model_name, root=engine.config.model, max_model_len=engine.max_model_len)
+        return ModelList(data=[card]).model_dump(mode="json")
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return Response(status_code=200)
+        return error_response(http_error(503, f"engine core is dead: {engine.dead_error}"))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": pagedllm.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        chat.check_model(body.model)
+        if body.messages is not None:
+            tokens = chat.render(body.messages, body.add_generation_prompt)
+        elif body.prompt is not None:
+            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise OpenAIError(400, "give either prompt or messages", param="prompt")
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        chat.check_model(body.model)
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, bool]:
+        return {"success": await engine.reset_prefix_cache()}
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI answers 400, not FastAPI's 422, for a body it cannot accept.
+        message, param = _validation_message(exc)
+        return error_response(OpenAIError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(http_error(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(http_error(503, str(exc)))
+
+    @app.exception_handler(Exception)
+    async def on_internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error", exc_info=exc)
+        return error_response(OpenAIError(500, f"internal error: {type(exc).__name__}", "InternalServerError"))
+
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key:
+        app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+    return app
+
+
+class ApiServer(uvicorn.Server):
+    """uvicorn's server, except that SIGINT/SIGTERM first abort the engine's in-flight requests
+    (graceful shutdown would otherwise wait for every stream to finish), and the exit status
+    after such a shutdown is 0.
+
+    Args:
+        config: uvicorn settings.
+        engine: the engine whose requests are aborted on shutdown.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler may interrupt the loop anywhere: hand the abort to the loop itself.
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.engine.abort_all)
+        # uvicorn also records the signal to re-raise it after shutdown; stopping is the
+        # expected outcome here, so it is not recorded and the exit status stays 0.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+    def exit_soon(self) -> None:
+        """Shut down shortly (after the engine core has died)."""
+        asyncio.get_running_loop().call_later(_DEAD_ENGINE_GRACE_S, setattr, self, "should_exit", True)
+
+
+def main() -> None:
+    """``python -m pagedllm.entrypoints.openai.api_server [MODEL] [flags]``: same flags as ``pagedllm serve``."""
+    import argparse
+
+    from pagedllm.entrypoints.cli import add_engine_args
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="pagedllm serve", description="OpenAI-compatible HTTP server")
+    add_engine_args(parser, positional_model=True)
+    add_serve_args(parser)
+    run_serve(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""``pagedllm serve``: its flags (beside the engine flags) and the function that runs the server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedllm.config import EngineConfig, parse_dtype, parse_memory
+
+logger = logging.getLogger("pagedllm")
+
+# Backstop for graceful shutdown: in-flight streams are aborted first, so this is rarely reached.
+_GRACEFUL_SHUTDOWN_TIMEOUT_S = 10
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags; the engine flags (model, dtype, KV cache, ...) are added by the caller."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the model argument)")
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    parser.add_argument("--max-request-body-size", default="16MiB", help="larger request bodies get 413")
+    parser.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
+    parser.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the engine flags, read the way every other command reads them."""
+    from pagedllm.entrypoints.cli import engine_kwargs
+
+    kwargs = engine_kwargs(args)
+    kwargs["dtype"] = parse_dtype(kwargs["dtype"])
+    kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])
+    return EngineConfig(**kwargs)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    """Start the engine core, serve until SIGINT/SIGTERM; exit with status 1 if the core dies.
+
+    Raises:
+        ValueError: for a bad flag value or an unknown model.
+    """
+    import uvicorn
+
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.entrypoints.openai.api_server import ApiServer, build_app
+
+    config = engine_config(args)
+    max_body = parse_memory(args.max_request_body_size)
+    name = args.served_model_name or args.model
+    try:
+        engine = AsyncLLM(config, log_stats=not args.disable_log_stats)
+    except RuntimeError as e:
+        logger.error("%s", e)
+        sys.exit(1)
+    try:
+        app = build_app(engine, name, args.api_key, max_body)
+        server = ApiServer(
+            uvicorn.Config(app, host=args.host, port=args.port, access_log=not args.disable_access_log,
+                           timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_TIMEOUT_S),
+            engine,
+        )
+        engine.on_dead(server.exit_soon)
+        logger.info(
+            "serving %s as %r on http://%s:%d; max_model_len %d; KV cache: %d blocks x %d tokens = %d tokens",
+            config.model, name, args.host, args.port, engine.max_model_len, engine.num_blocks, engine.block_size,
+            engine.num_blocks * engine.block_size,
+        )
+        server.run()
+    finally:
+        engine.shutdown()
+    if engine.dead_error is not None:
+        logger.error("exiting because the engine core died: %s", engine.dead_error)
+        sys.exit(1)
+

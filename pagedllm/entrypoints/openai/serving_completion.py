@@ -1,0 +1,162 @@
+"""``POST /v1/completions``: one engine request per prompt, ``n`` samples each."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from pagedllm.engine.async_llm import PreparedRequest
+from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIError,
+    OpenAIServing,
+    gather_final,
+    merge,
+    num_output_tokens,
+    sse,
+    top_n,
+)
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Handles completions requests, streaming or not."""
+
+    async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        """A response, or the SSE lines of a stream.
+
+        Raises:
+            OpenAIError: 404 for another model, 400 for invalid input (before anything runs).
+        """
+        self.check_model(req.model)
+        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+            raise OpenAIError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
+        request_id = random_id("cmpl")
+        prepared = [self._prepare(f"{request_id}-{i}", p, req) for i, p in enumerate(self._prompts(req))]
+        if req.stream:
+            return self._stream(req, request_id, prepared)
+        outputs = await gather_final([self.engine.generate(p) for p in prepared])
+        choices = [
+            self._choice(req, out, c, prompt_idx * req.n + c.index, c.text, c.logprobs)
+            for prompt_idx, out in enumerate(outputs)
+            for c in out.outputs
+        ]
+        return CompletionResponse(
+            id=request_id, model=self.served_model_name, choices=choices, usage=self._usage(prepared, outputs)
+        )
+
+    # -- input -----------------------------------------------------------------------------
+    @staticmethod
+    def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+        p = req.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        return list(p)
+
+    def _prepare(self, request_id: str, prompt: str | list[int], req: CompletionRequest) -> PreparedRequest:
+        # echo + logprobs returns the prompt's logprobs too; with max_tokens 0 that is all it
+        # returns, which is how evaluation harnesses score log-likelihoods.
+        prompt_logprobs = None
+        if req.echo and (req.logprobs is not None or req.max_tokens == 0):
+            prompt_logprobs = req.logprobs or 0
+        prompt_len = 0  # only needed to default max_tokens to the room the context leaves
+        if req.max_tokens is None:
+            prompt_len = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
+        try:
+            params = self.sampling_params(req, prompt_len, req.max_tokens, req.logprobs, prompt_logprobs)
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+        return self.prepare(request_id, prompt, params, req.cache_salt)
+
+    # -- running -----------------------------------------------------------------------------
+    async def _stream(
+        self, req: CompletionRequest, request_id: str, prepared: list[PreparedRequest]
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        finished: set[int] = set()
+        echoed: set[int] = set()
+        completion_tokens = 0
+        try:
+            async for prompt_idx, out in merge([self.engine.generate(p, stream=True) for p in prepared]):
+                for c in out.outputs:
+                    index = prompt_idx * req.n + c.index
+                    if index in finished:
+                        continue
+                    completion_tokens += len(c.token_ids)
+                    text, logprobs = c.text, c.logprobs
+                    if not (text or c.token_ids or c.finish_reason):
+                        continue  # a prefill chunk that sampled nothing
+                    if c.finish_reason is not None:
+                        finished.add(index)
+                    # The choice's first chunk carries the echoed prompt (its logprobs are complete by now).
+                    echo = req.echo and index not in echoed
+                    echoed.add(index)
+                    choice = self._choice(req, out, c, index, text, logprobs, echo)
+                    yield sse(CompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                                                 choices=[choice]))
+            if req.include_usage:
+                usage = UsageInfo(prompt_tokens=sum(len(p.prompt_token_ids) for p in prepared),
+                                  completion_tokens=completion_tokens)
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield sse(CompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                                             choices=[], usage=usage))
+        except EngineDeadError as e:
+            yield sse(OpenAIError(503, str(e), "ServiceUnavailableError").body())
+        yield SSE_DONE
+
+    # -- output ------------------------------------------------------------------------------
+    def _choice(
+        self,
+        req: CompletionRequest,
+        out: RequestOutput,
+        c: CompletionOutput,
+        index: int,
+        text: str,
+        logprobs: list[dict[int, Logprob]] | None,
+        echo: bool | None = None,
+    ) -> CompletionChoice:
+        echo = req.echo if echo is None else echo
+        prompt_text = ""
+        if echo:
+            prompt_text = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+        lp = None
+        if req.logprobs is not None:
+            lp = CompletionLogprobs()
+            if echo:
+                self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], req.logprobs, 0)
+            self._add_logprobs(lp, c.token_ids, logprobs or [], req.logprobs, len(prompt_text))
+        return CompletionChoice(index=index, text=prompt_text + text, logprobs=lp, finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason)
+
+    def _add_logprobs(
+        self, lp: CompletionLogprobs, token_ids: list[int], entries: list[dict[int, Logprob] | None], n: int,
+        offset: int,
+    ) -> None:
+        # The first prompt position has no logprob (nothing precedes it): None, as OpenAI.
+        for tid, entry in zip(token_ids, entries):
+            chosen = None if entry is None else entry.get(tid)
+            token = self.token_str(tid, chosen)
+            lp.tokens.append(token)
+            lp.token_logprobs.append(None if chosen is None else chosen.logprob)
+            lp.top_logprobs.append(
+                None if entry is None else {self.token_str(t, v): v.logprob for t, v in top_n(entry, n)}
+            )
+            lp.text_offset.append(offset)
+            offset += len(token)
+
+    @staticmethod
+    def _usage(prepared: list[PreparedRequest], outputs: list[RequestOutput]) -> UsageInfo:
+        prompt = sum(len(p.prompt_token_ids) for p in prepared)
+        completion = num_output_tokens(outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

@@ -1,0 +1,177 @@
+"""What the completion and chat handlers share: model check, sampling params, logprobs, SSE, fan-in."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+# Each sample is an engine request; a cap keeps one HTTP request from flooding the engine.
+MAX_N = 256
+_INT64 = 2**63
+
+
+class OpenAIError(Exception):
+    """An error answered with OpenAI's body ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status)
+        return ErrorResponse(error=info).model_dump()
+
+
+def sse(payload: BaseModel | dict) -> str:
+    """One Server-Sent Events ``data:`` line."""
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    """Base of the route handlers.
+
+    Args:
+        engine: the running engine.
+        served_model_name: the only ``model`` value requests may name.
+    """
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.tokenizer = engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(404, f"the model `{model}` does not exist; this server serves `{self.served_model_name}`",
+                              "NotFoundError", "model")
+
+    def sampling_params(
+        self,
+        req: SamplingRequest,
+        prompt_len: int,
+        max_tokens: int | None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """SamplingParams for one prompt; unset fields keep SamplingParams' defaults.
+
+        ``max_tokens`` None means all the room the context leaves after the prompt.
+
+        Raises:
+            ValueError: for values outside their ranges.
+        """
+        if not 1 <= req.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {req.n}")
+        if req.seed is not None and not -_INT64 <= req.seed < _INT64:
+            raise ValueError(f"seed must fit in 64 bits, got {req.seed}")
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if max_tokens is None:
+            max_tokens = max(self.engine.max_model_len - prompt_len, 1)
+        kwargs = {
+            name: getattr(req, name)
+            for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                         "repetition_penalty")
+            if getattr(req, name) is not None
+        }
+        if kwargs.get("top_k", 0) >= _INT64:
+            raise ValueError(f"top_k must be 0 or -1 (off) or a positive integer below 2^63, got {kwargs['top_k']}")
+        return SamplingParams(
+            n=req.n,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            **kwargs,
+        )
+
+    def prepare(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None
+    ) -> PreparedRequest:
+        """Validate and tokenize one prompt (400 on invalid input)."""
+        try:
+            return self.engine.prepare(request_id, prompt, params, cache_salt)
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+
+    def token_str(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+
+def top_n(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    """The ``n`` most likely tokens of one position (the entry also holds the sampled token)."""
+    return sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)[:n]
+
+
+def num_output_tokens(outputs: list[RequestOutput]) -> int:
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+
+async def _last(iterator: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async for out in iterator:
+        final = out
+    assert final is not None
+    return final
+
+
+async def gather_final(iterators: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """The final output of each non-streaming request, in order.
+
+    If one fails or the caller is cancelled, the others are cancelled (so aborted) too.
+    """
+    tasks = [asyncio.ensure_future(_last(it)) for it in iterators]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the iterator's index.
+
+    Leaving early (or being cancelled) cancels the pending reads, which aborts the requests.
+    """
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    item = fut.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for fut in pending:
+            fut.cancel()
