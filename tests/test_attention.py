@@ -9,8 +9,8 @@ from pagedllm.layers import attention, cpu_kernels
 from pagedllm.layers.attention import AttentionMetadata, paged_attention
 
 
-def _dense(q, k, v, scale):
-    """q: [n, H, D] at the last n positions of k/v [L, Hkv, D]."""
+def _dense(q, k, v, scale, window=0):
+    """q: [n, H, D] at the last n positions of k/v [L, Hkv, D]; window > 0: sliding window."""
     n, h, _ = q.shape
     group = h // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -18,7 +18,11 @@ def _dense(q, k, v, scale):
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     L = k.shape[0]
     q_pos = torch.arange(L - n, L)
-    scores = scores.masked_fill(torch.arange(L)[None, None, :] > q_pos[None, :, None], float("-inf"))
+    k_pos = torch.arange(L)[None, None, :]
+    masked = k_pos > q_pos[None, :, None]
+    if window:
+        masked |= k_pos <= q_pos[None, :, None] - window
+    scores = scores.masked_fill(masked, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
 
 
@@ -26,9 +30,11 @@ def test_native_kernel_builds():
     assert cpu_kernels._library() is not None
 
 
+@pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_decode_and_chunked_prefill_match_dense(native, dtype, monkeypatch):
+def test_mixed_decode_and_chunked_prefill_match_dense(native, dtype, window, monkeypatch):
+    """window 5: a sliding-window layer; requests shorter and longer than the window."""
     if not native:
         monkeypatch.setattr(attention, "paged_decode_attention", lambda *args: None)
     torch.manual_seed(0)
@@ -39,7 +45,7 @@ def test_mixed_decode_and_chunked_prefill_match_dense(native, dtype, monkeypatch
     free = list(range(num_blocks))
     rng.shuffle(free)
     # (context already cached, new tokens this step): decodes first, then prefill chunks.
-    reqs = [(5, 1), (0, 1), (11, 1), (0, 7), (6, 5), (3, 1 + 3)]
+    reqs = [(5, 1), (0, 1), (11, 1), (0, 7), (6, 5), (3, 1 + 3), (9, 2)]
     full_k, full_v, tables = [], [], []
     for cached, new in reqs:
         total = cached + new
@@ -56,10 +62,10 @@ def test_mixed_decode_and_chunked_prefill_match_dense(native, dtype, monkeypatch
     k = torch.cat([kk[c:] for kk, (c, _) in zip(full_k, reqs)])
     v = torch.cat([vv[c:] for vv, (c, _) in zip(full_v, reqs)])
     k_cache, v_cache, q, k, v = (t.to(dtype) for t in (k_cache, v_cache, q, k, v))
-    out = paged_attention(q, k, v, (k_cache, v_cache), meta, d**-0.5).float()
+    out = paged_attention(q, k, v, (k_cache, v_cache), meta, d**-0.5, window).float()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     start = 0
     for (cached, new), kk, vv in zip(reqs, full_k, full_v):
-        ref = _dense(q[start : start + new].float(), kk.to(dtype).float(), vv.to(dtype).float(), d**-0.5)
+        ref = _dense(q[start : start + new].float(), kk.to(dtype).float(), vv.to(dtype).float(), d**-0.5, window)
         torch.testing.assert_close(out[start : start + new], ref, atol=tol, rtol=tol)
         start += new

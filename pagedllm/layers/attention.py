@@ -15,7 +15,7 @@ Two paths, chosen per request by its query length:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillMeta]
+    # Sliding-window masks, built on first use by a layer with that window, shared by the rest.
+    window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def build(
@@ -123,6 +125,7 @@ def paged_attention(
     kv_cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of this step's queries over their requests' paged K/V.
 
@@ -131,6 +134,8 @@ def paged_attention(
         kv_cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
         meta: the step's metadata (slot mapping, decode batch, prefill list).
         scale: softmax scale, usually head_dim ** -0.5.
+        window: sliding-window layers: a query at position p attends to keys at positions
+            p - window + 1 .. p (transformers' ``sliding_window``); 0: the whole causal context.
 
     Returns:
         [T, num_heads * head_dim], same dtype as q.
@@ -145,16 +150,34 @@ def paged_attention(
     b = meta.num_decodes
     if b:
         o = paged_decode_attention(
-            q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+            q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window
         )
         if o is None:
-            o = _decode_attention_torch(q[:b], k_cache, v_cache, meta, scale)
+            o = _decode_attention_torch(q[:b], k_cache, v_cache, meta, scale, window)
         out[:b] = o.view(b, num_heads * head_dim)
 
-    for p in meta.prefills:
+    block_size = k_cache.shape[1]
+    for i, p in enumerate(meta.prefills):
         rows = slice(p.query_start, p.query_start + p.query_len)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if p.mask is None:  # whole context is this chunk: use it directly, no gather
+        first_query = p.seq_len - p.query_len
+        mask = p.mask
+        if window and p.seq_len > window:
+            # Keys before the first query's window are never read (their blocks may be gone).
+            key_start = max(0, first_query - window + 1)
+            mask = meta.window_masks.get((i, window))
+            if mask is None:
+                q_pos = torch.arange(first_query, p.seq_len)[:, None]
+                k_pos = torch.arange(key_start, p.seq_len)[None, :]
+                mask = meta.window_masks[(i, window)] = (k_pos <= q_pos) & (k_pos > q_pos - window)
+            if p.mask is None:
+                keys, values = k[rows], v[rows]
+            else:
+                first_block = key_start // block_size
+                skip = first_block * block_size
+                keys = k_cache[p.block_ids[first_block:]].flatten(0, 1)[key_start - skip : p.seq_len - skip]
+                values = v_cache[p.block_ids[first_block:]].flatten(0, 1)[key_start - skip : p.seq_len - skip]
+        elif p.mask is None:  # whole context is this chunk: use it directly, no gather
             keys, values = k[rows], v[rows]
         else:
             keys = k_cache[p.block_ids].flatten(0, 1)[: p.seq_len]
@@ -165,8 +188,8 @@ def paged_attention(
             query,
             keys,
             values,
-            attn_mask=p.mask,
-            is_causal=p.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=group > 1,
         )
@@ -175,7 +198,12 @@ def paged_attention(
 
 
 def _decode_attention_torch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Decode attention in PyTorch (no native kernel): gather blocks, pad, mask. [b, H, D] out."""
     b, num_heads, head_dim = q.shape
@@ -185,5 +213,12 @@ def _decode_attention_torch(
     keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
     values = v_cache[tables].flatten(1, 2).transpose(1, 2)
     query = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=scale)
+    mask = meta.decode_mask
+    if window:
+        mask = meta.window_masks.get((-1, window))
+        if mask is None:
+            key_pos = torch.arange(keys.shape[2])
+            start = (meta.decode_seq_lens - window)[:, None, None, None]
+            mask = meta.window_masks[(-1, window)] = meta.decode_mask & (key_pos >= start)
+    o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return o.reshape(b, num_heads, head_dim)

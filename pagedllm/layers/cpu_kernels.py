@@ -50,8 +50,8 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    # is_bf16, q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv, D, BS, scale
-    fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+    # is_bf16, q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv, D, BS, scale, window
+    fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
     return lib
 
 
@@ -62,6 +62,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor | None:
     """Decode attention read in place through block tables; None if the kernel cannot run.
 
@@ -69,6 +70,8 @@ def paged_decode_attention(
         q: [B, num_heads, head_dim], bfloat16 or float32.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype.
         block_tables: [B, max_blocks] int64; seq_lens: [B] int64 (keys per request).
+        window: > 0: attend only to the last ``window`` keys (positions >= seq_len - window),
+            as a sliding-window layer does; 0: all keys.
 
     Returns:
         [B, num_heads, head_dim] in q's dtype.
@@ -94,5 +97,6 @@ def paged_decode_attention(
         d,
         k_cache.shape[1],
         scale,
+        window,
     )
     return out if status == 0 else None

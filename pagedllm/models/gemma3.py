@@ -1,0 +1,215 @@
+"""Gemma 3 text decoder (Gemma Team 2025) over flattened tokens and a paged KV cache.
+
+Differences from Llama, each as in transformers' ``modeling_gemma3``:
+- embeddings scaled by sqrt(hidden) (the scale cast to the model's dtype first), lm_head tied;
+- RMSNorm multiplies by ``1 + weight``: :meth:`Gemma3ForCausalLM.load_weights` takes
+  transformers' weights and stores ``1 + weight`` once, so the norms are plain RMSNorms;
+- four norms per block: before and after attention, before and after the MLP;
+- RMSNorm over each query and key head before RoPE;
+- GELU-tanh gated MLP;
+- queries scaled by ``query_pre_attn_scalar ** -0.5``;
+- ``layer_types``: sliding-window layers attend to the last ``sliding_window`` positions
+  and use their own RoPE base (``rope_local_theta``), the others are global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.config import ModelConfig
+from pagedllm.layers.attention import AttentionMetadata, KVCache, paged_attention
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.models.llama import _NUM_SHARDS, _STACKED
+
+
+class Gemma3Attention(nn.Module):
+    """Grouped-query attention with q/k norms, RoPE and an optional sliding window."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.window = config.layer_window(layer)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x: [T, hidden]; cos, sin: [T, 1, head_dim] (this layer's RoPE base). Returns [T, hidden]."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = self.q_norm(qkv[:, : self.q_size].reshape(t, self.num_heads, self.head_dim))[0]
+        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, -1, self.head_dim))[0]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(torch.cat([q, k], 1), cos, sin)  # one RoPE pass for q and k heads
+        out = paged_attention(
+            qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, attn_metadata, self.scale, self.window
+        )
+        return self.o_proj(out)
+
+
+class Gemma3MLP(nn.Module):
+    """``down(gelu_tanh(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """x + post_attn_norm(attn(input_norm(x))), then x + post_ffw_norm(mlp(pre_ffw_norm(x)));
+    the residual adds are fused into the input and pre-feedforward norms."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.is_sliding = config.layer_window(layer) > 0
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.self_attn = Gemma3Attention(config, layer, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.mlp = Gemma3MLP(config, dtype)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this block's normalized MLP output, residual stream before it)."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, attn_metadata)
+        x, _ = self.post_attention_layernorm(x)
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        x, _ = self.post_feedforward_layernorm(self.mlp(x))
+        return x, residual
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """The Gemma 3 text decoder plus the (tied) lm_head.
+
+    Args:
+        config: hyper-parameters (``architecture`` "gemma3"), with ``layer_types``,
+            ``sliding_window``, ``rope_local_theta`` and ``query_pre_attn_scalar``.
+        dtype: dtype of weights and activations.
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        fused: [proj for proj, (target, _) in sorted(_STACKED.items(), key=lambda kv: kv[1]) if target == fused]
+        for fused in _NUM_SHARDS
+    }
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        if config.attn_logit_softcapping:
+            raise ValueError("attention logit softcapping (Gemma 2) is not supported")
+        if not config.tie_word_embeddings:
+            raise ValueError("Gemma 3 ties its lm_head to the embeddings; this checkpoint has its own")
+        self.config = config
+        self.dtype = dtype
+        embedding = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
+        if not embedding.is_meta:
+            nn.init.normal_(embedding)
+        self.embed_tokens = nn.Embedding.from_pretrained(embedding)
+        # transformers multiplies by the scale cast to the weights' dtype (25.25 in bfloat16).
+        self.register_buffer(
+            "embed_scale", torch.tensor(config.hidden_size**0.5, device="cpu").to(dtype), persistent=False
+        )
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, dtype) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = None  # tied: quantize_model and the spec-decode code look for it
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, dtype)
+        self.rotary_emb_local = None
+        if any(layer.is_sliding for layer in self.layers):
+            local_base = config.rope_local_theta or config.rope_theta
+            self.rotary_emb_local = RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, local_base, dtype
+            )
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Same contract as :meth:`LlamaForCausalLM.forward`: [T] ids/positions -> [T, hidden]."""
+        cos_sin = self.rotary_emb(positions)
+        cos_sin_local = cos_sin if self.rotary_emb_local is None else self.rotary_emb_local(positions)
+        x = self.embed_tokens(input_ids) * self.embed_scale
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cos, sin = cos_sin_local if layer.is_sliding else cos_sin
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, hidden_size] -> [S, vocab_size] float32 logits (soft-capped if the config says so)."""
+        if self.lm_head is None:
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace all parameters with tensors named and valued as in transformers' Gemma3.
+
+        Fuses q/k/v and gate/up; every ``*norm.weight`` becomes ``1 + weight`` (added in
+        float32, then cast once). A missing or unexpected name raises.
+        """
+        state: dict[str, torch.Tensor] = {}
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.").removeprefix("language_model.")
+            if name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight":
+                continue  # recomputed / tied to embed_tokens
+            if name.endswith("norm.weight"):
+                tensor = tensor.float() + 1
+            tensor = tensor.to(self.dtype)
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in _STACKED:
+                fused, index = _STACKED[parts[-2]]
+                parts[-2] = fused
+                shards.setdefault(".".join(parts), {})[index] = tensor
+            else:
+                state[name] = tensor
+        for name, pieces in shards.items():
+            num = _NUM_SHARDS[name.split(".")[-2]]
+            if len(pieces) != num:
+                raise ValueError(f"checkpoint has {len(pieces)} of the {num} projections fused into {name}")
+            state[name] = torch.cat([pieces[i] for i in range(num)])
+        self.load_state_dict(state, strict=True, assign=True)
