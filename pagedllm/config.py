@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.layers.quantization.config import QuantizationConfig
+from pagedllm.spec_decode.config import SpeculativeConfig
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -29,6 +32,25 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
+    # Gemma 3: per-layer attention kind ("sliding_attention" | "full_attention"; empty: all
+    # full), the window (keys within the last ``sliding_window`` positions, query included),
+    # the sliding layers' own RoPE base, and the query scaling (scale = scalar ** -0.5).
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def layer_window(self, layer: int) -> int:
+        """The attention window of a layer in tokens; 0 for full attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention" and self.sliding_window:
+            return self.sliding_window
+        return 0
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(self.layer_window(i) for i in range(self.num_layers))
 
 
 @dataclass
@@ -39,7 +61,7 @@ class EngineConfig:
     """
 
     model: str = DEFAULT_MODEL
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = torch.float32
     max_model_len: int | None = None  # None: min(model's context, 8192)
     block_size: int = 16
     kv_cache_memory: int = 4 * 1024**3
@@ -49,8 +71,16 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: all cores
+    # Speculative decoding; a dict or JSON string in vLLM's shape is parsed. None: off.
+    speculative_config: SpeculativeConfig | None = None
+    # Weight-only quantization of the linear layers: "none" | "int8" | "int4" (layers/quantization).
+    quantization: str = "none"
+    quantization_group_size: int = 32  # int4's group size: 32, 64 or 128
+    quantize_lm_head: bool = False  # the logits matmul too (a tied embedding's lookup stays float)
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.quantization_config()  # raises on a bad mode or group size
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -62,9 +92,15 @@ class EngineConfig:
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
 
+    def quantization_config(self) -> QuantizationConfig | None:
+        """The quantization flags as one config; None when off."""
+        return QuantizationConfig.parse(self.quantization, self.quantization_group_size, self.quantize_lm_head)
+
 
 _DTYPES = {
-    "auto": torch.bfloat16,
+    # Measured on the target CPU (docs/benchmarks.md): fp32 matmuls run about 2x the bf16 rate
+    # for batched shapes and equal it at batch 1, and bf16 greedy outputs drift with batching.
+    "auto": torch.float32,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
     "float32": torch.float32,

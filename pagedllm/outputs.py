@@ -19,6 +19,12 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     logprobs: list[list[float]]
     ranks: list[int]
 
+    def first(self, n: int) -> TokenLogprobs:
+        """The first ``n`` positions (self when it has no more)."""
+        if len(self.ranks) <= n:
+            return self
+        return TokenLogprobs(self.token_ids[:n], self.logprobs[:n], self.ranks[:n])
+
     def extend(self, other: TokenLogprobs) -> None:
         self.token_ids.extend(other.token_ids)
         self.logprobs.extend(other.logprobs)

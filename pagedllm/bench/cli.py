@@ -6,7 +6,7 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from pagedllm.bench import throughput
+    from pagedllm.bench import perplexity, quant, serve, spec, throughput
     from pagedllm.entrypoints.cli import add_engine_args
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -16,3 +16,25 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(tp)
     throughput.add_args(tp)
     tp.set_defaults(func=throughput.run)
+
+    sp = bench_sub.add_parser("spec", help="decode tokens/s with speculative decoding off vs on")
+    add_engine_args(sp)
+    spec.add_args(sp)
+    sp.set_defaults(func=spec.run)
+
+    ppl = bench_sub.add_parser("perplexity", help="sliding-window perplexity of a text (prompt logprobs)")
+    add_engine_args(ppl)
+    perplexity.add_args(ppl)
+    ppl.set_defaults(func=perplexity.run)
+
+    qb = bench_sub.add_parser(
+        "quant", help="decode tokens/s of fp32, bf16, int8 and int4 weights side by side (--modes overrides "
+        "--dtype, --quantization and --quantize-lm-head)"
+    )
+    add_engine_args(qb)
+    quant.add_args(qb)
+    qb.set_defaults(func=quant.run)
+
+    sv = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
+    serve.add_bench_serve_args(sv)
+    sv.set_defaults(func=serve.run_bench_serve)

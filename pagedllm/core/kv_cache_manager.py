@@ -113,6 +113,24 @@ class KVCacheManager:
         self.num_hashed_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Keep the blocks holding the first ``num_tokens`` slots; return the rest to the pool.
+
+        Speculative decoding calls this after verification: the blocks that held only
+        rejected draft tokens are empty again. They were never cached (only blocks full of
+        known tokens are), so they rejoin the free queue without a hash.
+        """
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        if keep >= len(blocks):
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        del self.req_block_ids[request.request_id][keep:]
+        self.pool.free_blocks(reversed(tail))
+
     def block_ids(self, request_id: str) -> list[int]:
         return self.req_block_ids[request_id]
 

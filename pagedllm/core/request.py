@@ -72,6 +72,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (prefix caching)
+        # Speculative decoding: draft tokens proposed after the last step, verified in the next
+        # one; never part of ``all_token_ids``. ``spec_probs`` (FloatTensor[k, V]) is the
+        # distribution each draft was drawn from, or None for drafts taken as certain (n-gram).
+        self.spec_token_ids: list[int] = []
+        self.spec_probs: torch.Tensor | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

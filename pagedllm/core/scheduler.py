@@ -7,6 +7,12 @@ first, then waiting ones in arrival order (FCFS). A fresh request is a prefill, 
 a chunked prefill, one with a single token to go is a decode, a prefix-cache hit starts
 with ``num_computed_tokens > 0``. When a block cannot be allocated, the most recently
 admitted running request is preempted: its blocks are freed and it is recomputed later.
+
+Speculative decoding fits the same rule: a decoding request's draft tokens
+(``request.spec_token_ids``) are tokens not yet computed, so it is scheduled ``1 + k`` tokens
+within the budget, the drafts' slots allocated as lookahead slots (never prefix-cached).
+After verification the rejected drafts are rolled back: ``num_computed_tokens`` goes back
+and blocks that held only rejected drafts return to the pool.
 """
 
 from __future__ import annotations
@@ -14,16 +20,21 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens computed this step, from num_computed_before on
+    num_new_tokens: int  # tokens computed this step, from num_computed_before on (drafts included)
     num_computed_before: int
     block_ids: list[int]  # the request's block table (a live list; read it, do not keep it)
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens verified this step
+    spec_probs: torch.Tensor | None = None  # FloatTensor[len(spec_token_ids), V]; None: n-gram
 
     @property
     def samples(self) -> bool:
@@ -67,6 +78,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
 
     # -- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -102,15 +114,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
+            num_drafts = self._num_drafts(request, num_new, budget)
+            while not self.kv_cache.allocate_slots(request, num_new, num_lookahead_tokens=num_drafts):
+                if num_drafts:  # drafts are optional: drop them before preempting anyone
+                    num_drafts = 0
+                    continue
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                self._schedule(out, request, num_new)
-                budget -= num_new
+                self._schedule(out, request, num_new, num_drafts)
+                budget -= num_new + num_drafts
                 i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -134,22 +150,37 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _num_drafts(self, request: Request, num_new: int, budget: int) -> int:
+        """How many of the request's draft tokens to verify this step (they follow its last token)."""
+        if not request.spec_token_ids or request.num_computed_tokens + num_new < request.num_tokens:
+            return 0
+        # A verification emits one token beyond its accepted drafts: drafts past
+        # max_tokens - 1 could never be kept.
+        room = request.max_tokens - request.num_output_tokens - 1
+        return max(0, min(len(request.spec_token_ids), budget - num_new, room))
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, num_drafts: int = 0) -> None:
+        drafts = request.spec_token_ids[:num_drafts]
+        probs = None if request.spec_probs is None or not drafts else request.spec_probs[:num_drafts]
+        request.spec_token_ids, request.spec_probs = [], None  # consumed; the proposer drafts anew
         out.scheduled.append(
             ScheduledRequest(
                 request,
-                num_new,
+                num_new + num_drafts,
                 request.num_computed_tokens,
                 self.kv_cache.block_ids(request.request_id),
+                drafts,
+                probs,
             )
         )
-        out.num_batched_tokens += num_new
-        request.num_computed_tokens += num_new
+        out.num_batched_tokens += num_new + num_drafts
+        request.num_computed_tokens += num_new + num_drafts
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids, request.spec_probs = [], None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -162,7 +193,9 @@ class Scheduler:
 
         Args:
             sampled: per scheduled request (same order), the token ids it accepted this
-                step: empty for a prefill chunk that did not reach the end of the prompt.
+                step: empty for a prefill chunk that did not reach the end of the prompt;
+                with draft tokens, the accepted drafts then one sampled token (so the
+                drafts past ``len - 1`` were rejected and are rolled back here).
 
         Returns:
             (scheduled request, new token ids) for every request with new tokens or that
@@ -173,6 +206,8 @@ class Scheduler:
             request = sched.request
             if request.is_finished or not new_tokens:  # aborted meanwhile, or mid-prefill
                 continue
+            if sched.spec_token_ids:
+                self._roll_back_rejected(sched, len(new_tokens) - 1)
             accepted: list[int] = []
             if request.max_tokens == 0:  # prompt scoring only: done once the prompt is computed
                 request.status = RequestStatus.FINISHED_LENGTH
@@ -188,6 +223,15 @@ class Scheduler:
                     break
             results.append((sched, accepted))
         return results
+
+    def _roll_back_rejected(self, sched: ScheduledRequest, num_accepted: int) -> None:
+        """Forget the K/V of the drafts after the first ``num_accepted``; free blocks they alone used."""
+        request = sched.request
+        num_drafts = len(sched.spec_token_ids)
+        self.spec_stats.observe(num_drafts, num_accepted)
+        if num_accepted < num_drafts:
+            request.num_computed_tokens -= num_drafts - num_accepted
+            self.kv_cache.trim(request, request.num_computed_tokens)
 
     def _free(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -17,6 +17,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.models.loader import load_model, resolve_model
+from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.worker.kv_cache import bytes_per_block
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -57,7 +58,7 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.config = config
         t0 = time.perf_counter()
-        model, model_config = load_model(resolve_model(config.model), config.dtype)
+        model, model_config = load_model(resolve_model(config.model), config.dtype, config.quantization_config())
         self.model_config = model_config
         logger.info("loaded %s in %.2f s (%s)", model_config.name or config.model, time.perf_counter() - t0, config.dtype)
 
@@ -76,6 +77,24 @@ class EngineCore:
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, config.dtype)
+        self.proposer = self._build_proposer()
+
+    def _build_proposer(self) -> Proposer | None:
+        """The speculative decoding proposer of ``config.speculative_config``; None when off."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            from pagedllm.spec_decode.ngram_proposer import NgramProposer
+
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        from pagedllm.spec_decode.draft_proposer import DraftModelProposer
+
+        # As many draft KV slots as target ones: every request the target holds can be drafted for.
+        return DraftModelProposer(
+            spec.model, spec.num_speculative_tokens, self.model_config.vocab_size,
+            self.num_blocks, self.config.block_size, self.config.dtype,
+        )
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -106,32 +125,47 @@ class EngineCore:
         """Schedule, run the model, update the requests; return what changed."""
         sched = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
+        num_kept_tokens = sched.num_batched_tokens
         if not sched.is_empty:
             result = self.runner.execute(sched)
             index = {id(s): i for i, s in enumerate(sched.scheduled)}
-            for s, new_tokens in self.scheduler.update_from_output(sched, result.sampled):
+            updated = self.scheduler.update_from_output(sched, result.sampled)
+            for s, new_tokens in updated:
                 i = index[id(s)]
                 request = s.request
+                if s.spec_token_ids:  # rejected drafts are neither prompt nor generated tokens
+                    num_kept_tokens -= len(s.spec_token_ids) + 1 - len(new_tokens)
                 outputs.append(
                     EngineCoreOutput(
                         request.request_id,
                         new_tokens,
                         request.status.finish_reason,
                         request.stop_reason,
-                        result.logprobs[i],
+                        # A stop inside an accepted run of drafts drops the tokens after it.
+                        None if result.logprobs[i] is None else result.logprobs[i].first(len(new_tokens)),
                         result.prompt_logprobs[i],
                         max(request.num_cached_tokens, 0),
                     )
                 )
+            if self.proposer is not None:
+                self._propose([s.request for s, new in updated if new and not s.request.is_finished])
             # Prompt logprobs of chunks that sampled nothing still have to reach the front end.
             for i, s in enumerate(sched.scheduled):
                 if not result.sampled[i] and result.prompt_logprobs[i] is not None:
                     outputs.append(
                         EngineCoreOutput(s.request.request_id, [], prompt_logprobs=result.prompt_logprobs[i])
                     )
-        return EngineCoreOutputs(outputs, self.stats(sched.num_batched_tokens), time.monotonic())
+        return EngineCoreOutputs(outputs, self.stats(num_kept_tokens), time.monotonic())
+
+    def _propose(self, requests: list[Request]) -> None:
+        """Drafts for the next step, from the tokens just added (none while the batch is large)."""
+        limit = self.config.speculative_config.disable_by_batch_size
+        if limit is None or len(self.scheduler.running) < limit:
+            self.proposer.propose(requests)
+        self.proposer.remove_finished(self.scheduler.requests)
 
     def stats(self, num_batched_tokens: int = 0) -> SchedulerStats:
+        spec = self.scheduler.spec_stats
         return SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -140,4 +174,8 @@ class EngineCore:
             prefix_cache_queries=self.kv_cache.prefix_queries,
             prefix_cache_hits=self.kv_cache.prefix_hits,
             num_batched_tokens=num_batched_tokens,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
         )

@@ -34,8 +34,8 @@ class IncrementalDetokenizer:
     for sentencepiece ones keeps the leading space that ``decode`` would strip from the
     first output token (``decode(prompt) + output_text == decode(prompt + output)``).
 
-    Stop strings are searched across token boundaries. When several complete in the same
-    update, the one that ends first wins (the longest of those ending at the same place), so
+    Stop strings are searched across token boundaries, after each token. When several
+    complete with the same token, the one that ends first wins (the longest of those ending at the same place), so
     the result does not depend on how the text was split into tokens. Matching starts once the
     output has ``min_tokens`` tokens.
     """
@@ -81,17 +81,22 @@ class IncrementalDetokenizer:
             The stop string that matched, else None. On a match ``output_text`` is cut right
             before the stop string (right after it with ``include_stop_str_in_output``), and
             the caller must finish the request with reason "stop"; call no further updates.
+            Then ``num_output_tokens`` counts the output only up to the token that completed
+            the stop string: tokens after it in the same update (accepted speculative
+            drafts) are not part of the output, exactly as if they had come one at a time.
         """
-        self.num_output_tokens += len(new_token_ids)
         if not self.params.detokenize:
+            self.num_output_tokens += len(new_token_ids)
             return None
-        old_len = len(self.output_text)
         for token_id in new_token_ids:
+            self.num_output_tokens += 1
             self._ids.append(token_id)
+            old_len = len(self.output_text)
             self.output_text += self._decode_step()
-        if not self.params.stop or self.num_output_tokens < self.params.min_tokens:
-            return None
-        return self._match_stop(old_len)
+            matching = self.params.stop and self.num_output_tokens >= self.params.min_tokens
+            if matching and (stop := self._match_stop(old_len)) is not None:
+                return stop
+        return None
 
     def get_delta(self) -> str:
         """Return the text not yet returned by earlier calls, for streaming.

@@ -37,7 +37,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0  # cumulative
     prefix_cache_queries: int = 0  # cumulative, tokens
     prefix_cache_hits: int = 0  # cumulative, tokens
-    num_batched_tokens: int = 0  # this step
+    num_batched_tokens: int = 0  # this step, less rejected speculative draft tokens
+    # Speculative decoding, cumulative (pagedllm.spec_decode.metrics.SpecDecodingStats).
+    spec_num_drafts: int = 0  # verifications: request-steps with draft tokens
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []  # [k]: acceptances of draft position i
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

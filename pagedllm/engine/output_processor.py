@@ -31,6 +31,7 @@ class SampleState:
     last_token_time: float | None = None
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
+    final_delta: str = ""  # text released by the detokenizer's flush, not yet streamed
 
 
 @dataclass
@@ -127,17 +128,21 @@ class OutputProcessor:
             state.num_cached_tokens = out.num_cached_tokens
             if out.new_token_ids:
                 self._record_timing(state, sample, out.request_id, now, len(out.new_token_ids))
-                sample.token_ids.extend(out.new_token_ids)
-                if out.logprobs is not None:
-                    self._add_logprobs(sample, out.logprobs)
+                num_before = sample.detokenizer.num_output_tokens
                 stop = sample.detokenizer.update(out.new_token_ids)
+                # A stop string completed inside an accepted run of speculative drafts ends the
+                # output at the token that completed it: the tokens after it are dropped.
+                num_new = sample.detokenizer.num_output_tokens - num_before
+                sample.token_ids.extend(out.new_token_ids[:num_new])
+                if out.logprobs is not None:
+                    self._add_logprobs(sample, out.logprobs.first(num_new))
                 if stop is not None:
                     sample.finish_reason, sample.stop_reason = "stop", stop
                     if out.finish_reason is None:  # the core still runs it
                         to_abort.append(out.request_id)
             if sample.finish_reason is None and out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-                sample.detokenizer.flush()
+                sample.final_delta = sample.detokenizer.flush()
             if sample.finish_reason is not None:
                 self._child_to_parent.pop(out.request_id, None)
 
@@ -181,7 +186,8 @@ class OutputProcessor:
             if state.stream:
                 tokens = s.token_ids[s.num_sent_tokens :]
                 logprobs = None if s.logprobs is None else s.logprobs[s.num_sent_logprobs :]
-                text = s.detokenizer.get_delta()
+                text = s.final_delta + s.detokenizer.get_delta()
+                s.final_delta = ""
                 s.num_sent_tokens = len(s.token_ids)
                 s.num_sent_logprobs = 0 if s.logprobs is None else len(s.logprobs)
             else:

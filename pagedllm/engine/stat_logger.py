@@ -1,4 +1,5 @@
-"""The periodic log line: throughput, queue sizes, KV cache usage, prefix-cache hit rate."""
+"""The periodic log line: throughput, queue sizes, KV cache usage, prefix-cache hit rate, and
+speculative decoding's acceptance over the interval (when drafts were verified)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 import time
 
 from pagedllm.engine.messages import SchedulerStats
+from pagedllm.spec_decode.metrics import acceptance_rate, mean_acceptance_length
 
 logger = logging.getLogger("pagedllm")
 
@@ -22,6 +24,7 @@ class StatLogger:
         self._last = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._last_stats = SchedulerStats()  # cumulative counts at the previous line
 
     def record(self, stats: SchedulerStats | None, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         self._prompt_tokens += num_prompt_tokens
@@ -42,5 +45,31 @@ class StatLogger:
             100 * hit_rate,
             stats.num_preemptions,
         )
+        self._log_spec_decoding(stats)
         self._last = now
         self._prompt_tokens = self._generation_tokens = 0
+
+    def _log_spec_decoding(self, stats: SchedulerStats) -> None:
+        """Acceptance of the drafts verified since the previous line; nothing if there were none."""
+        last = self._last_stats
+        self._last_stats = stats
+        num_drafts = stats.spec_num_drafts - last.spec_num_drafts
+        if num_drafts <= 0:
+            return
+        draft_tokens = stats.spec_num_draft_tokens - last.spec_num_draft_tokens
+        accepted = stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens
+        before = last.spec_accepted_per_position
+        per_position = [
+            (n - (before[i] if i < len(before) else 0)) / num_drafts
+            for i, n in enumerate(stats.spec_accepted_per_position)
+        ]
+        logger.info(
+            "speculative decoding: drafts: %d, draft tokens: %d, accepted tokens: %d, acceptance rate: %.1f%%, "
+            "mean acceptance length: %.2f, acceptance per position: %s",
+            num_drafts,
+            draft_tokens,
+            accepted,
+            100 * acceptance_rate(accepted, draft_tokens),
+            mean_acceptance_length(accepted, num_drafts),
+            "[" + ", ".join(f"{a:.3f}" for a in per_position) + "]",
+        )

@@ -16,7 +16,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model path or alias")
     else:
         parser.add_argument("--model", default=DEFAULT_MODEL, help=".gguf path, HF directory, or installed alias")
-    parser.add_argument("--dtype", default="auto", help="auto (bfloat16) | bfloat16 | float32")
+    parser.add_argument("--dtype", default="auto", help="auto (float32, measured fastest here) | float32 | bfloat16")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -27,6 +27,19 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help="reuse cached KV blocks of shared prefixes (default on)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--speculative-config", default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
+    parser.add_argument(
+        "--quantization", default="none",
+        help="weight-only quantization of the linear layers: none | int8 (per channel) | int4 (group-wise)",
+    )
+    parser.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size: 32 | 64 | 128")
+    parser.add_argument(
+        "--quantize-lm-head", action="store_true",
+        help="quantize the lm_head too (tied embeddings: the lookup stays float)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -41,6 +54,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
+        speculative_config=args.speculative_config,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
+        quantize_lm_head=args.quantize_lm_head,
     )
 
 
@@ -122,15 +139,12 @@ def main(argv: list[str] | None = None) -> None:
 
     add_bench_parser(sub)
 
-    try:
-        from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
-    except ImportError:  # the server is optional until its module lands
-        pass
-    else:
-        serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-        add_engine_args(serve, positional_model=True)
-        add_serve_args(serve)
-        serve.set_defaults(func=run_serve)
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve, positional_model=True)
+    add_serve_args(serve)
+    serve.set_defaults(func=run_serve)
 
     args = parser.parse_args(argv)
     try:

@@ -23,11 +23,17 @@ class LLM:
 
     Args:
         model: a .gguf path, an HF checkpoint directory, or an installed model alias.
-        dtype: compute dtype: "auto" (bfloat16), "bfloat16" or "float32".
+        dtype: compute dtype: "auto" (float32), "float32" or "bfloat16".
         max_model_len: longest prompt + output; default the model's context, at most 8192.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget per step.
         kv_cache_memory: KV cache size: bytes, or a string such as "2GiB".
+        speculative_config: speculative decoding, as a dict or JSON string in vLLM's shape,
+            e.g. ``{"method": "ngram", "num_speculative_tokens": 4}`` or
+            ``{"method": "draft_model", "model": "...", "num_speculative_tokens": 4}``; None: off.
+        quantization: weight-only quantization of the linear layers: "none", "int8" (per
+            output channel) or "int4" (groups of ``quantization_group_size``: 32, 64, 128);
+            ``quantize_lm_head=True`` quantizes the logits matmul too.
         **kwargs: any other ``EngineConfig`` field (block_size, enable_prefix_caching, ...).
 
     Raises:
@@ -42,6 +48,8 @@ class LLM:
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
         kv_cache_memory: int | str = "2GiB",
+        speculative_config: dict[str, Any] | str | None = None,
+        quantization: str = "none",
         **kwargs: Any,
     ) -> None:
         config = EngineConfig(
@@ -51,6 +59,8 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_memory=parse_memory(kv_cache_memory),
+            speculative_config=speculative_config,
+            quantization=quantization,
             **kwargs,
         )
         self.engine = LLMEngine(config)

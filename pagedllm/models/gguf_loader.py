@@ -138,6 +138,12 @@ class GGUFFile:
             pos += 8 + n
         return found
 
+    def blocks(self, name: str) -> torch.Tensor:
+        """A 2-D tensor's stored bytes, a view of the file: [rows, blocks per row, bytes per block] uint8."""
+        info = self.tensors[name]
+        raw = self._data[info.offset : info.offset + info.nbytes]
+        return raw.view(info.shape[0], -1, GGML_QUANT_SIZES[info.qtype][1])
+
     def dequantize(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor as a new torch tensor of its (torch-order) shape, in ``dtype``."""
         info = self.tensors[name]
@@ -222,7 +228,7 @@ _DEQUANTIZE = {
 _PERMUTED_QK = {"llama"}
 # Qwen2 chat models end a turn with <|im_end|> and a document with <|endoftext|>; HF's
 # generation_config stops on both, while the GGUF names only one eos id.
-_EXTRA_EOS = {"qwen2": ("<|im_end|>", "<|endoftext|>")}
+_EXTRA_EOS = {"qwen2": ("<|im_end|>", "<|endoftext|>"), "gemma3": ("<end_of_turn>",)}
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_LAYER = {
     "attn_norm": "input_layernorm",
@@ -235,6 +241,27 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms around attention and MLP: its ffn_norm is the pre-MLP norm, not Llama's
+# post-attention one (which is the norm *after* attention here).
+_PER_LAYER_ARCH = {
+    "gemma3": {
+        **_PER_LAYER,
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    }
+}
+# Gemma's RMSNorm multiplies by (1 + weight) in transformers; llama.cpp's converter stores
+# weight + 1 in the GGUF. gguf_weights subtracts the one again, so every loader hands the
+# model transformers' values (as transformers' own GGUF loader does).
+_NORM_PLUS_ONE = {"gemma3"}
+# llama.cpp's Gemma 3 (src/llama-model.cpp): 5 sliding-window layers then a global one,
+# the sliding ones with RoPE base 10000; queries scaled by head_dim ** -0.5, except the 27B
+# (62 layers), which uses hidden / heads as transformers' query_pre_attn_scalar.
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
 def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
@@ -262,6 +289,20 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
         found = f.find_strings(md["tokenizer.ggml.tokens"], set(extra))
         eos += [found[t] for t in extra if t in found]
     bos = md.get("tokenizer.ggml.bos_token_id")
+    extra_fields: dict[str, Any] = {}
+    if arch == "gemma3":
+        num_layers = int(get("block_count"))
+        extra_fields = {
+            "layer_types": [
+                "sliding_attention" if (i + 1) % _GEMMA3_SWA_PATTERN else "full_attention"
+                for i in range(num_layers)
+            ],
+            "sliding_window": int(get("attention.sliding_window")),
+            "rope_local_theta": _GEMMA3_LOCAL_ROPE_BASE,
+            "query_pre_attn_scalar": float(hidden // num_heads if num_layers == 62 else head_dim),
+            "attn_logit_softcapping": get("attn_logit_softcapping"),
+            "final_logit_softcapping": get("final_logit_softcapping"),
+        }
     return ModelConfig(
         architecture=arch,
         vocab_size=int(get("vocab_size", f.tensors["token_embd.weight"].shape[0])),
@@ -279,16 +320,17 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=list(dict.fromkeys(eos)),
         name=name or str(md.get("general.name", "")),
+        **extra_fields,
     )
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "") -> str:
     """GGUF tensor name -> HF name: ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
     base, _, suffix = gguf_name.rpartition(".")
     try:
         if base.startswith("blk."):
             _, layer, part = base.split(".", 2)
-            return f"model.layers.{layer}.{_PER_LAYER[part]}.{suffix}"
+            return f"model.layers.{layer}.{_PER_LAYER_ARCH.get(arch, _PER_LAYER)[part]}.{suffix}"
         return f"{_TOP_LEVEL[base]}.{suffix}"
     except (KeyError, ValueError):
         raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file") from None
@@ -299,6 +341,17 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.view(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def hf_rows(tensor: torch.Tensor, gguf_name: str, config: ModelConfig) -> torch.Tensor:
+    """A tensor of ``gguf_name`` with its rows (dim 0) in HF order: q/k rows of the
+    architectures llama.cpp permutes are put back; any trailing dims (e.g. blocks) ride along."""
+    if config.architecture in _PERMUTED_QK:
+        if ".attn_q." in gguf_name:
+            return _unpermute(tensor, config.num_heads)
+        if ".attn_k." in gguf_name:
+            return _unpermute(tensor, config.num_kv_heads)
+    return tensor
+
+
 def gguf_weights(
     f: GGUFFile, config: ModelConfig, dtype: torch.dtype, num_workers: int = 1
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -307,16 +360,15 @@ def gguf_weights(
     ``num_workers`` threads dequantize different tensors at once (torch ops release the GIL);
     meant to run with torch's intra-op parallelism off (see ``loader.load_model``).
     """
-    names = {name: hf_name(name) for name in f.tensors}  # reject unknown tensors before any work
-    permuted = config.architecture in _PERMUTED_QK
+    arch = config.architecture
+    names = {name: hf_name(name, arch) for name in f.tensors}  # reject unknown tensors before any work
 
     def load(name: str) -> tuple[str, torch.Tensor]:
-        tensor = f.dequantize(name, dtype)
-        if permuted and ".attn_q." in name:
-            tensor = _unpermute(tensor, config.num_heads)
-        elif permuted and ".attn_k." in name:
-            tensor = _unpermute(tensor, config.num_kv_heads)
-        return names[name], tensor
+        if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            # Stored as weight + 1 (see _NORM_PLUS_ONE); left in float32, so the model's
+            # own + 1 rounds once to its dtype.
+            return names[name], f.dequantize(name, torch.float32) - 1
+        return names[name], hf_rows(f.dequantize(name, dtype), name, config)
 
     with ThreadPoolExecutor(num_workers) as pool:
         yield from pool.map(load, names)

@@ -10,6 +10,7 @@ The projections are fused at load time: q/k/v into one ``qkv_proj``, gate/up int
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +124,12 @@ class LlamaForCausalLM(nn.Module):
     builds the module on the meta device to skip that initialization).
     """
 
+    # Fused module -> the checkpoint projections stacked in it, in order (vLLM's name).
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        fused: [proj for proj, (target, _) in sorted(_STACKED.items(), key=lambda kv: kv[1]) if target == fused]
+        for fused in _NUM_SHARDS
+    }
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.config = config
@@ -173,8 +180,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden_size] -> [S, vocab_size] float32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()  # a quantized lm_head is a module of its own
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace all parameters with checkpoint tensors named as in HF transformers.

