@@ -25,7 +25,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.models.llama import _NUM_SHARDS, _STACKED
+from pagedllm.models.weights import PACKED_MODULES_MAPPING, load_fused
 
 
 class Gemma3Attention(nn.Module):
@@ -123,10 +123,7 @@ class Gemma3ForCausalLM(nn.Module):
         dtype: dtype of weights and activations.
     """
 
-    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
-        fused: [proj for proj, (target, _) in sorted(_STACKED.items(), key=lambda kv: kv[1]) if target == fused]
-        for fused in _NUM_SHARDS
-    }
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = PACKED_MODULES_MAPPING
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
@@ -191,25 +188,14 @@ class Gemma3ForCausalLM(nn.Module):
         Fuses q/k/v and gate/up; every ``*norm.weight`` becomes ``1 + weight`` (added in
         float32, then cast once). A missing or unexpected name raises.
         """
-        state: dict[str, torch.Tensor] = {}
-        shards: dict[str, dict[int, torch.Tensor]] = {}
+        load_fused(self, self._renamed(weights), self.dtype)
+
+    @staticmethod
+    def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.").removeprefix("language_model.")
             if name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight":
                 continue  # recomputed / tied to embed_tokens
             if name.endswith("norm.weight"):
                 tensor = tensor.float() + 1
-            tensor = tensor.to(self.dtype)
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in _STACKED:
-                fused, index = _STACKED[parts[-2]]
-                parts[-2] = fused
-                shards.setdefault(".".join(parts), {})[index] = tensor
-            else:
-                state[name] = tensor
-        for name, pieces in shards.items():
-            num = _NUM_SHARDS[name.split(".")[-2]]
-            if len(pieces) != num:
-                raise ValueError(f"checkpoint has {len(pieces)} of the {num} projections fused into {name}")
-            state[name] = torch.cat([pieces[i] for i in range(num)])
-        self.load_state_dict(state, strict=True, assign=True)
+            yield name, tensor

@@ -20,16 +20,8 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.models.weights import PACKED_MODULES_MAPPING, load_fused
 
-# HF projection name -> (our fused projection, index of its rows in it)
-_STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 class LlamaAttention(nn.Module):
@@ -124,11 +116,7 @@ class LlamaForCausalLM(nn.Module):
     builds the module on the meta device to skip that initialization).
     """
 
-    # Fused module -> the checkpoint projections stacked in it, in order (vLLM's name).
-    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
-        fused: [proj for proj, (target, _) in sorted(_STACKED.items(), key=lambda kv: kv[1]) if target == fused]
-        for fused in _NUM_SHARDS
-    }
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = PACKED_MODULES_MAPPING
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
@@ -190,23 +178,14 @@ class LlamaForCausalLM(nn.Module):
         Fuses q/k/v and gate/up and casts to the model's dtype. A missing or unexpected
         name raises (ValueError for a fused projection's shard, else RuntimeError).
         """
-        state: dict[str, torch.Tensor] = {}
-        shards: dict[str, dict[int, torch.Tensor]] = {}
-        for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
-                continue  # recomputed / tied to embed_tokens
-            tensor = tensor.to(self.dtype)
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in _STACKED:
-                fused, index = _STACKED[parts[-2]]
-                parts[-2] = fused
-                shards.setdefault(".".join(parts), {})[index] = tensor
-            else:
-                state[name] = tensor
-        for name, pieces in shards.items():
-            num = _NUM_SHARDS[name.split(".")[-2]]
-            if len(pieces) != num:
-                raise ValueError(f"checkpoint has {len(pieces)} of the {num} projections fused into {name}")
-            state[name] = torch.cat([pieces[i] for i in range(num)])
-        self.load_state_dict(state, strict=True, assign=True)
+        tied = self.lm_head is None
+        load_fused(
+            self,
+            (
+                (name, tensor)
+                for name, tensor in ((n.removeprefix("model."), t) for n, t in weights)
+                # recomputed / tied to embed_tokens
+                if not (name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"))
+            ),
+            self.dtype,
+        )
