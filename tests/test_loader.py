@@ -12,10 +12,10 @@ import pytest
 import torch
 import transformers
 
-from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.core.kv_cache_groups import kv_cache_groups
 from pagedllm.models import gguf_loader, loader
 from pagedllm.models.loader import load_model, load_tokenizer, resolve_model
-from pagedllm.worker.kv_cache import allocate_kv_caches
+from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 
 BLOCK_SIZE = 16
 PROMPT = [{"role": "user", "content": "Write a haiku about paged attention."}]
@@ -40,9 +40,11 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @torch.inference_mode()
 def prefill_logits(model: torch.nn.Module, config, ids: list[int]) -> torch.Tensor:
     """Our logits for every position of one prompt, through a paged KV cache."""
-    num_blocks = -(-len(ids) // BLOCK_SIZE)
-    kv_caches = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, torch.float32)
-    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(num_blocks))], BLOCK_SIZE)
+    groups = kv_cache_groups(config)
+    n = -(-len(ids) // BLOCK_SIZE)  # blocks per group, each group its own ids
+    kv_caches = allocate_kv_caches(config, n * len(groups), BLOCK_SIZE, torch.float32)
+    tables = [[list(range(g * n, (g + 1) * n)) for g in range(len(groups))]]
+    meta = build_attention_metadata(groups, config.num_layers, [len(ids)], [len(ids)], tables, BLOCK_SIZE)
     return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, meta))
 
 

@@ -73,7 +73,7 @@ def test_prefill_matches_transformers(tiny) -> None:
     ids = torch.randint(0, config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     kv_caches = allocate_kv_caches(config, 4, BLOCK_SIZE, torch.float32)
     meta = AttentionMetadata.build([len(ids)], [len(ids)], [[2, 0, 3]], BLOCK_SIZE)
-    hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, meta)
+    hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, [meta] * config.num_layers)
     assert hidden.shape == (len(ids), config.hidden_size)
     logits = model.compute_logits(hidden)
     assert logits.dtype == torch.float32
@@ -101,7 +101,7 @@ def test_batched_chunked_prefill_and_decode_match_transformers(tiny) -> None:
         meta = AttentionMetadata.build(
             [b - a for _, a, b in step], [b for _, _, b in step], [tables[r] for r, _, _ in step], BLOCK_SIZE
         )
-        logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(positions), kv_caches, meta))
+        logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(positions), kv_caches, [meta] * config.num_layers))
         expected = torch.cat([refs[r][a:b] for r, a, b in step])
         torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
@@ -117,7 +117,7 @@ def test_bfloat16_close_to_float32(tiny) -> None:
         for model, dtype in ((model32, torch.float32), (model16, torch.bfloat16)):
             kv = allocate_kv_caches(config, 2, BLOCK_SIZE, dtype)
             meta = AttentionMetadata.build([len(ids)], [len(ids)], [[0, 1]], BLOCK_SIZE)
-            outs.append(model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv, meta)))
+            outs.append(model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv, [meta] * config.num_layers)))
     assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[0].abs().max()
 
 
@@ -175,5 +175,5 @@ def test_constructor_gives_random_model() -> None:
     assert not any(p.requires_grad for p in model.parameters())
     kv = allocate_kv_caches(config, 1, BLOCK_SIZE, torch.float32)
     meta = AttentionMetadata.build([5], [5], [[0]], BLOCK_SIZE)
-    hidden = model(torch.arange(5), torch.arange(5), kv, meta)
+    hidden = model(torch.arange(5), torch.arange(5), kv, [meta] * config.num_layers)
     assert model.compute_logits(hidden).shape == (5, 64)

@@ -37,11 +37,11 @@ def test_shared_prefix_hits_and_refcounts():
     assert admit(kv, first) == 0
     second = req("b", list(range(8)) + [99, 98, 97])
     assert admit(kv, second) == 8
-    shared = kv.req_blocks["a"][:2]
-    assert shared == kv.req_blocks["b"][:2]
+    shared = kv.req_blocks["a"][0][:2]
+    assert shared == kv.req_blocks["b"][0][:2]
     assert [b.ref_cnt for b in shared] == [2, 2]
-    assert kv.req_blocks["a"][2] is not kv.req_blocks["b"][2]  # partial blocks never shared
-    assert kv.req_blocks["a"][2].block_hash is None
+    assert kv.req_blocks["a"][0][2] is not kv.req_blocks["b"][0][2]  # partial blocks never shared
+    assert kv.req_blocks["a"][0][2].block_hash is None
     kv.free(first)
     kv.free(second)
     assert kv.pool.num_free_blocks == 16 and all(b.ref_cnt == 0 for b in kv.pool.blocks)
@@ -58,7 +58,7 @@ def test_eviction_order_after_free():
     kv = KVCacheManager(6, BS, True)
     a = req("a", range(12))  # 3 full blocks
     admit(kv, a)
-    ids = [b.block_id for b in kv.req_blocks["a"]]
+    ids = [b.block_id for b in kv.req_blocks["a"][0]]
     kv.free(a)
     order = [b.block_id for b in kv.pool.free_queue]
     # never-used blocks first, then a's blocks tail first (its tail is evicted before its head)

@@ -278,11 +278,11 @@ def test_drafts_are_scheduled_then_rolled_back() -> None:
     (s,) = out.scheduled
     assert (s.num_new_tokens, s.spec_token_ids, out.num_batched_tokens) == (5, [11, 12, 13, 14], 5)
     assert req.spec_token_ids == [] and req.num_computed_tokens == 11
-    assert len(sched.kv_cache.block_ids("a")) == 3  # 11 slots in blocks of 4
+    assert len(sched.kv_cache.block_ids("a")[0]) == 3  # 11 slots in blocks of 4
     sched.update_from_output(out, [[11, 9]])  # draft 1 accepted, 9 sampled instead of draft 2
     assert req.output_token_ids == [7, 11, 9]
     assert req.num_computed_tokens == 8 == req.num_tokens - 1
-    assert len(sched.kv_cache.block_ids("a")) == 2  # the block of rejected drafts only is free again
+    assert len(sched.kv_cache.block_ids("a")[0]) == 2  # the block of rejected drafts only is free again
     assert sched.kv_cache.pool.num_free_blocks == 62
     stats = sched.spec_stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 4, 1)
@@ -388,7 +388,7 @@ def test_kv_cache_manager_trim() -> None:
     kv = KVCacheManager(8, 4, enable_caching=False)
     req = make_request("a", 3)
     assert kv.allocate_slots(req, 3, num_lookahead_tokens=10)
-    ids = kv.block_ids("a")
+    (ids,) = kv.block_ids("a")  # one group
     assert len(ids) == 4 and kv.pool.num_free_blocks == 4
     kv.trim(req, 5)
     assert len(ids) == 2 and kv.pool.num_free_blocks == 6  # the live list itself shrinks

@@ -1,9 +1,18 @@
 """Per-request block tables over the block pool, with automatic prefix caching.
 
+Each KV cache group (``core/kv_cache_groups.py``) has its own block table per request; all
+groups draw from one pool. A sliding-window group lets go of the blocks that no scheduled
+token's window can reach any more (vLLM's sliding-window KV cache manager), so a long
+request holds about ``window / block_size + 1`` blocks there, not its whole length. A
+released block's entry stays in the table as ``NULL_BLOCK_ID`` (never read: attention
+starts at the window), so positions are never renumbered.
+
 Prefix caching follows vLLM V1's design: only full blocks are cached; a block's key chains
-its parent's key, its token ids and the request's ``cache_salt``; a new request reuses the
-longest run of cached blocks of its prompt, always leaving its last prompt token to compute
-so there are logits to sample from.
+its parent's key, its token ids and the request's ``cache_salt``, plus the group's index
+(the same tokens have other K/V in other layers); a new request reuses the longest run of
+cached blocks of its prompt that every group can serve, always leaving its last prompt
+token to compute so there are logits to sample from. A global group must hold the whole
+run; a sliding-window group only the blocks inside the window of the first token computed.
 """
 
 from __future__ import annotations
@@ -12,7 +21,11 @@ import hashlib
 from array import array
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache_groups import KVCacheGroup
 from pagedllm.core.request import Request
+
+NULL_BLOCK_ID = 0  # table entry of a released sliding-window block; attention never reads it
+_GLOBAL = (KVCacheGroup((), 0),)
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
@@ -29,6 +42,11 @@ def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> 
     return h.digest()
 
 
+def _group_key(block_hash: bytes, group: int) -> bytes:
+    """The cache key of a block in one group: group 0 uses the chain hash itself."""
+    return block_hash + group.to_bytes(2, "little") if group else block_hash
+
+
 class KVCacheManager:
     """Allocates blocks to requests as they grow and frees them when they end.
 
@@ -36,14 +54,23 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         block_size: token slots per block.
         enable_caching: reuse cached full blocks across requests (prefix caching).
+        groups: the model's KV cache groups; default one global group.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup] = _GLOBAL,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.groups = list(groups)
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_block_ids: dict[str, list[int]] = {}
+        # Per request, per group: blocks (None where released) and their ids.
+        self.req_blocks: dict[str, list[list[KVCacheBlock | None]]] = {}
+        self.req_block_ids: dict[str, list[list[int]]] = {}
         self.num_hashed_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up, for the hit-rate metric
         self.prefix_hits = 0  # of those, tokens found in the cache
@@ -52,19 +79,30 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest run of cached full blocks of the request's tokens, and its length in tokens."""
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock | None]], int]:
+        """Cached blocks of the request's longest servable prefix, per group, and its length in tokens."""
+        hits: list[list[KVCacheBlock | None]] = [[] for _ in self.groups]
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position computed
+            return hits, 0  # prompt logprobs need every prompt position computed
         self._update_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size  # the last token is computed
-        hits = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
+        num = (request.num_tokens - 1) // self.block_size  # the last token is computed
+        for g, group in enumerate(self.groups):
+            if not group.window:
+                num = min(num, self._cached_run(request.block_hashes, g, 0, num))
+        while num and any(
+            self._cached_run(request.block_hashes, g, group.first_needed_block(num * self.block_size, self.block_size), num)
+            < num
+            for g, group in enumerate(self.groups)
+            if group.window
+        ):
+            num -= 1
+        if num:
+            for g, group in enumerate(self.groups):
+                first = group.first_needed_block(num * self.block_size, self.block_size)
+                hits[g] = [None] * first + [
+                    self.pool.get_cached_block(_group_key(h, g)) for h in request.block_hashes[first:num]
+                ]
+        num_hit_tokens = num * self.block_size
         self.prefix_queries += request.num_tokens
         self.prefix_hits += num_hit_tokens
         return hits, num_hit_tokens
@@ -73,45 +111,53 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        computed_blocks: list[KVCacheBlock] | None = None,
+        computed_blocks: list[list[KVCacheBlock | None]] | None = None,
         num_lookahead_tokens: int = 0,
     ) -> bool:
         """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``.
 
-        ``computed_blocks`` are prefix hits for a request being admitted (its
+        ``computed_blocks`` are prefix hits (per group) for a request being admitted (its
         ``num_computed_tokens`` already counts them). ``num_lookahead_tokens`` are draft
-        tokens: they get slots but are never entered into the prefix cache.
+        tokens: they get slots but are never entered into the prefix cache. Sliding-window
+        groups first release the blocks before the window of this step's first token.
 
         Returns:
-            False, changing nothing, if the pool has too few free blocks.
+            False, allocating nothing, if the pool has too few free blocks.
         """
-        computed_blocks = computed_blocks or []
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        block_ids = self.req_block_ids.setdefault(request.request_id, [])
+        rid = request.request_id
+        tables = self.req_blocks.setdefault(rid, [[] for _ in self.groups])
+        ids = self.req_block_ids.setdefault(rid, [[] for _ in self.groups])
+        computed = computed_blocks or [[] for _ in self.groups]
+        for g, group in enumerate(self.groups):
+            if group.window:
+                self._release_skipped(tables[g], ids[g], group, request.num_computed_tokens)
         num_total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        num_needed = -(-num_total // self.block_size) - len(blocks) - len(computed_blocks)
-        num_reusable = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # leave the free queue
-        if num_needed > self.pool.num_free_blocks - num_reusable:
+        num_blocks = -(-num_total // self.block_size)
+        needed = [max(0, num_blocks - len(tables[g]) - len(computed[g])) for g in range(len(self.groups))]
+        reusable = sum(1 for hits in computed for b in hits if b is not None and b.ref_cnt == 0)
+        if sum(needed) > self.pool.num_free_blocks - reusable:
             return False
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
-            blocks.extend(computed_blocks)
-            block_ids.extend(b.block_id for b in computed_blocks)
-        if num_needed > 0:
-            new_blocks = self.pool.get_new_blocks(num_needed)
-            blocks.extend(new_blocks)
-            block_ids.extend(b.block_id for b in new_blocks)
+        for g in range(len(self.groups)):
+            if computed[g]:
+                self.pool.touch(b for b in computed[g] if b is not None)
+                tables[g].extend(computed[g])
+                ids[g].extend(NULL_BLOCK_ID if b is None else b.block_id for b in computed[g])
+            if needed[g]:
+                new_blocks = self.pool.get_new_blocks(needed[g])
+                tables[g].extend(new_blocks)
+                ids[g].extend(b.block_id for b in new_blocks)
         if self.enable_caching:
             num_known = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
-            self._cache_full_blocks(request, blocks, num_known // self.block_size)
+            self._cache_full_blocks(request, tables, num_known // self.block_size)
         return True
 
     def free(self, request: Request) -> None:
         """Return all of a request's blocks, tail first (so its tail is evicted first)."""
-        blocks = self.req_blocks.pop(request.request_id, [])
+        tables = self.req_blocks.pop(request.request_id, [])
         self.req_block_ids.pop(request.request_id, None)
         self.num_hashed_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        for blocks in tables:
+            self.pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Keep the blocks holding the first ``num_tokens`` slots; return the rest to the pool.
@@ -120,22 +166,48 @@ class KVCacheManager:
         rejected draft tokens are empty again. They were never cached (only blocks full of
         known tokens are), so they rejoin the free queue without a hash.
         """
-        blocks = self.req_blocks.get(request.request_id)
-        if blocks is None:
+        tables = self.req_blocks.get(request.request_id)
+        if tables is None:
             return
         keep = -(-num_tokens // self.block_size)
-        if keep >= len(blocks):
-            return
-        tail = blocks[keep:]
-        del blocks[keep:]
-        del self.req_block_ids[request.request_id][keep:]
-        self.pool.free_blocks(reversed(tail))
+        for blocks, ids in zip(tables, self.req_block_ids[request.request_id]):
+            tail = blocks[keep:]
+            del blocks[keep:], ids[keep:]
+            self.pool.free_blocks(b for b in reversed(tail) if b is not None)
 
-    def block_ids(self, request_id: str) -> list[int]:
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table in each group (live lists; read them, do not keep them)."""
         return self.req_block_ids[request_id]
+
+    def num_held_blocks(self, request_id: str) -> list[int]:
+        """Blocks the request holds in each group (released entries not counted)."""
+        return [sum(b is not None for b in blocks) for blocks in self.req_blocks.get(request_id, [])]
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def _cached_run(self, hashes: list[bytes], group: int, start: int, end: int) -> int:
+        """Index of the first block in ``hashes[start:end]`` not cached in ``group``; ``end`` if none."""
+        for i in range(start, end):
+            if self.pool.get_cached_block(_group_key(hashes[i], group)) is None:
+                return i
+        return end
+
+    def _release_skipped(
+        self, blocks: list[KVCacheBlock | None], ids: list[int], group: KVCacheGroup, first_query_pos: int
+    ) -> None:
+        """Free the blocks wholly before the window of a query at ``first_query_pos``.
+
+        Oldest first, so they are evicted first: a later prefix hit needs the newest ones.
+        """
+        first = min(group.first_needed_block(first_query_pos, self.block_size), len(blocks))
+        skipped = []
+        for i in range(first - 1, -1, -1):
+            if blocks[i] is None:
+                break  # everything before was released already
+            skipped.append(blocks[i])
+            blocks[i], ids[i] = None, NULL_BLOCK_ID
+        self.pool.free_blocks(reversed(skipped))
 
     def _update_hashes(self, request: Request) -> None:
         hashes = request.block_hashes
@@ -145,11 +217,13 @@ class KVCacheManager:
             parent = hashes[i - 1] if i else None
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], request.cache_salt))
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full: int) -> None:
+    def _cache_full_blocks(self, request: Request, tables: list[list[KVCacheBlock | None]], num_full: int) -> None:
         start = self.num_hashed_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
         self._update_hashes(request)
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        for g, blocks in enumerate(tables):
+            for i in range(start, num_full):
+                if blocks[i] is not None:
+                    self.pool.cache_block(blocks[i], _group_key(request.block_hashes[i], g))
         self.num_hashed_blocks[request.request_id] = num_full

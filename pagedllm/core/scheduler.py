@@ -32,7 +32,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from num_computed_before on (drafts included)
     num_computed_before: int
-    block_ids: list[int]  # the request's block table (a live list; read it, do not keep it)
+    block_ids: list[list[int]]  # the request's block table per KV cache group (live lists; read, do not keep)
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens verified this step
     spec_probs: torch.Tensor | None = None  # FloatTensor[len(spec_token_ids), V]; None: n-gram
 

@@ -12,6 +12,7 @@ import time
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.core.kv_cache_groups import kv_cache_groups, max_request_tokens
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -63,16 +64,28 @@ class EngineCore:
         logger.info("loaded %s in %.2f s (%s)", model_config.name or config.model, time.perf_counter() - t0, config.dtype)
 
         num_blocks = num_kv_blocks(config, model_config)
-        self.max_model_len = min(resolve_max_model_len(config, model_config), num_blocks * config.block_size)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes is smaller than one KV block")
+        groups = kv_cache_groups(model_config)
+        self.max_model_len = max_request_tokens(
+            groups, num_blocks, config.block_size, config.max_num_batched_tokens,
+            resolve_max_model_len(config, model_config),
+        )
+        if self.max_model_len < 1:
+            raise ValueError(
+                f"kv_cache_memory {config.kv_cache_memory} bytes ({num_blocks} KV blocks) cannot hold one token "
+                f"in every KV cache group ({len(groups)} groups)"
+            )
         self.num_blocks = num_blocks
         kv_bytes = num_blocks * bytes_per_block(model_config, config.block_size, config.dtype)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB",
             num_blocks, config.block_size, num_blocks * config.block_size, kv_bytes / 1024**3,
         )
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        if len(groups) > 1:
+            logger.info(
+                "KV cache: %d groups of %d layers (windows %s), one block table each",
+                len(groups), len(groups[0].layers), [g.window for g in groups],
+            )
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, groups)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )

@@ -158,16 +158,16 @@ class Gemma3ForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: list[AttentionMetadata],
     ) -> torch.Tensor:
         """Same contract as :meth:`LlamaForCausalLM.forward`: [T] ids/positions -> [T, hidden]."""
         cos_sin = self.rotary_emb(positions)
         cos_sin_local = cos_sin if self.rotary_emb_local is None else self.rotary_emb_local(positions)
         x = self.embed_tokens(input_ids) * self.embed_scale
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata, strict=True):
             cos, sin = cos_sin_local if layer.is_sliding else cos_sin
-            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 

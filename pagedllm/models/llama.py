@@ -144,16 +144,17 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: list[AttentionMetadata],
     ) -> torch.Tensor:
         """One step over all scheduled tokens of all requests, flattened.
 
         Args:
             input_ids: [T] int64 token ids.
             positions: [T] int64 position of each token in its sequence.
-            kv_caches: one (k_cache, v_cache) per layer, each
+            kv_caches: one (k_cache, v_cache) per layer (layers may share tensors), each
                 [num_blocks, block_size, num_kv_heads, head_dim] in the model's dtype.
-            attn_metadata: the step's paged-attention metadata.
+            attn_metadata: per layer, the step's paged-attention metadata (layers of one
+                KV cache group share one; see ``worker/kv_cache.build_attention_metadata``).
 
         Returns:
             [T, hidden_size] final hidden states (after the last norm), in the model's dtype.
@@ -161,8 +162,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary_emb(positions)
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 

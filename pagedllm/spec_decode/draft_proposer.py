@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.core.kv_cache_groups import kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
-from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.sampler import SamplingMetadata, SamplingRow, _inverse_cdf, process_logits, sampling_probs
 from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.spec_decode.proposer import max_num_drafts
-from pagedllm.worker.kv_cache import allocate_kv_caches
+from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 
 logger = logging.getLogger("pagedllm")
 
@@ -97,7 +97,8 @@ class DraftModelProposer:
             )
         self.k = num_speculative_tokens
         self.block_size = block_size
-        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_caching=False)
+        self.groups = kv_cache_groups(self.config)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_caching=False, groups=self.groups)
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, dtype)
         self.seqs: dict[str, _DraftSequence] = {}
         logger.info(
@@ -172,7 +173,9 @@ class DraftModelProposer:
             token_ids.extend(feed)
             positions.extend(range(start, start + len(feed)))
             last_rows.append(len(token_ids) - 1)
-        meta = AttentionMetadata.build(
+        meta = build_attention_metadata(
+            self.groups,
+            self.config.num_layers,
             [len(f) for f in feeds],
             [d.seq.num_computed_tokens + len(f) for d, f in zip(batch, feeds)],
             [self.kv_cache.block_ids(d.seq.request_id) for d in batch],

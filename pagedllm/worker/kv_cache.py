@@ -1,4 +1,4 @@
-"""Sizing and allocating the per-layer paged K/V caches."""
+"""Sizing and allocating the paged K/V caches."""
 
 from __future__ import annotations
 
@@ -6,12 +6,15 @@ import numpy as np
 import torch
 
 from pagedllm.config import ModelConfig
+from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layers_per_block
+from pagedllm.layers.attention import AttentionMetadata
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
+    """Bytes one block takes: K and V of ``block_size`` slots in each layer of one KV cache group."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+    num_layers = layers_per_block(kv_cache_groups(config))
+    return 2 * num_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
 
 def allocate_kv_caches(
@@ -19,11 +22,42 @@ def allocate_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
 
+    The ``j``-th layer of every KV cache group gets the same tensors (see
+    ``core/kv_cache_groups.py``): block ids, not tensors, keep the groups apart. With one
+    group (every layer global) each layer has tensors of its own.
+
     The memory comes from numpy's calloc: zero pages the OS maps lazily, so start-up does
     not touch gigabytes, and never-written slots read as 0.0 (masked padding must not be NaN).
     """
+    groups = kv_cache_groups(config)
+    num_slots = layers_per_block(groups)
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     per_layer = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(2 * config.num_layers * per_layer, dtype=np.uint8))
-    flat = raw.view(dtype).view(config.num_layers, 2, *shape)
-    return [(flat[i, 0], flat[i, 1]) for i in range(config.num_layers)]
+    raw = torch.from_numpy(np.zeros(2 * num_slots * per_layer, dtype=np.uint8))
+    flat = raw.view(dtype).view(num_slots, 2, *shape)
+    caches: list[tuple[torch.Tensor, torch.Tensor]] = [None] * config.num_layers  # type: ignore[list-item]
+    for group in groups:
+        for j, layer in enumerate(group.layers):
+            caches[layer] = (flat[j, 0], flat[j, 1])
+    return caches
+
+
+def build_attention_metadata(
+    groups: list[KVCacheGroup],
+    num_layers: int,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[list[int]]],
+    block_size: int,
+) -> list[AttentionMetadata]:
+    """The step's attention metadata for each layer: one per KV cache group, shared by its layers.
+
+    Args:
+        block_tables: per request, its block table in each group.
+    """
+    per_layer: list[AttentionMetadata] = [None] * num_layers  # type: ignore[list-item]
+    for g, group in enumerate(groups):
+        meta = AttentionMetadata.build(query_lens, seq_lens, [t[g] for t in block_tables], block_size)
+        for layer in group.layers:
+            per_layer[layer] = meta
+    return per_layer

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config import ModelConfig
+from pagedllm.core.kv_cache_groups import kv_cache_groups
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
-from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.rejection_sampler import RejectionSampler
 from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, compute_logprobs
 from pagedllm.outputs import TokenLogprobs
-from pagedllm.worker.kv_cache import allocate_kv_caches
+from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 
 
 @dataclass
@@ -50,6 +50,7 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.block_size = block_size
+        self.groups = kv_cache_groups(config)
         self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, dtype)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
@@ -67,7 +68,9 @@ class ModelRunner:
             token_ids.extend(s.request.all_token_ids[start:end])  # stops at the last known token
             token_ids.extend(s.spec_token_ids)
             positions.extend(range(start, end))
-        meta = AttentionMetadata.build(
+        meta = build_attention_metadata(
+            self.groups,
+            self.config.num_layers,
             [s.num_new_tokens for s in reqs],
             [s.num_computed_before + s.num_new_tokens for s in reqs],
             [s.block_ids for s in reqs],
