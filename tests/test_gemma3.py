@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from pagedllm.config import ModelConfig
-from pagedllm.core.kv_cache_groups import blocks_per_request, kv_cache_groups
+from pagedllm.core.kv_cache_groups import blocks_per_request, kv_cache_groups, max_request_tokens
 from pagedllm.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
@@ -107,6 +107,15 @@ def test_groups_of_the_tiny_model(tiny) -> None:
     groups = kv_cache_groups(config)
     assert [g.window for g in groups] == [0] + [WINDOW] * 5  # one layer per group: 1 global, 5 sliding
     assert sorted(layer for g in groups for layer in g.layers) == list(range(6))
+
+
+def test_longest_request_counts_every_group(tiny) -> None:
+    """The global group needs a block per 4 tokens, each sliding group at most 3 (chunk of 1)."""
+    groups = kv_cache_groups(tiny[2])
+    assert blocks_per_request(groups, 40, BLOCK_SIZE, 1) == 10 + 5 * 3
+    assert max_request_tokens(groups, 25, BLOCK_SIZE, 1, limit=1000) == 40
+    assert max_request_tokens(groups, 25, BLOCK_SIZE, 1, limit=30) == 30
+    assert max_request_tokens(groups, 5, BLOCK_SIZE, 1, limit=1000) == 0  # not one block per group
 
 
 def test_prefill_matches_transformers(tiny) -> None:
@@ -252,8 +261,8 @@ def test_real_model_greedy_matches_transformers() -> None:
             assert math.isclose(ours.logprobs[i][a].logprob, ref_logprobs[i][a].item(), abs_tol=2e-3), i
         else:
             assert len(ours.token_ids) == 24
-    # Prefix caching stays on: every layer keeps all its blocks, so a hit is valid for the
-    # sliding-window layers too. The long prompt again: served from the cache, same tokens.
+    # The long prompt again: a prefix hit, valid in the sliding-window groups too (their
+    # released blocks stay cached until evicted), gives the same tokens.
     hits = llm.engine.core.kv_cache.prefix_hits
     again = llm.generate([long_prompt], params)[0].outputs[0]
     assert llm.engine.core.kv_cache.prefix_hits - hits > 1000

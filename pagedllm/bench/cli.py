@@ -6,7 +6,7 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from pagedllm.bench import perplexity, quant, serve, spec, throughput
+    from pagedllm.bench import kv_memory, perplexity, quant, serve, spec, throughput
     from pagedllm.entrypoints.cli import add_engine_args
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -34,6 +34,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(qb)
     quant.add_args(qb)
     qb.set_defaults(func=quant.run)
+
+    kv = bench_sub.add_parser("kv-memory", help="KV blocks held per long request, sliding-window release on vs off")
+    kv_memory.add_args(kv)
+    kv.set_defaults(func=kv_memory.run)
 
     sv = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
     serve.add_bench_serve_args(sv)

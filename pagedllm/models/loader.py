@@ -221,6 +221,13 @@ def _mark_verified(path: Path, sha256: str) -> None:
         pass  # read-only cache: verify again next time
 
 
+def load_config(resolved: ResolvedModel) -> ModelConfig:
+    """The model's hyper-parameters alone (GGUF metadata or config.json), no weights read."""
+    if resolved.kind == "gguf":
+        return gguf_config(GGUFFile(resolved.path), resolved.name)
+    return hf_config(resolved.path, resolved.name)
+
+
 def load_model(
     resolved: ResolvedModel, dtype: torch.dtype = torch.bfloat16, quantization: QuantizationConfig | None = None
 ) -> tuple[nn.Module, ModelConfig]:
