@@ -62,6 +62,10 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     dtype: torch.dtype = torch.float32
+    # float32 models: steps of at most this many tokens read bfloat16 copies of the linear
+    # weights (layers/linear.py; faster where reading the weight dominates). 0: float32 only,
+    # batch-invariant. dtype "auto" sets 8 (measured), an explicit "float32" sets 0.
+    bf16_max_rows: int = 0
     max_model_len: int | None = None  # None: min(model's context, 8192)
     block_size: int = 16
     kv_cache_memory: int = 4 * 1024**3
@@ -97,9 +101,11 @@ class EngineConfig:
         return QuantizationConfig.parse(self.quantization, self.quantization_group_size, self.quantize_lm_head)
 
 
+AUTO_BF16_MAX_ROWS = 8
+
 _DTYPES = {
     # Measured on the target CPU (docs/benchmarks.md): fp32 matmuls run about 2x the bf16 rate
-    # for batched shapes and equal it at batch 1, and bf16 greedy outputs drift with batching.
+    # for batched shapes; "auto" is float32 with bfloat16 weight copies for small steps.
     "auto": torch.float32,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -123,6 +129,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return _DTYPES[dtype.lower()]
     except KeyError:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}") from None
+
+
+def auto_bf16_max_rows(dtype: str | torch.dtype) -> int:
+    """``bf16_max_rows`` for a dtype setting: "auto" gets bfloat16 weight copies for small steps."""
+    return AUTO_BF16_MAX_ROWS if isinstance(dtype, str) and dtype.lower() == "auto" else 0
 
 
 def parse_memory(value: str | int | float) -> int:

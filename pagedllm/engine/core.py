@@ -59,7 +59,9 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.config = config
         t0 = time.perf_counter()
-        model, model_config = load_model(resolve_model(config.model), config.dtype, config.quantization_config())
+        model, model_config = load_model(
+            resolve_model(config.model), config.dtype, config.quantization_config(), config.bf16_max_rows
+        )
         self.model_config = model_config
         logger.info("loaded %s in %.2f s (%s)", model_config.name or config.model, time.perf_counter() - t0, config.dtype)
 

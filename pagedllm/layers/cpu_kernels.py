@@ -1,8 +1,9 @@
 """Native CPU kernels (pagedllm/csrc), compiled on first use with the system C++ compiler.
 
-A plain shared library called through ctypes: no torch headers, so it builds in about a
-second, and is cached under ``$PAGEDLLM_CACHE`` (default ``~/.cache/pagedllm``) by source
-hash. Where no compiler works, ``decode_kernel()`` returns None and callers use PyTorch.
+One plain shared library from every ``csrc/*.cpp``, called through ctypes: no torch
+headers, so it builds in a few seconds, and is cached under ``$PAGEDLLM_CACHE`` (default
+``~/.cache/pagedllm``) by source hash. Where no compiler works (or
+``PAGEDLLM_DISABLE_NATIVE=1``), ``native_library()`` is None and callers use PyTorch.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 
 logger = logging.getLogger("pagedllm")
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_SOURCES = sorted((Path(__file__).resolve().parent.parent / "csrc").glob("*.cpp"))
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++20"]
 
 
 def cache_dir() -> Path:
@@ -29,21 +30,22 @@ def cache_dir() -> Path:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def native_library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot be built or are disabled."""
     if os.environ.get("PAGEDLLM_DISABLE_NATIVE") == "1":
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in _SOURCES)
     key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    path = cache_dir() / f"paged_attention_{key}.so"
+    path = cache_dir() / f"kernels_{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = Path(tmp) / path.name
-            cmd = [os.environ.get("CXX", "g++"), *_FLAGS, "-o", str(out), str(_SOURCE)]
+            cmd = [os.environ.get("CXX", "g++"), *_FLAGS, "-o", str(out), *map(str, _SOURCES)]
             try:
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
             except (OSError, subprocess.SubprocessError) as e:
-                logger.warning("native attention kernel unavailable (%s); using PyTorch attention", e)
+                logger.warning("native kernels unavailable (%s); using PyTorch", e)
                 return None
             os.replace(out, path)  # atomic: concurrent processes never load a half-written file
     lib = ctypes.CDLL(str(path))
@@ -52,6 +54,10 @@ def _library() -> ctypes.CDLL | None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     # is_bf16, q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv, D, BS, scale, window
     fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+    lib.linear_pack_f32.argtypes = lib.linear_pack_bf16.argtypes = [ptr, ptr, i64, i64]
+    lib.linear_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.linear_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.linear_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -76,7 +82,7 @@ def paged_decode_attention(
     Returns:
         [B, num_heads, head_dim] in q's dtype.
     """
-    lib = _library()
+    lib = native_library()
     if lib is None or q.dtype not in (torch.bfloat16, torch.float32) or q.shape[-1] not in (64, 128, 256):
         return None
     q = q.contiguous()

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.cpu_kernels import native_library
+from pagedllm.layers.linear import pack_linears
 from pagedllm.layers.quantization.config import QuantizationConfig
 from pagedllm.layers.quantization.gguf import gguf_linears
 from pagedllm.layers.quantization.model import quantize_model
@@ -229,12 +231,17 @@ def load_config(resolved: ResolvedModel) -> ModelConfig:
 
 
 def load_model(
-    resolved: ResolvedModel, dtype: torch.dtype = torch.bfloat16, quantization: QuantizationConfig | None = None
+    resolved: ResolvedModel,
+    dtype: torch.dtype = torch.bfloat16,
+    quantization: QuantizationConfig | None = None,
+    bf16_max_rows: int = 0,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model and fill it with the checkpoint's weights, cast to ``dtype``.
 
     With ``quantization``, the linear layers are quantized (from float32 weights, or kept from
     the GGUF blocks where the layouts allow; the log says which) and run in ``dtype`` around them.
+    Otherwise a float32 model's linear layers are packed for the native GEMM where it builds
+    (``layers/linear.py``); steps of at most ``bf16_max_rows`` tokens read bfloat16 copies.
 
     Raises:
         ValueError: unsupported architecture (naming the supported ones) or checkpoint feature,
@@ -256,6 +263,8 @@ def load_model(
         if quantization is not None:
             linears = None if gguf is None else gguf_linears(gguf, config, quantization)
             quantize_model(model, quantization, dtype, linears, num_workers=num_threads)
+        elif dtype == torch.float32 and native_library() is not None:
+            pack_linears(model, bf16_max_rows)
     return model.eval(), config
 
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from pagedllm.config import EngineConfig, parse_dtype, parse_memory
+from pagedllm.config import EngineConfig, auto_bf16_max_rows, parse_dtype, parse_memory
 
 logger = logging.getLogger("pagedllm")
 
@@ -30,6 +30,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from pagedllm.entrypoints.cli import engine_kwargs
 
     kwargs = engine_kwargs(args)
+    kwargs["bf16_max_rows"] = auto_bf16_max_rows(kwargs["dtype"])
     kwargs["dtype"] = parse_dtype(kwargs["dtype"])
     kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])
     return EngineConfig(**kwargs)

@@ -1,0 +1,177 @@
+// y[M, N] = x[M, K] @ w[N, K]^T + bias, float32 activations, weights packed once at load time.
+//
+// Two weight formats, chosen per call by the caller (layers/linear.py):
+// - float32 panels, for batches of many rows (compute bound: FMA on float32 runs at twice
+//   the rate of vdpbf16ps on the CPUs we measured);
+// - bfloat16 panels, for a few rows (bound by reading the weight: half the bytes), through
+//   AVX512-BF16's vdpbf16ps; x is rounded to bfloat16, accumulation stays float32.
+// A panel holds 32 output columns: float32 as [K][32], bfloat16 as [K/2][32][2] (a pair of
+// consecutive k per column, the vdpbf16ps operand layout). N is padded to a multiple of 32
+// and K to even with zeros. A micro-tile keeps R rows x 32 columns of y in registers while
+// it walks K once; every row takes the same instructions in the same order whatever M is,
+// so a row's result does not depend on the rest of the batch. Threads split the panels.
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t NB = 32;  // output columns per panel
+
+inline __mmask16 low_mask(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1); }
+
+template <int R>
+inline void store(__m512 (&acc)[R][2], float* y, int64_t ldy, int64_t ncols) {
+  const __mmask16 m0 = low_mask(ncols), m1 = low_mask(ncols - 16);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+  }
+}
+
+template <int R>
+inline void init(__m512 (&acc)[R][2], const float* bias) {
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    acc[r][1] = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  }
+}
+
+// x: R rows of K floats (stride ldx); panel: [K][32] float32.
+template <int R>
+void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias, float* y, int64_t ldy,
+              int64_t ncols) {
+  __m512 acc[R][2];
+  init<R>(acc, bias);
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(panel + k * NB), w1 = _mm512_loadu_ps(panel + k * NB + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+    }
+  }
+  store<R>(acc, y, ldy, ncols);
+}
+
+#ifdef __AVX512BF16__
+// x: R rows of kp bf16 pairs (stride ldx, in uint32); panel: [kp][32][2] bfloat16.
+template <int R>
+void tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t kp, const float* bias, float* y,
+               int64_t ldy, int64_t ncols) {
+  __m512 acc[R][2];
+  init<R>(acc, bias);
+  for (int64_t k = 0; k < kp; ++k) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + k * 2 * NB);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + k * 2 * NB + NB);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + k]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+    }
+  }
+  store<R>(acc, y, ldy, ncols);
+}
+#endif
+
+// Rows m..M of one panel: full tiles of MR rows, then one tile of the rest (its size
+// dispatched at compile time).
+template <int MR, typename Tile>
+void panel_rows(int64_t M, Tile tile) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile(std::integral_constant<int, MR>{}, m);
+  const int64_t rest = M - m;
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    ((rest == I + 1 ? (tile(std::integral_constant<int, I + 1>{}, m), 0) : 0), ...);
+  }(std::make_integer_sequence<int, MR - 1>{});
+}
+
+}  // namespace
+
+extern "C" {
+
+int linear_bf16_available() {
+#ifdef __AVX512BF16__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// w: [N, K] float32 -> float32 panels [ceil(N/32)][K][32], zero padded.
+void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
+  const int64_t panels = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < NB; ++c) {
+        const int64_t n = p * NB + c;
+        packed[(p * K + k) * NB + c] = n < N ? w[n * K + k] : 0.0f;
+      }
+}
+
+// w: [N, K] bfloat16 bits -> bfloat16 panels [ceil(N/32)][ceil(K/2)][32][2], zero padded.
+void linear_pack_bf16(const uint16_t* w, uint16_t* packed, int64_t N, int64_t K) {
+  const int64_t kp = (K + 1) / 2, panels = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t k2 = 0; k2 < kp; ++k2)
+      for (int64_t c = 0; c < NB; ++c)
+        for (int64_t j = 0; j < 2; ++j) {
+          const int64_t n = p * NB + c, k = 2 * k2 + j;
+          packed[((p * kp + k2) * NB + c) * 2 + j] = (n < N && k < K) ? w[n * K + k] : 0;
+        }
+}
+
+// x: [M, K] float32; y: [M, N] float32; bias: null or float32 padded to ceil(N/32)*32.
+void linear_f32(const float* x, const float* packed, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t panels = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const float* panel = packed + p * K * NB;
+    const float* b = bias ? bias + p * NB : nullptr;
+    const int64_t ncols = N - p * NB < NB ? N - p * NB : NB;
+    panel_rows<12>(M, [&](auto r, int64_t m) {
+      tile_f32<decltype(r)::value>(x + m * K, K, panel, K, b, y + m * N + p * NB, N, ncols);
+    });
+  }
+}
+
+// As linear_f32 over bfloat16 panels (x rounded to bfloat16). Returns -1 without AVX512-BF16.
+int linear_bf16(const float* x, const uint16_t* packed, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+#ifdef __AVX512BF16__
+  const int64_t kp = (K + 1) / 2, panels = (N + NB - 1) / NB;
+  std::vector<uint32_t> pairs(static_cast<size_t>(M * kp));
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* row = reinterpret_cast<uint16_t*>(pairs.data() + m * kp);
+    const float* src = x + m * K;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+    if (k < K) {
+      const __mmask16 mask = low_mask(K - k);
+      _mm256_mask_storeu_epi16(row + k, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + k)));
+    }
+    if (K % 2) row[K] = 0;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint16_t* panel = packed + p * kp * 2 * NB;
+    const float* b = bias ? bias + p * NB : nullptr;
+    const int64_t ncols = N - p * NB < NB ? N - p * NB : NB;
+    panel_rows<8>(M, [&](auto r, int64_t m) {
+      tile_bf16<decltype(r)::value>(pairs.data() + m * kp, kp, panel, kp, b, y + m * N + p * NB, N, ncols);
+    });
+  }
+  return 0;
+#else
+  (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K;
+  return -1;
+#endif
+}
+
+}  // extern "C"
