@@ -50,15 +50,57 @@ def test_int8_round_trip_within_half_a_step() -> None:
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_round_trip_within_half_a_step(group_size: int) -> None:
+def test_int4_min_max_round_trip_within_half_a_step(group_size: int) -> None:
     w = weights()
-    qw = quantize_int4(w, group_size)
+    qw = quantize_int4(w, group_size, search=False)
     assert qw.group_size == group_size and int(qw.q.max()) <= 15
     scales = qw.scales.repeat_interleave(group_size, 1)
     zeros = (qw.mins + 8 * qw.scales).repeat_interleave(group_size, 1)
     assert torch.equal(zeros, zeros.bfloat16().float())  # the kernel's zero points exactly
     assert ((qw.dequantize() - w).abs() <= scales / 2 + zeros.abs() / 512).all()
     assert torch.equal(qw.dequantize()[5], torch.zeros(w.shape[1]))
+
+
+def _group_sse(w: torch.Tensor, qw) -> torch.Tensor:
+    """[N, K / group_size] sum of squared reconstruction errors per group."""
+    return (qw.dequantize() - w).square().view(w.shape[0], -1, qw.group_size).sum(-1)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_int4_search_never_worse_than_min_max(group_size: int, seed: int) -> None:
+    w = weights(seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    w[10:20] = torch.rand(10, w.shape[1], generator=gen) - 0.3  # skewed, uniform groups too
+    qw, plain = quantize_int4(w, group_size), quantize_int4(w, group_size, search=False)
+    assert qw.q.dtype == torch.uint8 and int(qw.q.max()) <= 15 and qw.scales.shape == plain.scales.shape
+    zeros = qw.mins + 8 * qw.scales
+    assert torch.equal(zeros, zeros.bfloat16().float()) and torch.equal(qw.scales, qw.scales.bfloat16().float())
+    assert (qw.scales > 0).all()
+    sse, plain_sse = _group_sse(w, qw), _group_sse(w, plain)
+    assert (sse <= plain_sse).all()  # per group, by construction
+    assert float(sse.sum()) < 0.85 * float(plain_sse.sum())  # and clearly better overall
+    # Per element, the min/max bound holds up to sqrt(group_size) (each error^2 <= its group's sum).
+    s = plain.scales.repeat_interleave(group_size, 1)
+    z = (plain.mins + 8 * plain.scales).repeat_interleave(group_size, 1)
+    assert ((qw.dequantize() - w).abs() <= group_size**0.5 * (s / 2 + z.abs() / 512)).all()
+    assert torch.equal(qw.dequantize()[5], torch.zeros(w.shape[1]))  # the all-zero row stays exact
+    if group_size == 32:
+        assert torch.equal(qw.dequantize()[6, 32:64], w[6, 32:64])  # and the constant group
+
+
+def test_int4_search_recovers_a_coarser_grid() -> None:
+    """Weights already on a 4-bit grid whose codes span only 0..14 (a GGUF 4-bit block whose
+    scale was fitted, not min/max, requantized from float): min/max's 15 steps miss the grid,
+    the search's 14-step trial finds it exactly."""
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 15, (64, 8, 32), generator=gen).float()
+    codes[..., 0], codes[..., 1] = 0, 14
+    d = (torch.rand(64, 8, 1, generator=gen) * 0.02 + 0.005).bfloat16().float()
+    w = (d * (codes - 7)).view(64, 256)
+    plain_err = float((quantize_int4(w, 32, search=False).dequantize() - w).square().sum())
+    assert plain_err > 0
+    assert torch.equal(quantize_int4(w, 32).dequantize(), w)
 
 
 def test_int4_group_size_must_divide_input_dim() -> None:

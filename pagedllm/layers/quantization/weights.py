@@ -108,12 +108,99 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
     return Int8Weight(q, scales)
 
 
-def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Weight:
-    """Asymmetric min/max int4 of a [N, K] float matrix in groups of ``group_size`` along K.
+# MSE search of quantize_int4: trial scales put ``_SEARCH_STEPS`` code ranges from 14 to 16
+# steps wide over each group's [min, max] (under 15 clips the ends, over 15 leaves codes
+# unused), and groups are quantized in chunks of about this many weights (cache-sized).
+_SEARCH_STEPS = 10
+_SEARCH_CHUNK = 1 << 18
 
-    Each group's range [min, max] is split into 15 steps. Error bound: ``scale / 2`` per
-    element, plus the bfloat16 rounding of the zero point (``|zero| / 512``; the kernel's
-    zero point is bfloat16, and the codes are chosen against the rounded one).
+
+def _int4_codes(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """[R, G, gs] weights -> float codes in [0, 15] nearest to them under ``(q - 8) * s + z``."""
+    return (x - zeros).div_(scales).round_().add_(8).clamp_(0, 15)
+
+
+def _int4_sse(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """[R, G, 1] sum of squared errors of each group's reconstruction ``(q - 8) * s + z``."""
+    return q.sub(8).mul_(scales).add_(zeros).sub_(x).square_().sum(-1, keepdim=True)
+
+
+def _int4_minmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, G, gs] -> (scales, zeros) [R, G, 1] in the kernel's precision, each group's [min, max]
+    split in 15 steps with the scale rounded up, so that no code is clamped."""
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    scales = _round_up_to_kernel(((hi - lo) / 15).clamp_min(_TINY))
+    return scales, _round_to_kernel(lo + 8 * scales)  # the kernel's zero point: the value of code 8
+
+
+def _least_squares(x: torch.Tensor, q: torch.Tensor, sum_x: torch.Tensor):
+    """The ``s, m`` minimizing each group's ``sum((s * q + m - x)**2)`` for fixed codes ``q``
+    (a line fit of x against q), with the sums it took; ``s`` is NaN where all codes are equal."""
+    n = x.shape[-1]
+    sum_q = q.sum(-1, keepdim=True)
+    sum_qq = torch.linalg.vecdot(q, q).unsqueeze(-1)
+    sum_qx = torch.linalg.vecdot(q, x).unsqueeze(-1)
+    det = n * sum_qq - sum_q * sum_q
+    s = (n * sum_qx - sum_q * sum_x) / det  # det == 0 only when the codes are all equal
+    return s, (sum_x - s * sum_q) / n, sum_q, sum_qq, sum_qx
+
+
+def _int4_search(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[R, G, gs] -> (codes [R, G, gs], scales, zeros [R, G, 1]) minimizing each group's squared error.
+
+    For each trial code range (see ``_SEARCH_STEPS``), codes are assigned over [min, max] and
+    the scale and offset fitted to them by least squares; the best fit by its (float) error
+    is rounded to the kernel's precision, its codes reassigned, and refitted once more. A
+    group keeps whichever of that and plain min/max has the smaller exact error, so the
+    search never does worse than min/max on any group.
+    """
+    n = x.shape[-1]
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    width = (hi - lo).clamp_min(_TINY)
+    sum_x, sum_xx = x.sum(-1, keepdim=True), torch.linalg.vecdot(x, x).unsqueeze(-1)
+    shifted = x - lo
+    best_err = torch.full_like(lo, float("inf"))
+    best_s, best_m = width / 15, lo
+    for i in range(_SEARCH_STEPS):
+        q = (shifted * ((14 + 2 * i / _SEARCH_STEPS) / width)).round_().clamp_(0, 15)
+        s, m, sum_q, sum_qq, sum_qx = _least_squares(x, q, sum_x)
+        err = sum_xx + s * s * sum_qq + n * m * m + 2 * s * m * sum_q - 2 * s * sum_qx - 2 * m * sum_x
+        better = err < best_err  # False where NaN (all codes equal)
+        best_err = torch.where(better, err, best_err)
+        best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
+
+    def rounded(s: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = _round_to_kernel(s.clamp_min(_TINY))  # a negative or NaN fit loses to min/max below
+        return s, _round_to_kernel(m + 8 * s)
+
+    # Candidates are (scales, zeros); codes follow from them. Only [R, G, 1] tensors are kept.
+    s, z = rounded(best_s, best_m)
+    q = _int4_codes(x, s, z)
+    err = _int4_sse(x, q, s, z)
+    refit_s, refit_m, *_ = _least_squares(x, q, sum_x)  # refit to the codes the rounded fit gave
+    for cand_s, cand_z in (rounded(refit_s, refit_m), _int4_minmax(x)):
+        cand_err = _int4_sse(x, _int4_codes(x, cand_s, cand_z), cand_s, cand_z)
+        better = cand_err < err  # False where NaN
+        s, z, err = torch.where(better, cand_s, s), torch.where(better, cand_z, z), torch.where(better, cand_err, err)
+    return _int4_codes(x, s, z), s, z
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, search: bool = True) -> Int4Weight:
+    """Asymmetric int4 of a [N, K] float matrix in groups of ``group_size`` along K.
+
+    With ``search`` (the default), each group's scale and zero point minimize its squared
+    reconstruction error (see ``_int4_search``): never more than min/max's, about 28% less
+    on Qwen2.5-Coder-0.5B's weights, and far less where the weights already lie on a coarser
+    grid (GGUF Q4_K). Codes may then be clamped at a group's ends, so there is no per-element
+    bound beyond min/max's on the group's total.
+
+    Without it, plain min/max: each group's range [min, max] is split into 15 steps. Error
+    bound: ``scale / 2`` per element, plus the bfloat16 rounding of the zero point
+    (``|zero| / 512``; the kernel's zero point is bfloat16, and the codes are chosen against
+    the rounded one).
+
+    Either way scales and zero points are exactly the kernel's bfloat16 values, and the codes
+    are chosen against them, so :meth:`Int4Weight.dequantize` is what the kernel computes with.
 
     Raises:
         ValueError: if ``group_size`` does not divide K.
@@ -122,11 +209,19 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Weight:
     if k % group_size:
         raise ValueError(f"group size {group_size} does not divide the input dimension {k}")
     groups = w.float().view(n, k // group_size, group_size)
-    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    scales = _round_up_to_kernel(((hi - lo) / 15).clamp_min(_TINY))
-    zeros = _round_to_kernel(lo + 8 * scales)  # the kernel's zero point: the value of code 8
-    q = groups.sub(zeros.unsqueeze(-1)).div_(scales.unsqueeze(-1)).round_().add_(8).clamp_(0, 15)
-    return Int4Weight(q.to(torch.uint8).view(n, k), scales, zeros - 8 * scales)
+    q = torch.empty(groups.shape, dtype=torch.uint8)
+    scales = torch.empty(n, k // group_size)
+    zeros = torch.empty(n, k // group_size)
+    rows = max(1, _SEARCH_CHUNK // k)
+    for r in range(0, n, rows):
+        x = groups[r : r + rows]
+        if search:
+            cq, s, z = _int4_search(x)
+        else:
+            s, z = _int4_minmax(x)
+            cq = _int4_codes(x, s, z)
+        q[r : r + rows], scales[r : r + rows], zeros[r : r + rows] = cq, s.squeeze(-1), z.squeeze(-1)
+    return Int4Weight(q.view(n, k), scales, zeros - 8 * scales)
 
 
 def int8_as_int4_pair(w: Int8Weight) -> Int4Weight:
