@@ -18,10 +18,13 @@ from test_loader import prefill_logits, write_gguf
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.perplexity import DEFAULT_TEXT, perplexity, sliding_windows
 from pagedllm.config import EngineConfig
+from pagedllm.layers.cpu_kernels import native_library
+from pagedllm.layers.linear import PackedLinear
 from pagedllm.layers.quantization.config import QuantizationConfig
 from pagedllm.layers.quantization.gguf import gguf_linears, unpack_q4_0, unpack_q4_1, unpack_q8_0
 from pagedllm.layers.quantization.linear import Int4Linear, Int8BlockLinear, Int8Linear, make_linear
 from pagedllm.layers.quantization.weights import Int8Weight, quantize_int4, quantize_int8
+from pagedllm.models import loader
 from pagedllm.models.gguf_loader import GGUFFile, gguf_config
 from pagedllm.models.loader import load_model, resolve_model
 
@@ -211,8 +214,9 @@ def tiny_quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_gguf_blocks_kept_equal_the_dequantized_weights(tiny_quantized_gguf: Path) -> None:
+def test_gguf_blocks_kept_equal_the_dequantized_weights(tiny_quantized_gguf: Path, monkeypatch) -> None:
     """Kept blocks (q/k rows unpermuted, projections fused) hold exactly the float loader's weights."""
+    monkeypatch.setattr(loader, "native_library", lambda: None)  # keep nn.Linear weights to compare
     f = GGUFFile(tiny_quantized_gguf)
     config = gguf_config(f)
     float_model, _ = load_model(resolve_model(str(tiny_quantized_gguf)), torch.float32)
@@ -284,7 +288,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 @pytest.mark.parametrize(
     ("kwargs", "layer"),
     [
-        ({"quantization": "none"}, torch.nn.Linear),
+        ({"quantization": "none"}, torch.nn.Linear if native_library() is None else PackedLinear),
         ({"quantization": "int8"}, Int4Linear),  # SmolLM2's Q4_1 blocks are kept in int8 mode too
         ({"quantization": "int4"}, Int4Linear),
         ({"quantization": "int8", "quantize_lm_head": True}, Int4Linear),
