@@ -101,7 +101,7 @@ class EngineConfig:
         return QuantizationConfig.parse(self.quantization, self.quantization_group_size, self.quantize_lm_head)
 
 
-AUTO_BF16_MAX_ROWS = 8
+AUTO_BF16_MAX_ROWS = 16
 
 _DTYPES = {
     # Measured on the target CPU (docs/benchmarks.md): fp32 matmuls run about 2x the bf16 rate

@@ -67,3 +67,15 @@ def test_pack_linears_replaces_every_linear_and_a_tied_lm_head() -> None:
     x = torch.randn(3, 16)
     torch.testing.assert_close(model.proj(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.lm_head(x), x @ emb.T, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [3, 40])  # both paths
+def test_strided_rows(m) -> None:
+    """Rows with a stride (the gate half of a fused gate/up output) are read in place."""
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(48, 70, generator=gen)
+    layer = PackedLinear(w, None, bf16_max_rows=8)
+    wide = torch.randn(m, 140, generator=gen)
+    x = wide[:, :70]
+    assert not x.is_contiguous()
+    torch.testing.assert_close(layer(x), layer(x.contiguous()), atol=0, rtol=0)

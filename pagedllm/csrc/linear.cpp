@@ -127,8 +127,10 @@ void linear_pack_bf16(const uint16_t* w, uint16_t* packed, int64_t N, int64_t K)
         }
 }
 
-// x: [M, K] float32; y: [M, N] float32; bias: null or float32 padded to ceil(N/32)*32.
-void linear_f32(const float* x, const float* packed, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+// x: [M, K] float32 with row stride ldx; y: [M, N] float32; bias: null or float32 padded to
+// ceil(N/32)*32.
+void linear_f32(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t M, int64_t N,
+                int64_t K) {
   const int64_t panels = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
@@ -136,19 +138,20 @@ void linear_f32(const float* x, const float* packed, const float* bias, float* y
     const float* b = bias ? bias + p * NB : nullptr;
     const int64_t ncols = N - p * NB < NB ? N - p * NB : NB;
     panel_rows<12>(M, [&](auto r, int64_t m) {
-      tile_f32<decltype(r)::value>(x + m * K, K, panel, K, b, y + m * N + p * NB, N, ncols);
+      tile_f32<decltype(r)::value>(x + m * ldx, ldx, panel, K, b, y + m * N + p * NB, N, ncols);
     });
   }
 }
 
 // As linear_f32 over bfloat16 panels (x rounded to bfloat16). Returns -1 without AVX512-BF16.
-int linear_bf16(const float* x, const uint16_t* packed, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+int linear_bf16(const float* x, int64_t ldx, const uint16_t* packed, const float* bias, float* y, int64_t M, int64_t N,
+                int64_t K) {
 #ifdef __AVX512BF16__
   const int64_t kp = (K + 1) / 2, panels = (N + NB - 1) / NB;
   std::vector<uint32_t> pairs(static_cast<size_t>(M * kp));
   for (int64_t m = 0; m < M; ++m) {
     uint16_t* row = reinterpret_cast<uint16_t*>(pairs.data() + m * kp);
-    const float* src = x + m * K;
+    const float* src = x + m * ldx;
     int64_t k = 0;
     for (; k + 16 <= K; k += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
@@ -169,7 +172,7 @@ int linear_bf16(const float* x, const uint16_t* packed, const float* bias, float
   }
   return 0;
 #else
-  (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K;
+  (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K;
   return -1;
 #endif
 }

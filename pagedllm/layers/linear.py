@@ -56,18 +56,19 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", padded_bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in_features] float32 -> [T, out_features] float32."""
-        x = x.contiguous()
-        t = x.shape[0]
+        """x: [T, in_features] float32 (rows may be strided) -> [T, out_features] float32."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        t, ldx = x.shape[0], x.stride(0)
         y = x.new_empty(t, self.out_features)
         bias = None if self.bias is None else self.bias.data_ptr()
         if t <= self.bf16_max_rows:
             self._lib.linear_bf16(
-                x.data_ptr(), self.packed_bf16.data_ptr(), bias, y.data_ptr(), t, self.out_features, self.in_features
+                x.data_ptr(), ldx, self.packed_bf16.data_ptr(), bias, y.data_ptr(), t, self.out_features, self.in_features
             )
         else:
             self._lib.linear_f32(
-                x.data_ptr(), self.packed_f32.data_ptr(), bias, y.data_ptr(), t, self.out_features, self.in_features
+                x.data_ptr(), ldx, self.packed_f32.data_ptr(), bias, y.data_ptr(), t, self.out_features, self.in_features
             )
         return y
 
