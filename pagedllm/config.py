@@ -64,7 +64,7 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     # float32 models: steps of at most this many tokens read bfloat16 copies of the linear
     # weights (layers/linear.py; faster where reading the weight dominates). 0: float32 only,
-    # batch-invariant. dtype "auto" sets 8 (measured), an explicit "float32" sets 0.
+    # batch-invariant. dtype "auto" sets AUTO_BF16_MAX_ROWS (measured), an explicit "float32" sets 0.
     bf16_max_rows: int = 0
     max_model_len: int | None = None  # None: min(model's context, 8192)
     block_size: int = 16

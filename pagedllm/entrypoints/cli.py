@@ -16,7 +16,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model path or alias")
     else:
         parser.add_argument("--model", default=DEFAULT_MODEL, help=".gguf path, HF directory, or installed alias")
-    parser.add_argument("--dtype", default="auto", help="auto (float32; bfloat16 weight copies for steps of <= 8 tokens) | float32 | bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto (float32; bfloat16 weight copies for steps of <= 16 tokens) | float32 | bfloat16")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -24,7 +24,7 @@ class LLM:
     Args:
         model: a .gguf path, an HF checkpoint directory, or an installed model alias.
         dtype: compute dtype: "auto" (float32, with bfloat16 weight copies for steps of at
-            most 8 tokens), "float32" (float32 only: outputs independent of batching) or "bfloat16".
+            most 16 tokens), "float32" (float32 only: outputs independent of batching) or "bfloat16".
         max_model_len: longest prompt + output; default the model's context, at most 8192.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget per step.

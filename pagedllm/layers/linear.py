@@ -1,11 +1,11 @@
 """Float32 linear layers on our native GEMM (csrc/linear.cpp), with the weight packed once.
 
-Measured on the target CPU, one thread (docs/benchmarks.md): against ``F.linear`` in
-float32, the float32 panels run 1.3-1.6x faster at 32 rows and 1.0-1.2x at 64-256 rows;
-at 1-8 rows the step is bound by reading the weight, and bfloat16 panels (half the bytes)
-run 2-3.5x faster. vdpbf16ps runs at half the float32 FMA rate there, so bfloat16 loses
-once a step has many rows: the bfloat16 copy serves only steps of at most
-``bf16_max_rows`` rows. Each row's result is independent of the other rows in the call,
+Measured on the target CPU (docs/benchmarks.md): against ``F.linear`` in float32 on one
+thread, the float32 panels run 1.3-1.6x faster at 32 rows and 1.0-1.2x at 64-256 rows. With
+few rows a step is bound by reading the weight, and bfloat16 panels (half the bytes) win:
+1.65x at 1 row over a whole SmolLM2 step on two threads. vdpbf16ps runs at half the float32
+FMA rate, so bfloat16 loses from about 20 rows on (two threads): the bfloat16 copy serves
+only steps of at most ``bf16_max_rows`` rows. Each row's result is independent of the other rows in the call,
 so float32-only layers (``bf16_max_rows=0``) give batch-invariant outputs.
 """
 
