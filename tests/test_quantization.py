@@ -22,7 +22,7 @@ from pagedllm.layers.cpu_kernels import native_library
 from pagedllm.layers.linear import PackedLinear
 from pagedllm.layers.quantization.config import QuantizationConfig
 from pagedllm.layers.quantization.gguf import gguf_linears, unpack_q4_0, unpack_q4_1, unpack_q8_0
-from pagedllm.layers.quantization.linear import Int4Linear, Int8BlockLinear, Int8Linear, make_linear
+from pagedllm.layers.quantization.linear import Int4Linear, Int8BlockLinear, Int8Linear, W8A8Linear, make_linear
 from pagedllm.layers.quantization.weights import Int8Weight, quantize_int4, quantize_int8
 from pagedllm.models import loader
 from pagedllm.models.gguf_loader import GGUFFile, gguf_config
@@ -293,6 +293,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
         ({"quantization": "int4"}, Int4Linear),
         ({"quantization": "int8", "quantize_lm_head": True}, Int4Linear),
         ({"quantization": "int4", "quantization_group_size": 64, "quantize_lm_head": True}, Int4Linear),
+        ({"quantization": "w8a8"}, W8A8Linear),
     ],
 )
 def test_engine_end_to_end(kwargs: dict, layer: type) -> None:
@@ -311,10 +312,10 @@ def test_engine_end_to_end(kwargs: dict, layer: type) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"quantization": "int3"}, "quantization must be one of none, int8, int4, got 'int3'"),
+        ({"quantization": "int3"}, "quantization must be one of none, int8, int4, w8a8, got 'int3'"),
         ({"quantization": "int4", "quantization_group_size": 48}, "quantization_group_size must be one of 32, 64, 128"),
         ({"quantization_group_size": 16}, "quantization_group_size must be one of"),
-        ({"quantize_lm_head": True}, "quantize_lm_head needs quantization int8 or int4"),
+        ({"quantize_lm_head": True}, "quantize_lm_head needs quantization int8, int4 or w8a8"),
     ],
 )
 def test_bad_flags_raise(kwargs: dict, message: str) -> None:
@@ -369,3 +370,24 @@ def test_perplexity_through_prompt_logprobs() -> None:
     logits = prefill_logits(model, config, ids)
     nll = -logits.log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()
     assert full.perplexity == pytest.approx(float(nll.exp()), rel=1e-4)
+
+
+@pytest.mark.skipif(
+    native_library() is None or not native_library().linear_w8a8_available(), reason="needs AVX512-VNNI"
+)
+@pytest.mark.parametrize("n,k", [(5, 7), (40, 64), (96, 577)])
+def test_w8a8_linear_is_exact_for_its_scheme(n, k) -> None:
+    """Integer matmul of per-channel int8 weights and per-token int8 activations, then rescaled."""
+    gen = torch.Generator().manual_seed(k)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    qw = quantize_int8(w)
+    layer = W8A8Linear(qw, b)
+    for m in (1, 7, 13, 64):
+        x = torch.randn(m, k, generator=gen) * torch.linspace(0.1, 3, k)
+        x[0] = 0.0  # an all-zero row stays exact
+        sx = (x.abs().amax(1, keepdim=True) / 127).clamp_min(1e-30)
+        ref = (torch.round(x / sx) @ qw.q.float().T) * sx * qw.scales[:, 0] + b
+        torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-5)
+        assert torch.equal(layer(x)[0], b)
+        rel = (layer(x) - torch.nn.functional.linear(x, w, b)).norm() / torch.nn.functional.linear(x, w, b).norm()
+        assert rel < 0.03

@@ -79,14 +79,11 @@ class EngineCore:
         self.num_blocks = num_blocks
         kv_bytes = num_blocks * bytes_per_block(model_config, config.block_size, config.dtype)
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB",
-            num_blocks, config.block_size, num_blocks * config.block_size, kv_bytes / 1024**3,
+            "KV cache: %d blocks of %d tokens x %d layers, %.2f GiB; %d group(s) with windows %s; "
+            "longest request %d tokens",
+            num_blocks, config.block_size, len(groups[0].layers), kv_bytes / 1024**3, len(groups),
+            [g.window for g in groups], self.max_model_len,
         )
-        if len(groups) > 1:
-            logger.info(
-                "KV cache: %d groups of %d layers (windows %s), one block table each",
-                len(groups), len(groups[0].layers), [g.window for g in groups],
-            )
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, groups)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len

@@ -33,7 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     )
     parser.add_argument(
         "--quantization", default="none",
-        help="weight-only quantization of the linear layers: none | int8 (per channel) | int4 (group-wise)",
+        help="quantization of the linear layers: none | int8 (per channel) | int4 (group-wise), weight-only; "
+        "w8a8 (int8 weights and per-token int8 activations)",
     )
     parser.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size: 32 | 64 | 128")
     parser.add_argument(

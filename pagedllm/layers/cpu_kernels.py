@@ -57,6 +57,9 @@ def native_library() -> ctypes.CDLL | None:
     lib.linear_pack_f32.argtypes = lib.linear_pack_bf16.argtypes = [ptr, ptr, i64, i64]
     lib.linear_f32.argtypes = lib.linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
     lib.linear_bf16.restype = ctypes.c_int
+    lib.linear_pack_s8.argtypes = [ptr, ptr, i64, i64]
+    lib.linear_w8a8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.linear_w8a8.restype = ctypes.c_int
     return lib
 
 

@@ -240,8 +240,8 @@ def load_model(
 
     With ``quantization``, the linear layers are quantized (from float32 weights, or kept from
     the GGUF blocks where the layouts allow; the log says which) and run in ``dtype`` around them.
-    Otherwise a float32 model's linear layers are packed for the native GEMM where it builds
-    (``layers/linear.py``); steps of at most ``bf16_max_rows`` tokens read bfloat16 copies.
+    A float32 model's (remaining) float linear layers are packed for the native GEMM where it
+    builds (``layers/linear.py``); steps of at most ``bf16_max_rows`` tokens read bfloat16 copies.
 
     Raises:
         ValueError: unsupported architecture (naming the supported ones) or checkpoint feature,
@@ -263,8 +263,8 @@ def load_model(
         if quantization is not None:
             linears = None if gguf is None else gguf_linears(gguf, config, quantization)
             quantize_model(model, quantization, dtype, linears, num_workers=num_threads)
-        elif dtype == torch.float32 and native_library() is not None:
-            pack_linears(model, bf16_max_rows)
+        if dtype == torch.float32 and native_library() is not None:
+            pack_linears(model, bf16_max_rows)  # what quantization left float (a float lm_head)
     return model.eval(), config
 
 

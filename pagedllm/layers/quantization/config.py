@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("none", "int8", "int4")
+MODES = ("none", "int8", "int4", "w8a8")
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -22,7 +22,9 @@ class QuantizationConfig:
     Attributes:
         mode: "int8" (symmetric, per output channel) or "int4" (asymmetric, in groups along
             the input dimension). GGUF blocks no more precise than the mode are kept in their
-            own layout instead (Q8_0, Q4_0, Q4_1; see ``gguf.py``).
+            own layout instead (Q8_0, Q4_0, Q4_1; see ``gguf.py``). "w8a8": int8 per output
+            channel and the activations quantized to int8 per token too (an integer matmul;
+            every weight is requantized from float).
         group_size: int4's group size, 32 (llama.cpp's block size), 64 or 128; int8 ignores it.
         lm_head: also quantize the logits matmul. With tied embeddings the embedding lookup
             stays float; the logits use a quantized copy of the same matrix.
@@ -50,11 +52,11 @@ class QuantizationConfig:
         if mode is None or mode == "none":
             _check_group_size(group_size)  # a bad flag is an error even where unused
             if lm_head:
-                raise ValueError("quantize_lm_head needs quantization int8 or int4")
+                raise ValueError("quantize_lm_head needs quantization int8, int4 or w8a8")
             return None
         return cls(mode, group_size, lm_head)
 
     def describe(self) -> str:
         """Short label for logs and benchmarks, e.g. ``int4 g32 +lm_head``."""
-        label = self.mode if self.mode == "int8" else f"int4 g{self.group_size}"
+        label = f"int4 g{self.group_size}" if self.mode == "int4" else self.mode
         return label + (" +lm_head" if self.lm_head else "")

@@ -12,7 +12,7 @@ from torch import nn
 
 from pagedllm.layers.quantization.config import GROUP_SIZES, QuantizationConfig
 from pagedllm.layers.quantization.gguf import KEPT_LAYOUT, GGUFLinears
-from pagedllm.layers.quantization.linear import QuantizedLinear, make_linear
+from pagedllm.layers.quantization.linear import QuantizedLinear, W8A8Linear, make_linear
 from pagedllm.layers.quantization.weights import QuantizedWeight, quantize_int4, quantize_int8
 
 Q = GGMLQuantizationType
@@ -101,6 +101,8 @@ def quantize_model(
     def build(name: str) -> tuple[str, QuantizedLinear]:
         weight, bias = targets[name]
         qweight: QuantizedWeight
+        if quant.mode == "w8a8":
+            return name, W8A8Linear(quantize_int8(weight), bias)
         if name in kept:
             qweight = kept[name]
         elif quant.mode == "int8":
