@@ -22,7 +22,14 @@ from pagedllm.layers.cpu_kernels import native_library
 from pagedllm.layers.linear import PackedLinear
 from pagedllm.layers.quantization.config import QuantizationConfig
 from pagedllm.layers.quantization.gguf import gguf_linears, unpack_q4_0, unpack_q4_1, unpack_q8_0
-from pagedllm.layers.quantization.linear import Int4Linear, Int8BlockLinear, Int8Linear, W8A8Linear, make_linear
+from pagedllm.layers.quantization.linear import (
+    Int4Linear,
+    Int8BlockLinear,
+    Int8Linear,
+    QuantizedLinear,
+    W8A8Linear,
+    make_linear,
+)
 from pagedllm.layers.quantization.weights import Int8Weight, quantize_int4, quantize_int8
 from pagedllm.models import loader
 from pagedllm.models.gguf_loader import GGUFFile, gguf_config
@@ -273,7 +280,8 @@ def test_load_quantized_tiny_gguf(
     )
     assert tuple(type(m) for m in found) == layers
     assert model.embed_tokens.weight.dtype == torch.float32  # the lookup stays float
-    assert (model.lm_head is None) != quant.lm_head
+    # a float lm_head is packed for the native GEMM, or absent (tied: the logits use the embedding)
+    assert isinstance(model.lm_head, QuantizedLinear) == quant.lm_head
     ids = list(range(1, 40))
     expected = prefill_logits(float_model, config, ids)
     error = (prefill_logits(model, config, ids) - expected).norm() / expected.norm()
