@@ -125,6 +125,30 @@ void panel_rows(int64_t M, Tile tile) {
   }(std::make_integer_sequence<int, MR - 1>{});
 }
 
+// f(p, ncols, bias of the panel or null) for every 32-column panel p (ncols of them real),
+// the panels split over the threads.
+template <typename F>
+void for_panels(int64_t N, const float* bias, F f) {
+  const int64_t panels = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) f(p, N - p * NB < NB ? N - p * NB : NB, bias ? bias + p * NB : nullptr);
+}
+
+// w [N, K] -> panels [ceil(N/32)][ceil(K/V)][32][V]: V consecutive k of a column side by
+// side (the operand layout of FMA, vdpbf16ps and vpdpbusd for V = 1, 2, 4), zero padded.
+template <typename T, int V>
+void pack_panels(const T* w, T* packed, int64_t N, int64_t K) {
+  const int64_t kv = (K + V - 1) / V, panels = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t kk = 0; kk < kv; ++kk)
+      for (int64_t c = 0; c < NB; ++c)
+        for (int64_t j = 0; j < V; ++j) {
+          const int64_t n = p * NB + c, k = V * kk + j;
+          packed[((p * kv + kk) * NB + c) * V + j] = (n < N && k < K) ? w[n * K + k] : T(0);
+        }
+}
+
 }  // namespace
 
 extern "C" {
@@ -146,49 +170,22 @@ int linear_w8a8_available() {
 }
 
 // w: [N, K] float32 -> float32 panels [ceil(N/32)][K][32], zero padded.
-void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
-  const int64_t panels = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p)
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t c = 0; c < NB; ++c) {
-        const int64_t n = p * NB + c;
-        packed[(p * K + k) * NB + c] = n < N ? w[n * K + k] : 0.0f;
-      }
-}
+void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) { pack_panels<float, 1>(w, packed, N, K); }
 
 // w: [N, K] bfloat16 bits -> bfloat16 panels [ceil(N/32)][ceil(K/2)][32][2], zero padded.
 void linear_pack_bf16(const uint16_t* w, uint16_t* packed, int64_t N, int64_t K) {
-  const int64_t kp = (K + 1) / 2, panels = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p)
-    for (int64_t k2 = 0; k2 < kp; ++k2)
-      for (int64_t c = 0; c < NB; ++c)
-        for (int64_t j = 0; j < 2; ++j) {
-          const int64_t n = p * NB + c, k = 2 * k2 + j;
-          packed[((p * kp + k2) * NB + c) * 2 + j] = (n < N && k < K) ? w[n * K + k] : 0;
-        }
+  pack_panels<uint16_t, 2>(w, packed, N, K);
 }
 
 // w: [N, K] int8 -> int8 panels [ceil(N/32)][ceil(K/4)][32][4], zero padded.
-void linear_pack_s8(const int8_t* w, int8_t* packed, int64_t N, int64_t K) {
-  const int64_t kq = (K + 3) / 4, panels = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p)
-    for (int64_t k4 = 0; k4 < kq; ++k4)
-      for (int64_t c = 0; c < NB; ++c)
-        for (int64_t j = 0; j < 4; ++j) {
-          const int64_t n = p * NB + c, k = 4 * k4 + j;
-          packed[((p * kq + k4) * NB + c) * 4 + j] = (n < N && k < K) ? w[n * K + k] : 0;
-        }
-}
+void linear_pack_s8(const int8_t* w, int8_t* packed, int64_t N, int64_t K) { pack_panels<int8_t, 4>(w, packed, N, K); }
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; wsum128 (int32), wscale and bias
 // (float32, bias may be null) padded to ceil(N/32)*32. Returns -1 without AVX512-VNNI.
 int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const int32_t* wsum128, const float* wscale,
                 const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
 #ifdef __AVX512VNNI__
-  const int64_t kq = (K + 3) / 4, panels = (N + NB - 1) / NB;
+  const int64_t kq = (K + 3) / 4;
   std::vector<uint32_t> xq(static_cast<size_t>(M * kq));
   std::vector<float> xscale(static_cast<size_t>(M));
 #pragma omp parallel for schedule(static) if (M > 16)
@@ -208,16 +205,12 @@ int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const int32_t
       _mm_mask_storeu_epi8(row + k, mask, _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128))));
     }
   }
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    const int8_t* panel = packed + p * kq * 4 * NB;
-    const float* b = bias ? bias + p * NB : nullptr;
-    const int64_t ncols = N - p * NB < NB ? N - p * NB : NB;
+  for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
     panel_rows<12>(M, [&](auto r, int64_t m) {
-      tile_w8a8<decltype(r)::value>(xq.data() + m * kq, kq, xscale.data() + m, panel, kq, wsum128 + p * NB,
-                                    wscale + p * NB, b, y + m * N + p * NB, N, ncols);
+      tile_w8a8<decltype(r)::value>(xq.data() + m * kq, kq, xscale.data() + m, packed + p * kq * 4 * NB, kq,
+                                    wsum128 + p * NB, wscale + p * NB, b, y + m * N + p * NB, N, ncols);
     });
-  }
+  });
   return 0;
 #else
   (void)x, (void)ldx, (void)packed, (void)wsum128, (void)wscale, (void)bias, (void)y, (void)M, (void)N, (void)K;
@@ -229,23 +222,18 @@ int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const int32_t
 // ceil(N/32)*32.
 void linear_f32(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t M, int64_t N,
                 int64_t K) {
-  const int64_t panels = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    const float* panel = packed + p * K * NB;
-    const float* b = bias ? bias + p * NB : nullptr;
-    const int64_t ncols = N - p * NB < NB ? N - p * NB : NB;
+  for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
     panel_rows<12>(M, [&](auto r, int64_t m) {
-      tile_f32<decltype(r)::value>(x + m * ldx, ldx, panel, K, b, y + m * N + p * NB, N, ncols);
+      tile_f32<decltype(r)::value>(x + m * ldx, ldx, packed + p * K * NB, K, b, y + m * N + p * NB, N, ncols);
     });
-  }
+  });
 }
 
 // As linear_f32 over bfloat16 panels (x rounded to bfloat16). Returns -1 without AVX512-BF16.
 int linear_bf16(const float* x, int64_t ldx, const uint16_t* packed, const float* bias, float* y, int64_t M, int64_t N,
                 int64_t K) {
 #ifdef __AVX512BF16__
-  const int64_t kp = (K + 1) / 2, panels = (N + NB - 1) / NB;
+  const int64_t kp = (K + 1) / 2;
   std::vector<uint32_t> pairs(static_cast<size_t>(M * kp));
   for (int64_t m = 0; m < M; ++m) {
     uint16_t* row = reinterpret_cast<uint16_t*>(pairs.data() + m * kp);
@@ -259,15 +247,12 @@ int linear_bf16(const float* x, int64_t ldx, const uint16_t* packed, const float
     }
     if (K % 2) row[K] = 0;
   }
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    const uint16_t* panel = packed + p * kp * 2 * NB;
-    const float* b = bias ? bias + p * NB : nullptr;
-    const int64_t ncols = N - p * NB < NB ? N - p * NB : NB;
+  for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
     panel_rows<8>(M, [&](auto r, int64_t m) {
-      tile_bf16<decltype(r)::value>(pairs.data() + m * kp, kp, panel, kp, b, y + m * N + p * NB, N, ncols);
+      tile_bf16<decltype(r)::value>(pairs.data() + m * kp, kp, packed + p * kp * 2 * NB, kp, b, y + m * N + p * NB, N,
+                                    ncols);
     });
-  }
+  });
   return 0;
 #else
   (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K;
