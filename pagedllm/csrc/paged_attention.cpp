@@ -82,11 +82,10 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
       if ((blk + 1) * BS < S) {  // the next block's rows of this head, into cache meanwhile
         const char* kn = reinterpret_cast<const char*>(k_cache + (table[blk + 1] * BS * Hkv + h) * D);
         const char* vn = reinterpret_cast<const char*>(v_cache + (table[blk + 1] * BS * Hkv + h) * D);
-        for (int64_t s = 0; s < BS; ++s)
-          for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += 64) {
-            _mm_prefetch(kn + s * stride * sizeof(T) + byte, _MM_HINT_T0);
-            _mm_prefetch(vn + s * stride * sizeof(T) + byte, _MM_HINT_T0);
-          }
+        for (int64_t s = 0; s < BS; ++s) {  // a row's first line: the hardware fetches the rest
+          _mm_prefetch(kn + s * stride * sizeof(T), _MM_HINT_T0);
+          _mm_prefetch(vn + s * stride * sizeof(T), _MM_HINT_T0);
+        }
       }
       // Scores of this block's keys.
       for (int64_t s = lo; s < hi; ++s) {
