@@ -66,6 +66,9 @@ class EngineConfig:
     # weights (layers/linear.py; faster where reading the weight dominates). 0: float32 only,
     # batch-invariant. dtype "auto" sets AUTO_BF16_MAX_ROWS (measured), an explicit "float32" sets 0.
     bf16_max_rows: int = 0
+    # dtype of the K/V caches; None: the model's dtype. dtype "auto" sets bfloat16: decode
+    # attention is bound by reading K/V, and half the bytes is twice the context per GiB.
+    kv_cache_dtype: torch.dtype | None = None
     max_model_len: int | None = None  # None: min(model's context, 8192)
     block_size: int = 16
     kv_cache_memory: int = 4 * 1024**3
@@ -95,6 +98,11 @@ class EngineConfig:
             )
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The K/V caches' dtype."""
+        return self.kv_cache_dtype or self.dtype
 
     def quantization_config(self) -> QuantizationConfig | None:
         """The quantization flags as one config; None when off."""
@@ -131,9 +139,23 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}") from None
 
 
-def auto_bf16_max_rows(dtype: str | torch.dtype) -> int:
-    """``bf16_max_rows`` for a dtype setting: "auto" gets bfloat16 weight copies for small steps."""
-    return AUTO_BF16_MAX_ROWS if isinstance(dtype, str) and dtype.lower() == "auto" else 0
+def dtype_settings(dtype: str | torch.dtype, kv_cache_dtype: str = "auto") -> dict[str, object]:
+    """EngineConfig fields for the dtype flags.
+
+    "auto": float32 activations, bfloat16 weight copies for steps of at most
+    ``AUTO_BF16_MAX_ROWS`` tokens, bfloat16 K/V. An explicit dtype: that dtype throughout.
+    ``kv_cache_dtype`` other than "auto" overrides the K/V dtype.
+
+    Raises:
+        ValueError: for an unknown dtype name.
+    """
+    auto = isinstance(dtype, str) and dtype.lower() == "auto"
+    kv = None if kv_cache_dtype == "auto" else parse_dtype(kv_cache_dtype)
+    return {
+        "dtype": parse_dtype(dtype),
+        "bf16_max_rows": AUTO_BF16_MAX_ROWS if auto else 0,
+        "kv_cache_dtype": kv or (torch.bfloat16 if auto else None),
+    }
 
 
 def parse_memory(value: str | int | float) -> int:

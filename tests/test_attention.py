@@ -32,9 +32,13 @@ def test_native_kernel_builds():
 
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_decode_and_chunked_prefill_match_dense(native, dtype, window, monkeypatch):
-    """window 5: a sliding-window layer; requests shorter and longer than the window."""
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
+def test_mixed_decode_and_chunked_prefill_match_dense(native, dtype, cache_dtype, window, monkeypatch):
+    """window 5: a sliding-window layer; requests shorter and longer than the window; a
+    bfloat16 cache under float32 activations (dtype auto)."""
     if not native:
         monkeypatch.setattr(attention, "paged_decode_attention", lambda *args: None)
     torch.manual_seed(0)
@@ -61,11 +65,14 @@ def test_mixed_decode_and_chunked_prefill_match_dense(native, dtype, window, mon
     q = torch.randn(sum(query_lens), h, d)
     k = torch.cat([kk[c:] for kk, (c, _) in zip(full_k, reqs)])
     v = torch.cat([vv[c:] for vv, (c, _) in zip(full_v, reqs)])
-    k_cache, v_cache, q, k, v = (t.to(dtype) for t in (k_cache, v_cache, q, k, v))
-    out = paged_attention(q, k, v, (k_cache, v_cache), meta, d**-0.5, window).float()
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out = paged_attention(q, k, v, (k_cache, v_cache), meta, d**-0.5, window)
+    assert out.dtype == dtype
+    out = out.float()
+    tol = 1e-5 if cache_dtype == torch.float32 else 3e-2
     start = 0
     for (cached, new), kk, vv in zip(reqs, full_k, full_v):
-        ref = _dense(q[start : start + new].float(), kk.to(dtype).float(), vv.to(dtype).float(), d**-0.5, window)
+        ref = _dense(q[start : start + new].float(), kk.to(cache_dtype).float(), vv.to(cache_dtype).float(), d**-0.5, window)
         torch.testing.assert_close(out[start : start + new], ref, atol=tol, rtol=tol)
         start += new

@@ -389,7 +389,7 @@ def test_sigterm_aborts_in_flight_and_exits_cleanly(server: Server, http: httpx.
 # -- a second server, with a KV cache of 8 blocks (128 tokens) ---------------------------------
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start_server(tmp_path_factory.mktemp("small"), "--kv-cache-memory", "6MiB")
+    s = _start_server(tmp_path_factory.mktemp("small"), "--kv-cache-memory", "3MiB")
     yield s
     _stop(s)
 

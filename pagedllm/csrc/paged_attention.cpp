@@ -2,7 +2,7 @@
 // through the block table (no gather, no padding). Kwon et al. 2023, "Efficient Memory
 // Management for Large Language Model Serving with PagedAttention", §4.1.
 //
-// Layouts: q, out [B, Hq, D]; caches [num_blocks, BS, Hkv, D]; block_tables [B, max_blocks];
+// Layouts: q, out [B, Hq, D] float32; caches [num_blocks, BS, Hkv, D] float32 or bfloat16; block_tables [B, max_blocks];
 // seq_lens [B]; window > 0: only the last `window` keys are read (sliding-window attention;
 // keys at positions < seq_len - window are never touched), 0: all.
 // Work is split over (request, kv head) pairs, so the G = Hq / Hkv query heads that share a
@@ -52,8 +52,8 @@ inline __m512 exp_nonpositive(__m512 x) {
 // G query heads per KV head and the head size D are compile-time constants, so the
 // queries and accumulators of a KV head (G x D/16 vectors) stay in registers.
 template <typename T, int D, int G>
-void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                      int64_t max_blocks, const int64_t* seq_lens, T* out, int64_t B, int64_t Hkv,
+void decode_attention(const float* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                      int64_t max_blocks, const int64_t* seq_lens, float* out, int64_t B, int64_t Hkv,
                       int64_t BS, float scale, int64_t window) {
   constexpr int ND = D / 16;
   const int64_t Hq = Hkv * G;
@@ -132,8 +132,8 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
 }
 
 template <typename T, int D, int G = 1>
-int dispatch_group(int64_t group, const T* q, const T* kc, const T* vc, const int64_t* bt, int64_t mb,
-                   const int64_t* sl, T* out, int64_t B, int64_t Hkv, int64_t BS, float scale, int64_t window) {
+int dispatch_group(int64_t group, const float* q, const T* kc, const T* vc, const int64_t* bt, int64_t mb,
+                   const int64_t* sl, float* out, int64_t B, int64_t Hkv, int64_t BS, float scale, int64_t window) {
   if (group == G) {
     decode_attention<T, D, G>(q, kc, vc, bt, mb, sl, out, B, Hkv, BS, scale, window);
     return 0;
@@ -148,8 +148,8 @@ int dispatch(const void* q, const void* kc, const void* vc, const int64_t* bt, i
              int64_t BS, float scale, int64_t window) {
   if (Hq % Hkv || BS > kMaxBlock) return -1;
   auto args = [&](auto fn) {
-    return fn(Hq / Hkv, static_cast<const T*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc), bt, mb, sl,
-              static_cast<T*>(out), B, Hkv, BS, scale, window);
+    return fn(Hq / Hkv, static_cast<const float*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc), bt, mb, sl,
+              static_cast<float*>(out), B, Hkv, BS, scale, window);
   };
   switch (D) {
     case 64: return args(dispatch_group<T, 64>);
@@ -161,12 +161,12 @@ int dispatch(const void* q, const void* kc, const void* vc, const int64_t* bt, i
 
 }  // namespace
 
-extern "C" int paged_decode_attention(int is_bf16, const void* q, const void* k_cache,
+extern "C" int paged_decode_attention(int cache_bf16, const void* q, const void* k_cache,
                                       const void* v_cache, const int64_t* block_tables,
                                       int64_t max_blocks, const int64_t* seq_lens, void* out,
                                       int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
                                       float scale, int64_t window) {
-  if (is_bf16)
+  if (cache_bf16)
     return dispatch<uint16_t>(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq,
                               Hkv, D, BS, scale, window);
   return dispatch<float>(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv,

@@ -43,7 +43,7 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
     """How many KV blocks the memory budget buys (or the explicit override)."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
-    return config.kv_cache_memory // bytes_per_block(model_config, config.block_size, config.dtype)
+    return config.kv_cache_memory // bytes_per_block(model_config, config.block_size, config.kv_dtype)
 
 
 class EngineCore:
@@ -82,18 +82,18 @@ class EngineCore:
                 f"in every KV cache group ({len(groups)} groups)"
             )
         self.num_blocks = num_blocks
-        kv_bytes = num_blocks * bytes_per_block(model_config, config.block_size, config.dtype)
+        kv_bytes = num_blocks * bytes_per_block(model_config, config.block_size, config.kv_dtype)
         logger.info(
-            "KV cache: %d blocks of %d tokens x %d layers, %.2f GiB; %d group(s) with windows %s; "
+            "KV cache: %d blocks of %d tokens x %d layers, %.2f GiB in %s; %d group(s) with windows %s; "
             "longest request %d tokens",
-            num_blocks, config.block_size, len(groups[0].layers), kv_bytes / 1024**3, len(groups),
+            num_blocks, config.block_size, len(groups[0].layers), kv_bytes / 1024**3, config.kv_dtype, len(groups),
             [g.window for g in groups], self.max_model_len,
         )
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, groups)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
-        self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, config.dtype)
+        self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, config.kv_dtype)
         self.proposer = self._build_proposer()
 
     def _build_proposer(self) -> Proposer | None:
@@ -110,7 +110,7 @@ class EngineCore:
         # As many draft KV slots as target ones: every request the target holds can be drafted for.
         return DraftModelProposer(
             spec.model, spec.num_speculative_tokens, self.model_config.vocab_size,
-            self.num_blocks, self.config.block_size, self.config.dtype,
+            self.num_blocks, self.config.block_size, self.config.dtype, self.config.kv_dtype,
         )
 
     # -- requests ------------------------------------------------------------------------

@@ -16,7 +16,12 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model path or alias")
     else:
         parser.add_argument("--model", default=DEFAULT_MODEL, help=".gguf path, HF directory, or installed alias")
-    parser.add_argument("--dtype", default="auto", help="auto (float32; bfloat16 weight copies for steps of <= 16 tokens) | float32 | bfloat16")
+    parser.add_argument(
+        "--dtype", default="auto",
+        help="auto (float32 activations; bfloat16 weight copies for steps of <= 16 tokens and a bfloat16 "
+        "K/V cache) | float32 | bfloat16 | float16",
+    )
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (as --dtype decides) | float32 | bfloat16")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -48,6 +53,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedllm.config import DEFAULT_MODEL, EngineConfig, auto_bf16_max_rows, parse_dtype, parse_memory
+from pagedllm.config import DEFAULT_MODEL, EngineConfig, dtype_settings, parse_memory
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.outputs import RequestOutput
@@ -24,7 +24,9 @@ class LLM:
     Args:
         model: a .gguf path, an HF checkpoint directory, or an installed model alias.
         dtype: compute dtype: "auto" (float32, with bfloat16 weight copies for steps of at
-            most 16 tokens), "float32" (float32 only: outputs independent of batching) or "bfloat16".
+            most 16 tokens, bfloat16 K/V cache), "float32" (float32 only: outputs independent of
+            batching), "bfloat16" or "float16". ``kv_cache_dtype="float32"`` (or another dtype)
+            overrides the K/V cache's.
         max_model_len: longest prompt + output; default the model's context, at most 8192.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget per step.
@@ -55,8 +57,7 @@ class LLM:
     ) -> None:
         config = EngineConfig(
             model=model,
-            dtype=parse_dtype(dtype),
-            bf16_max_rows=auto_bf16_max_rows(dtype),
+            **dtype_settings(dtype, kwargs.pop("kv_cache_dtype", "auto")),
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

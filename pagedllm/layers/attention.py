@@ -111,11 +111,11 @@ class AttentionMetadata:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V ([T, num_kv_heads, head_dim]) into their cache slots."""
+    """Scatter this step's K/V ([T, num_kv_heads, head_dim]) into their cache slots (in the cache's dtype)."""
     k_cache, v_cache = kv_cache
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(
@@ -131,7 +131,8 @@ def paged_attention(
 
     Args:
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (this step's tokens).
-        kv_cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+        kv_cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim], in
+            q's dtype or bfloat16 (read back in q's dtype).
         meta: the step's metadata (slot mapping, decode batch, prefill list).
         scale: softmax scale, usually head_dim ** -0.5.
         window: sliding-window layers: a query at position p attends to keys at positions
@@ -175,13 +176,13 @@ def paged_attention(
             else:
                 first_block = key_start // block_size
                 skip = first_block * block_size
-                keys = k_cache[p.block_ids[first_block:]].flatten(0, 1)[key_start - skip : p.seq_len - skip]
-                values = v_cache[p.block_ids[first_block:]].flatten(0, 1)[key_start - skip : p.seq_len - skip]
+                keys = k_cache[p.block_ids[first_block:]].flatten(0, 1)[key_start - skip : p.seq_len - skip].to(q.dtype)
+                values = v_cache[p.block_ids[first_block:]].flatten(0, 1)[key_start - skip : p.seq_len - skip].to(q.dtype)
         elif p.mask is None:  # whole context is this chunk: use it directly, no gather
             keys, values = k[rows], v[rows]
         else:
-            keys = k_cache[p.block_ids].flatten(0, 1)[: p.seq_len]
-            values = v_cache[p.block_ids].flatten(0, 1)[: p.seq_len]
+            keys = k_cache[p.block_ids].flatten(0, 1)[: p.seq_len].to(q.dtype)
+            values = v_cache[p.block_ids].flatten(0, 1)[: p.seq_len].to(q.dtype)
         keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
         values = values.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
@@ -210,8 +211,8 @@ def _decode_attention_torch(
     num_kv_heads = k_cache.shape[2]
     tables = meta.decode_block_tables
     # [b, L, Hkv, D] -> [b, Hkv, L, D]; the G query heads of a KV head ride the query axis.
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
     query = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
     mask = meta.decode_mask
     if window:

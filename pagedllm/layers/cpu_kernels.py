@@ -52,7 +52,7 @@ def native_library() -> ctypes.CDLL | None:
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    # is_bf16, q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv, D, BS, scale, window
+    # cache_bf16, q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv, D, BS, scale, window
     fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
     lib.linear_pack_f32.argtypes = lib.linear_pack_bf16.argtypes = [ptr, ptr, i64, i64]
     lib.linear_f32.argtypes = lib.linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
@@ -75,8 +75,8 @@ def paged_decode_attention(
     """Decode attention read in place through block tables; None if the kernel cannot run.
 
     Args:
-        q: [B, num_heads, head_dim], bfloat16 or float32.
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype.
+        q: [B, num_heads, head_dim], float (the kernel computes in float32).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16.
         block_tables: [B, max_blocks] int64; seq_lens: [B] int64 (keys per request).
         window: > 0: attend only to the last ``window`` keys (positions >= seq_len - window),
             as a sliding-window layer does; 0: all keys.
@@ -85,14 +85,14 @@ def paged_decode_attention(
         [B, num_heads, head_dim] in q's dtype.
     """
     lib = native_library()
-    if lib is None or q.dtype not in (torch.bfloat16, torch.float32) or q.shape[-1] not in (64, 128, 256):
+    if lib is None or k_cache.dtype not in (torch.bfloat16, torch.float32) or q.shape[-1] not in (64, 128, 256):
         return None
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    q32 = q.float().contiguous()
+    out = torch.empty_like(q32)
     b, hq, d = q.shape
     status = lib.paged_decode_attention(
-        int(q.dtype == torch.bfloat16),
-        q.data_ptr(),
+        int(k_cache.dtype == torch.bfloat16),
+        q32.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_tables.data_ptr(),
@@ -107,4 +107,4 @@ def paged_decode_attention(
         scale,
         window,
     )
-    return out if status == 0 else None
+    return out.to(q.dtype) if status == 0 else None

@@ -74,7 +74,7 @@ class DraftModelProposer:
         vocab_size: the target's vocabulary size (the draft's must equal it).
         num_blocks, block_size: the draft KV cache's geometry (the engine gives it as many
             token slots as the target's cache).
-        dtype: compute and cache dtype.
+        dtype, kv_dtype: compute dtype and KV cache dtype.
 
     Raises:
         ValueError: if the draft model cannot be loaded or its vocabulary differs.
@@ -88,6 +88,7 @@ class DraftModelProposer:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
+        kv_dtype: torch.dtype,
     ) -> None:
         self.model, self.config = load_model(resolve_model(model), dtype)
         if self.config.vocab_size != vocab_size:
@@ -99,7 +100,7 @@ class DraftModelProposer:
         self.block_size = block_size
         self.groups = kv_cache_groups(self.config)
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_caching=False, groups=self.groups)
-        self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, dtype)
+        self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, kv_dtype)
         self.seqs: dict[str, _DraftSequence] = {}
         logger.info(
             "draft model %s: %d layers, KV cache %d blocks", self.config.name or model, self.config.num_layers, num_blocks

@@ -36,7 +36,7 @@ class ModelRunner:
         model: the model (see ``pagedllm.models``), already loaded.
         config: its hyper-parameters.
         num_blocks, block_size: KV cache geometry.
-        dtype: dtype of the KV caches (the model's compute dtype).
+        dtype: dtype of the KV caches.
     """
 
     def __init__(

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from pagedllm.config import EngineConfig, auto_bf16_max_rows, parse_dtype, parse_memory
+from pagedllm.config import EngineConfig, dtype_settings, parse_memory
 
 logger = logging.getLogger("pagedllm")
 
@@ -30,8 +30,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from pagedllm.entrypoints.cli import engine_kwargs
 
     kwargs = engine_kwargs(args)
-    kwargs["bf16_max_rows"] = auto_bf16_max_rows(kwargs["dtype"])
-    kwargs["dtype"] = parse_dtype(kwargs["dtype"])
+    kwargs |= dtype_settings(kwargs.pop("dtype"), kwargs.pop("kv_cache_dtype"))
     kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])
     return EngineConfig(**kwargs)
 
