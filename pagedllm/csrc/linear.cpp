@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -52,6 +53,8 @@ void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K, const 
   __m512 acc[R][2];
   init<R>(acc, bias);
   for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 8) * NB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 8) * NB + 16), _MM_HINT_T0);
     const __m512 w0 = _mm512_loadu_ps(panel + k * NB), w1 = _mm512_loadu_ps(panel + k * NB + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
@@ -101,6 +104,8 @@ void tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t kp
   __m512 acc[R][2];
   init<R>(acc, bias);
   for (int64_t k = 0; k < kp; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * 2 * NB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * 2 * NB + NB), _MM_HINT_T0);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + k * 2 * NB);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + k * 2 * NB + NB);
     for (int r = 0; r < R; ++r) {
@@ -223,11 +228,18 @@ int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const int32_t
 // ceil(N/32)*32.
 void linear_f32(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t M, int64_t N,
                 int64_t K) {
-  for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
-    panel_rows<12>(M, [&](auto r, int64_t m) {
-      tile_f32<decltype(r)::value>(x + m * ldx, ldx, packed + p * K * NB, K, b, y + m * N + p * NB, N, ncols);
+  // Rows in chunks whose x fits in L2 (512 KiB), each chunk over all panels: x is read from
+  // L2 by every panel instead of from L3/DRAM (prefill: 1.3x at 2048 x 576 -> 3072).
+  const int64_t chunk = std::max<int64_t>(12, (131072 / K) / 12 * 12);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
+      panel_rows<12>(rows, [&](auto r, int64_t m) {
+        tile_f32<decltype(r)::value>(x + (m0 + m) * ldx, ldx, packed + p * K * NB, K, b, y + (m0 + m) * N + p * NB,
+                                     N, ncols);
+      });
     });
-  });
+  }
 }
 
 // As linear_f32 over bfloat16 panels (x rounded to bfloat16). Returns -1 without AVX512-BF16.
