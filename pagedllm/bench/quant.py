@@ -22,12 +22,14 @@ if TYPE_CHECKING:  # torch is imported where used: building the CLI parser stays
 
 # Mode name -> (dtype, quantization, quantize_lm_head).
 MODES = {
+    "auto": ("auto", "none", False),  # the default: float32, bf16 weight copies at small batch, bf16 K/V
     "fp32": ("float32", "none", False),
     "bf16": ("bfloat16", "none", False),
     "int8": ("bfloat16", "int8", False),
     "int4": ("bfloat16", "int4", False),
     "int8+lm_head": ("bfloat16", "int8", True),
     "int4+lm_head": ("bfloat16", "int4", True),
+    "w8a8": ("float32", "w8a8", False),
 }
 
 
@@ -144,7 +146,7 @@ def _reference(results: list[QuantBenchResult]) -> QuantBenchResult | None:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--modes", default="fp32,bf16,int8,int4,int4+lm_head", help=f"comma list of {', '.join(MODES)}")
+    parser.add_argument("--modes", default="auto,fp32,bf16,int8,int4,int4+lm_head,w8a8", help=f"comma list of {', '.join(MODES)}")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32, help="the batched run's requests (1: skip it)")
