@@ -302,6 +302,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
         ({"quantization": "int8", "quantize_lm_head": True}, Int4Linear),
         ({"quantization": "int4", "quantization_group_size": 64, "quantize_lm_head": True}, Int4Linear),
         ({"quantization": "w8a8"}, W8A8Linear),
+        ({"quantization": "int4", "dtype": "bfloat16"}, Int4Linear),  # bfloat16 activations reach the kernel as views
     ],
 )
 def test_engine_end_to_end(kwargs: dict, layer: type) -> None:

@@ -48,8 +48,8 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in_features] float -> [T, out_features] in x's dtype."""
-        y = self._matmul(x.to(KERNEL_DTYPE))
+        """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
+        y = self._matmul(x.to(KERNEL_DTYPE).contiguous())  # torch's packed kernels want dense rows
         if self.bias is not None:
             y = y + self.bias  # in the wider of the two dtypes
         return y.to(x.dtype)
