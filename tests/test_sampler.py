@@ -10,13 +10,12 @@ import torch
 from pagedllm.layers.sampler import (
     Sampler,
     SamplerOutput,
-    SamplingMetadata,
-    SamplingRow,
     _apply_penalties,
     _largest,
     _nucleus_size,
     compute_logprobs,
 )
+from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -21,7 +21,7 @@ from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.entrypoints.cli import add_engine_args, engine_kwargs
 from pagedllm.layers.rejection_sampler import RejectionSampler
-from pagedllm.layers.sampler import SamplingMetadata, SamplingRow
+from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram_proposer import NgramProposer, find_ngram_drafts

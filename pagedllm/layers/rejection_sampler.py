@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.layers.sampler import SamplingMetadata, _inverse_cdf, process_logits, sampling_probs
+from pagedllm.layers.sampler import _inverse_cdf, process_logits, sampling_probs
+from pagedllm.layers.sampling_metadata import SamplingMetadata
 
 
 class RejectionSampler(torch.nn.Module):

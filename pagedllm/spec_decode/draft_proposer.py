@@ -28,7 +28,8 @@ import torch
 from pagedllm.core.kv_cache_groups import kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
-from pagedllm.layers.sampler import SamplingMetadata, SamplingRow, _inverse_cdf, process_logits, sampling_probs
+from pagedllm.layers.sampler import _inverse_cdf, process_logits, sampling_probs
+from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.spec_decode.proposer import max_num_drafts
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata

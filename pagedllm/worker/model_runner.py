@@ -15,7 +15,8 @@ from pagedllm.config import ModelConfig
 from pagedllm.core.kv_cache_groups import kv_cache_groups
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.rejection_sampler import RejectionSampler
-from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, compute_logprobs
+from pagedllm.layers.sampler import Sampler, compute_logprobs
+from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 

@@ -1,0 +1,234 @@
+"""Per-step sampling inputs: each row's parameters gathered into batched tensors.
+
+``SamplingMetadata.build`` turns the scheduled rows' ``SamplingParams`` and token histories
+into the tensors the sampler's stages read (temperatures, top-k / top-p / min-p, penalty
+counts, ``min_tokens`` masks, seeded generators); a stage no row uses gets None, so the
+sampler skips it. Tensors may live on any device.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+Device = torch.device | str
+
+_TOP_K_OFF = torch.iinfo(torch.int64).max  # larger than any vocabulary
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingRow:
+    """One batch position that samples a token, and what the sampler needs to know about it.
+
+    ``generator`` (a CPU ``torch.Generator``) makes the row's draws depend on its seed only.
+    ``eos_token_ids`` are masked together with ``params.stop_token_ids`` while
+    ``len(output_token_ids) < params.min_tokens``, unless ``params.ignore_eos``.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: Sequence[int] = ()
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PenaltyTensors:
+    """Penalties as sparse updates of the logits they change (vLLM semantics).
+
+    Only tokens of a row's prompt or output are penalized, so the sampler gathers and
+    rewrites those logits instead of building [S, V] count tensors.
+
+    Attributes:
+        seen: (LongTensor[N] batch row, LongTensor[N] token id), every prompt and output token
+            of the rows with a repetition penalty (repeats are harmless: same value written).
+        repetition: FloatTensor[N], the repetition penalty of each ``seen`` pair's row.
+        output: (LongTensor[U] batch row, LongTensor[U] token id), the distinct output tokens
+            of the rows with a presence or frequency penalty.
+        output_counts: FloatTensor[U], how often each occurs in its row's output.
+        presence, frequency: FloatTensor[U], the penalties of each ``output`` pair's row.
+    """
+
+    seen: tuple[torch.Tensor, torch.Tensor]
+    repetition: torch.Tensor
+    output: tuple[torch.Tensor, torch.Tensor]
+    output_counts: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class TruncationTensors:
+    """Top-k / top-p settings of the sampling rows that use either.
+
+    Attributes:
+        rows: LongTensor[T], indices into the sampling rows (``SamplingMetadata.random_rows``).
+        other_rows: LongTensor[R - T], the sampling rows without top-k or top-p.
+        top_k: LongTensor[T, 1]; rows without top-k hold a value larger than any vocabulary.
+        top_p: FloatTensor[T, 1]; rows without top-p hold ``inf``.
+        max_top_k: the largest top-k set (0 if none), so one ``topk`` call covers every row.
+    """
+
+    rows: torch.Tensor
+    other_rows: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    max_top_k: int
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingMetadata:
+    """Per-step tensors for ``Sampler``, built once from the batch's rows.
+
+    Every optional field is None when no row needs that stage, which is how the sampler
+    skips it. "Sampling rows" are the rows with temperature > 0, in batch order.
+
+    Attributes:
+        random_rows: LongTensor[R], the batch rows that sample; None when all S rows do.
+        greedy_rows: LongTensor[S - R], the others.
+        temperature: FloatTensor[R, 1]; None when all sampling rows have temperature 1.
+        truncation: top-k / top-p of the sampling rows that use them.
+        min_p: FloatTensor[R, 1]; None when no sampling row uses min-p.
+        generators: index into the sampling rows -> that row's seeded generator.
+        penalties: repetition / presence / frequency penalties.
+        min_tokens_mask: (LongTensor[M] batch row, LongTensor[M] token id) pairs whose logit is
+            set to -inf because the row is still below ``min_tokens``.
+        max_num_logprobs: the largest ``logprobs`` asked by any row; None when no row asked.
+    """
+
+    random_rows: torch.Tensor | None
+    greedy_rows: torch.Tensor
+    all_greedy: bool
+    temperature: torch.Tensor | None
+    truncation: TruncationTensors | None
+    min_p: torch.Tensor | None
+    generators: dict[int, torch.Generator]
+    penalties: PenaltyTensors | None
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+    max_num_logprobs: int | None
+
+    @property
+    def all_random(self) -> bool:
+        return not self.all_greedy and self.random_rows is None
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.penalties is None
+
+    @property
+    def no_top_k_top_p(self) -> bool:
+        return self.truncation is None
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], device: Device = "cpu") -> SamplingMetadata:
+        """Gather the per-row settings of one step into tensors on ``device``."""
+        random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
+        randoms = [rows[i].params for i in random_idx]
+        temperatures = [p.temperature for p in randoms]
+        logprobs = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+        return cls(
+            random_rows=None if len(randoms) == len(rows) else _indices(random_idx, device),
+            greedy_rows=_indices([i for i, row in enumerate(rows) if row.params.greedy], device),
+            all_greedy=not randoms,
+            temperature=(
+                None if all(t == 1.0 for t in temperatures) else _column(temperatures, device)
+            ),
+            truncation=_build_truncation(randoms, device),
+            min_p=(
+                _column([p.min_p for p in randoms], device)
+                if any(p.min_p > 0.0 for p in randoms)
+                else None
+            ),
+            generators={
+                j: gen for j, i in enumerate(random_idx) if (gen := rows[i].generator) is not None
+            },
+            penalties=_build_penalties(rows, device),
+            min_tokens_mask=_build_min_tokens_mask(rows, device),
+            max_num_logprobs=max(logprobs, default=None),
+        )
+
+
+def _indices(values: Sequence[int], device: Device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _column(values: Sequence[float], device: Device) -> torch.Tensor:
+    """FloatTensor[N, 1], one value per row, to broadcast over the vocabulary."""
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _coo(
+    row_ids: Sequence[int], lists: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged per-row token lists as (LongTensor[N] batch row, LongTensor[N] token id), on CPU."""
+    lengths = torch.tensor([len(ids) for ids in lists], dtype=torch.long)
+    batch_rows = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.long), lengths)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long)
+    return batch_rows, tokens
+
+
+def _build_truncation(
+    randoms: Sequence[SamplingParams], device: Device
+) -> TruncationTensors | None:
+    used = [j for j, p in enumerate(randoms) if p.top_k > 0 or p.top_p < 1.0]
+    if not used:
+        return None
+    top_ks = [randoms[j].top_k or _TOP_K_OFF for j in used]
+    # top_p = 1 is off; inf makes "mass before < top_p" hold even where float sums reach 1.
+    top_ps = [randoms[j].top_p if randoms[j].top_p < 1.0 else torch.inf for j in used]
+    return TruncationTensors(
+        rows=_indices(used, device),
+        other_rows=_indices(sorted(set(range(len(randoms))) - set(used)), device),
+        top_k=_indices(top_ks, device).unsqueeze(1),
+        top_p=_column(top_ps, device),
+        max_top_k=max((k for k in top_ks if k != _TOP_K_OFF), default=0),
+    )
+
+
+def _build_penalties(rows: Sequence[SamplingRow], device: Device) -> PenaltyTensors | None:
+    params = [row.params for row in rows]
+    repeating = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    additive = [
+        i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    ]
+    if not repeating and not additive:
+        return None
+    seen_rows, seen_tokens = _coo(
+        repeating, [[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in repeating]
+    )
+    output_rows, output_tokens = _coo(additive, [rows[i].output_token_ids for i in additive])
+    # One int64 key per (row, token) pair: 1-D unique is ~50x faster than unique(dim=1).
+    keys, counts = torch.unique(output_rows << 32 | output_tokens, return_counts=True)
+    output_rows, output_tokens = keys >> 32, keys & 0xFFFFFFFF
+
+    def per_row(values: list[float], batch_rows: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32)[batch_rows].to(device)
+
+    return PenaltyTensors(
+        seen=(seen_rows.to(device), seen_tokens.to(device)),
+        repetition=per_row([p.repetition_penalty for p in params], seen_rows),
+        output=(output_rows.to(device), output_tokens.to(device)),
+        output_counts=counts.to(device, torch.float32),
+        presence=per_row([p.presence_penalty for p in params], output_rows),
+        frequency=per_row([p.frequency_penalty for p in params], output_rows),
+    )
+
+
+def _build_min_tokens_mask(
+    rows: Sequence[SamplingRow], device: Device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    short = [i for i, row in enumerate(rows) if len(row.output_token_ids) < row.params.min_tokens]
+
+    def banned(row: SamplingRow) -> list[int]:
+        return [*row.params.stop_token_ids, *([] if row.params.ignore_eos else row.eos_token_ids)]
+
+    lists = [banned(rows[i]) for i in short]
+    if not any(lists):
+        return None
+    batch_rows, tokens = _coo(short, lists)
+    return batch_rows.to(device), tokens.to(device)
