@@ -46,10 +46,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) per token
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64, padded with 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillMeta]
-    # Sliding-window masks, built on first use by a layer with that window, shared by the rest.
+    # Masks built on first use by the layers that need them (a sliding window, the PyTorch
+    # decode fallback's padding), keyed by (request or -1 for the decode batch, window).
     window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
@@ -77,7 +77,7 @@ class AttentionMetadata:
         if any(q == 1 for q in query_lens[num_decodes:]):
             raise ValueError("decode requests (query length 1) must come first")
 
-        decode_tables = decode_mask = lens = None
+        decode_tables = lens = None
         if num_decodes:
             max_blocks = max(-(-s // block_size) for s in seq_lens[:num_decodes])
             padded = [t[: -(-s // block_size)] for t, s in zip(block_tables, seq_lens[:num_decodes])]
@@ -85,8 +85,6 @@ class AttentionMetadata:
                 [t + [0] * (max_blocks - len(t)) for t in padded], dtype=torch.long
             )
             lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.long)
-            key_pos = torch.arange(max_blocks * block_size)
-            decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
 
         prefills = []
         start = num_decodes
@@ -104,7 +102,6 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             num_decodes=num_decodes,
             decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
             decode_seq_lens=lens,
             prefills=prefills,
         )
@@ -214,12 +211,14 @@ def _decode_attention_torch(
     keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
     values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
     query = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    mask = meta.decode_mask
-    if window:
-        mask = meta.window_masks.get((-1, window))
-        if mask is None:
-            key_pos = torch.arange(keys.shape[2])
-            start = (meta.decode_seq_lens - window)[:, None, None, None]
-            mask = meta.window_masks[(-1, window)] = meta.decode_mask & (key_pos >= start)
+    # The padding mask (keys past each request's length), built on first use by this fallback only.
+    mask = meta.window_masks.get((-1, window))
+    if mask is None:
+        key_pos = torch.arange(keys.shape[2])
+        lens = meta.decode_seq_lens[:, None, None, None]
+        mask = key_pos < lens
+        if window:
+            mask &= key_pos >= lens - window
+        meta.window_masks[(-1, window)] = mask
     o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return o.reshape(b, num_heads, head_dim)
