@@ -150,7 +150,12 @@ def dtype_settings(dtype: str | torch.dtype, kv_cache_dtype: str = "auto") -> di
         ValueError: for an unknown dtype name.
     """
     auto = isinstance(dtype, str) and dtype.lower() == "auto"
-    kv = None if kv_cache_dtype == "auto" else parse_dtype(kv_cache_dtype)
+    kv = None
+    if kv_cache_dtype != "auto":
+        try:
+            kv = parse_dtype(kv_cache_dtype)
+        except ValueError:
+            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {kv_cache_dtype!r}") from None
     return {
         "dtype": parse_dtype(dtype),
         "bf16_max_rows": AUTO_BF16_MAX_ROWS if auto else 0,

@@ -200,3 +200,20 @@ def test_abort_frees_blocks(llm):
 def test_unknown_model_alias():
     with pytest.raises(ValueError, match="SmolLM2-135M-Instruct"):
         LLM(model="no-such-model")
+
+
+def test_dtype_settings() -> None:
+    """auto: float32 activations, bfloat16 weight copies for small steps, a bfloat16 K/V cache."""
+    import torch
+
+    from pagedllm.config import AUTO_BF16_MAX_ROWS, dtype_settings
+
+    assert dtype_settings("auto") == {
+        "dtype": torch.float32, "bf16_max_rows": AUTO_BF16_MAX_ROWS, "kv_cache_dtype": torch.bfloat16
+    }
+    assert dtype_settings("float32") == {"dtype": torch.float32, "bf16_max_rows": 0, "kv_cache_dtype": None}
+    assert dtype_settings("auto", "float32")["kv_cache_dtype"] == torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32, bfloat16 or float16, got 'int8'"):
+        dtype_settings("auto", "int8")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        dtype_settings("float8")
