@@ -16,7 +16,12 @@ from torch import nn
 
 from pagedllm.layers.cpu_kernels import native_library
 
-_PANEL = 32  # output columns per packed panel (csrc/linear.cpp)
+PANEL = 32  # output columns per packed panel (csrc/linear.cpp)
+
+
+def pad_to_panels(column_values: torch.Tensor) -> torch.Tensor:
+    """[N] per-output-column values, zero padded to whole panels: the kernels read a panel's worth."""
+    return torch.nn.functional.pad(column_values, (0, -column_values.shape[0] % PANEL))
 
 
 class PackedLinear(nn.Module):
@@ -38,22 +43,18 @@ class PackedLinear(nn.Module):
             raise RuntimeError("PackedLinear needs the native kernels (pagedllm/csrc)")
         n, k = weight.shape
         self.in_features, self.out_features = k, n
-        panels = -(-n // _PANEL)
+        panels = -(-n // PANEL)
         w32 = weight.detach().float().contiguous()
-        self.register_buffer("packed_f32", torch.empty(panels * _PANEL * k), persistent=False)
+        self.register_buffer("packed_f32", torch.empty(panels * PANEL * k), persistent=False)
         self._lib.linear_pack_f32(w32.data_ptr(), self.packed_f32.data_ptr(), n, k)
         self.bf16_max_rows = bf16_max_rows if self._lib.linear_bf16_available() else 0
         packed_bf16 = None
         if self.bf16_max_rows:
             w16 = w32.to(torch.bfloat16)
-            packed_bf16 = torch.empty(panels * _PANEL * (k + k % 2), dtype=torch.bfloat16)
+            packed_bf16 = torch.empty(panels * PANEL * (k + k % 2), dtype=torch.bfloat16)
             self._lib.linear_pack_bf16(w16.data_ptr(), packed_bf16.data_ptr(), n, k)
         self.register_buffer("packed_bf16", packed_bf16, persistent=False)
-        padded_bias = None
-        if bias is not None:  # padded: the kernel reads a whole panel's worth
-            padded_bias = torch.zeros(panels * _PANEL)
-            padded_bias[:n] = bias.detach().float()
-        self.register_buffer("bias", padded_bias, persistent=False)
+        self.register_buffer("bias", None if bias is None else pad_to_panels(bias.detach().float()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] float32 (rows may be strided) -> [T, out_features] float32."""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.cpu_kernels import native_library
+from pagedllm.layers.linear import PANEL, pad_to_panels
 from pagedllm.layers.quantization.weights import (
     KERNEL_DTYPE,
     Int4Weight,
@@ -30,7 +31,6 @@ from pagedllm.layers.quantization.weights import (
 
 _aten = torch.ops.aten
 _INT4_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants N % 16 == 0
-_PANEL = 32  # output columns per panel of csrc/linear.cpp
 
 
 class QuantizedLinear(nn.Module):
@@ -130,14 +130,12 @@ class W8A8Linear(QuantizedLinear):
         if weight.scales.shape[1] != 1:
             raise ValueError(f"W8A8Linear needs one scale per row, got group size {weight.group_size}")
         self._lib = lib
-        padded = -(-n // _PANEL) * _PANEL
         q = weight.q.contiguous()
-        self.register_buffer("packed", torch.empty(padded * (-(-k // 4) * 4), dtype=torch.int8))
+        self.register_buffer("packed", torch.empty(-(-n // PANEL) * PANEL * (-(-k // 4) * 4), dtype=torch.int8))
         lib.linear_pack_s8(q.data_ptr(), self.packed.data_ptr(), n, k)
-        pad = (0, padded - n)
-        self.register_buffer("wsum128", nn.functional.pad(128 * q.sum(1, dtype=torch.int32), pad))
-        self.register_buffer("wscale", nn.functional.pad(weight.scales[:, 0].float(), pad))
-        self.register_buffer("padded_bias", None if bias is None else nn.functional.pad(bias.detach().float(), pad))
+        self.register_buffer("wsum128", pad_to_panels(128 * q.sum(1, dtype=torch.int32)))
+        self.register_buffer("wscale", pad_to_panels(weight.scales[:, 0].float()))
+        self.register_buffer("padded_bias", None if bias is None else pad_to_panels(bias.detach().float()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] float -> [T, out_features] in x's dtype."""
