@@ -82,10 +82,14 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
       if ((blk + 1) * BS < S) {  // the next block's rows of this head, into cache meanwhile
         const char* kn = reinterpret_cast<const char*>(k_cache + (table[blk + 1] * BS * Hkv + h) * D);
         const char* vn = reinterpret_cast<const char*>(v_cache + (table[blk + 1] * BS * Hkv + h) * D);
-        for (int64_t s = 0; s < BS; ++s) {  // a row's first line: the hardware fetches the rest
-          _mm_prefetch(kn + s * stride * sizeof(T), _MM_HINT_T0);
-          _mm_prefetch(vn + s * stride * sizeof(T), _MM_HINT_T0);
-        }
+        // Every line of each row: a head's rows are 128-256 byte pieces Hkv * D apart, which
+        // the hardware prefetchers miss (first line only: 23.4 ms, every line: 16.6 ms, for a
+        // batch-32 step of SmolLM2 at context ~300).
+        for (int64_t s = 0; s < BS; ++s)
+          for (int64_t line = 0; line < D * int64_t(sizeof(T)); line += 64) {
+            _mm_prefetch(kn + s * stride * sizeof(T) + line, _MM_HINT_T0);
+            _mm_prefetch(vn + s * stride * sizeof(T) + line, _MM_HINT_T0);
+          }
       }
       // Scores of this block's keys.
       for (int64_t s = lo; s < hi; ++s) {
