@@ -62,10 +62,6 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     dtype: torch.dtype = torch.float32
-    # float32 models: steps of at most this many tokens read bfloat16 copies of the linear
-    # weights (layers/linear.py; faster where reading the weight dominates). 0: float32 only,
-    # batch-invariant. dtype "auto" sets AUTO_BF16_MAX_ROWS (measured), an explicit "float32" sets 0.
-    bf16_max_rows: int = 0
     # dtype of the K/V caches; None: the model's dtype. dtype "auto" sets bfloat16: decode
     # attention is bound by reading K/V, and half the bytes is twice the context per GiB.
     kv_cache_dtype: torch.dtype | None = None
@@ -80,7 +76,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     # Speculative decoding; a dict or JSON string in vLLM's shape is parsed. None: off.
     speculative_config: SpeculativeConfig | None = None
-    # Weight-only quantization of the linear layers: "none" | "int8" | "int4" (layers/quantization).
+    # Quantization of the linear layers: "none" | "int8" | "int4" (weight-only) | "w8a8"
+    # (layers/quantization). dtype "auto" sets "w8a8" with the lm_head where the CPU has it.
     quantization: str = "none"
     quantization_group_size: int = 32  # int4's group size: 32, 64 or 128
     quantize_lm_head: bool = False  # the logits matmul too (a tied embedding's lookup stays float)
@@ -109,11 +106,9 @@ class EngineConfig:
         return QuantizationConfig.parse(self.quantization, self.quantization_group_size, self.quantize_lm_head)
 
 
-AUTO_BF16_MAX_ROWS = 16
-
 _DTYPES = {
     # Measured on the target CPU (docs/benchmarks.md): fp32 matmuls run about 2x the bf16 rate
-    # for batched shapes; "auto" is float32 with bfloat16 weight copies for small steps.
+    # for batched shapes, int8 (VNNI) 2-3.5x the fp32 rate; "auto" is float32 around w8a8 layers.
     "auto": torch.float32,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -139,15 +134,20 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}") from None
 
 
-def dtype_settings(dtype: str | torch.dtype, kv_cache_dtype: str = "auto") -> dict[str, object]:
-    """EngineConfig fields for the dtype flags.
+def dtype_settings(
+    dtype: str | torch.dtype, kv_cache_dtype: str = "auto", quantization: str | None = None
+) -> dict[str, object]:
+    """EngineConfig fields for the dtype and quantization flags.
 
-    "auto": float32 activations, bfloat16 weight copies for steps of at most
-    ``AUTO_BF16_MAX_ROWS`` tokens, bfloat16 K/V. An explicit dtype: that dtype throughout.
-    ``kv_cache_dtype`` other than "auto" overrides the K/V dtype.
+    "auto": float32 activations around w8a8 linear layers, the lm_head included (int8 weights
+    and activations in groups of 32: SmolLM2 perplexity +0.16% against float32, 2-3.5x the
+    float32 GEMM's speed; docs/benchmarks.md), and bfloat16 K/V. Where the CPU lacks
+    AVX512-VNNI, or ``quantization`` names a mode (even "none"), the linear layers are as that
+    says. An explicit dtype: that dtype throughout. ``kv_cache_dtype`` other than "auto"
+    overrides the K/V dtype.
 
     Raises:
-        ValueError: for an unknown dtype name.
+        ValueError: for an unknown dtype name or K/V dtype.
     """
     auto = isinstance(dtype, str) and dtype.lower() == "auto"
     kv = None
@@ -156,11 +156,22 @@ def dtype_settings(dtype: str | torch.dtype, kv_cache_dtype: str = "auto") -> di
             kv = parse_dtype(kv_cache_dtype)
         except ValueError:
             raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {kv_cache_dtype!r}") from None
-    return {
+    settings: dict[str, object] = {
         "dtype": parse_dtype(dtype),
-        "bf16_max_rows": AUTO_BF16_MAX_ROWS if auto else 0,
         "kv_cache_dtype": kv or (torch.bfloat16 if auto else None),
+        "quantization": quantization or "none",
     }
+    if auto and quantization is None and w8a8_supported():
+        settings |= {"quantization": "w8a8", "quantize_lm_head": True}
+    return settings
+
+
+def w8a8_supported() -> bool:
+    """Whether the w8a8 kernel runs here (native kernels built, CPU with AVX512-VNNI)."""
+    from pagedllm.layers.cpu_kernels import native_library  # builds the kernels on first use
+
+    lib = native_library()
+    return lib is not None and bool(lib.linear_w8a8_available())
 
 
 def parse_memory(value: str | int | float) -> int:

@@ -203,15 +203,17 @@ def test_unknown_model_alias():
 
 
 def test_dtype_settings() -> None:
-    """auto: float32 activations, bfloat16 weight copies for small steps, a bfloat16 K/V cache."""
+    """auto: float32 activations around w8a8 layers (lm_head too), a bfloat16 K/V cache; an
+    explicit quantization mode or dtype wins."""
     import torch
 
-    from pagedllm.config import AUTO_BF16_MAX_ROWS, dtype_settings
+    from pagedllm.config import dtype_settings, w8a8_supported
 
-    assert dtype_settings("auto") == {
-        "dtype": torch.float32, "bf16_max_rows": AUTO_BF16_MAX_ROWS, "kv_cache_dtype": torch.bfloat16
-    }
-    assert dtype_settings("float32") == {"dtype": torch.float32, "bf16_max_rows": 0, "kv_cache_dtype": None}
+    linears = {"quantization": "w8a8", "quantize_lm_head": True} if w8a8_supported() else {"quantization": "none"}
+    assert dtype_settings("auto") == {"dtype": torch.float32, "kv_cache_dtype": torch.bfloat16} | linears
+    assert dtype_settings("auto", quantization="none")["quantization"] == "none"
+    assert dtype_settings("auto", quantization="int4")["quantization"] == "int4"
+    assert dtype_settings("float32") == {"dtype": torch.float32, "kv_cache_dtype": None, "quantization": "none"}
     assert dtype_settings("auto", "float32")["kv_cache_dtype"] == torch.float32
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32, bfloat16 or float16, got 'int8'"):
         dtype_settings("auto", "int8")

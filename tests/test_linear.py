@@ -1,4 +1,4 @@
-"""PackedLinear (csrc/linear.cpp) against F.linear: shapes with ragged edges, bias, both paths."""
+"""PackedLinear (csrc/linear.cpp) against F.linear: shapes with ragged edges, bias, strided rows."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pagedllm.layers.linear import PackedLinear, pack_linears
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C++ compiler")
 
-SHAPES = [(5, 7), (40, 64), (960, 576), (576, 1536), (33, 577)]  # (out, in): N and K not multiples of 32 / 2
+SHAPES = [(5, 7), (40, 64), (960, 576), (576, 1536), (33, 577)]  # (out, in): N, K not multiples of 32
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -20,30 +20,14 @@ def test_float32_path_matches_f_linear(n, k, bias) -> None:
     gen = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
-    layer = PackedLinear(w, b, bf16_max_rows=0)
+    layer = PackedLinear(w, b)
     for m in (1, 7, 12, 13, 64):
         x = torch.randn(m, k, generator=gen)
         torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4 * k**0.5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_bfloat16_path_for_small_steps(n, k) -> None:
-    """Steps of at most bf16_max_rows rows equal F.linear on bfloat16-rounded x and w."""
-    gen = torch.Generator().manual_seed(k)
-    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    layer = PackedLinear(w, b, bf16_max_rows=8)
-    if layer.bf16_max_rows == 0:
-        pytest.skip("CPU without AVX512-BF16")
-    for m in (1, 3, 8):
-        x = torch.randn(m, k, generator=gen)
-        ref = F.linear(x.bfloat16().float(), w.bfloat16().float(), b)
-        torch.testing.assert_close(layer(x), ref, atol=1e-4 * k**0.5, rtol=1e-5)
-    x = torch.randn(9, k, generator=gen)  # one row more: float32 panels
-    torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4 * k**0.5, rtol=1e-5)
-
-
 def test_rows_do_not_depend_on_the_batch() -> None:
-    """The float32 path gives a row bit-identical results alone and inside any batch."""
+    """A row gets bit-identical results alone and inside any batch."""
     gen = torch.Generator().manual_seed(0)
     layer = PackedLinear(torch.randn(96, 80, generator=gen), None)
     x = torch.randn(29, 80, generator=gen)
@@ -63,18 +47,18 @@ def test_pack_linears_replaces_every_linear_and_a_tied_lm_head() -> None:
 
     model = Tiny()
     w, b, emb = model.proj.weight.clone(), model.proj.bias.clone(), model.embed_tokens.weight.clone()
-    assert pack_linears(model, 0) == 2
+    assert pack_linears(model) == 2
     x = torch.randn(3, 16)
     torch.testing.assert_close(model.proj(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.lm_head(x), x @ emb.T, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("m", [3, 40])  # both paths
+@pytest.mark.parametrize("m", [3, 40])  # a partial tile, several tiles
 def test_strided_rows(m) -> None:
     """Rows with a stride (the gate half of a fused gate/up output) are read in place."""
     gen = torch.Generator().manual_seed(m)
     w = torch.randn(48, 70, generator=gen)
-    layer = PackedLinear(w, None, bf16_max_rows=8)
+    layer = PackedLinear(w, None)
     wide = torch.randn(m, 140, generator=gen)
     x = wide[:, :70]
     assert not x.is_contiguous()

@@ -17,7 +17,7 @@ from test_loader import prefill_logits, write_gguf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.perplexity import DEFAULT_TEXT, perplexity, sliding_windows
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, w8a8_supported
 from pagedllm.layers.cpu_kernels import native_library
 from pagedllm.layers.linear import PackedLinear
 from pagedllm.layers.quantization.config import QuantizationConfig
@@ -302,6 +302,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
         ({"quantization": "int8", "quantize_lm_head": True}, Int4Linear),
         ({"quantization": "int4", "quantization_group_size": 64, "quantize_lm_head": True}, Int4Linear),
         ({"quantization": "w8a8"}, W8A8Linear),
+        ({}, W8A8Linear if w8a8_supported() else PackedLinear),  # dtype auto: w8a8, the lm_head too
         ({"quantization": "int4", "dtype": "bfloat16"}, Int4Linear),  # bfloat16 activations reach the kernel as views
     ],
 )
@@ -309,6 +310,8 @@ def test_engine_end_to_end(kwargs: dict, layer: type) -> None:
     llm = LLM(kv_cache_memory="64MiB", max_model_len=256, **kwargs)
     model = llm.engine.core.runner.model
     assert type(model.layers[0].mlp.gate_up_proj) is layer
+    if not kwargs and w8a8_supported():
+        assert type(model.lm_head) is W8A8Linear
     if kwargs.get("quantize_lm_head"):  # SmolLM2's tied Q8_0 embedding: kept in int8, requantized in int4
         assert type(model.lm_head) is (Int8BlockLinear if kwargs["quantization"] == "int8" else Int4Linear)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, logprobs=1), use_tqdm=False)
@@ -324,7 +327,7 @@ def test_engine_end_to_end(kwargs: dict, layer: type) -> None:
         ({"quantization": "int3"}, "quantization must be one of none, int8, int4, w8a8, got 'int3'"),
         ({"quantization": "int4", "quantization_group_size": 48}, "quantization_group_size must be one of 32, 64, 128"),
         ({"quantization_group_size": 16}, "quantization_group_size must be one of"),
-        ({"quantize_lm_head": True}, "quantize_lm_head needs quantization int8, int4 or w8a8"),
+        ({"quantization": "none", "quantize_lm_head": True}, "quantize_lm_head needs quantization int8, int4 or w8a8"),
     ],
 )
 def test_bad_flags_raise(kwargs: dict, message: str) -> None:
@@ -386,17 +389,27 @@ def test_perplexity_through_prompt_logprobs() -> None:
 )
 @pytest.mark.parametrize("n,k", [(5, 7), (40, 64), (96, 577)])
 def test_w8a8_linear_is_exact_for_its_scheme(n, k) -> None:
-    """Integer matmul of per-channel int8 weights and per-token int8 activations, then rescaled."""
+    """Integer sums of int8 weights and int8 activations, each symmetric per group of 32 input
+    features, scaled per group: equal to the same scheme in float64."""
     gen = torch.Generator().manual_seed(k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    qw = quantize_int8(w)
-    layer = W8A8Linear(qw, b)
+    layer = W8A8Linear(w, b)
+    pad = -k % 32
+
+    def groups(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and scales of t [R, k] in groups of 32 along k: [R, G, 32], [R, G, 1]."""
+        g = torch.nn.functional.pad(t.double(), (0, pad)).view(t.shape[0], -1, 32)
+        scale = g.abs().amax(-1, keepdim=True) / 127
+        return torch.round(g / scale.clamp_min(1e-300)), scale
+
+    wq, ws = groups(w)
     for m in (1, 7, 13, 64):
         x = torch.randn(m, k, generator=gen) * torch.linspace(0.1, 3, k)
         x[0] = 0.0  # an all-zero row stays exact
-        sx = (x.abs().amax(1, keepdim=True) / 127).clamp_min(1e-30)
-        ref = (torch.round(x / sx) @ qw.q.float().T) * sx * qw.scales[:, 0] + b
-        torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-5)
+        x[1:, 3] = 1e3  # an outlier costs precision in its own group only
+        xq, xs = groups(x)
+        ref = torch.einsum("mgk,ngk,mg,ng->mn", xq, wq, xs[..., 0], ws[..., 0]) + b
+        torch.testing.assert_close(layer(x), ref.float(), atol=1e-4, rtol=1e-5)
         assert torch.equal(layer(x)[0], b)
-        rel = (layer(x) - torch.nn.functional.linear(x, w, b)).norm() / torch.nn.functional.linear(x, w, b).norm()
-        assert rel < 0.03
+        exact = torch.nn.functional.linear(x, w, b)
+        assert (layer(x) - exact).norm() / exact.norm() < 0.01

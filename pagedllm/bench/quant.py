@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # torch is imported where used: building the CLI parser stays
 
 # Mode name -> (dtype, quantization, quantize_lm_head).
 MODES = {
-    "auto": ("auto", "none", False),  # the default: float32, bf16 weight copies at small batch, bf16 K/V
+    "auto": ("auto", None, False),  # the default: float32 around w8a8 layers (lm_head too), bf16 K/V
     "fp32": ("float32", "none", False),
     "bf16": ("bfloat16", "none", False),
     "int8": ("bfloat16", "int8", False),
@@ -49,10 +49,9 @@ class Rate:
 @dataclass
 class QuantBenchResult:
     label: str
-    weight_bytes_per_step: int  # at batch 1
+    weight_bytes_per_step: int
     batch1: Rate
     batch_size: int = 0  # 0: no batched run (llama.cpp)
-    batch_weight_bytes_per_step: int = 0
     batch: Rate | None = None
     batch_output_tok_s: float = 0.0  # end to end, the prompts' prefill included (wall)
 
@@ -64,7 +63,7 @@ class QuantBenchResult:
         if reference is not None and reference is not self:
             line += f" = {self.batch1.cpu / reference.batch1.cpu:.2f}x {reference.label} (CPU)"
         if self.batch is not None:
-            per_token = self.batch_weight_bytes_per_step / self.batch_size
+            per_token = self.weight_bytes_per_step / self.batch_size
             line += (
                 f" | batch {self.batch_size}: {self.batch.report(per_token)}, {per_token / 2**20:.2f} MiB/token; "
                 f"end to end {self.batch_output_tok_s:.1f} output tok/s"
@@ -72,17 +71,12 @@ class QuantBenchResult:
         return line
 
 
-def weight_bytes_per_step(model: nn.Module, rows: int) -> int:
-    """Bytes of weights one decode step of ``rows`` tokens reads: every layer's and the logits
-    matrix, not the embedding table (a step looks up one row per token) nor the RoPE tables;
-    of a PackedLinear's two copies, the one that step uses."""
-    from pagedllm.layers.linear import PackedLinear
+def weight_bytes_per_step(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every layer's and the logits
+    matrix, not the embedding table (a step looks up one row per token) nor the RoPE tables."""
     from pagedllm.layers.rotary import RotaryEmbedding
 
     skip = {id(t) for m in model.modules() if isinstance(m, RotaryEmbedding) for t in m.buffers()}
-    for m in model.modules():
-        if isinstance(m, PackedLinear) and m.packed_bf16 is not None:
-            skip.add(id(m.packed_f32 if rows <= m.bf16_max_rows else m.packed_bf16))
     if model.lm_head is not None:
         skip.add(id(model.embed_tokens.weight))
     return sum(t.nbytes for t in (*model.parameters(), *model.buffers()) if id(t) not in skip)
@@ -115,10 +109,9 @@ def bench_pagedllm(llm, label: str, prompts: list[list[int]], output_len: int, r
     _timed_generate(llm, prompts[:1], 4)  # warm-up
     batch1, _ = _decode_rate(llm, prompts[:1], output_len, repeats)
     model = llm.engine.core.runner.model
-    result = QuantBenchResult(label, weight_bytes_per_step(model, 1), batch1)
+    result = QuantBenchResult(label, weight_bytes_per_step(model), batch1)
     if len(prompts) > 1:
         result.batch_size = len(prompts)
-        result.batch_weight_bytes_per_step = weight_bytes_per_step(model, len(prompts))
         result.batch, result.batch_output_tok_s = _decode_rate(llm, prompts, output_len, repeats)
     return result
 

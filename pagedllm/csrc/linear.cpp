@@ -1,24 +1,21 @@
 // y[M, N] = x[M, K] @ w[N, K]^T + bias, float32 activations, weights packed once at load time.
 //
-// Three weight formats. Two are chosen per call by layers/linear.py:
-// - float32 panels, for batches of many rows (compute bound: FMA on float32 runs at twice
-//   the rate of vdpbf16ps on the CPUs we measured);
-// - bfloat16 panels, for a few rows (bound by reading the weight: half the bytes), through
-//   AVX512-BF16's vdpbf16ps; x is rounded to bfloat16, accumulation stays float32.
-// A panel holds 32 output columns: float32 as [K][32], bfloat16 as [K/2][32][2] (a pair of
-// consecutive k per column, the vdpbf16ps operand layout). N is padded to a multiple of 32
-// and K to even with zeros.
-// The third, int8 weights with int8 activations (--quantization w8a8), runs on AVX512-VNNI's
-// vpdpbusd (u8 x s8, four products per int32 lane: 4x the float32 FMA rate here): each row of
-// x is quantized on the fly, symmetric per token (scale = max|x| / 127), shifted by 128 to
-// unsigned; 128 * sum_k w[n, k] is subtracted back in the epilogue. Panels [K/4][32][4]. A micro-tile keeps R rows x 32 columns of y in registers while
-// it walks K once; every row takes the same instructions in the same order whatever M is,
-// so a row's result does not depend on the rest of the batch. Threads split the panels.
+// Two weight formats, each in panels of 32 output columns (N padded to a multiple of 32 with
+// zeros):
+// - float32, [K][32] per panel (--dtype float32: exact, batch-invariant);
+// - int8 with int8 activations (w8a8, the default under --dtype auto): weights and x both
+//   symmetric per group of QG = 32 k (llama.cpp's Q8_0 x Q8_0), the products summed on
+//   AVX512-VNNI's vpdpbusd (u8 x s8, four products per int32 lane: 4x the float32 FMA rate
+//   on the CPUs we measured), each group's int32 sum scaled into a float32 accumulator.
+//   Panels [Kp/4][32][4] (K padded to QG).
+// A micro-tile keeps R rows x 32 columns of y in registers while it walks K once; every row
+// takes the same instructions in the same order whatever M is, so a row's result does not
+// depend on the rest of the batch. Threads split the panels.
 #include <immintrin.h>
 #include <stdint.h>
-#include <string.h>
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -66,55 +63,41 @@ void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K, const 
 }
 
 #ifdef __AVX512VNNI__
-// x: R rows of kq groups of 4 uint8 (stride ldx, in uint32); panel: [kq][32][4] int8.
-// y = (acc - wsum128[n]) * xscale[r] * wscale[n] + bias[n].
+constexpr int64_t QG = 32;  // k per quantization group, of weights and of activations alike
+
+// x: R rows of kq quads of uint8 (stride ldx, in uint32), groups of QG/4 quads; xscale: R rows
+// of G scales (stride G); panel: [kq][32][4] int8; wscale, wsum: [G][32].
+// y[r, n] = sum_g xscale[r, g] * wscale[g, n] * (sum_k (x + 128) w - 128 * sum_k w) + bias[n].
 template <int R>
-void tile_w8a8(const uint32_t* x, int64_t ldx, const float* xscale, const int8_t* panel, int64_t kq,
+void tile_w8a8(const uint32_t* x, int64_t ldx, const float* xscale, const int8_t* panel, int64_t G,
                const int32_t* wsum128, const float* wscale, const float* bias, float* y, int64_t ldy, int64_t ncols) {
-  __m512i acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-  for (int64_t k = 0; k < kq; ++k) {
-    const __m512i w0 = _mm512_loadu_si512(panel + k * 4 * NB);
-    const __m512i w1 = _mm512_loadu_si512(panel + k * 4 * NB + 2 * NB);
-    for (int r = 0; r < R; ++r) {
-      const __m512i a = _mm512_set1_epi32(static_cast<int>(x[r * ldx + k]));
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], a, w0);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], a, w1);
-    }
-  }
+  constexpr int64_t quads = QG / 4;
   __m512 out[R][2];
-  for (int j = 0; j < 2; ++j) {
-    const __m512i ws = _mm512_loadu_si512(wsum128 + 16 * j);
-    const __m512 sc = _mm512_loadu_ps(wscale + 16 * j);
-    const __m512 b = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+  init<R>(out, bias);
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512i ws0 = _mm512_loadu_si512(wsum128 + g * NB), ws1 = _mm512_loadu_si512(wsum128 + g * NB + 16);
+    __m512i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = ws0, acc[r][1] = ws1;  // starts at -128 * sum_k w
+    const int8_t* pg = panel + g * quads * 4 * NB;
+    _mm_prefetch(reinterpret_cast<const char*>(pg + 4 * quads * 4 * NB), _MM_HINT_T0);
+    for (int64_t k = 0; k < quads; ++k) {
+      const __m512i w0 = _mm512_loadu_si512(pg + k * 4 * NB);
+      const __m512i w1 = _mm512_loadu_si512(pg + k * 4 * NB + 2 * NB);
+      _mm_prefetch(reinterpret_cast<const char*>(pg + (k + 4 * quads) * 4 * NB + 2 * NB), _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) {
+        const __m512i a = _mm512_set1_epi32(static_cast<int>(x[r * ldx + g * quads + k]));
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], a, w0);
+        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], a, w1);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(wscale + g * NB), d1 = _mm512_loadu_ps(wscale + g * NB + 16);
     for (int r = 0; r < R; ++r) {
-      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], ws));
-      out[r][j] = _mm512_fmadd_ps(v, _mm512_mul_ps(sc, _mm512_set1_ps(xscale[r])), b);
+      const __m512 s = _mm512_set1_ps(xscale[r * G + g]);
+      out[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), _mm512_mul_ps(d0, s), out[r][0]);
+      out[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), _mm512_mul_ps(d1, s), out[r][1]);
     }
   }
   store<R>(out, y, ldy, ncols);
-}
-#endif
-
-#ifdef __AVX512BF16__
-// x: R rows of kp bf16 pairs (stride ldx, in uint32); panel: [kp][32][2] bfloat16.
-template <int R>
-void tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t kp, const float* bias, float* y,
-               int64_t ldy, int64_t ncols) {
-  __m512 acc[R][2];
-  init<R>(acc, bias);
-  for (int64_t k = 0; k < kp; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * 2 * NB), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * 2 * NB + NB), _MM_HINT_T0);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + k * 2 * NB);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + k * 2 * NB + NB);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + k]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
-    }
-  }
-  store<R>(acc, y, ldy, ncols);
 }
 #endif
 
@@ -139,32 +122,9 @@ void for_panels(int64_t N, const float* bias, F f) {
   for (int64_t p = 0; p < panels; ++p) f(p, N - p * NB < NB ? N - p * NB : NB, bias ? bias + p * NB : nullptr);
 }
 
-// w [N, K] -> panels [ceil(N/32)][ceil(K/V)][32][V]: V consecutive k of a column side by
-// side (the operand layout of FMA, vdpbf16ps and vpdpbusd for V = 1, 2, 4), zero padded.
-template <typename T, int V>
-void pack_panels(const T* w, T* packed, int64_t N, int64_t K) {
-  const int64_t kv = (K + V - 1) / V, panels = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p)
-    for (int64_t kk = 0; kk < kv; ++kk)
-      for (int64_t c = 0; c < NB; ++c)
-        for (int64_t j = 0; j < V; ++j) {
-          const int64_t n = p * NB + c, k = V * kk + j;
-          packed[((p * kv + kk) * NB + c) * V + j] = (n < N && k < K) ? w[n * K + k] : T(0);
-        }
-}
-
 }  // namespace
 
 extern "C" {
-
-int linear_bf16_available() {
-#ifdef __AVX512BF16__
-  return 1;
-#else
-  return 0;
-#endif
-}
 
 int linear_w8a8_available() {
 #ifdef __AVX512VNNI__
@@ -175,51 +135,90 @@ int linear_w8a8_available() {
 }
 
 // w: [N, K] float32 -> float32 panels [ceil(N/32)][K][32], zero padded.
-void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) { pack_panels<float, 1>(w, packed, N, K); }
-
-// w: [N, K] bfloat16 bits -> bfloat16 panels [ceil(N/32)][ceil(K/2)][32][2], zero padded.
-void linear_pack_bf16(const uint16_t* w, uint16_t* packed, int64_t N, int64_t K) {
-  pack_panels<uint16_t, 2>(w, packed, N, K);
+void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
+  const int64_t panels = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < NB; ++c) packed[(p * K + k) * NB + c] = p * NB + c < N ? w[(p * NB + c) * K + k] : 0.f;
 }
 
-// w: [N, K] int8 -> int8 panels [ceil(N/32)][ceil(K/4)][32][4], zero padded.
-void linear_pack_s8(const int8_t* w, int8_t* packed, int64_t N, int64_t K) { pack_panels<int8_t, 4>(w, packed, N, K); }
-
-// x: [M, K] float32 with row stride ldx; y: [M, N] float32; wsum128 (int32), wscale and bias
-// (float32, bias may be null) padded to ceil(N/32)*32. Returns -1 without AVX512-VNNI.
-int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const int32_t* wsum128, const float* wscale,
-                const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+// w: [N, K] float32 -> int8 panels [ceil(N/32)][Kp/4][32][4] (Kp = K rounded up to QG), and
+// per panel and group of QG k: wscale [panels][Kp/QG][32] = max|w| / 127 and
+// wsum128 = -128 * sum of the codes (int32), all zero padded. Returns -1 without AVX512-VNNI.
+int linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N, int64_t K) {
 #ifdef __AVX512VNNI__
-  const int64_t kq = (K + 3) / 4;
-  std::vector<uint32_t> xq(static_cast<size_t>(M * kq));
-  std::vector<float> xscale(static_cast<size_t>(M));
-#pragma omp parallel for schedule(static) if (M > 16)
-  for (int64_t m = 0; m < M; ++m) {  // per-token symmetric int8, stored as uint8 = q + 128
-    const float* src = x + m * ldx;
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(low_mask(K - k), src + k)));
-    const float a = _mm512_reduce_max_ps(amax);
-    xscale[m] = a > 0.f ? a / 127.f : 1.f;
-    const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
-    uint8_t* row = reinterpret_cast<uint8_t*>(xq.data() + m * kq);
-    memset(row, 128, kq * 4);  // padding: q = 0 (its weights are 0 anyway)
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 mask = low_mask(K - k);
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, src + k), inv));  // round to even
-      _mm_mask_storeu_epi8(row + k, mask, _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128))));
+  const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4, panels = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t c = 0; c < NB; ++c) {
+      const int64_t n = p * NB + c;
+      for (int64_t g = 0; g < G; ++g) {
+        float amax = 0.f;
+        for (int64_t k = g * QG; k < std::min(K, (g + 1) * QG) && n < N; ++k) amax = std::max(amax, std::abs(w[n * K + k]));
+        const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        for (int64_t k = g * QG; k < (g + 1) * QG; ++k) {
+          const int8_t q = (n < N && k < K) ? static_cast<int8_t>(std::nearbyint(w[n * K + k] * inv)) : 0;
+          packed[((p * kq + k / 4) * NB + c) * 4 + k % 4] = q;
+          sum += q;
+        }
+        wscale[(p * G + g) * NB + c] = scale;
+        wsum128[(p * G + g) * NB + c] = -128 * sum;
+      }
     }
-  }
-  for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {  // 6 rows: 12 accumulators (more spill)
-    // 6 rows (12 accumulators): at 12 rows GCC spills the int32 accumulators, half the speed.
-    panel_rows<6>(M, [&](auto r, int64_t m) {
-      tile_w8a8<decltype(r)::value>(xq.data() + m * kq, kq, xscale.data() + m, packed + p * kq * 4 * NB, kq,
-                                    wsum128 + p * NB, wscale + p * NB, b, y + m * N + p * NB, N, ncols);
-    });
-  });
   return 0;
 #else
-  (void)x, (void)ldx, (void)packed, (void)wsum128, (void)wscale, (void)bias, (void)y, (void)M, (void)N, (void)K;
+  (void)w, (void)packed, (void)wscale, (void)wsum128, (void)N, (void)K;
+  return -1;
+#endif
+}
+
+// x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed, wscale, wsum128 from
+// linear_pack_w8a8; bias: null or float32 padded to ceil(N/32)*32. Each row of x is
+// quantized on the fly, symmetric per group of QG k (scale = max|x| / 127), as llama.cpp's
+// Q8_0 x Q8_0 dot product does, and shifted by 128 to unsigned for vpdpbusd (u8 x s8).
+// Returns -1 without AVX512-VNNI.
+int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const int32_t* wsum128,
+                const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+#ifdef __AVX512VNNI__
+  const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
+  std::vector<uint32_t> xq(static_cast<size_t>(M * kq));
+  std::vector<float> xscale(static_cast<size_t>(M * G));
+#pragma omp parallel for schedule(static) if (M > 16)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = x + m * ldx;
+    uint8_t* row = reinterpret_cast<uint8_t*>(xq.data() + m * kq);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t k0 = g * QG;
+      const __mmask16 m0 = low_mask(K - k0), m1 = low_mask(K - k0 - 16);
+      const __m512 v0 = _mm512_maskz_loadu_ps(m0, src + k0), v1 = _mm512_maskz_loadu_ps(m1, src + k0 + 16);
+      const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      xscale[m * G + g] = a / 127.f;
+      const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+      const __m512i off = _mm512_set1_epi32(128);  // round to even, then to unsigned
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + k0),
+                       _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), off)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + k0 + 16),
+                       _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), off)));
+    }
+  }
+  // Rows in chunks whose codes fit in L2, each chunk over all panels (as linear_f32).
+  const int64_t chunk = std::max<int64_t>(24, (262144 / (4 * kq)) / 24 * 24);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
+      // 4 rows: 8 int32 + 8 float32 accumulators stay in registers.
+      panel_rows<4>(rows, [&](auto r, int64_t m) {
+        tile_w8a8<decltype(r)::value>(xq.data() + (m0 + m) * kq, kq, xscale.data() + (m0 + m) * G,
+                                      packed + p * kq * 4 * NB, G, wsum128 + p * G * NB, wscale + p * G * NB, b,
+                                      y + (m0 + m) * N + p * NB, N, ncols);
+      });
+    });
+  }
+  return 0;
+#else
+  (void)x, (void)ldx, (void)packed, (void)wscale, (void)wsum128, (void)bias, (void)y, (void)M, (void)N, (void)K;
   return -1;
 #endif
 }
@@ -240,37 +239,6 @@ void linear_f32(const float* x, int64_t ldx, const float* packed, const float* b
       });
     });
   }
-}
-
-// As linear_f32 over bfloat16 panels (x rounded to bfloat16). Returns -1 without AVX512-BF16.
-int linear_bf16(const float* x, int64_t ldx, const uint16_t* packed, const float* bias, float* y, int64_t M, int64_t N,
-                int64_t K) {
-#ifdef __AVX512BF16__
-  const int64_t kp = (K + 1) / 2;
-  std::vector<uint32_t> pairs(static_cast<size_t>(M * kp));
-  for (int64_t m = 0; m < M; ++m) {
-    uint16_t* row = reinterpret_cast<uint16_t*>(pairs.data() + m * kp);
-    const float* src = x + m * ldx;
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
-    if (k < K) {
-      const __mmask16 mask = low_mask(K - k);
-      _mm256_mask_storeu_epi16(row + k, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + k)));
-    }
-    if (K % 2) row[K] = 0;
-  }
-  for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
-    panel_rows<8>(M, [&](auto r, int64_t m) {
-      tile_bf16<decltype(r)::value>(pairs.data() + m * kp, kp, packed + p * kp * 2 * NB, kp, b, y + m * N + p * NB, N,
-                                    ncols);
-    });
-  });
-  return 0;
-#else
-  (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K;
-  return -1;
-#endif
 }
 
 }  // extern "C"

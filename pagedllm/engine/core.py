@@ -59,16 +59,9 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.config = config
         t0 = time.perf_counter()
-        model, model_config = load_model(
-            resolve_model(config.model), config.dtype, config.quantization_config(), config.bf16_max_rows
-        )
+        model, model_config = load_model(resolve_model(config.model), config.dtype, config.quantization_config())
         self.model_config = model_config
-        logger.info(
-            "loaded %s in %.2f s (%s%s)", model_config.name or config.model, time.perf_counter() - t0, config.dtype,
-            f", bfloat16 weight copies for steps of <= {config.bf16_max_rows} tokens"
-            if any(getattr(m, "bf16_max_rows", 0) for m in model.modules())
-            else "",
-        )
+        logger.info("loaded %s in %.2f s (%s)", model_config.name or config.model, time.perf_counter() - t0, config.dtype)
 
         num_blocks = num_kv_blocks(config, model_config)
         groups = kv_cache_groups(model_config)

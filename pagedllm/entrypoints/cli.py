@@ -18,8 +18,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         parser.add_argument("--model", default=DEFAULT_MODEL, help=".gguf path, HF directory, or installed alias")
     parser.add_argument(
         "--dtype", default="auto",
-        help="auto (float32 activations; bfloat16 weight copies for steps of <= 16 tokens and a bfloat16 "
-        "K/V cache) | float32 | bfloat16 | float16",
+        help="auto (float32 activations around w8a8 linear layers, lm_head included, where the CPU has "
+        "AVX512-VNNI; a bfloat16 K/V cache) | float32 (exact) | bfloat16 | float16",
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (as --dtype decides) | float32 | bfloat16")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -37,9 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
     parser.add_argument(
-        "--quantization", default="none",
+        "--quantization", default=None,
         help="quantization of the linear layers: none | int8 (per channel) | int4 (group-wise), weight-only; "
-        "w8a8 (int8 weights and per-token int8 activations)",
+        "w8a8 (int8 weights and activations in groups of 32); default: as --dtype decides",
     )
     parser.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size: 32 | 64 | 128")
     parser.add_argument(

@@ -23,10 +23,10 @@ class LLM:
 
     Args:
         model: a .gguf path, an HF checkpoint directory, or an installed model alias.
-        dtype: compute dtype: "auto" (float32, with bfloat16 weight copies for steps of at
-            most 16 tokens, bfloat16 K/V cache), "float32" (float32 only: outputs independent of
-            batching), "bfloat16" or "float16". ``kv_cache_dtype="float32"`` (or another dtype)
-            overrides the K/V cache's.
+        dtype: compute dtype: "auto" (float32 activations around w8a8 linear layers, the
+            lm_head included, and a bfloat16 K/V cache; see ``config.dtype_settings``),
+            "float32" (float32 only: exact, outputs independent of batching), "bfloat16" or
+            "float16". ``kv_cache_dtype="float32"`` (or another dtype) overrides the K/V cache's.
         max_model_len: longest prompt + output; default the model's context, at most 8192.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget per step.
@@ -34,9 +34,10 @@ class LLM:
         speculative_config: speculative decoding, as a dict or JSON string in vLLM's shape,
             e.g. ``{"method": "ngram", "num_speculative_tokens": 4}`` or
             ``{"method": "draft_model", "model": "...", "num_speculative_tokens": 4}``; None: off.
-        quantization: weight-only quantization of the linear layers: "none", "int8" (per
-            output channel) or "int4" (groups of ``quantization_group_size``: 32, 64, 128);
-            ``quantize_lm_head=True`` quantizes the logits matmul too.
+        quantization: quantization of the linear layers: "none", "int8" (per output channel)
+            or "int4" (groups of ``quantization_group_size``: 32, 64, 128), weight-only; "w8a8"
+            (int8 weights and activations); None: as ``dtype`` decides. ``quantize_lm_head=True``
+            quantizes the logits matmul too.
         **kwargs: any other ``EngineConfig`` field (block_size, enable_prefix_caching, ...).
 
     Raises:
@@ -52,19 +53,18 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         kv_cache_memory: int | str = "2GiB",
         speculative_config: dict[str, Any] | str | None = None,
-        quantization: str = "none",
+        quantization: str | None = None,
         **kwargs: Any,
     ) -> None:
+        settings = dtype_settings(dtype, kwargs.pop("kv_cache_dtype", "auto"), quantization)
         config = EngineConfig(
             model=model,
-            **dtype_settings(dtype, kwargs.pop("kv_cache_dtype", "auto")),
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_memory=parse_memory(kv_cache_memory),
             speculative_config=speculative_config,
-            quantization=quantization,
-            **kwargs,
+            **(kwargs | settings),
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()

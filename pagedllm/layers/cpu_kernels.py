@@ -54,12 +54,11 @@ def native_library() -> ctypes.CDLL | None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     # cache_bf16, q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv, D, BS, scale, window
     fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
-    lib.linear_pack_f32.argtypes = lib.linear_pack_bf16.argtypes = [ptr, ptr, i64, i64]
-    lib.linear_f32.argtypes = lib.linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
-    lib.linear_bf16.restype = ctypes.c_int
-    lib.linear_pack_s8.argtypes = [ptr, ptr, i64, i64]
+    lib.linear_pack_f32.argtypes = [ptr, ptr, i64, i64]
+    lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+    lib.linear_pack_w8a8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]
     lib.linear_w8a8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
-    lib.linear_w8a8.restype = ctypes.c_int
+    lib.linear_pack_w8a8.restype = lib.linear_w8a8.restype = ctypes.c_int
     return lib
 
 

@@ -234,14 +234,13 @@ def load_model(
     resolved: ResolvedModel,
     dtype: torch.dtype = torch.bfloat16,
     quantization: QuantizationConfig | None = None,
-    bf16_max_rows: int = 0,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model and fill it with the checkpoint's weights, cast to ``dtype``.
 
     With ``quantization``, the linear layers are quantized (from float32 weights, or kept from
     the GGUF blocks where the layouts allow; the log says which) and run in ``dtype`` around them.
     A float32 model's (remaining) float linear layers are packed for the native GEMM where it
-    builds (``layers/linear.py``); steps of at most ``bf16_max_rows`` tokens read bfloat16 copies.
+    builds (``layers/linear.py``).
 
     Raises:
         ValueError: unsupported architecture (naming the supported ones) or checkpoint feature,
@@ -264,7 +263,7 @@ def load_model(
             linears = None if gguf is None else gguf_linears(gguf, config, quantization)
             quantize_model(model, quantization, dtype, linears, num_workers=num_threads)
         if dtype == torch.float32 and native_library() is not None:
-            pack_linears(model, bf16_max_rows)  # what quantization left float (a float lm_head)
+            pack_linears(model)  # what quantization left float (a float lm_head)
     return model.eval(), config
 
 

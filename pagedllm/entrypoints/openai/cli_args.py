@@ -30,7 +30,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from pagedllm.entrypoints.cli import engine_kwargs
 
     kwargs = engine_kwargs(args)
-    kwargs |= dtype_settings(kwargs.pop("dtype"), kwargs.pop("kv_cache_dtype"))
+    kwargs |= dtype_settings(kwargs.pop("dtype"), kwargs.pop("kv_cache_dtype"), kwargs.pop("quantization"))
     kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])
     return EngineConfig(**kwargs)
 

@@ -1,4 +1,4 @@
-"""Settings of weight-only quantization: the mode, int4's group size, whether the lm_head too."""
+"""Settings of quantization: the mode, int4's group size, whether the lm_head too."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ class QuantizationConfig:
     Attributes:
         mode: "int8" (symmetric, per output channel) or "int4" (asymmetric, in groups along
             the input dimension). GGUF blocks no more precise than the mode are kept in their
-            own layout instead (Q8_0, Q4_0, Q4_1; see ``gguf.py``). "w8a8": int8 per output
-            channel and the activations quantized to int8 per token too (an integer matmul;
-            every weight is requantized from float).
+            own layout instead (Q8_0, Q4_0, Q4_1; see ``gguf.py``). "w8a8": weights and
+            activations both int8, symmetric per group of 32 input features (an integer
+            matmul; every weight is requantized from float; ``--dtype auto`` picks it).
         group_size: int4's group size, 32 (llama.cpp's block size), 64 or 128; int8 ignores it.
         lm_head: also quantize the logits matmul. With tied embeddings the embedding lookup
             stays float; the logits use a quantized copy of the same matrix.

@@ -59,7 +59,7 @@ def unpack_q4_1(blocks: torch.Tensor) -> Int4Weight:
 _KEPT: dict[str, dict[GGMLQuantizationType, Callable[[torch.Tensor], QuantizedWeight]]] = {
     "int8": {Q.Q8_0: unpack_q8_0, Q.Q4_0: unpack_q4_0, Q.Q4_1: unpack_q4_1},
     "int4": {Q.Q4_0: unpack_q4_0, Q.Q4_1: unpack_q4_1},
-    "w8a8": {},  # per-channel int8 only: no GGUF layout matches
+    "w8a8": {},  # its own packed layout: requantized from float
 }
 # The layout a kept type unpacks to (for the load log, and to keep a fused layer's rows alike).
 KEPT_LAYOUT = {Q.Q8_0: "int8 g32", Q.Q4_0: "int4 g32", Q.Q4_1: "int4 g32"}

@@ -102,7 +102,7 @@ def quantize_model(
         weight, bias = targets[name]
         qweight: QuantizedWeight
         if quant.mode == "w8a8":
-            return name, W8A8Linear(quantize_int8(weight), bias)
+            return name, W8A8Linear(weight, bias)
         if name in kept:
             qweight = kept[name]
         elif quant.mode == "int8":
