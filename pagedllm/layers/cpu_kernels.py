@@ -21,7 +21,8 @@ import torch
 
 logger = logging.getLogger("pagedllm")
 
-_SOURCES = sorted((Path(__file__).resolve().parent.parent / "csrc").glob("*.cpp"))
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++20"]
 
 
@@ -34,7 +35,7 @@ def native_library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built or are disabled."""
     if os.environ.get("PAGEDLLM_DISABLE_NATIVE") == "1":
         return None
-    source = b"".join(p.read_bytes() for p in _SOURCES)
+    source = b"".join(p.read_bytes() for p in [*_SOURCES, *sorted(_CSRC.glob("*.h"))])
     key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     path = cache_dir() / f"kernels_{key}.so"
     if not path.exists():
@@ -59,6 +60,10 @@ def native_library() -> ctypes.CDLL | None:
     lib.linear_pack_w8a8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]
     lib.linear_w8a8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.linear_pack_w8a8.restype = lib.linear_w8a8.restype = ctypes.c_int
+    lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.rotary_inplace.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    lib.silu_and_mul.argtypes = [ptr, i64, i64, i64]
+    lib.write_kv_cache.argtypes = [ctypes.c_int, ptr, ptr, i64, ptr, ptr, ptr, i64, i64]
     return lib
 
 

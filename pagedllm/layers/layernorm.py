@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.cpu_kernels import native_library
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension.
@@ -28,12 +30,23 @@ class RMSNorm(nn.Module):
         """Add ``x`` to the residual stream, then normalize it.
 
         Args:
-            x: [T, hidden_size], the previous block's output (or the embeddings).
-            residual: [T, hidden_size], the residual stream so far; None before the first block.
+            x: [..., hidden_size], the previous block's output (or the embeddings).
+            residual: [..., hidden_size], the residual stream so far; None before the first
+                block. Float32 on the native kernel: updated in place and returned.
 
         Returns:
-            (normalized [T, hidden_size], new residual stream [T, hidden_size]), both in x's dtype.
+            (normalized [..., hidden_size], new residual stream [..., hidden_size]), both in x's dtype.
         """
+        lib = native_library()
+        if lib is not None and x.dtype == self.weight.dtype == torch.float32 and x.is_contiguous():
+            # One pass over the rows; the residual stream is the model's own, so add in place.
+            stream = x if residual is None else residual
+            out = torch.empty_like(stream)
+            lib.add_rms_norm(
+                None if residual is None else x.data_ptr(), stream.data_ptr(), self.weight.data_ptr(), out.data_ptr(),
+                stream.numel() // self.shape[0], self.shape[0], self.eps,
+            )
+            return out, stream
         if residual is not None:
             x = x + residual
         return F.rms_norm(x, self.shape, self.weight, self.eps), x

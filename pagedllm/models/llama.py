@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
@@ -75,9 +76,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         # In place, in the gate half: no [T, intermediate] temporaries; down_proj reads strided rows.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,67 @@
+"""The native fused elementwise kernels (csrc/elementwise.cpp) against their PyTorch definitions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.activation import silu_and_mul
+from pagedllm.layers.attention import write_kv
+from pagedllm.layers.cpu_kernels import native_library
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(native_library() is None, reason="no C++ compiler")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 100])  # 100: the rows split over threads
+@pytest.mark.parametrize("hidden", [24, 576])  # 24: a partial vector
+def test_add_rms_norm(rows: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(hidden, 1e-5, torch.float32)
+    norm.weight.data = torch.randn(hidden, generator=gen)
+    x, residual = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
+    total = x + residual
+    out, stream = norm(x, residual.clone())
+    torch.testing.assert_close(stream, total, atol=0, rtol=0)
+    torch.testing.assert_close(out, F.rms_norm(total, (hidden,), norm.weight, 1e-5), atol=1e-5, rtol=1e-5)
+    out, stream = norm(x)  # the first block: no residual yet, x is the stream
+    assert stream is x
+    torch.testing.assert_close(out, F.rms_norm(x, (hidden,), norm.weight, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 100])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rotary_in_place(rows: int, head_dim: int) -> None:
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, torch.float32)
+    positions = torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(0))
+    cos, sin = rope(positions)
+    qkv = torch.randn(rows, 7 * head_dim)  # 5 q/k heads, then 2 v heads left alone
+    x = qkv[:, : 5 * head_dim].view(rows, 5, head_dim)
+    expected = torch.addcmul(x * cos, x.roll(head_dim // 2, -1), sin)
+    v = qkv[:, 5 * head_dim :].clone()
+    assert apply_rotary(x, cos, sin).data_ptr() == x.data_ptr()
+    torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, 5 * head_dim :], v)
+
+
+@pytest.mark.parametrize("rows", [2, 100])
+def test_silu_and_mul(rows: int) -> None:
+    gate_up = torch.randn(rows, 2 * 40) * 30  # large |gate|: both tails of the sigmoid
+    gate, up = gate_up.chunk(2, -1)
+    expected = F.silu(gate) * up
+    torch.testing.assert_close(silu_and_mul(gate_up.clone()), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 100])
+def test_write_kv(dtype: torch.dtype, rows: int) -> None:
+    k_cache, v_cache = torch.zeros(20, 16, 3, 64, dtype=dtype), torch.zeros(20, 16, 3, 64, dtype=dtype)
+    qkv = torch.randn(rows, 9 * 64)  # k and v as views of the fused projection's rows
+    k, v = qkv[:, 3 * 64 : 6 * 64].view(rows, 3, 64), qkv[:, 6 * 64 :].view(rows, 3, 64)
+    slots = torch.randperm(20 * 16)[:rows]
+    write_kv(k, v, (k_cache, v_cache), slots)
+    assert torch.equal(k_cache.view(-1, 3, 64)[slots], k.to(dtype))  # bfloat16: round to nearest even
+    assert torch.equal(v_cache.view(-1, 3, 64)[slots], v.to(dtype))
+    assert int((k_cache.view(-1, 3 * 64) != 0).any(1).sum()) == rows  # no other slot touched
