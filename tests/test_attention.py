@@ -41,6 +41,7 @@ def test_mixed_decode_and_chunked_prefill_match_dense(native, dtype, cache_dtype
     bfloat16 cache under float32 activations (dtype auto)."""
     if not native:
         monkeypatch.setattr(attention, "paged_decode_attention", lambda *args: None)
+        monkeypatch.setattr(attention, "paged_prefill_attention", lambda *args: False)
     torch.manual_seed(0)
     rng = random.Random(0)
     block_size, num_blocks, hkv, h, d = 4, 64, 2, 6, 64
@@ -49,7 +50,7 @@ def test_mixed_decode_and_chunked_prefill_match_dense(native, dtype, cache_dtype
     free = list(range(num_blocks))
     rng.shuffle(free)
     # (context already cached, new tokens this step): decodes first, then prefill chunks.
-    reqs = [(5, 1), (0, 1), (11, 1), (0, 7), (6, 5), (3, 1 + 3), (9, 2)]
+    reqs = [(5, 1), (0, 1), (11, 1), (0, 7), (6, 5), (3, 1 + 3), (9, 2), (0, 37), (20, 19)]  # several 16-lane tiles
     full_k, full_v, tables = [], [], []
     for cached, new in reqs:
         total = cached + new

@@ -136,6 +136,7 @@ def test_chunked_prefill_and_decode_across_windows_match_transformers(tiny, nati
 
     if not native:
         monkeypatch.setattr(attention, "paged_decode_attention", lambda *args: None)
+        monkeypatch.setattr(attention, "paged_prefill_attention", lambda *args: False)
     hf, model, config = tiny
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (19, 23)]

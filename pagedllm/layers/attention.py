@@ -5,12 +5,13 @@ Serving with PagedAttention", §4. A step's tokens are flattened (no padding to 
 request); new K/V are written into the cache through the slot mapping, then each query
 attends over its request's cached context.
 
-Two paths, chosen per request by its query length:
-- decode (one query token): all such requests are batched into one SDPA call over their
-  gathered blocks, padded to the longest context and masked. Grouped-query heads are folded
-  into the query-length axis, so K/V are never repeated per query head.
-- prefill or chunked prefill (several query tokens): one SDPA call per request, causal with
-  the chunk's offset into its context.
+Two paths, chosen per request by its query length, each a native kernel reading K/V in
+place through the block tables (``csrc/``), with a PyTorch fallback:
+- decode (one query token): all such requests in one call. The fallback batches them into
+  one SDPA call over their gathered blocks, padded to the longest context and masked,
+  grouped-query heads folded into the query-length axis (K/V never repeated per head).
+- prefill or chunked prefill (several query tokens): all such requests in one call, causal
+  with the chunk's offset into its context. The fallback: one SDPA call per request.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.cpu_kernels import native_library, paged_decode_attention
+from pagedllm.layers.cpu_kernels import native_library, paged_decode_attention, paged_prefill_attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -48,6 +49,10 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64, padded with 0
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillMeta]
+    # The prefills for the native kernel: [P, max_blocks] int64 block tables padded with 0, and
+    # [3, P] int64 rows (query_start, query_len, seq_len); None without prefills.
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_spans: torch.Tensor | None = None
     # Masks built on first use by the layers that need them (a sliding window, the PyTorch
     # decode fallback's padding), keyed by (request or -1 for the decode batch, window).
     window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -98,12 +103,21 @@ class AttentionMetadata:
             ids = torch.tensor(block_tables[i][:num_blocks], dtype=torch.long)
             prefills.append(PrefillMeta(start, q, s, ids, mask))
             start += q
+        prefill_tables = spans = None
+        if prefills:
+            width = max(len(p.block_ids) for p in prefills)
+            prefill_tables = torch.zeros(len(prefills), width, dtype=torch.long)
+            for i, p in enumerate(prefills):
+                prefill_tables[i, : len(p.block_ids)] = p.block_ids
+            spans = torch.tensor([[p.query_start, p.query_len, p.seq_len] for p in prefills], dtype=torch.long).T.contiguous()
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             num_decodes=num_decodes,
             decode_block_tables=decode_tables,
             decode_seq_lens=lens,
             prefills=prefills,
+            prefill_block_tables=prefill_tables,
+            prefill_spans=spans,
         )
 
 
@@ -164,6 +178,8 @@ def paged_attention(
             o = _decode_attention_torch(q[:b], k_cache, v_cache, meta, scale, window)
         out[:b] = o.view(b, num_heads * head_dim)
 
+    if meta.prefills and paged_prefill_attention(q, k_cache, v_cache, meta, scale, window, out):
+        return out
     block_size = k_cache.shape[1]
     for i, p in enumerate(meta.prefills):
         rows = slice(p.query_start, p.query_start + p.query_len)

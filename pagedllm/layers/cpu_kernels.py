@@ -55,6 +55,11 @@ def native_library() -> ctypes.CDLL | None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     # cache_bf16, q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv, D, BS, scale, window
     fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+    fn = lib.paged_prefill_attention
+    fn.restype = ctypes.c_int
+    # cache_bf16, q, ldq, k_cache, v_cache, block_tables, max_blocks, query_starts, query_lens, seq_lens, out,
+    # R, Hq, Hkv, D, BS, scale, window
+    fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
     lib.linear_pack_f32.argtypes = [ptr, ptr, i64, i64]
     lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
     lib.linear_pack_w8a8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]
@@ -112,3 +117,39 @@ def paged_decode_attention(
         window,
     )
     return out.to(q.dtype) if status == 0 else None
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta,
+    scale: float,
+    window: int,
+    out: torch.Tensor,
+) -> bool:
+    """Causal attention of every prefill request's query rows over its paged context, into
+    ``out``; False (nothing written) where the kernel cannot run.
+
+    Args:
+        q: [T, num_heads, head_dim] float32, heads contiguous (rows at any stride).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or
+            bfloat16, already holding this step's K/V.
+        meta: the step's ``AttentionMetadata`` (its ``prefill_block_tables`` and ``prefill_spans``).
+        window: > 0: a query at position p sees keys p - window + 1 .. p; 0: all before it.
+        out: [T, num_heads * head_dim] float32; the prefill rows are written.
+    """
+    lib = native_library()
+    t, hq, d = q.shape
+    if (
+        lib is None or q.dtype != torch.float32 or k_cache.dtype not in (torch.bfloat16, torch.float32)
+        or q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous()
+    ):
+        return False
+    tables, spans = meta.prefill_block_tables, meta.prefill_spans
+    status = lib.paged_prefill_attention(
+        int(k_cache.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        tables.data_ptr(), tables.shape[1], spans[0].data_ptr(), spans[1].data_ptr(), spans[2].data_ptr(),
+        out.data_ptr(), tables.shape[0], hq, k_cache.shape[2], d, k_cache.shape[1], scale, window,
+    )
+    return status == 0

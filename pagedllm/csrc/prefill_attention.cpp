@@ -1,0 +1,170 @@
+// Paged attention for prefill and chunked prefill on CPU: a request's n new query tokens
+// attend causally (optionally within a sliding window) over its whole context, read in place
+// through its block table, the step's own K/V included (written to the cache just before).
+//
+// FlashAttention-2's loop order (Dao 2023, "FlashAttention-2", §3.1) on AVX-512: a tile is 16
+// query vectors, one per zmm lane, that share a KV head (the G query heads of a row are
+// consecutive lanes, so grouped-query K/V are read once for all of them). Per block of keys,
+// each key's scores for the 16 lanes come from D FMAs of the transposed queries with the key's
+// broadcast elements; an online softmax per lane (running max and sum in registers) rescales
+// the output, kept transposed ([D][16 lanes]) in L1. Work items are (request, KV head, tile).
+// Masked scores are dropped by lane masks, so a lane whose keys all lie in later blocks gets
+// weight 0, not exp(0). All arithmetic float32, whatever the storage dtype.
+#include <immintrin.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kMaxBlock = 64;
+
+inline void load_row(float* dst, const float* src, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_loadu_ps(src + d));
+}
+inline void load_row(float* dst, const uint16_t* src, int64_t D) {  // bfloat16 -> float32
+  for (int64_t d = 0; d < D; d += 16)
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))), 16)));
+}
+
+template <typename T, int D>
+void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                       int64_t max_blocks, const int64_t* query_starts, const int64_t* query_lens,
+                       const int64_t* seq_lens, float* out, int64_t R, int64_t Hq, int64_t Hkv, int64_t BS,
+                       float scale, int64_t window) {
+  const int64_t G = Hq / Hkv, stride = Hkv * D;  // stride: between consecutive slots of one head
+  // Items: (request, KV head, tile of 16 query vectors), tiles of a request in order.
+  std::vector<int64_t> first_item(R + 1, 0);
+  for (int64_t r = 0; r < R; ++r) first_item[r + 1] = first_item[r] + Hkv * ((query_lens[r] * G + kLanes - 1) / kLanes);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t item = 0; item < first_item[R]; ++item) {
+    const int64_t r = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+    const int64_t tiles = (first_item[r + 1] - first_item[r]) / Hkv;
+    const int64_t h = (item - first_item[r]) / tiles, tile = (item - first_item[r]) % tiles;
+    const int64_t n = query_lens[r], S = seq_lens[r], first_pos = S - n;
+    const int64_t* table = block_tables + r * max_blocks;
+
+    // The tile's lanes: vector j = tile * 16 + lane is query row j / G, head h * G + j % G.
+    alignas(64) float qt[D][kLanes];  // queries transposed, pre-scaled
+    alignas(64) float ot[D][kLanes] = {};
+    alignas(64) float qpos[kLanes];
+    int64_t lanes = 0, lo_key = S, hi_key = 0;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int64_t j = tile * kLanes + lane, row = j / G;
+      if (row >= n) {
+        qpos[lane] = -1.f;  // no keys: every score masked
+        for (int d = 0; d < D; ++d) qt[d][lane] = 0.f;
+        continue;
+      }
+      ++lanes;
+      const int64_t pos = first_pos + row;
+      qpos[lane] = static_cast<float>(pos);
+      lo_key = std::min(lo_key, window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
+      hi_key = std::max(hi_key, pos + 1);
+      const float* src = q + (query_starts[r] + row) * ldq + (h * G + j % G) * D;
+      for (int d = 0; d < D; ++d) qt[d][lane] = src[d] * scale;
+    }
+    const __m512 pos_v = _mm512_load_ps(qpos);
+    const __m512 win_v = _mm512_set1_ps(window > 0 ? static_cast<float>(window) : 1e30f);
+    __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();  // finite: -ffast-math
+    alignas(64) float kb[kMaxBlock][D], vb[kMaxBlock][D];
+    __m512 s[kMaxBlock];
+    __mmask16 valid[kMaxBlock];
+
+    for (int64_t blk = lo_key / BS; blk * BS < hi_key; ++blk) {
+      const int64_t k0 = std::max(blk * BS, lo_key), k1 = std::min((blk + 1) * BS, hi_key), nk = k1 - k0;
+      const int64_t base = table[blk] * BS * stride + h * D;
+      // Keys in groups of 8: eight independent FMA chains hide the FMA latency (4 cycles at
+      // 2 per cycle); a partial group is padded with zero keys that the masks drop.
+      const int64_t nk8 = (nk + 7) / 8 * 8;
+      for (int64_t i = 0; i < nk8; ++i) {
+        if (i < nk) {
+          load_row(kb[i], k_cache + base + (k0 - blk * BS + i) * stride, D);
+          load_row(vb[i], v_cache + base + (k0 - blk * BS + i) * stride, D);
+        } else {
+          std::fill_n(kb[i], D, 0.f), std::fill_n(vb[i], D, 0.f);
+        }
+      }
+      for (int64_t i = 0; i < nk8; i += 8) {
+        __m512 a[8];
+        for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+          const __m512 qd = _mm512_load_ps(qt[d]);
+          for (int j = 0; j < 8; ++j) a[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kb[i + j][d]), a[j]);
+        }
+        for (int j = 0; j < 8; ++j) s[i + j] = a[j];
+      }
+      // Causal and window masks per lane; the block's max.
+      __m512 mx = m;
+      for (int64_t i = 0; i < nk8; ++i) {
+        const __m512 kp = _mm512_set1_ps(static_cast<float>(k0 + i));
+        valid[i] = i < nk ? _mm512_cmp_ps_mask(kp, pos_v, _CMP_LE_OQ) &
+                                _mm512_cmp_ps_mask(kp, _mm512_sub_ps(pos_v, win_v), _CMP_GT_OQ)
+                          : 0;
+        mx = _mm512_mask_max_ps(mx, valid[i], mx, s[i]);
+      }
+      const __m512 corr = exp_nonpositive(_mm512_sub_ps(m, mx));
+      m = mx;
+      l = _mm512_mul_ps(l, corr);
+      for (int64_t i = 0; i < nk8; ++i) {
+        s[i] = _mm512_maskz_mov_ps(valid[i], exp_nonpositive(_mm512_sub_ps(s[i], m)));
+        l = _mm512_add_ps(l, s[i]);
+      }
+      // Output += P V, transposed, eight value elements at a time (eight chains).
+      for (int d = 0; d < D; d += 8) {
+        __m512 o[8];
+        for (int j = 0; j < 8; ++j) o[j] = _mm512_mul_ps(_mm512_load_ps(ot[d + j]), corr);
+        for (int64_t i = 0; i < nk8; ++i)
+          for (int j = 0; j < 8; ++j) o[j] = _mm512_fmadd_ps(s[i], _mm512_set1_ps(vb[i][d + j]), o[j]);
+        for (int j = 0; j < 8; ++j) _mm512_store_ps(ot[d + j], o[j]);
+      }
+    }
+    alignas(64) float inv[kLanes];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      const int64_t j = tile * kLanes + lane;
+      float* dst = out + (query_starts[r] + j / G) * Hq * D + (h * G + j % G) * D;
+      for (int d = 0; d < D; ++d) dst[d] = ot[d][lane] * inv[lane];
+    }
+  }
+}
+
+template <typename T>
+int dispatch(const float* q, int64_t ldq, const void* kc, const void* vc, const int64_t* bt, int64_t mb,
+             const int64_t* qs, const int64_t* ql, const int64_t* sl, float* out, int64_t R, int64_t Hq, int64_t Hkv,
+             int64_t D, int64_t BS, float scale, int64_t window) {
+  if (Hq % Hkv || BS > kMaxBlock) return -1;
+  const T* k = static_cast<const T*>(kc);
+  const T* v = static_cast<const T*>(vc);
+  switch (D) {
+    case 64: prefill_attention<T, 64>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window); return 0;
+    case 128: prefill_attention<T, 128>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window); return 0;
+    case 256: prefill_attention<T, 256>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window); return 0;
+    default: return -1;
+  }
+}
+
+}  // namespace
+
+// q: rows of Hq * D float32 at row stride ldq (this step's queries, flattened over requests);
+// caches [num_blocks, BS, Hkv, D] float32 or bfloat16; per request r < R: block_tables
+// [R, max_blocks], query_starts (first row in q and out), query_lens (n), seq_lens (context
+// after this step; the queries are its last n positions). out: [rows, Hq * D] float32, only
+// the requests' rows written. window > 0: a query at p sees keys p - window + 1 .. p.
+// Returns -1 (nothing written) for an unsupported shape.
+extern "C" int paged_prefill_attention(int cache_bf16, const float* q, int64_t ldq, const void* k_cache,
+                                       const void* v_cache, const int64_t* block_tables, int64_t max_blocks,
+                                       const int64_t* query_starts, const int64_t* query_lens, const int64_t* seq_lens,
+                                       float* out, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
+                                       float scale, int64_t window) {
+  if (cache_bf16)
+    return dispatch<uint16_t>(q, ldq, k_cache, v_cache, block_tables, max_blocks, query_starts, query_lens, seq_lens,
+                              out, R, Hq, Hkv, D, BS, scale, window);
+  return dispatch<float>(q, ldq, k_cache, v_cache, block_tables, max_blocks, query_starts, query_lens, seq_lens, out,
+                         R, Hq, Hkv, D, BS, scale, window);
+}
