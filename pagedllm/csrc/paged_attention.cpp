@@ -6,47 +6,128 @@
 // seq_lens [B]; window > 0: only the last `window` keys are read (sliding-window attention;
 // keys at positions < seq_len - window are never touched), 0: all.
 // Work is split over (request, kv head) pairs, so the G = Hq / Hkv query heads that share a
-// KV head read its keys and values once. Keys are taken a block at a time with an online
-// softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"): each K
-// and V row is read once, and the next block's rows are prefetched while this one is used.
+// KV head read its keys and values once. Keys are taken in tiles of 16 positions (from a
+// multiple of 16; rows looked up in the block table, so any block size works) with an online
+// softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"); each K and
+// V row is read once, and rows are prefetched ahead (to L2 three tiles ahead, to L1 one ahead).
+// - Scores: each key's dot product with a query head is left as a vector of 16 partial sums,
+//   and the tile's 16 vectors are summed by a transpose-and-add tree into one vector holding
+//   its 16 scores (about 3 uops a key, against ~10 for a horizontal sum each), on which the
+//   softmax then works in place.
+// - bfloat16 rows are widened 32 values (one load) at a time: the even-indexed values by a
+//   shift, the odd ones by a mask. q and the accumulators are kept in that even/odd order;
+//   the dot products do not care, and the output is put back in order once per request.
 // Scores and accumulators are float32 whatever the storage dtype. Needs AVX-512F.
 #include <immintrin.h>
 
-#include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <type_traits>
+
+#include "vec_math.h"
 
 namespace {
 
 constexpr int kMaxGroup = 8;  // query heads per KV head handled by this kernel
-constexpr int kMaxBlock = 64;  // tokens per block handled by this kernel
+constexpr int kTile = 16;     // keys scored together: one per lane
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+// A row of D values as D/16 float32 vectors, in "row order": float32 in order; bfloat16
+// per 32 values their 16 even-indexed ones, then their 16 odd ones (1 uop per 16 values,
+// against 2 for zero-extend and shift).
+template <int D>
+inline void load_row(const float* p, __m512* v) {
+  for (int c = 0; c < D / 16; ++c) v[c] = _mm512_loadu_ps(p + 16 * c);
 }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(uint16_t* p, __m512 v) {  // round to nearest even
-  __m512i u = _mm512_castps_si512(v);
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+template <int D>
+inline void load_row(const uint16_t* p, __m512* v) {
+  for (int j = 0; j < D / 32; ++j) {
+    const __m512i u = _mm512_loadu_si512(p + 32 * j);
+    v[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    v[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(-65536)));  // 0xFFFF0000
+  }
 }
 
-// exp(x) for x <= 0 (scores minus their running max): 2^(x log2 e), the fraction by a
-// degree-6 polynomial (relative error < 2e-7); very negative x flush to 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));  // f in [0, ln 2)
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// D float32 values in a T row's order, and back.
+template <typename T, int D>
+inline void to_row_order(const float* x, __m512* v) {
+  if constexpr (std::is_same_v<T, float>) {
+    load_row<D>(x, v);
+  } else {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int j = 0; j < D / 32; ++j) {
+      const __m512 a = _mm512_loadu_ps(x + 32 * j), b = _mm512_loadu_ps(x + 32 * j + 16);
+      v[2 * j] = _mm512_permutex2var_ps(a, even, b);
+      v[2 * j + 1] = _mm512_permutex2var_ps(a, odd, b);
+    }
+  }
+}
+template <typename T, int D>
+inline void from_row_order(const __m512* v, float* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(x + 16 * c, v[c]);
+  } else {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int j = 0; j < D / 32; ++j) {
+      _mm512_storeu_ps(x + 32 * j, _mm512_permutex2var_ps(v[2 * j], lo, v[2 * j + 1]));
+      _mm512_storeu_ps(x + 32 * j + 16, _mm512_permutex2var_ps(v[2 * j], hi, v[2 * j + 1]));
+    }
+  }
+}
+
+// The largest of the 16 lanes, in every lane.
+inline __m512 broadcast_max(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+}
+
+// One step of the transpose-and-add tree: a and b each hold partial sums for N keys, the
+// result for their 2N keys. Per 128-bit lane, N = 1 gives (a b a b), N = 2 gives (a0 a1 b0 b1);
+// N = 4 gives 128-bit lanes (a a b b) of 4 keys each, N = 8 the 16 keys in order.
+template <int N>
+inline __m512 merge(__m512 a, __m512 b) {
+  if constexpr (N == 1) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  } else if constexpr (N == 2) {
+    const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  } else {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+}
+
+// scores[g] = q[g] . k for the N keys whose rows are at offsets rows[S0 .. S0 + N) in cache,
+// in the tree's layout for N (for N = 16: key s in lane s). Depth first, so that only a few
+// partial vectors are live at once.
+template <int D, int G, int N, int S0 = 0, typename T>
+inline void tile_scores(const __m512 (&q)[G][D / 16], const T* cache, const int64_t* rows, __m512 (&scores)[G]) {
+  if constexpr (N == 1) {
+    __m512 k[D / 16];
+    load_row<D>(cache + rows[S0], k);
+    for (int g = 0; g < G; ++g) {
+      __m512 dot = _mm512_mul_ps(q[g][0], k[0]);
+      for (int c = 1; c < D / 16; ++c) dot = _mm512_fmadd_ps(q[g][c], k[c], dot);
+      scores[g] = dot;
+    }
+  } else {
+    __m512 a[G], b[G];
+    tile_scores<D, G, N / 2, S0>(q, cache, rows, a);
+    tile_scores<D, G, N / 2, S0 + N / 2>(q, cache, rows, b);
+    for (int g = 0; g < G; ++g) scores[g] = merge<N / 2>(a[g], b[g]);
+  }
+}
+
+// Every line of each row of a tile: a head's rows are 128-256 byte pieces Hkv * D apart,
+// which the hardware prefetchers miss. Locality 3: into L1 (prefetcht0), 2: into L2 (t1).
+template <int Locality, int D, typename T>
+inline void prefetch_rows(const T* k_cache, const T* v_cache, const int64_t* rows) {
+  for (int s = 0; s < kTile; ++s)
+    for (int line = 0; line < D * int(sizeof(T)); line += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k_cache + rows[s]) + line, 0, Locality);
+      __builtin_prefetch(reinterpret_cast<const char*>(v_cache + rows[s]) + line, 0, Locality);
+    }
 }
 
 // G query heads per KV head and the head size D are compile-time constants, so the
@@ -64,64 +145,68 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
     const int64_t S = seq_lens[b];
     const int64_t first = (window > 0 && S > window) ? S - window : 0;  // first key read
     const int64_t* table = block_tables + b * max_blocks;
-    __m512 qv[G][ND], acc[G][ND];
-    alignas(64) float p[G][kMaxBlock];
-    float m[G], l[G];
+    __m512 qv[G][ND], acc[G][ND], m[G], l[G];  // m: running max in every lane; l: lane-wise sums
     for (int g = 0; g < G; ++g) {
+      to_row_order<T, D>(q + (b * Hq + h * G + g) * D, qv[g]);
       for (int c = 0; c < ND; ++c) {
-        qv[g][c] = _mm512_mul_ps(load16(q + (b * Hq + h * G + g) * D + 16 * c), _mm512_set1_ps(scale));
+        qv[g][c] = _mm512_mul_ps(qv[g][c], _mm512_set1_ps(scale));
         acc[g][c] = _mm512_setzero_ps();
       }
-      m[g] = -1e30f;  // finite: -ffast-math assumes no infinities
-      l[g] = 0.f;
+      m[g] = _mm512_set1_ps(-1e30f);  // finite: -ffast-math assumes no infinities
+      l[g] = _mm512_setzero_ps();
     }
-    for (int64_t blk = first / BS; blk * BS < S; ++blk) {
-      const int64_t lo = blk * BS > first ? 0 : first - blk * BS, hi = S - blk * BS < BS ? S - blk * BS : BS;
-      const T* kb = k_cache + (table[blk] * BS * Hkv + h) * D;
-      const T* vb = v_cache + (table[blk] * BS * Hkv + h) * D;
-      if ((blk + 1) * BS < S) {  // the next block's rows of this head, into cache meanwhile
-        const char* kn = reinterpret_cast<const char*>(k_cache + (table[blk + 1] * BS * Hkv + h) * D);
-        const char* vn = reinterpret_cast<const char*>(v_cache + (table[blk + 1] * BS * Hkv + h) * D);
-        // Every line of each row: a head's rows are 128-256 byte pieces Hkv * D apart, which
-        // the hardware prefetchers miss (first line only: 23.4 ms, every line: 16.6 ms, for a
-        // batch-32 step of SmolLM2 at context ~300).
-        for (int64_t s = 0; s < BS; ++s)
-          for (int64_t line = 0; line < D * int64_t(sizeof(T)); line += 64) {
-            _mm_prefetch(kn + s * stride * sizeof(T) + line, _MM_HINT_T0);
-            _mm_prefetch(vn + s * stride * sizeof(T) + line, _MM_HINT_T0);
-          }
-      }
-      // Scores of this block's keys.
-      for (int64_t s = lo; s < hi; ++s) {
-        __m512 k[ND];
-        for (int c = 0; c < ND; ++c) k[c] = load16(kb + s * stride + 16 * c);
-        for (int g = 0; g < G; ++g) {
-          __m512 dot = _mm512_mul_ps(qv[g][0], k[0]);
-          for (int c = 1; c < ND; ++c) dot = _mm512_fmadd_ps(qv[g][c], k[c], dot);
-          p[g][s] = _mm512_reduce_add_ps(dot);
+    // Tiles are 16 key positions from a multiple of 16, so that with blocks of 16, 32, ...
+    // a tile lies in one block. Its rows' offsets (from the start of a cache) are those of
+    // its keys clamped into [first, S): every row read is one of the window's (the lanes
+    // of the keys outside it are masked off).
+    auto look_up = [&](int64_t t0, int64_t* off) {
+      const int64_t lo = t0 > first ? t0 : first, last = (t0 + kTile < S ? t0 + kTile : S) - 1;
+      if (lo / BS == last / BS) {
+        const int64_t base = (table[lo / BS] * BS + lo % BS - lo) * stride + h * D;  // + stride * position
+        for (int s = 0; s < kTile; ++s) off[s] = base + stride * (t0 + s < lo ? lo : t0 + s > last ? last : t0 + s);
+      } else {
+        for (int s = 0; s < kTile; ++s) {
+          const int64_t x = t0 + s < lo ? lo : t0 + s > last ? last : t0 + s;
+          off[s] = (table[x / BS] * BS + x % BS) * stride + h * D;
         }
       }
-      // Online softmax: rescale what was accumulated to the new running max.
+    };
+    // Rows of tiles t .. t + 3 (a ring): t is used, t + 1 is prefetched to L1 and t + 3 to L2
+    // (kernel time of a batch-32 step of SmolLM2 at context ~300 from DRAM: 12.5 ms with the
+    // L1 prefetch only, 10.9 ms with both).
+    alignas(64) int64_t rows[4][kTile];
+    const int64_t t_first = first - first % kTile;
+    for (int i = 0; i < 3; ++i)
+      if (t_first + i * kTile < S) look_up(t_first + i * kTile, rows[i]);
+    for (int64_t t0 = t_first, t = 0; t0 < S; t0 += kTile, ++t) {
+      const int64_t* cur = rows[t & 3];
+      if (t0 + 3 * kTile < S) {
+        look_up(t0 + 3 * kTile, rows[(t + 3) & 3]);
+        prefetch_rows<2, D>(k_cache, v_cache, rows[(t + 3) & 3]);
+      }
+      if (t0 + kTile < S) prefetch_rows<3, D>(k_cache, v_cache, rows[(t + 1) & 3]);
+      __m512 scores[G];
+      tile_scores<D, G, kTile>(qv, k_cache, cur, scores);
+      // Online softmax over the tile; the lanes of keys outside [lo, hi) get weight 0.
+      const int64_t lo = t0 > first ? 0 : first - t0, hi = S - t0 < kTile ? S - t0 : kTile;
+      const __mmask16 valid = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+      alignas(64) float p[G][kTile];
       for (int g = 0; g < G; ++g) {
-        float mx = m[g];
-        for (int64_t s = lo; s < hi; ++s) mx = p[g][s] > mx ? p[g][s] : mx;
-        const float corr = std::exp(m[g] - mx);  // 0 on the first block
-        m[g] = mx;
-        float sum = 0.f;
-        for (int64_t s = lo; s < hi; s += 16) {
-          const __mmask16 mask = hi - s >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (hi - s)) - 1);
-          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p[g] + s), _mm512_set1_ps(mx)));
-          _mm512_mask_storeu_ps(p[g] + s, mask, e);
-          sum += _mm512_mask_reduce_add_ps(mask, e);
+        const __m512 mx = _mm512_max_ps(m[g], broadcast_max(_mm512_mask_mov_ps(m[g], valid, scores[g])));
+        if (_mm512_cmp_ps_mask(mx, m[g], _CMP_GT_OQ)) {  // a new running max: rescale the sums so far
+          const __m512 corr = exp_nonpositive(_mm512_sub_ps(m[g], mx));  // 0 on the first tile
+          l[g] = _mm512_mul_ps(l[g], corr);
+          for (int c = 0; c < ND; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], corr);
+          m[g] = mx;
         }
-        l[g] = l[g] * corr + sum;
-        if (corr != 1.f)
-          for (int c = 0; c < ND; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(corr));
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(scores[g], mx)));
+        l[g] = _mm512_add_ps(l[g], e);
+        _mm512_store_ps(p[g], e);
       }
       // Weighted values.
       for (int64_t s = lo; s < hi; ++s) {
         __m512 v[ND];
-        for (int c = 0; c < ND; ++c) v[c] = load16(vb + s * stride + 16 * c);
+        load_row<D>(v_cache + cur[s], v);
         for (int g = 0; g < G; ++g) {
           const __m512 w = _mm512_set1_ps(p[g][s]);
           for (int c = 0; c < ND; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
@@ -129,8 +214,9 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
       }
     }
     for (int g = 0; g < G; ++g) {
-      const __m512 inv = _mm512_set1_ps(1.f / l[g]);
-      for (int c = 0; c < ND; ++c) store16(out + (b * Hq + h * G + g) * D + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[g]));
+      for (int c = 0; c < ND; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], inv);
+      from_row_order<T, D>(acc[g], out + (b * Hq + h * G + g) * D);
     }
   }
 }
@@ -150,7 +236,7 @@ template <typename T>
 int dispatch(const void* q, const void* kc, const void* vc, const int64_t* bt, int64_t mb,
              const int64_t* sl, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
              int64_t BS, float scale, int64_t window) {
-  if (Hq % Hkv || BS > kMaxBlock) return -1;
+  if (Hq % Hkv) return -1;
   auto args = [&](auto fn) {
     return fn(Hq / Hkv, static_cast<const float*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc), bt, mb, sl,
               static_cast<float*>(out), B, Hkv, BS, scale, window);
