@@ -109,7 +109,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM
     from pagedllm.entrypoints.cli import engine_kwargs
-    from pagedllm.layers.quantization.config import QuantizationConfig
 
     text = args.file.read_text(encoding="utf-8")
     kwargs = engine_kwargs(args)
@@ -121,7 +120,7 @@ def run(args: argparse.Namespace) -> None:
         llm = LLM(**(kwargs | {"quantization": mode, "quantize_lm_head": lm_head}))
         if not token_ids:
             token_ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
-        quant = QuantizationConfig.parse(mode, args.quantization_group_size, lm_head)
+        quant = llm.engine.core.config.quantization_config()  # what the engine resolved (dtype auto: w8a8)
         label = f"{'none' if quant is None else quant.describe()}, {args.dtype}"
         results.append(perplexity(llm, token_ids, args.window, args.stride, label))
         print(results[-1].report(results[0]), flush=True)
