@@ -11,6 +11,7 @@ from pagedllm.layers.attention import write_kv
 from pagedllm.layers.cpu_kernels import native_library
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.layers.sampler import _greedy
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C++ compiler")
 
@@ -65,3 +66,12 @@ def test_write_kv(dtype: torch.dtype, rows: int) -> None:
     assert torch.equal(k_cache.view(-1, 3, 64)[slots], k.to(dtype))  # bfloat16: round to nearest even
     assert torch.equal(v_cache.view(-1, 3, 64)[slots], v.to(dtype))
     assert int((k_cache.view(-1, 3 * 64) != 0).any(1).sum()) == rows  # no other slot touched
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (3, 37), (32, 49152)])
+def test_greedy_argmax_takes_the_first_maximum(shape: tuple[int, int]) -> None:
+    logits = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1]))
+    logits[0, -1] = 100.0  # in the last, partial vector
+    if shape[0] > 2:
+        logits[2, 1] = logits[2, -2] = 100.0  # a tie: the first index wins, as in argmax
+    assert torch.equal(_greedy(logits), logits.argmax(-1))

@@ -69,6 +69,7 @@ def native_library() -> ctypes.CDLL | None:
     lib.rotary_inplace.argtypes = [ptr, i64, ptr, i64, i64, i64]
     lib.silu_and_mul.argtypes = [ptr, i64, i64, i64]
     lib.write_kv_cache.argtypes = [ctypes.c_int, ptr, ptr, i64, ptr, ptr, ptr, i64, i64]
+    lib.argmax_rows.argtypes = [ptr, i64, i64, ptr]
     return lib
 
 
