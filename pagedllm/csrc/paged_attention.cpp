@@ -251,14 +251,20 @@ int dispatch(const void* q, const void* kc, const void* vc, const int64_t* bt, i
 
 }  // namespace
 
-extern "C" int paged_decode_attention(int cache_bf16, const void* q, const void* k_cache,
-                                      const void* v_cache, const int64_t* block_tables,
-                                      int64_t max_blocks, const int64_t* seq_lens, void* out,
-                                      int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                                      float scale, int64_t window) {
-  if (cache_bf16)
-    return dispatch<uint16_t>(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq,
-                              Hkv, D, BS, scale, window);
-  return dispatch<float>(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv,
-                         D, BS, scale, window);
+// Built twice (layers/cpu_kernels.py), once per cache dtype: each build is 24 instantiations
+// of the kernel, about half a minute of the compiler, and two builds run on two cores.
+#if PAGED_ATTENTION_BF16
+#define PAGED_ATTENTION_ENTRY paged_decode_attention_bf16
+using CacheT = uint16_t;
+#else
+#define PAGED_ATTENTION_ENTRY paged_decode_attention_f32
+using CacheT = float;
+#endif
+
+extern "C" int PAGED_ATTENTION_ENTRY(const void* q, const void* k_cache, const void* v_cache,
+                                     const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
+                                     void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
+                                     float scale, int64_t window) {
+  return dispatch<CacheT>(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv, D, BS, scale,
+                          window);
 }

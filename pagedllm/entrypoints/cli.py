@@ -21,7 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help="auto (float32 activations around w8a8 linear layers, lm_head included, where the CPU has "
         "AVX512-VNNI; a bfloat16 K/V cache) | float32 (exact) | bfloat16 | float16",
     )
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (as --dtype decides) | float32 | bfloat16")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (as --dtype decides) | float32 | bfloat16 | float16")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -41,7 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help="quantization of the linear layers: none | int8 (per channel) | int4 (group-wise), weight-only; "
         "w8a8 (int8 weights and activations in groups of 32); default: as --dtype decides",
     )
-    parser.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size: 32 | 64 | 128")
+    parser.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size for weights requantized from float: 32 | 64 | 128")
     parser.add_argument(
         "--quantize-lm-head", action="store_true",
         help="quantize the lm_head too (tied embeddings: the lookup stays float)",
