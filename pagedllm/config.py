@@ -108,7 +108,7 @@ class EngineConfig:
 
 _DTYPES = {
     # Measured on the target CPU (docs/benchmarks.md): fp32 matmuls run about 2x the bf16 rate
-    # for batched shapes, int8 (VNNI) 2-3.5x the fp32 rate; "auto" is float32 around w8a8 layers.
+    # for batched shapes, our int8 (VNNI) GEMM 1.4-3.6x our fp32 one; "auto" is float32 around w8a8 layers.
     "auto": torch.float32,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -140,7 +140,7 @@ def dtype_settings(
     """EngineConfig fields for the dtype and quantization flags.
 
     "auto": float32 activations around w8a8 linear layers, the lm_head included (int8 weights
-    and activations in groups of 32: SmolLM2 perplexity +0.16% against float32, 2-3.5x the
+    and activations in groups of 32: SmolLM2 perplexity +0.16% against float32, 1.4-3.6x the
     float32 GEMM's speed; docs/benchmarks.md), and bfloat16 K/V. Where the CPU lacks
     AVX512-VNNI, or ``quantization`` names a mode (even "none"), the linear layers are as that
     says. An explicit dtype: that dtype throughout. ``kv_cache_dtype`` other than "auto"

@@ -15,8 +15,6 @@ namespace {
 
 constexpr int64_t kParallelRows = 64;  // fewer rows: one thread (a parallel region costs more)
 
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
-
 inline __m512 silu(__m512 g) {  // g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1: no overflow
   const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
   const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
@@ -25,12 +23,12 @@ inline __m512 silu(__m512 g) {  // g * sigmoid(g), sigmoid from e = exp(-|g|) <=
 }
 
 inline void store_row(float* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm512_mask_storeu_ps(dst + i, tail_mask(n - i), _mm512_maskz_loadu_ps(tail_mask(n - i), src + i));
+  for (int64_t i = 0; i < n; i += 16) _mm512_mask_storeu_ps(dst + i, low_mask(n - i), _mm512_maskz_loadu_ps(low_mask(n - i), src + i));
 }
 
 inline void store_row(uint16_t* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; i += 16)
-    _mm256_mask_storeu_epi16(dst + i, tail_mask(n - i), to_bf16(_mm512_maskz_loadu_ps(tail_mask(n - i), src + i)));
+    _mm256_mask_storeu_epi16(dst + i, low_mask(n - i), to_bf16(_mm512_maskz_loadu_ps(low_mask(n - i), src + i)));
 }
 
 template <typename T>
@@ -56,7 +54,7 @@ void add_rms_norm(const float* x, float* residual, const float* weight, float* o
     float* r = residual + t * H;
     __m512 ss = _mm512_setzero_ps();
     for (int64_t i = 0; i < H; i += 16) {
-      const __mmask16 m = tail_mask(H - i);
+      const __mmask16 m = low_mask(H - i);
       __m512 v = _mm512_maskz_loadu_ps(m, r + i);
       if (x) {
         v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, x + t * H + i));
@@ -66,7 +64,7 @@ void add_rms_norm(const float* x, float* residual, const float* weight, float* o
     }
     const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / H + eps));
     for (int64_t i = 0; i < H; i += 16) {
-      const __mmask16 m = tail_mask(H - i);
+      const __mmask16 m = low_mask(H - i);
       const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, r + i), scale);
       _mm512_mask_storeu_ps(out + t * H + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, weight + i)));
     }
@@ -87,7 +85,7 @@ void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int6
       float* x1 = x + t * ldx + h * D;
       float* x2 = x1 + half;
       for (int64_t i = 0; i < half; i += 16) {
-        const __mmask16 m = tail_mask(half - i);
+        const __mmask16 m = low_mask(half - i);
         const __m512 a = _mm512_maskz_loadu_ps(m, x1 + i), b = _mm512_maskz_loadu_ps(m, x2 + i);
         const __m512 c1 = _mm512_maskz_loadu_ps(m, c + i), c2 = _mm512_maskz_loadu_ps(m, c + half + i);
         const __m512 s1 = _mm512_maskz_loadu_ps(m, s + i), s2 = _mm512_maskz_loadu_ps(m, s + half + i);
@@ -105,7 +103,7 @@ void silu_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I) {
   for (int64_t t = 0; t < T; ++t) {
     float* g = gate_up + t * ld;
     for (int64_t i = 0; i < I; i += 16) {
-      const __mmask16 m = tail_mask(I - i);
+      const __mmask16 m = low_mask(I - i);
       _mm512_mask_storeu_ps(g + i, m, _mm512_mul_ps(silu(_mm512_maskz_loadu_ps(m, g + i)), _mm512_maskz_loadu_ps(m, g + I + i)));
     }
   }
@@ -131,7 +129,7 @@ void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out) {
     __m512 best = _mm512_set1_ps(-3.4e38f);
     __m512i best_i = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t i = 0; i < n; i += 16) {  // per lane: the first index of its largest value
-      const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-3.4e38f), tail_mask(n - i), row + i);
+      const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-3.4e38f), low_mask(n - i), row + i);
       const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
       best = _mm512_mask_mov_ps(best, gt, v);
       best_i = _mm512_mask_mov_epi32(best_i, gt, idx);

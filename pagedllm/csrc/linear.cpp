@@ -20,11 +20,11 @@
 #include <utility>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int64_t NB = 32;  // output columns per panel
-
-inline __mmask16 low_mask(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1); }
 
 template <int R>
 inline void store(__m512 (&acc)[R][2], float* y, int64_t ldy, int64_t ncols) {

@@ -3,6 +3,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+// The first min(n, 16) lanes (none for n <= 0): the mask of a row's last, partial vector.
+inline __mmask16 low_mask(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1); }
+
 // exp(x) for x <= 0: 2^(x log2 e), the fraction by a degree-6 polynomial (relative error
 // < 2e-7); very negative x flush to 0.
 inline __m512 exp_nonpositive(__m512 x) {

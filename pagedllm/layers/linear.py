@@ -4,7 +4,7 @@ Measured on the target CPU (docs/benchmarks.md): against ``F.linear`` in float32
 thread, the packed panels run 1.3-1.6x faster at 32 rows and 1.0-1.2x at 64-256 rows. Each
 row's result is independent of the other rows in the call, so outputs are batch-invariant.
 This is the ``--dtype float32`` path; ``--dtype auto`` runs the linear layers as w8a8
-(``layers/quantization/linear.py``), 2-3.5x faster again.
+(``layers/quantization/linear.py``), 1.4-3.6x faster again.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class W8A8Linear(QuantizedLinear):
     of 32 the same way, so an outlier feature costs precision only in its own group (SmolLM2
     perplexity +0.1%, against +3% with one scale per token). The sums run on our
     AVX512-VNNI kernel (``csrc/linear.cpp``, ``vpdpbusd``: 4x the float32 FMA rate on the
-    target CPU), 2-3.5x faster than our float32 or bfloat16 GEMM at every batch size, and it
+    target CPU), 1.4-3.6x faster than our float32 or bfloat16 GEMM at every batch size, and it
     reads 1.25 bytes per weight. Buffers: ``packed`` int8 panels, ``wscale`` (float32) and
     ``wsum128`` (int32) per panel and group, the bias in float32, padded to whole panels.
 
