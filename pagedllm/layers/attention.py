@@ -33,8 +33,7 @@ class PrefillMeta:
     query_start: int  # first row of this request's tokens in the flattened step
     query_len: int
     seq_len: int  # context length after this step (cached + new tokens)
-    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
-    mask: torch.Tensor | None  # [query_len, seq_len] bool (True = attend); None: plain causal
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64 (a row of prefill_block_tables)
 
 
 @dataclass
@@ -53,8 +52,9 @@ class AttentionMetadata:
     # [3, P] int64 rows (query_start, query_len, seq_len); None without prefills.
     prefill_block_tables: torch.Tensor | None = None
     prefill_spans: torch.Tensor | None = None
-    # Masks built on first use by the layers that need them (a sliding window, the PyTorch
-    # decode fallback's padding), keyed by (request or -1 for the decode batch, window).
+    # Masks built on first use by the PyTorch fallbacks that need them (a later prefill chunk's
+    # causal offset, a sliding window, the decode batch's padding), keyed by (prefill index or
+    # -1 for the decode batch, window or 0).
     window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
@@ -92,23 +92,19 @@ class AttentionMetadata:
             lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.long)
 
         prefills = []
-        start = num_decodes
-        for i in range(num_decodes, len(query_lens)):
-            q, s = query_lens[i], seq_lens[i]
-            mask = None
-            if q != s:  # a later chunk or a cache hit: causal with an offset
-                q_pos = torch.arange(s - q, s)
-                mask = torch.arange(s)[None, :] <= q_pos[:, None]
-            num_blocks = -(-s // block_size)
-            ids = torch.tensor(block_tables[i][:num_blocks], dtype=torch.long)
-            prefills.append(PrefillMeta(start, q, s, ids, mask))
-            start += q
         prefill_tables = spans = None
-        if prefills:
-            width = max(len(p.block_ids) for p in prefills)
-            prefill_tables = torch.zeros(len(prefills), width, dtype=torch.long)
-            for i, p in enumerate(prefills):
-                prefill_tables[i, : len(p.block_ids)] = p.block_ids
+        if num_decodes < len(query_lens):
+            prefill_blocks = [-(-s // block_size) for s in seq_lens[num_decodes:]]
+            width = max(prefill_blocks)
+            prefill_tables = torch.tensor(
+                [t[:n] + [0] * (width - n) for t, n in zip(block_tables[num_decodes:], prefill_blocks)],
+                dtype=torch.long,
+            )
+            start = num_decodes
+            for i, n in enumerate(prefill_blocks):
+                q, s = query_lens[num_decodes + i], seq_lens[num_decodes + i]
+                prefills.append(PrefillMeta(start, q, s, prefill_tables[i, :n]))
+                start += q
             spans = torch.tensor([[p.query_start, p.query_len, p.seq_len] for p in prefills], dtype=torch.long).T.contiguous()
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
@@ -185,7 +181,13 @@ def paged_attention(
         rows = slice(p.query_start, p.query_start + p.query_len)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         first_query = p.seq_len - p.query_len
-        mask = p.mask
+        chunked = first_query > 0  # a later chunk or a cache hit: causal with an offset
+        mask = None
+        if chunked and not (window and p.seq_len > window):
+            mask = meta.window_masks.get((i, 0))
+            if mask is None:
+                q_pos = torch.arange(first_query, p.seq_len)[:, None]
+                mask = meta.window_masks[(i, 0)] = torch.arange(p.seq_len)[None, :] <= q_pos
         if window and p.seq_len > window:
             # Keys before the first query's window are never read (their blocks may be gone).
             key_start = max(0, first_query - window + 1)
@@ -194,14 +196,14 @@ def paged_attention(
                 q_pos = torch.arange(first_query, p.seq_len)[:, None]
                 k_pos = torch.arange(key_start, p.seq_len)[None, :]
                 mask = meta.window_masks[(i, window)] = (k_pos <= q_pos) & (k_pos > q_pos - window)
-            if p.mask is None:
+            if not chunked:
                 keys, values = k[rows], v[rows]
             else:
                 first_block = key_start // block_size
                 skip = first_block * block_size
                 keys = k_cache[p.block_ids[first_block:]].flatten(0, 1)[key_start - skip : p.seq_len - skip].to(q.dtype)
                 values = v_cache[p.block_ids[first_block:]].flatten(0, 1)[key_start - skip : p.seq_len - skip].to(q.dtype)
-        elif p.mask is None:  # whole context is this chunk: use it directly, no gather
+        elif not chunked:  # whole context is this chunk: use it directly, no gather
             keys, values = k[rows], v[rows]
         else:
             keys = k_cache[p.block_ids].flatten(0, 1)[: p.seq_len].to(q.dtype)
