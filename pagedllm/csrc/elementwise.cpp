@@ -4,31 +4,25 @@
 // In PyTorch each is 2-6 ops (a pass over memory and ~5-10 us of dispatch apiece): 30
 // layers x ~20 ops was most of a decode step's time outside the GEMMs and attention.
 // Rows are split over the OpenMP threads only when there are enough of them to pay for it.
-#include <immintrin.h>
 #include <stdint.h>
 
 #include <cmath>
 
-#include "vec_math.h"
+#include "vec.h"
+
+using namespace vec;
 
 namespace {
 
 constexpr int64_t kParallelRows = 64;  // fewer rows: one thread (a parallel region costs more)
-
-inline __m512 silu(__m512 g) {  // g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1: no overflow
-  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
-  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  return _mm512_mul_ps(g, _mm512_mask_mul_ps(r, neg, r, e));  // g < 0: e / (1 + e)
-}
+constexpr float kLaneIndex[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 inline void store_row(float* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm512_mask_storeu_ps(dst + i, low_mask(n - i), _mm512_maskz_loadu_ps(low_mask(n - i), src + i));
+  for (int64_t i = 0; i < n; i += 16) store_first(dst + i, load_first(src + i, n - i), n - i);
 }
 
 inline void store_row(uint16_t* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16)
-    _mm256_mask_storeu_epi16(dst + i, low_mask(n - i), to_bf16(_mm512_maskz_loadu_ps(low_mask(n - i), src + i)));
+  for (int64_t i = 0; i < n; i += 16) store_bf16_first(dst + i, load_first(src + i, n - i), n - i);
 }
 
 template <typename T>
@@ -52,22 +46,18 @@ void add_rms_norm(const float* x, float* residual, const float* weight, float* o
 #pragma omp parallel for schedule(static) if (T >= kParallelRows)
   for (int64_t t = 0; t < T; ++t) {
     float* r = residual + t * H;
-    __m512 ss = _mm512_setzero_ps();
+    F32x16 ss = zero();
     for (int64_t i = 0; i < H; i += 16) {
-      const __mmask16 m = low_mask(H - i);
-      __m512 v = _mm512_maskz_loadu_ps(m, r + i);
+      F32x16 v = load_first(r + i, H - i);
       if (x) {
-        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, x + t * H + i));
-        _mm512_mask_storeu_ps(r + i, m, v);
+        v = add(v, load_first(x + t * H + i, H - i));
+        store_first(r + i, v, H - i);
       }
-      ss = _mm512_fmadd_ps(v, v, ss);
+      ss = fma(v, v, ss);
     }
-    const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / H + eps));
-    for (int64_t i = 0; i < H; i += 16) {
-      const __mmask16 m = low_mask(H - i);
-      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, r + i), scale);
-      _mm512_mask_storeu_ps(out + t * H + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, weight + i)));
-    }
+    const F32x16 scale = set1(1.f / std::sqrt(reduce_add(ss) / H + eps));
+    for (int64_t i = 0; i < H; i += 16)
+      store_first(out + t * H + i, mul(mul(load_first(r + i, H - i), scale), load_first(weight + i, H - i)), H - i);
   }
 }
 
@@ -85,12 +75,10 @@ void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int6
       float* x1 = x + t * ldx + h * D;
       float* x2 = x1 + half;
       for (int64_t i = 0; i < half; i += 16) {
-        const __mmask16 m = low_mask(half - i);
-        const __m512 a = _mm512_maskz_loadu_ps(m, x1 + i), b = _mm512_maskz_loadu_ps(m, x2 + i);
-        const __m512 c1 = _mm512_maskz_loadu_ps(m, c + i), c2 = _mm512_maskz_loadu_ps(m, c + half + i);
-        const __m512 s1 = _mm512_maskz_loadu_ps(m, s + i), s2 = _mm512_maskz_loadu_ps(m, s + half + i);
-        _mm512_mask_storeu_ps(x1 + i, m, _mm512_fmadd_ps(b, s1, _mm512_mul_ps(a, c1)));
-        _mm512_mask_storeu_ps(x2 + i, m, _mm512_fmadd_ps(a, s2, _mm512_mul_ps(b, c2)));
+        const int64_t n = half - i;
+        const F32x16 a = load_first(x1 + i, n), b = load_first(x2 + i, n);
+        store_first(x1 + i, fma(b, load_first(s + i, n), mul(a, load_first(c + i, n))), n);
+        store_first(x2 + i, fma(a, load_first(s + half + i, n), mul(b, load_first(c + half + i, n))), n);
       }
     }
   }
@@ -102,10 +90,8 @@ void silu_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I) {
 #pragma omp parallel for schedule(static) if (T >= kParallelRows)
   for (int64_t t = 0; t < T; ++t) {
     float* g = gate_up + t * ld;
-    for (int64_t i = 0; i < I; i += 16) {
-      const __mmask16 m = low_mask(I - i);
-      _mm512_mask_storeu_ps(g + i, m, _mm512_mul_ps(silu(_mm512_maskz_loadu_ps(m, g + i)), _mm512_maskz_loadu_ps(m, g + I + i)));
-    }
+    for (int64_t i = 0; i < I; i += 16)
+      store_first(g + i, mul(silu(load_first(g + i, I - i)), load_first(g + I + i, I - i)), I - i);
   }
 }
 
@@ -122,22 +108,27 @@ void write_kv_cache(int cache_bf16, const float* k, const float* v, int64_t ld, 
 
 // out[r] = the first index of the largest of x[r, 0..n) (rows of stride n), as torch.argmax.
 // torch's CPU max/argmax reduction reads a [32, 49152] logits tensor at about 3 GB/s.
+// Indices are carried as float32 lanes: exact below 2^24, far above any vocabulary.
 void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out) {
 #pragma omp parallel for schedule(static) if (rows >= 4)
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * n;
-    __m512 best = _mm512_set1_ps(-3.4e38f);
-    __m512i best_i = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    F32x16 best = set1(-3.4e38f), best_i = zero();
+    F32x16 idx = load(kLaneIndex);
     for (int64_t i = 0; i < n; i += 16) {  // per lane: the first index of its largest value
-      const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-3.4e38f), low_mask(n - i), row + i);
-      const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-      best = _mm512_mask_mov_ps(best, gt, v);
-      best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
-      idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+      const F32x16 v = load_first(row + i, n - i, -3.4e38f);
+      const M16 greater = gt(v, best);
+      best = select(greater, v, best);
+      best_i = select(greater, idx, best_i);
+      idx = add(idx, set1(16.f));
     }
-    const float top = _mm512_reduce_max_ps(best);
-    const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-    out[r] = _mm512_mask_reduce_min_epi32(at_top, best_i);
+    alignas(64) float values[16], indices[16];
+    store(values, best), store(indices, best_i);
+    const float top = reduce_max(best);
+    float first = 3.4e38f;
+    for (int l = 0; l < 16; ++l)
+      if (values[l] == top && indices[l] < first) first = indices[l];
+    out[r] = static_cast<int64_t>(first);
   }
 }
 

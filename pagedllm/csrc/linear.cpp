@@ -3,15 +3,13 @@
 // Two weight formats, each in panels of 32 output columns (N padded to a multiple of 32 with
 // zeros):
 // - float32, [K][32] per panel (--dtype float32: exact, batch-invariant);
-// - int8 with int8 activations (w8a8, the default under --dtype auto): weights and x both
-//   symmetric per group of QG = 32 k (llama.cpp's Q8_0 x Q8_0), the products summed on
-//   AVX512-VNNI's vpdpbusd (u8 x s8, four products per int32 lane: 4x the float32 FMA rate
-//   on the CPUs we measured), each group's int32 sum scaled into a float32 accumulator.
-//   Panels [Kp/4][32][4] (K padded to QG).
-// A micro-tile keeps R rows x 32 columns of y in registers while it walks K once; every row
-// takes the same instructions in the same order whatever M is, so a row's result does not
-// depend on the rest of the batch. Threads split the panels.
-#include <immintrin.h>
+// - int8 with int8 activations (w8a8): weights and x both symmetric per group of QG = 32 k
+//   (llama.cpp's Q8_0 x Q8_0), four products per int32 lane summed by the vector layer's int8
+//   dot product (VNNI vpdpbusd, AVX2 vpmaddubsw + vpmaddwd, NEON sdot), each group's int32
+//   sum scaled into a float32 accumulator. Panels [Kp/4][32][4] (K padded to QG).
+// A micro-tile keeps R rows x 32 columns of y in registers while it walks K once (R per ISA:
+// vec::kGemmRows*); every row takes the same instructions in the same order whatever M is, so
+// a row's result does not depend on the rest of the batch. Threads split the panels.
 #include <stdint.h>
 
 #include <algorithm>
@@ -20,26 +18,28 @@
 #include <utility>
 #include <vector>
 
-#include "vec_math.h"
+#include "vec.h"
+
+using namespace vec;
 
 namespace {
 
 constexpr int64_t NB = 32;  // output columns per panel
+constexpr int64_t QG = 32;  // k per quantization group, of weights and of activations alike
 
 template <int R>
-inline void store(__m512 (&acc)[R][2], float* y, int64_t ldy, int64_t ncols) {
-  const __mmask16 m0 = low_mask(ncols), m1 = low_mask(ncols - 16);
+inline void store(F32x16 (&acc)[R][2], float* y, int64_t ldy, int64_t ncols) {
   for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+    store_first(y + r * ldy, acc[r][0], ncols);
+    store_first(y + r * ldy + 16, acc[r][1], ncols - 16);
   }
 }
 
 template <int R>
-inline void init(__m512 (&acc)[R][2], const float* bias) {
+inline void init(F32x16 (&acc)[R][2], const float* bias) {
   for (int r = 0; r < R; ++r) {
-    acc[r][0] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    acc[r][1] = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    acc[r][0] = bias ? load(bias) : zero();
+    acc[r][1] = bias ? load(bias + 16) : zero();
   }
 }
 
@@ -47,59 +47,53 @@ inline void init(__m512 (&acc)[R][2], const float* bias) {
 template <int R>
 void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias, float* y, int64_t ldy,
               int64_t ncols) {
-  __m512 acc[R][2];
+  F32x16 acc[R][2];
   init<R>(acc, bias);
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 8) * NB), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 8) * NB + 16), _MM_HINT_T0);
-    const __m512 w0 = _mm512_loadu_ps(panel + k * NB), w1 = _mm512_loadu_ps(panel + k * NB + 16);
+    __builtin_prefetch(panel + (k + 8) * NB);
+    __builtin_prefetch(panel + (k + 8) * NB + 16);
+    const F32x16 w0 = load(panel + k * NB), w1 = load(panel + k * NB + 16);
     for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+      const F32x16 a = set1(x[r * ldx + k]);
+      acc[r][0] = fma(a, w0, acc[r][0]);
+      acc[r][1] = fma(a, w1, acc[r][1]);
     }
   }
   store<R>(acc, y, ldy, ncols);
 }
 
-#ifdef __AVX512VNNI__
-constexpr int64_t QG = 32;  // k per quantization group, of weights and of activations alike
-
-// x: R rows of kq quads of uint8 (stride ldx, in uint32), groups of QG/4 quads; xscale: R rows
-// of G scales (stride G); panel: [kq][32][4] int8; wscale, wsum: [G][32].
-// y[r, n] = sum_g xscale[r, g] * wscale[g, n] * (sum_k (x + 128) w - 128 * sum_k w) + bias[n].
+// x: R rows of kq quads of int8 (stride ldx, in int32), groups of QG/4 quads; xscale: R rows
+// of G scales (stride G); panel: [kq][32][4] int8; wscale, wsum128: [G][32].
+// y[r, n] = sum_g xscale[r, g] * wscale[g, n] * (sum_k x w) + bias[n].
 template <int R>
-void tile_w8a8(const uint32_t* x, int64_t ldx, const float* xscale, const int8_t* panel, int64_t G,
+void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const int8_t* panel, int64_t G,
                const int32_t* wsum128, const float* wscale, const float* bias, float* y, int64_t ldy, int64_t ncols) {
   constexpr int64_t quads = QG / 4;
-  __m512 out[R][2];
+  F32x16 out[R][2];
   init<R>(out, bias);
   for (int64_t g = 0; g < G; ++g) {
-    const __m512i ws0 = _mm512_loadu_si512(wsum128 + g * NB), ws1 = _mm512_loadu_si512(wsum128 + g * NB + 16);
-    __m512i acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = ws0, acc[r][1] = ws1;  // starts at -128 * sum_k w
+    I32x16 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = dot_init(wsum128 + g * NB), acc[r][1] = dot_init(wsum128 + g * NB + 16);
     const int8_t* pg = panel + g * quads * 4 * NB;
-    _mm_prefetch(reinterpret_cast<const char*>(pg + 4 * quads * 4 * NB), _MM_HINT_T0);
+    __builtin_prefetch(pg + 4 * quads * 4 * NB);
     for (int64_t k = 0; k < quads; ++k) {
-      const __m512i w0 = _mm512_loadu_si512(pg + k * 4 * NB);
-      const __m512i w1 = _mm512_loadu_si512(pg + k * 4 * NB + 2 * NB);
-      _mm_prefetch(reinterpret_cast<const char*>(pg + (k + 4 * quads) * 4 * NB + 2 * NB), _MM_HINT_T0);
+      const int8_t* w = pg + k * 4 * NB;
+      __builtin_prefetch(pg + (k + 4 * quads) * 4 * NB + 2 * NB);
       for (int r = 0; r < R; ++r) {
-        const __m512i a = _mm512_set1_epi32(static_cast<int>(x[r * ldx + g * quads + k]));
-        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], a, w0);
-        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], a, w1);
+        const DotX a = dot_prepare(x[r * ldx + g * quads + k]);
+        acc[r][0] = dot(acc[r][0], a, w);
+        acc[r][1] = dot(acc[r][1], a, w + 2 * NB);
       }
     }
-    const __m512 d0 = _mm512_loadu_ps(wscale + g * NB), d1 = _mm512_loadu_ps(wscale + g * NB + 16);
+    const F32x16 d0 = load(wscale + g * NB), d1 = load(wscale + g * NB + 16);
     for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_set1_ps(xscale[r * G + g]);
-      out[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), _mm512_mul_ps(d0, s), out[r][0]);
-      out[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), _mm512_mul_ps(d1, s), out[r][1]);
+      const F32x16 s = set1(xscale[r * G + g]);
+      out[r][0] = fma(to_f32(acc[r][0]), mul(d0, s), out[r][0]);
+      out[r][1] = fma(to_f32(acc[r][1]), mul(d1, s), out[r][1]);
     }
   }
   store<R>(out, y, ldy, ncols);
 }
-#endif
 
 // Rows m..M of one panel: full tiles of MR rows, then one tile of the rest (its size
 // dispatched at compile time).
@@ -126,13 +120,7 @@ void for_panels(int64_t N, const float* bias, F f) {
 
 extern "C" {
 
-int linear_w8a8_available() {
-#ifdef __AVX512VNNI__
-  return 1;
-#else
-  return 0;
-#endif
-}
+int linear_w8a8_available() { return 1; }
 
 // w: [N, K] float32 -> float32 panels [ceil(N/32)][K][32], zero padded.
 void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
@@ -145,9 +133,9 @@ void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
 
 // w: [N, K] float32 -> int8 panels [ceil(N/32)][Kp/4][32][4] (Kp = K rounded up to QG), and
 // per panel and group of QG k: wscale [panels][Kp/QG][32] = max|w| / 127 and
-// wsum128 = -128 * sum of the codes (int32), all zero padded. Returns -1 without AVX512-VNNI.
+// wsum128 = -128 * sum of the codes (int32; where the int8 dot product feeds x as x + 128, its
+// accumulator starts there), all zero padded. Returns 0.
 int linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N, int64_t K) {
-#ifdef __AVX512VNNI__
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4, panels = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p)
@@ -168,39 +156,29 @@ int linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* wsu
       }
     }
   return 0;
-#else
-  (void)w, (void)packed, (void)wscale, (void)wsum128, (void)N, (void)K;
-  return -1;
-#endif
 }
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed, wscale, wsum128 from
 // linear_pack_w8a8; bias: null or float32 padded to ceil(N/32)*32. Each row of x is
-// quantized on the fly, symmetric per group of QG k (scale = max|x| / 127), as llama.cpp's
-// Q8_0 x Q8_0 dot product does, and shifted by 128 to unsigned for vpdpbusd (u8 x s8).
-// Returns -1 without AVX512-VNNI.
+// quantized on the fly, symmetric per group of QG k (scale = max|x| / 127, codes rounded to
+// nearest even), as llama.cpp's Q8_0 x Q8_0 dot product does. Returns 0.
 int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const int32_t* wsum128,
                 const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-#ifdef __AVX512VNNI__
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
-  std::vector<uint32_t> xq(static_cast<size_t>(M * kq));
+  std::vector<int32_t> xq(static_cast<size_t>(M * kq));
   std::vector<float> xscale(static_cast<size_t>(M * G));
 #pragma omp parallel for schedule(static) if (M > 16)
   for (int64_t m = 0; m < M; ++m) {
     const float* src = x + m * ldx;
-    uint8_t* row = reinterpret_cast<uint8_t*>(xq.data() + m * kq);
+    int8_t* row = reinterpret_cast<int8_t*>(xq.data() + m * kq);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t k0 = g * QG;
-      const __mmask16 m0 = low_mask(K - k0), m1 = low_mask(K - k0 - 16);
-      const __m512 v0 = _mm512_maskz_loadu_ps(m0, src + k0), v1 = _mm512_maskz_loadu_ps(m1, src + k0 + 16);
-      const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const F32x16 v0 = load_first(src + k0, K - k0), v1 = load_first(src + k0 + 16, K - k0 - 16);
+      const float a = reduce_max(max(abs(v0), abs(v1)));
       xscale[m * G + g] = a / 127.f;
-      const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
-      const __m512i off = _mm512_set1_epi32(128);  // round to even, then to unsigned
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + k0),
-                       _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), off)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + k0 + 16),
-                       _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), off)));
+      const F32x16 inv = set1(a > 0.f ? 127.f / a : 0.f);
+      store_i8(row + k0, round_i32(mul(v0, inv)));
+      store_i8(row + k0 + 16, round_i32(mul(v1, inv)));
     }
   }
   // Rows in chunks whose codes fit in L2, each chunk over all panels (as linear_f32).
@@ -208,8 +186,7 @@ int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* 
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
     for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
-      // 4 rows: 8 int32 + 8 float32 accumulators stay in registers.
-      panel_rows<4>(rows, [&](auto r, int64_t m) {
+      panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
         tile_w8a8<decltype(r)::value>(xq.data() + (m0 + m) * kq, kq, xscale.data() + (m0 + m) * G,
                                       packed + p * kq * 4 * NB, G, wsum128 + p * G * NB, wscale + p * G * NB, b,
                                       y + (m0 + m) * N + p * NB, N, ncols);
@@ -217,10 +194,6 @@ int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* 
     });
   }
   return 0;
-#else
-  (void)x, (void)ldx, (void)packed, (void)wscale, (void)wsum128, (void)bias, (void)y, (void)M, (void)N, (void)K;
-  return -1;
-#endif
 }
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; bias: null or float32 padded to
@@ -233,7 +206,7 @@ void linear_f32(const float* x, int64_t ldx, const float* packed, const float* b
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
     for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
-      panel_rows<12>(rows, [&](auto r, int64_t m) {
+      panel_rows<kGemmRowsF32>(rows, [&](auto r, int64_t m) {
         tile_f32<decltype(r)::value>(x + (m0 + m) * ldx, ldx, packed + p * K * NB, K, b, y + (m0 + m) * N + p * NB,
                                      N, ncols);
       });

@@ -14,105 +14,44 @@
 //   and the tile's 16 vectors are summed by a transpose-and-add tree into one vector holding
 //   its 16 scores (about 3 uops a key, against ~10 for a horizontal sum each), on which the
 //   softmax then works in place.
-// - bfloat16 rows are widened 32 values (one load) at a time: the even-indexed values by a
-//   shift, the odd ones by a mask. q and the accumulators are kept in that even/odd order;
-//   the dot products do not care, and the output is put back in order once per request.
-// Scores and accumulators are float32 whatever the storage dtype. Needs AVX-512F.
-#include <immintrin.h>
-
+// Scores and accumulators are float32 whatever the storage dtype (bfloat16 rows are widened
+// 16 values at a time). Written on the vector layer (vec.h): one source for every ISA.
 #include <cstdint>
-#include <type_traits>
 
-#include "vec_math.h"
+#include "vec.h"
+
+using namespace vec;
 
 namespace {
 
 constexpr int kMaxGroup = 8;  // query heads per KV head handled by this kernel
 constexpr int kTile = 16;     // keys scored together: one per lane
 
-// A row of D values as D/16 float32 vectors, in "row order": float32 in order; bfloat16
-// per 32 values their 16 even-indexed ones, then their 16 odd ones (1 uop per 16 values,
-// against 2 for zero-extend and shift).
+// A row of D values as D/16 float32 vectors.
 template <int D>
-inline void load_row(const float* p, __m512* v) {
-  for (int c = 0; c < D / 16; ++c) v[c] = _mm512_loadu_ps(p + 16 * c);
+inline void load_row(const float* p, F32x16* v) {
+  for (int c = 0; c < D / 16; ++c) v[c] = load(p + 16 * c);
 }
 template <int D>
-inline void load_row(const uint16_t* p, __m512* v) {
-  for (int j = 0; j < D / 32; ++j) {
-    const __m512i u = _mm512_loadu_si512(p + 32 * j);
-    v[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
-    v[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(-65536)));  // 0xFFFF0000
-  }
-}
-
-// D float32 values in a T row's order, and back.
-template <typename T, int D>
-inline void to_row_order(const float* x, __m512* v) {
-  if constexpr (std::is_same_v<T, float>) {
-    load_row<D>(x, v);
-  } else {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    for (int j = 0; j < D / 32; ++j) {
-      const __m512 a = _mm512_loadu_ps(x + 32 * j), b = _mm512_loadu_ps(x + 32 * j + 16);
-      v[2 * j] = _mm512_permutex2var_ps(a, even, b);
-      v[2 * j + 1] = _mm512_permutex2var_ps(a, odd, b);
-    }
-  }
-}
-template <typename T, int D>
-inline void from_row_order(const __m512* v, float* x) {
-  if constexpr (std::is_same_v<T, float>) {
-    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(x + 16 * c, v[c]);
-  } else {
-    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    for (int j = 0; j < D / 32; ++j) {
-      _mm512_storeu_ps(x + 32 * j, _mm512_permutex2var_ps(v[2 * j], lo, v[2 * j + 1]));
-      _mm512_storeu_ps(x + 32 * j + 16, _mm512_permutex2var_ps(v[2 * j], hi, v[2 * j + 1]));
-    }
-  }
-}
-
-// The largest of the 16 lanes, in every lane.
-inline __m512 broadcast_max(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
-}
-
-// One step of the transpose-and-add tree: a and b each hold partial sums for N keys, the
-// result for their 2N keys. Per 128-bit lane, N = 1 gives (a b a b), N = 2 gives (a0 a1 b0 b1);
-// N = 4 gives 128-bit lanes (a a b b) of 4 keys each, N = 8 the 16 keys in order.
-template <int N>
-inline __m512 merge(__m512 a, __m512 b) {
-  if constexpr (N == 1) {
-    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  } else if constexpr (N == 2) {
-    const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
-    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  } else {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-  }
+inline void load_row(const uint16_t* p, F32x16* v) {
+  for (int c = 0; c < D / 16; ++c) v[c] = load_bf16(p + 16 * c);
 }
 
 // scores[g] = q[g] . k for the N keys whose rows are at offsets rows[S0 .. S0 + N) in cache,
 // in the tree's layout for N (for N = 16: key s in lane s). Depth first, so that only a few
 // partial vectors are live at once.
 template <int D, int G, int N, int S0 = 0, typename T>
-inline void tile_scores(const __m512 (&q)[G][D / 16], const T* cache, const int64_t* rows, __m512 (&scores)[G]) {
+inline void tile_scores(const F32x16 (&q)[G][D / 16], const T* cache, const int64_t* rows, F32x16 (&scores)[G]) {
   if constexpr (N == 1) {
-    __m512 k[D / 16];
+    F32x16 k[D / 16];
     load_row<D>(cache + rows[S0], k);
     for (int g = 0; g < G; ++g) {
-      __m512 dot = _mm512_mul_ps(q[g][0], k[0]);
-      for (int c = 1; c < D / 16; ++c) dot = _mm512_fmadd_ps(q[g][c], k[c], dot);
-      scores[g] = dot;
+      F32x16 d = mul(q[g][0], k[0]);
+      for (int c = 1; c < D / 16; ++c) d = fma(q[g][c], k[c], d);
+      scores[g] = d;
     }
   } else {
-    __m512 a[G], b[G];
+    F32x16 a[G], b[G];
     tile_scores<D, G, N / 2, S0>(q, cache, rows, a);
     tile_scores<D, G, N / 2, S0 + N / 2>(q, cache, rows, b);
     for (int g = 0; g < G; ++g) scores[g] = merge<N / 2>(a[g], b[g]);
@@ -145,15 +84,15 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
     const int64_t S = seq_lens[b];
     const int64_t first = (window > 0 && S > window) ? S - window : 0;  // first key read
     const int64_t* table = block_tables + b * max_blocks;
-    __m512 qv[G][ND], acc[G][ND], m[G], l[G];  // m: running max in every lane; l: lane-wise sums
+    F32x16 qv[G][ND], acc[G][ND], m[G], l[G];  // m: running max in every lane; l: lane-wise sums
     for (int g = 0; g < G; ++g) {
-      to_row_order<T, D>(q + (b * Hq + h * G + g) * D, qv[g]);
+      load_row<D>(q + (b * Hq + h * G + g) * D, qv[g]);
       for (int c = 0; c < ND; ++c) {
-        qv[g][c] = _mm512_mul_ps(qv[g][c], _mm512_set1_ps(scale));
-        acc[g][c] = _mm512_setzero_ps();
+        qv[g][c] = mul(qv[g][c], set1(scale));
+        acc[g][c] = zero();
       }
-      m[g] = _mm512_set1_ps(-1e30f);  // finite: -ffast-math assumes no infinities
-      l[g] = _mm512_setzero_ps();
+      m[g] = set1(-1e30f);  // finite: -ffast-math assumes no infinities
+      l[g] = zero();
     }
     // Tiles are 16 key positions from a multiple of 16, so that with blocks of 16, 32, ...
     // a tile lies in one block. Its rows' offsets (from the start of a cache) are those of
@@ -185,38 +124,39 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
         prefetch_rows<2, D>(k_cache, v_cache, rows[(t + 3) & 3]);
       }
       if (t0 + kTile < S) prefetch_rows<3, D>(k_cache, v_cache, rows[(t + 1) & 3]);
-      __m512 scores[G];
+      F32x16 scores[G];
       tile_scores<D, G, kTile>(qv, k_cache, cur, scores);
       // Online softmax over the tile; the lanes of keys outside [lo, hi) get weight 0.
-      const int64_t lo = t0 > first ? 0 : first - t0, hi = S - t0 < kTile ? S - t0 : kTile;
-      const __mmask16 valid = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+      const int lo = t0 > first ? 0 : int(first - t0), hi = S - t0 < kTile ? int(S - t0) : kTile;
+      const M16 valid = mask_range(lo, hi);
       alignas(64) float p[G][kTile];
       for (int g = 0; g < G; ++g) {
-        const __m512 mx = _mm512_max_ps(m[g], broadcast_max(_mm512_mask_mov_ps(m[g], valid, scores[g])));
-        if (_mm512_cmp_ps_mask(mx, m[g], _CMP_GT_OQ)) {  // a new running max: rescale the sums so far
-          const __m512 corr = exp_nonpositive(_mm512_sub_ps(m[g], mx));  // 0 on the first tile
-          l[g] = _mm512_mul_ps(l[g], corr);
-          for (int c = 0; c < ND; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], corr);
+        // m[g] holds the same value in every lane.
+        const F32x16 mx = max(m[g], set1(reduce_max(select(valid, scores[g], m[g]))));
+        if (any(gt(mx, m[g]))) {  // a new running max: rescale the sums so far
+          const F32x16 corr = exp_nonpositive(sub(m[g], mx));  // 0 on the first tile
+          l[g] = mul(l[g], corr);
+          for (int c = 0; c < ND; ++c) acc[g][c] = mul(acc[g][c], corr);
           m[g] = mx;
         }
-        const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(scores[g], mx)));
-        l[g] = _mm512_add_ps(l[g], e);
-        _mm512_store_ps(p[g], e);
+        const F32x16 e = maskz(valid, exp_nonpositive(sub(scores[g], mx)));
+        l[g] = add(l[g], e);
+        store(p[g], e);
       }
       // Weighted values.
-      for (int64_t s = lo; s < hi; ++s) {
-        __m512 v[ND];
+      for (int s = lo; s < hi; ++s) {
+        F32x16 v[ND];
         load_row<D>(v_cache + cur[s], v);
         for (int g = 0; g < G; ++g) {
-          const __m512 w = _mm512_set1_ps(p[g][s]);
-          for (int c = 0; c < ND; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+          const F32x16 w = set1(p[g][s]);
+          for (int c = 0; c < ND; ++c) acc[g][c] = fma(w, v[c], acc[g][c]);
         }
       }
     }
     for (int g = 0; g < G; ++g) {
-      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[g]));
-      for (int c = 0; c < ND; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], inv);
-      from_row_order<T, D>(acc[g], out + (b * Hq + h * G + g) * D);
+      const F32x16 inv = set1(1.f / reduce_add(l[g]));
+      float* dst = out + (b * Hq + h * G + g) * D;
+      for (int c = 0; c < ND; ++c) store(dst + 16 * c, mul(acc[g][c], inv));
     }
   }
 }

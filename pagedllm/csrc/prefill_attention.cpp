@@ -2,34 +2,36 @@
 // attend causally (optionally within a sliding window) over its whole context, read in place
 // through its block table, the step's own K/V included (written to the cache just before).
 //
-// FlashAttention-2's loop order (Dao 2023, "FlashAttention-2", §3.1) on AVX-512: a tile is 16
-// query vectors, one per zmm lane, that share a KV head (the G query heads of a row are
+// FlashAttention-2's loop order (Dao 2023, "FlashAttention-2", §3.1) on the vector layer
+// (vec.h): a tile is 16 query vectors, one per F32x16 lane, that share a KV head (the G query heads of a row are
 // consecutive lanes, so grouped-query K/V are read once for all of them). Per block of keys,
 // each key's scores for the 16 lanes come from D FMAs of the transposed queries with the key's
 // broadcast elements; an online softmax per lane (running max and sum in registers) rescales
 // the output, kept transposed ([D][16 lanes]) in L1. Work items are (request, KV head, tile).
 // Masked scores are dropped by lane masks, so a lane whose keys all lie in later blocks gets
 // weight 0, not exp(0). All arithmetic float32, whatever the storage dtype.
-#include <immintrin.h>
 #include <stdint.h>
 
 #include <algorithm>
 #include <vector>
 
-#include "vec_math.h"
+#include "vec.h"
+
+using namespace vec;
 
 namespace {
 
 constexpr int kLanes = 16;
 constexpr int kMaxBlock = 64;
+// Independent FMA chains that hide the FMA latency (4 cycles at 2 per cycle): eight F32x16
+// where they fit in registers (AVX-512), else four (each already 2-4 registers).
+constexpr int kChains = kF32Regs >= 32 ? 8 : 4;
 
 inline void load_row(float* dst, const float* src, int64_t D) {
-  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_loadu_ps(src + d));
+  for (int64_t d = 0; d < D; d += 16) store(dst + d, load(src + d));
 }
 inline void load_row(float* dst, const uint16_t* src, int64_t D) {  // bfloat16 -> float32
-  for (int64_t d = 0; d < D; d += 16)
-    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))), 16)));
+  for (int64_t d = 0; d < D; d += 16) store(dst + d, load_bf16(src + d));
 }
 
 template <typename T, int D>
@@ -69,20 +71,20 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
       const float* src = q + (query_starts[r] + row) * ldq + (h * G + j % G) * D;
       for (int d = 0; d < D; ++d) qt[d][lane] = src[d] * scale;
     }
-    const __m512 pos_v = _mm512_load_ps(qpos);
-    const __m512 win_v = _mm512_set1_ps(window > 0 ? static_cast<float>(window) : 1e30f);
-    __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();  // finite: -ffast-math
+    const F32x16 pos_v = load(qpos);
+    const F32x16 win_v = set1(window > 0 ? static_cast<float>(window) : 1e30f);
+    F32x16 m = set1(-1e30f), l = zero();  // finite: -ffast-math
     alignas(64) float kb[kMaxBlock][D], vb[kMaxBlock][D];
-    __m512 s[kMaxBlock];
-    __mmask16 valid[kMaxBlock];
+    F32x16 s[kMaxBlock];
+    M16 valid[kMaxBlock];
 
     for (int64_t blk = lo_key / BS; blk * BS < hi_key; ++blk) {
       const int64_t k0 = std::max(blk * BS, lo_key), k1 = std::min((blk + 1) * BS, hi_key), nk = k1 - k0;
       const int64_t base = table[blk] * BS * stride + h * D;
-      // Keys in groups of 8: eight independent FMA chains hide the FMA latency (4 cycles at
-      // 2 per cycle); a partial group is padded with zero keys that the masks drop.
-      const int64_t nk8 = (nk + 7) / 8 * 8;
-      for (int64_t i = 0; i < nk8; ++i) {
+      // Keys in groups of kChains, one chain each; a partial group is padded with zero keys
+      // that the masks drop.
+      const int64_t nkc = (nk + kChains - 1) / kChains * kChains;
+      for (int64_t i = 0; i < nkc; ++i) {
         if (i < nk) {
           load_row(kb[i], k_cache + base + (k0 - blk * BS + i) * stride, D);
           load_row(vb[i], v_cache + base + (k0 - blk * BS + i) * stride, D);
@@ -90,42 +92,40 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
           std::fill_n(kb[i], D, 0.f), std::fill_n(vb[i], D, 0.f);
         }
       }
-      for (int64_t i = 0; i < nk8; i += 8) {
-        __m512 a[8];
-        for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < nkc; i += kChains) {
+        F32x16 a[kChains];
+        for (int j = 0; j < kChains; ++j) a[j] = zero();
         for (int d = 0; d < D; ++d) {
-          const __m512 qd = _mm512_load_ps(qt[d]);
-          for (int j = 0; j < 8; ++j) a[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kb[i + j][d]), a[j]);
+          const F32x16 qd = load(qt[d]);
+          for (int j = 0; j < kChains; ++j) a[j] = fma(qd, set1(kb[i + j][d]), a[j]);
         }
-        for (int j = 0; j < 8; ++j) s[i + j] = a[j];
+        for (int j = 0; j < kChains; ++j) s[i + j] = a[j];
       }
       // Causal and window masks per lane; the block's max.
-      __m512 mx = m;
-      for (int64_t i = 0; i < nk8; ++i) {
-        const __m512 kp = _mm512_set1_ps(static_cast<float>(k0 + i));
-        valid[i] = i < nk ? _mm512_cmp_ps_mask(kp, pos_v, _CMP_LE_OQ) &
-                                _mm512_cmp_ps_mask(kp, _mm512_sub_ps(pos_v, win_v), _CMP_GT_OQ)
-                          : 0;
-        mx = _mm512_mask_max_ps(mx, valid[i], mx, s[i]);
+      F32x16 mx = m;
+      for (int64_t i = 0; i < nkc; ++i) {
+        const F32x16 kp = set1(static_cast<float>(k0 + i));
+        valid[i] = i < nk ? le(kp, pos_v) & gt(kp, sub(pos_v, win_v)) : mask_first(0);
+        mx = select(valid[i], max(mx, s[i]), mx);
       }
-      const __m512 corr = exp_nonpositive(_mm512_sub_ps(m, mx));
+      const F32x16 corr = exp_nonpositive(sub(m, mx));
       m = mx;
-      l = _mm512_mul_ps(l, corr);
-      for (int64_t i = 0; i < nk8; ++i) {
-        s[i] = _mm512_maskz_mov_ps(valid[i], exp_nonpositive(_mm512_sub_ps(s[i], m)));
-        l = _mm512_add_ps(l, s[i]);
+      l = mul(l, corr);
+      for (int64_t i = 0; i < nkc; ++i) {
+        s[i] = maskz(valid[i], exp_nonpositive(sub(s[i], m)));
+        l = add(l, s[i]);
       }
-      // Output += P V, transposed, eight value elements at a time (eight chains).
-      for (int d = 0; d < D; d += 8) {
-        __m512 o[8];
-        for (int j = 0; j < 8; ++j) o[j] = _mm512_mul_ps(_mm512_load_ps(ot[d + j]), corr);
-        for (int64_t i = 0; i < nk8; ++i)
-          for (int j = 0; j < 8; ++j) o[j] = _mm512_fmadd_ps(s[i], _mm512_set1_ps(vb[i][d + j]), o[j]);
-        for (int j = 0; j < 8; ++j) _mm512_store_ps(ot[d + j], o[j]);
+      // Output += P V, transposed, kChains value elements at a time (one chain each).
+      for (int d = 0; d < D; d += kChains) {
+        F32x16 o[kChains];
+        for (int j = 0; j < kChains; ++j) o[j] = mul(load(ot[d + j]), corr);
+        for (int64_t i = 0; i < nkc; ++i)
+          for (int j = 0; j < kChains; ++j) o[j] = fma(s[i], set1(vb[i][d + j]), o[j]);
+        for (int j = 0; j < kChains; ++j) store(ot[d + j], o[j]);
       }
     }
     alignas(64) float inv[kLanes];
-    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+    store(inv, div(set1(1.f), l));
     for (int64_t lane = 0; lane < lanes; ++lane) {
       const int64_t j = tile * kLanes + lane;
       float* dst = out + (query_starts[r] + j / G) * Hq * D + (h * G + j % G) * D;

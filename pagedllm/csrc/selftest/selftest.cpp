@@ -1,0 +1,287 @@
+// A self-test of every kernel against plain C++ references, for ISAs that the Python suite
+// cannot run here: scripts/test_aarch64.sh cross-compiles it with the kernels for NEON and runs
+// it under qemu-aarch64. Links with the kernels' objects; prints one line per check and
+// "N passed, M failed"; exits non-zero on any failure.
+#include <stdint.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+extern "C" {
+int paged_decode_attention_f32(const void*, const void*, const void*, const int64_t*, int64_t, const int64_t*, void*,
+                               int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t);
+int paged_decode_attention_bf16(const void*, const void*, const void*, const int64_t*, int64_t, const int64_t*, void*,
+                                int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t);
+int paged_prefill_attention(int, const float*, int64_t, const void*, const void*, const int64_t*, int64_t,
+                            const int64_t*, const int64_t*, const int64_t*, float*, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, float, int64_t);
+void linear_pack_f32(const float*, float*, int64_t, int64_t);
+void linear_f32(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t);
+int linear_pack_w8a8(const float*, int8_t*, float*, int32_t*, int64_t, int64_t);
+int linear_w8a8(const float*, int64_t, const int8_t*, const float*, const int32_t*, const float*, float*, int64_t,
+                int64_t, int64_t);
+void add_rms_norm(const float*, float*, const float*, float*, int64_t, int64_t, float);
+void rotary_inplace(float*, int64_t, const float*, int64_t, int64_t, int64_t);
+void silu_and_mul(float*, int64_t, int64_t, int64_t);
+void write_kv_cache(int, const float*, const float*, int64_t, void*, void*, const int64_t*, int64_t, int64_t);
+void argmax_rows(const float*, int64_t, int64_t, int64_t*);
+}
+
+namespace {
+
+int passed = 0, failed = 0;
+
+struct Rng {  // xorshift64: the same inputs on every machine
+  uint64_t s = 0x9E3779B97F4A7C15ull;
+  float normal() {  // sum of uniforms: close enough to a normal for test data
+    float x = 0.f;
+    for (int i = 0; i < 4; ++i) {
+      s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+      x += float(s >> 40) / float(1 << 24) - 0.5f;
+    }
+    return x * 1.7f;
+  }
+  std::vector<float> normals(size_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = normal();
+    return v;
+  }
+};
+
+float max_error(const std::vector<float>& a, const std::vector<float>& b) {
+  float e = 0.f;
+  for (size_t i = 0; i < a.size(); ++i) e = std::fmax(e, std::fabs(a[i] - b[i]) / (1.f + std::fabs(b[i])));
+  return e;
+}
+
+void check(const char* name, float error, float tolerance) {
+  const bool ok = error <= tolerance;  // false for NaN too
+  (ok ? passed : failed) += 1;
+  std::printf("%-40s max error %.3g (tolerance %.3g) %s\n", name, error, tolerance, ok ? "ok" : "FAILED");
+}
+
+uint16_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+float from_bf16(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+void test_linear() {
+  Rng rng;
+  const int64_t M = 7, N = 45, K = 70;  // ragged edges: N and K not multiples of 32
+  const auto x = rng.normals(M * K), w = rng.normals(N * K), b = rng.normals(N);
+  std::vector<float> ref(M * N), bias((N + 31) / 32 * 32, 0.f), y(M * N);
+  std::copy(b.begin(), b.end(), bias.begin());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = b[n];
+      for (int64_t k = 0; k < K; ++k) s += double(x[m * K + k]) * w[n * K + k];
+      ref[m * N + n] = float(s);
+    }
+  std::vector<float> packed((N + 31) / 32 * 32 * K);
+  linear_pack_f32(w.data(), packed.data(), N, K);
+  linear_f32(x.data(), K, packed.data(), bias.data(), y.data(), M, N, K);
+  check("linear_f32", max_error(y, ref), 1e-4f);
+
+  // w8a8: against the same arithmetic in plain integers (codes per group of 32 k, symmetric,
+  // rounded to nearest even; the group's int32 sum scaled by both scales).
+  const int64_t G = (K + 31) / 32, panels = (N + 31) / 32;
+  auto quantize = [](const float* row, int64_t K, std::vector<int8_t>& codes, std::vector<float>& scales) {
+    for (int64_t g = 0; g * 32 < K; ++g) {
+      float amax = 0.f;
+      for (int64_t k = g * 32; k < K && k < (g + 1) * 32; ++k) amax = std::fmax(amax, std::fabs(row[k]));
+      scales.push_back(amax / 127.f);
+      for (int64_t k = g * 32; k < (g + 1) * 32; ++k)
+        codes.push_back(k < K && amax > 0.f ? int8_t(std::nearbyint(row[k] * (127.f / amax))) : int8_t(0));
+    }
+  };
+  for (int64_t m = 0; m < M; ++m) {
+    std::vector<int8_t> xc;
+    std::vector<float> xs;
+    quantize(x.data() + m * K, K, xc, xs);
+    for (int64_t n = 0; n < N; ++n) {
+      std::vector<int8_t> wc;
+      std::vector<float> ws;
+      quantize(w.data() + n * K, K, wc, ws);
+      double s = b[n];
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t dot = 0;
+        for (int64_t k = 0; k < 32; ++k) dot += int32_t(xc[g * 32 + k]) * wc[g * 32 + k];
+        s += double(dot) * xs[g] * ws[g];
+      }
+      ref[m * N + n] = float(s);
+    }
+  }
+  std::vector<int8_t> q(panels * 32 * G * 32);
+  std::vector<float> scale(panels * G * 32);
+  std::vector<int32_t> wsum(panels * G * 32);
+  linear_pack_w8a8(w.data(), q.data(), scale.data(), wsum.data(), N, K);
+  linear_w8a8(x.data(), K, q.data(), scale.data(), wsum.data(), bias.data(), y.data(), M, N, K);
+  check("linear_w8a8", max_error(y, ref), 1e-4f);
+}
+
+void test_elementwise() {
+  Rng rng;
+  const int64_t T = 3, H = 40, D = 32;
+  {  // residual add + RMSNorm
+    const auto x = rng.normals(T * H), w = rng.normals(H);
+    auto residual = rng.normals(T * H);
+    std::vector<float> ref(T * H), out(T * H), r0 = residual;
+    for (int64_t t = 0; t < T; ++t) {
+      double ss = 0;
+      for (int64_t i = 0; i < H; ++i) r0[t * H + i] += x[t * H + i], ss += double(r0[t * H + i]) * r0[t * H + i];
+      const float inv = float(1.0 / std::sqrt(ss / H + 1e-6));
+      for (int64_t i = 0; i < H; ++i) ref[t * H + i] = r0[t * H + i] * inv * w[i];
+    }
+    add_rms_norm(x.data(), residual.data(), w.data(), out.data(), T, H, 1e-6f);
+    check("add_rms_norm", std::fmax(max_error(out, ref), max_error(residual, r0)), 1e-5f);
+  }
+  {  // RoPE: 2 heads of D, rows of stride 2 D + 5
+    const int64_t heads = 2, ld = heads * D + 5;
+    auto x = rng.normals(T * ld);
+    const auto cs = rng.normals(T * 2 * D);
+    auto ref = x;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t i = 0; i < D / 2; ++i) {
+          const float* c = cs.data() + t * 2 * D;
+          const float a = x[t * ld + h * D + i], b = x[t * ld + h * D + D / 2 + i];
+          ref[t * ld + h * D + i] = a * c[i] + b * c[D + i];
+          ref[t * ld + h * D + D / 2 + i] = b * c[D / 2 + i] + a * c[D + D / 2 + i];
+        }
+    rotary_inplace(x.data(), ld, cs.data(), T, heads, D);
+    check("rotary_inplace", max_error(x, ref), 1e-5f);
+  }
+  {  // SiLU-and-mul over rows of [gate (I), up (I)], I = 37
+    const int64_t I = 37;
+    auto g = rng.normals(T * 2 * I);
+    auto ref = g;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < I; ++i) {
+        const float v = g[t * 2 * I + i];
+        ref[t * 2 * I + i] = v / (1.f + std::exp(-v)) * g[t * 2 * I + I + i];
+      }
+    silu_and_mul(g.data(), 2 * I, T, I);
+    check("silu_and_mul", max_error(g, ref), 1e-5f);
+  }
+  {  // K/V cache write, float32 and bfloat16, width not a multiple of 16
+    const int64_t width = 40, slots_n = 8;
+    const auto k = rng.normals(T * width), v = rng.normals(T * width);
+    const int64_t slots[T] = {5, 0, 7};
+    std::vector<float> kc(slots_n * width, 0.f), vc(slots_n * width, 0.f), kr = kc, vr = vc;
+    std::vector<uint16_t> kb(slots_n * width, 0), vb(slots_n * width, 0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < width; ++i) kr[slots[t] * width + i] = k[t * width + i], vr[slots[t] * width + i] = v[t * width + i];
+    write_kv_cache(0, k.data(), v.data(), width, kc.data(), vc.data(), slots, T, width);
+    write_kv_cache(1, k.data(), v.data(), width, kb.data(), vb.data(), slots, T, width);
+    float bf_error = 0.f;
+    for (size_t i = 0; i < kb.size(); ++i)
+      bf_error = std::fmax(bf_error, float(kb[i] != to_bf16(kr[i])) + float(vb[i] != to_bf16(vr[i])));
+    check("write_kv_cache float32", std::fmax(max_error(kc, kr), max_error(vc, vr)), 0.f);
+    check("write_kv_cache bfloat16 (bits differ)", bf_error, 0.f);
+  }
+  {  // argmax: ties resolve to the first index
+    const int64_t n = 1000;
+    auto x = rng.normals(2 * n);
+    x[617] = 50.f, x[3] = 50.f, x[n + 999] = 60.f;
+    int64_t out[2];
+    argmax_rows(x.data(), 2, n, out);
+    check("argmax_rows", float(out[0] != 3) + float(out[1] != 999), 0.f);
+  }
+}
+
+// Causal attention of each request's last n positions over its context, per query head, from
+// dense K/V [S][Hkv][D] (already rounded to the cache dtype).
+void attention_reference(const float* q, const std::vector<float>& k, const std::vector<float>& v, int64_t n,
+                         int64_t S, int64_t Hq, int64_t Hkv, int64_t D, float scale, int64_t window, float* out) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t kh = h / (Hq / Hkv), pos = S - n + i;
+      std::vector<double> p(S, 0.0);
+      double mx = -1e300, sum = 0;
+      for (int64_t j = 0; j <= pos; ++j) {
+        if (window > 0 && j <= pos - window) continue;
+        double s = 0;
+        for (int64_t d = 0; d < D; ++d) s += double(q[(i * Hq + h) * D + d]) * k[(j * Hkv + kh) * D + d];
+        p[j] = s * scale, mx = std::fmax(mx, p[j]);
+      }
+      for (int64_t j = 0; j <= pos; ++j)
+        if (!(window > 0 && j <= pos - window)) p[j] = std::exp(p[j] - mx), sum += p[j];
+        else p[j] = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        double o = 0;
+        for (int64_t j = 0; j <= pos; ++j) o += p[j] * v[(j * Hkv + kh) * D + d];
+        out[(i * Hq + h) * D + d] = float(o / sum);
+      }
+    }
+}
+
+template <typename T>
+void test_attention(bool bf16, int64_t window) {
+  Rng rng;
+  const int64_t BS = 16, Hq = 6, Hkv = 2, D = 64, blocks = 16;
+  const float scale = 0.125f;
+  const int64_t S[2] = {37, 21}, n[2] = {1, 9};  // a decode and a prefill chunk (positions 12..20)
+  const int64_t table[2][3] = {{4, 9, 1}, {12, 0, 7}};
+  std::vector<T> kc(blocks * BS * Hkv * D), vc(kc.size());
+  std::vector<float> kd[2], vd[2];
+  for (int r = 0; r < 2; ++r) {
+    kd[r] = rng.normals(S[r] * Hkv * D), vd[r] = rng.normals(S[r] * Hkv * D);
+    for (int64_t j = 0; j < S[r]; ++j)
+      for (int64_t e = 0; e < Hkv * D; ++e) {
+        const int64_t slot = (table[r][j / BS] * BS + j % BS) * Hkv * D + e;
+        if constexpr (sizeof(T) == 2) {
+          kc[slot] = to_bf16(kd[r][j * Hkv * D + e]), vc[slot] = to_bf16(vd[r][j * Hkv * D + e]);
+          kd[r][j * Hkv * D + e] = from_bf16(kc[slot]), vd[r][j * Hkv * D + e] = from_bf16(vc[slot]);
+        } else {
+          kc[slot] = kd[r][j * Hkv * D + e], vc[slot] = vd[r][j * Hkv * D + e];
+        }
+      }
+  }
+  char name[64];
+  {  // decode: request 0 alone
+    const auto q = rng.normals(Hq * D);
+    std::vector<float> out(Hq * D), ref(Hq * D);
+    const int64_t bt[3] = {table[0][0], table[0][1], table[0][2]}, sl[1] = {S[0]};
+    const int status = (bf16 ? paged_decode_attention_bf16 : paged_decode_attention_f32)(
+        q.data(), kc.data(), vc.data(), bt, 3, sl, out.data(), 1, Hq, Hkv, D, BS, scale, window);
+    attention_reference(q.data(), kd[0], vd[0], 1, S[0], Hq, Hkv, D, scale, window, ref.data());
+    std::snprintf(name, sizeof(name), "decode attention %s window %lld", bf16 ? "bf16" : "f32", (long long)window);
+    check(name, status == 0 ? max_error(out, ref) : 1e9f, 1e-4f);
+  }
+  {  // prefill: both requests in one call (the decode is a one-row chunk)
+    const int64_t rows = n[0] + n[1];
+    const auto q = rng.normals(rows * Hq * D);
+    std::vector<float> out(rows * Hq * D), ref(rows * Hq * D);
+    const int64_t bt[6] = {table[0][0], table[0][1], table[0][2], table[1][0], table[1][1], table[1][2]};
+    const int64_t starts[2] = {0, n[0]}, sl[2] = {S[0], S[1]};
+    const int status = paged_prefill_attention(bf16, q.data(), Hq * D, kc.data(), vc.data(), bt, 3, starts, n, sl,
+                                               out.data(), 2, Hq, Hkv, D, BS, scale, window);
+    for (int r = 0; r < 2; ++r)
+      attention_reference(q.data() + starts[r] * Hq * D, kd[r], vd[r], n[r], S[r], Hq, Hkv, D, scale, window,
+                          ref.data() + starts[r] * Hq * D);
+    std::snprintf(name, sizeof(name), "prefill attention %s window %lld", bf16 ? "bf16" : "f32", (long long)window);
+    check(name, status == 0 ? max_error(out, ref) : 1e9f, 1e-4f);
+  }
+}
+
+}  // namespace
+
+int main() {
+  test_linear();
+  test_elementwise();
+  for (int64_t window : {0, 5}) {
+    test_attention<float>(false, window);
+    test_attention<uint16_t>(true, window);
+  }
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed ? 1 : 0;
+}

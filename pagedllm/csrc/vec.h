@@ -1,0 +1,66 @@
+// The vector layer every kernel is written against: one logical vector of 16 float32 lanes
+// (F32x16), 16 int32 lanes (I32x16) and a 16-lane predicate (M16), implemented per
+// instruction set in the header the compiler's target selects:
+//   AVX-512 (F/BW/VL/DQ, + VNNI, + BF16)  vec_avx512.h   one zmm register
+//   AVX2 + FMA (+ F16C)                   vec_avx2.h     two ymm registers
+//   ARM NEON (+ dotprod)                  vec_neon.h     four q registers
+//   anything else                         vec_scalar.h   16 floats (the reference)
+// A fixed 16-lane width keeps every kernel's tiling (16 keys per tile, 32-column GEMM panels)
+// the same on all of them; the register budget differs, so each header also says how many
+// F32x16 values fit in its registers (kF32Regs) and how many GEMM rows a micro-tile keeps.
+// The build (pagedllm/kernels/build.py) compiles with explicit flags per ISA, never
+// -march=native. The same layered design as vLLM's CPU backend and ggml's per-ISA code.
+//
+// Every header provides, in namespace vec:
+//   F32x16  zero, set1, load, store, load_first/store_first (lanes < n; n may be <= 0 or
+//           >= 16), load_bf16 (16 bfloat16 widened), store_bf16_first (rounded to nearest
+//           even), add, sub, mul, div, fma (a * b + c), max, abs, floor, ldexp (p * 2^n for
+//           integral n), reduce_add, reduce_max, merge<N> (the transpose-and-add tree, below)
+//   M16     lt, gt, le, eq, mask_first(n), mask_range(lo, hi), &, any, select, maskz
+//   I32x16  round_i32 (to nearest even), to_f32, store_i8 (values in [-128, 127])
+//   int8    DotX dot_prepare(int32 quad of 4 int8 x), I32x16 dot_init(wsum128),
+//           I32x16 dot(acc, DotX, 64 int8 w): acc[l] += sum_j x[j] * w[4 l + j]
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#include "vec_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "vec_avx2.h"
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#include "vec_neon.h"
+#else
+#include "vec_scalar.h"
+#endif
+
+namespace vec {
+
+// exp(x) for x <= 0: 2^(x log2 e), the fraction by a degree-6 polynomial (relative error
+// < 2e-7); very negative x flush to 0 (2^-126 and below are never produced).
+inline F32x16 exp_nonpositive(F32x16 x) {
+  x = max(x, set1(-87.0f));
+  const F32x16 t = mul(x, set1(1.44269504f));
+  const F32x16 n = floor(t);
+  const F32x16 f = mul(sub(t, n), set1(0.69314718f));  // f in [0, ln 2)
+  F32x16 p = set1(1.0f / 720);
+  p = fma(p, f, set1(1.0f / 120));
+  p = fma(p, f, set1(1.0f / 24));
+  p = fma(p, f, set1(1.0f / 6));
+  p = fma(p, f, set1(0.5f));
+  p = fma(p, f, set1(1.0f));
+  p = fma(p, f, set1(1.0f));
+  return ldexp(p, n);
+}
+
+// g * sigmoid(g), the sigmoid from e = exp(-|g|) <= 1 so nothing overflows.
+inline F32x16 silu(F32x16 g) {
+  const F32x16 e = exp_nonpositive(sub(zero(), abs(g)));
+  const F32x16 r = div(set1(1.f), add(set1(1.f), e));
+  return mul(g, select(lt(g, zero()), mul(r, e), r));  // g < 0: e / (1 + e)
+}
+
+// The first min(n, 16) values of p (lanes beyond are `fill`).
+inline F32x16 load_first(const float* p, int64_t n, float fill) { return select(mask_first(n), load_first(p, n), set1(fill)); }
+
+}  // namespace vec

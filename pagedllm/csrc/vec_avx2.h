@@ -1,0 +1,148 @@
+// vec.h on AVX2 + FMA (AMD Zen 1-3, Intel Haswell to Comet Lake, and Intel client CPUs with
+// AVX-512 fused off): two ymm per F32x16 (lanes 0-7, 8-15), predicates as all-ones lanes.
+// No VNNI here: the int8 dot product is vpmaddubsw on |x| and w signed as x (each pair sum
+// |x0 w0 + x1 w1| <= 2 * 127 * 127 fits in int16, unlike u8 x + 128), widened by vpmaddwd,
+// as llama.cpp's AVX2 Q8_0 dot product does.
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include <cstring>
+
+namespace vec {
+
+inline constexpr const char* kName = "avx2";
+inline constexpr int kF32Regs = 8;
+inline constexpr int kGemmRowsF32 = 3;  // 12 ymm accumulators; weights come from L1 as FMA operands
+inline constexpr int kGemmRowsI8 = 2;
+
+struct F32x16 { __m256 lo, hi; };
+struct I32x16 { __m256i lo, hi; };
+struct M16 { __m256 lo, hi; };
+
+inline F32x16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F32x16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline F32x16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, F32x16 a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+
+inline M16 mask_range(int lo, int hi) {  // lo <= lane < hi
+  const __m256i i0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), i1 = _mm256_add_epi32(i0, _mm256_set1_epi32(8));
+  const __m256i l = _mm256_set1_epi32(lo - 1), h = _mm256_set1_epi32(hi);
+  return {_mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(i0, l), _mm256_cmpgt_epi32(h, i0))),
+          _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(i1, l), _mm256_cmpgt_epi32(h, i1)))};
+}
+inline M16 mask_first(int64_t n) { return mask_range(0, n >= 16 ? 16 : n <= 0 ? 0 : int(n)); }
+inline M16 operator&(M16 a, M16 b) { return {_mm256_and_ps(a.lo, b.lo), _mm256_and_ps(a.hi, b.hi)}; }
+inline bool any(M16 a) { return _mm256_movemask_ps(_mm256_or_ps(a.lo, a.hi)) != 0; }
+
+inline F32x16 load_first(const float* p, int64_t n) {
+  if (n >= 16) return load(p);
+  const M16 m = mask_first(n);
+  return {_mm256_maskload_ps(p, _mm256_castps_si256(m.lo)), _mm256_maskload_ps(p + 8, _mm256_castps_si256(m.hi))};
+}
+inline void store_first(float* p, F32x16 a, int64_t n) {
+  if (n >= 16) return store(p, a);
+  const M16 m = mask_first(n);
+  _mm256_maskstore_ps(p, _mm256_castps_si256(m.lo), a.lo);
+  _mm256_maskstore_ps(p + 8, _mm256_castps_si256(m.hi), a.hi);
+}
+
+inline __m256 widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline F32x16 load_bf16(const uint16_t* p) {
+  return {widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline __m256i round_bf16(__m256 a) {  // the rounded-to-nearest-even upper halves, as int32
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+}
+inline void store_bf16_first(uint16_t* p, F32x16 a, int64_t n) {
+  // packus works per 128-bit lane: (lo0-3 hi0-3 lo4-7 hi4-7), put back in order.
+  const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(round_bf16(a.lo), round_bf16(a.hi)), 0xD8);
+  if (n >= 16) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  alignas(32) uint16_t tmp[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), h);
+  if (n > 0) std::memcpy(p, tmp, size_t(n) * sizeof(uint16_t));
+}
+
+#define PAGEDLLM_VEC_BINARY(name, op) \
+  inline F32x16 name(F32x16 a, F32x16 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+PAGEDLLM_VEC_BINARY(add, _mm256_add_ps)
+PAGEDLLM_VEC_BINARY(sub, _mm256_sub_ps)
+PAGEDLLM_VEC_BINARY(mul, _mm256_mul_ps)
+PAGEDLLM_VEC_BINARY(div, _mm256_div_ps)
+PAGEDLLM_VEC_BINARY(max, _mm256_max_ps)
+#undef PAGEDLLM_VEC_BINARY
+inline F32x16 fma(F32x16 a, F32x16 b, F32x16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline F32x16 abs(F32x16 a) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  return {_mm256_andnot_ps(sign, a.lo), _mm256_andnot_ps(sign, a.hi)};
+}
+inline F32x16 floor(F32x16 a) { return {_mm256_floor_ps(a.lo), _mm256_floor_ps(a.hi)}; }
+inline __m256 ldexp8(__m256 p, __m256 n) {  // n integral, the result normal: add n to the exponent
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
+}
+inline F32x16 ldexp(F32x16 p, F32x16 n) { return {ldexp8(p.lo, n.lo), ldexp8(p.hi, n.hi)}; }
+
+inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_add(F32x16 a) { return hsum(_mm256_add_ps(a.lo, a.hi)); }
+inline float reduce_max(F32x16 a) {
+  const __m256 m8 = _mm256_max_ps(a.lo, a.hi);
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+#define PAGEDLLM_VEC_CMP(name, pred) \
+  inline M16 name(F32x16 a, F32x16 b) { return {_mm256_cmp_ps(a.lo, b.lo, pred), _mm256_cmp_ps(a.hi, b.hi, pred)}; }
+PAGEDLLM_VEC_CMP(lt, _CMP_LT_OQ)
+PAGEDLLM_VEC_CMP(gt, _CMP_GT_OQ)
+PAGEDLLM_VEC_CMP(le, _CMP_LE_OQ)
+PAGEDLLM_VEC_CMP(eq, _CMP_EQ_OQ)
+#undef PAGEDLLM_VEC_CMP
+inline F32x16 select(M16 m, F32x16 a, F32x16 b) { return {_mm256_blendv_ps(b.lo, a.lo, m.lo), _mm256_blendv_ps(b.hi, a.hi, m.hi)}; }
+inline F32x16 maskz(M16 m, F32x16 a) { return {_mm256_and_ps(m.lo, a.lo), _mm256_and_ps(m.hi, a.hi)}; }
+
+// The transpose-and-add tree (see vec_avx512.h). Layouts here: after N = 1 each half holds
+// one key's 8 partial sums; after N = 2 each 128-bit lane (x x y y) for two keys; after
+// N = 4 each half (a b c d | a b c d) for four keys, two partials each; N = 8: key s in lane s.
+template <int N>
+inline F32x16 merge(F32x16 a, F32x16 b) {
+  if constexpr (N == 1) {
+    return {_mm256_add_ps(a.lo, a.hi), _mm256_add_ps(b.lo, b.hi)};
+  } else if constexpr (N == 2 || N == 4) {
+    return {_mm256_hadd_ps(a.lo, a.hi), _mm256_hadd_ps(b.lo, b.hi)};
+  } else {
+    auto fold = [](__m256 x, __m256 y) {
+      return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+    };
+    return {fold(a.lo, a.hi), fold(b.lo, b.hi)};
+  }
+}
+
+inline I32x16 round_i32(F32x16 a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
+inline F32x16 to_f32(I32x16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline void store_i8(int8_t* p, I32x16 a) {
+  const __m256i h = _mm256_permute4x64_epi64(_mm256_packs_epi32(a.lo, a.hi), 0xD8);  // 16 int16 in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+struct DotX { __m256i x, ax; };  // x and |x|, in every lane
+inline DotX dot_prepare(int32_t quad) {
+  const __m256i x = _mm256_set1_epi32(quad);
+  return {x, _mm256_abs_epi8(x)};
+}
+inline I32x16 dot_init(const int32_t*) { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline __m256i dot8(__m256i acc, const DotX& x, const int8_t* w) {
+  const __m256i sw = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), x.x);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x.ax, sw), _mm256_set1_epi16(1)));
+}
+inline I32x16 dot(I32x16 acc, const DotX& x, const int8_t* w) { return {dot8(acc.lo, x, w), dot8(acc.hi, x, w + 32)}; }
+
+}  // namespace vec

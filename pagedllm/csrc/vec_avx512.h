@@ -1,0 +1,102 @@
+// vec.h on AVX-512 (F, BW, VL, DQ): one zmm per F32x16, a __mmask16 per M16. The int8 dot
+// product is VNNI's vpdpbusd where the target has it (u8 x s8: x is fed as x + 128, and the
+// -128 * sum(w) that adds is where the accumulator starts), else vpmaddubsw on |x| and w
+// negated where x < 0, widened by vpmaddwd.
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+
+namespace vec {
+
+inline constexpr const char* kName = "avx512";
+inline constexpr int kF32Regs = 32;     // F32x16 values that fit in the register file
+inline constexpr int kGemmRowsF32 = 12;  // rows of a float32 GEMM micro-tile (24 accumulators)
+inline constexpr int kGemmRowsI8 = 4;    // rows of a w8a8 micro-tile (8 int32 + 8 float32 accumulators)
+
+struct F32x16 { __m512 v; };
+struct I32x16 { __m512i v; };
+struct M16 { __mmask16 m; };
+
+inline F32x16 zero() { return {_mm512_setzero_ps()}; }
+inline F32x16 set1(float x) { return {_mm512_set1_ps(x)}; }
+inline F32x16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, F32x16 a) { _mm512_storeu_ps(p, a.v); }
+
+inline M16 mask_first(int64_t n) { return {n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1)}; }
+inline M16 mask_range(int lo, int hi) { return {__mmask16(((1u << hi) - 1) & ~((1u << lo) - 1))}; }
+inline M16 operator&(M16 a, M16 b) { return {__mmask16(a.m & b.m)}; }
+inline bool any(M16 a) { return a.m != 0; }
+
+inline F32x16 load_first(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(mask_first(n).m, p)}; }
+inline void store_first(float* p, F32x16 a, int64_t n) { _mm512_mask_storeu_ps(p, mask_first(n).m, a.v); }
+
+inline F32x16 load_bf16(const uint16_t* p) {
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(u, 16))};
+}
+inline void store_bf16_first(uint16_t* p, F32x16 a, int64_t n) {
+  __m512i u = _mm512_castps_si512(a.v);  // round to nearest even: + 0x7FFF + the kept lowest bit
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  _mm256_mask_storeu_epi16(p, mask_first(n).m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+inline F32x16 add(F32x16 a, F32x16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline F32x16 sub(F32x16 a, F32x16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline F32x16 mul(F32x16 a, F32x16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F32x16 div(F32x16 a, F32x16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline F32x16 fma(F32x16 a, F32x16 b, F32x16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline F32x16 max(F32x16 a, F32x16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline F32x16 abs(F32x16 a) { return {_mm512_abs_ps(a.v)}; }
+inline F32x16 floor(F32x16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)}; }
+inline F32x16 ldexp(F32x16 p, F32x16 n) { return {_mm512_scalef_ps(p.v, n.v)}; }
+inline float reduce_add(F32x16 a) { return _mm512_reduce_add_ps(a.v); }
+inline float reduce_max(F32x16 a) { return _mm512_reduce_max_ps(a.v); }
+
+inline M16 lt(F32x16 a, F32x16 b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ)}; }
+inline M16 gt(F32x16 a, F32x16 b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ)}; }
+inline M16 le(F32x16 a, F32x16 b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ)}; }
+inline M16 eq(F32x16 a, F32x16 b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ)}; }
+inline F32x16 select(M16 m, F32x16 a, F32x16 b) { return {_mm512_mask_mov_ps(b.v, m.m, a.v)}; }
+inline F32x16 maskz(M16 m, F32x16 a) { return {_mm512_maskz_mov_ps(m.m, a.v)}; }
+
+// One step of the transpose-and-add tree that turns 16 vectors of partial sums (one per key)
+// into one vector of the 16 sums: a and b each hold N keys' partial sums, the result 2N keys'.
+// Per 128-bit lane, N = 1 gives (a b a b), N = 2 gives (a0 a1 b0 b1); N = 4 gives 128-bit
+// lanes (a a b b) of 4 keys each, N = 8 the 16 keys in order (key s in lane s).
+template <int N>
+inline F32x16 merge(F32x16 a, F32x16 b) {
+  if constexpr (N == 1) {
+    return {_mm512_add_ps(_mm512_unpacklo_ps(a.v, b.v), _mm512_unpackhi_ps(a.v, b.v))};
+  } else if constexpr (N == 2) {
+    const __m512d x = _mm512_castps_pd(a.v), y = _mm512_castps_pd(b.v);
+    return {_mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)))};
+  } else {
+    return {_mm512_add_ps(_mm512_shuffle_f32x4(a.v, b.v, 0x88), _mm512_shuffle_f32x4(a.v, b.v, 0xDD))};
+  }
+}
+
+inline I32x16 round_i32(F32x16 a) { return {_mm512_cvtps_epi32(a.v)}; }
+inline F32x16 to_f32(I32x16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline void store_i8(int8_t* p, I32x16 a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a.v)); }
+
+#ifdef __AVX512VNNI__
+struct DotX { __m512i u; };  // x + 128 as u8, in every lane
+inline DotX dot_prepare(int32_t quad) { return {_mm512_set1_epi32(quad ^ int32_t(0x80808080))}; }
+inline I32x16 dot_init(const int32_t* wsum128) { return {_mm512_loadu_si512(wsum128)}; }
+inline I32x16 dot(I32x16 acc, DotX x, const int8_t* w) { return {_mm512_dpbusd_epi32(acc.v, x.u, _mm512_loadu_si512(w))}; }
+#else
+struct DotX { __m512i ax; __mmask64 neg; };  // |x| in every lane; the bytes where x < 0
+inline DotX dot_prepare(int32_t quad) {
+  const __m512i x = _mm512_set1_epi32(quad);
+  return {_mm512_abs_epi8(x), _mm512_movepi8_mask(x)};
+}
+inline I32x16 dot_init(const int32_t*) { return {_mm512_setzero_si512()}; }
+inline I32x16 dot(I32x16 acc, DotX x, const int8_t* w) {  // |x| * (w signed as x): pairs fit in int16
+  const __m512i wv = _mm512_loadu_si512(w);
+  const __m512i sw = _mm512_mask_sub_epi8(wv, x.neg, _mm512_setzero_si512(), wv);
+  return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(x.ax, sw), _mm512_set1_epi16(1)))};
+}
+#endif
+
+}  // namespace vec

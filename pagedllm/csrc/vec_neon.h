@@ -1,0 +1,161 @@
+// vec.h on ARM NEON (aarch64: Apple silicon, AWS Graviton, Ampere): four q registers per
+// F32x16. The int8 dot product is sdot (vdotq_s32, s8 x s8) where the target has the dotprod
+// extension (Armv8.2+), else widening multiplies (smull) and pairwise adds.
+#pragma once
+
+#include <arm_neon.h>
+#include <stdint.h>
+
+#include <cstring>
+
+namespace vec {
+
+inline constexpr const char* kName = "neon";
+inline constexpr int kF32Regs = 8;
+inline constexpr int kGemmRowsF32 = 2;  // 16 accumulators + 8 weight registers of 32
+inline constexpr int kGemmRowsI8 = 2;
+
+struct F32x16 { float32x4_t v[4]; };
+struct I32x16 { int32x4_t v[4]; };
+struct M16 { uint32x4_t v[4]; };
+
+inline F32x16 zero() { return {{vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)}}; }
+inline F32x16 set1(float x) { return {{vdupq_n_f32(x), vdupq_n_f32(x), vdupq_n_f32(x), vdupq_n_f32(x)}}; }
+inline F32x16 load(const float* p) { return {{vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}}; }
+inline void store(float* p, F32x16 a) {
+  for (int i = 0; i < 4; ++i) vst1q_f32(p + 4 * i, a.v[i]);
+}
+
+inline M16 mask_range(int lo, int hi) {
+  M16 m;
+  for (int i = 0; i < 4; ++i) {
+    const int32x4_t lane = vaddq_s32(int32x4_t{0, 1, 2, 3}, vdupq_n_s32(4 * i));
+    m.v[i] = vandq_u32(vcgeq_s32(lane, vdupq_n_s32(lo)), vcltq_s32(lane, vdupq_n_s32(hi)));
+  }
+  return m;
+}
+inline M16 mask_first(int64_t n) { return mask_range(0, n >= 16 ? 16 : n <= 0 ? 0 : int(n)); }
+inline M16 operator&(M16 a, M16 b) {
+  for (int i = 0; i < 4; ++i) a.v[i] = vandq_u32(a.v[i], b.v[i]);
+  return a;
+}
+inline bool any(M16 a) { return vmaxvq_u32(vorrq_u32(vorrq_u32(a.v[0], a.v[1]), vorrq_u32(a.v[2], a.v[3]))) != 0; }
+
+inline F32x16 load_first(const float* p, int64_t n) {
+  if (n >= 16) return load(p);
+  float tmp[16] = {};
+  if (n > 0) std::memcpy(tmp, p, size_t(n) * sizeof(float));
+  return load(tmp);
+}
+inline void store_first(float* p, F32x16 a, int64_t n) {
+  if (n >= 16) return store(p, a);
+  float tmp[16];
+  store(tmp, a);
+  if (n > 0) std::memcpy(p, tmp, size_t(n) * sizeof(float));
+}
+
+inline F32x16 load_bf16(const uint16_t* p) {
+  const uint16x8_t a = vld1q_u16(p), b = vld1q_u16(p + 8);
+  return {{vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(a), 16)), vreinterpretq_f32_u32(vshll_high_n_u16(a, 16)),
+           vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(b), 16)), vreinterpretq_f32_u32(vshll_high_n_u16(b, 16))}};
+}
+inline uint16x4_t round_bf16(float32x4_t a) {  // round to nearest even
+  const uint32x4_t u = vreinterpretq_u32_f32(a);
+  const uint32x4_t odd = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+  return vmovn_u32(vshrq_n_u32(vaddq_u32(u, vaddq_u32(vdupq_n_u32(0x7FFF), odd)), 16));
+}
+inline void store_bf16_first(uint16_t* p, F32x16 a, int64_t n) {
+  uint16_t tmp[16];
+  vst1q_u16(tmp, vcombine_u16(round_bf16(a.v[0]), round_bf16(a.v[1])));
+  vst1q_u16(tmp + 8, vcombine_u16(round_bf16(a.v[2]), round_bf16(a.v[3])));
+  if (n > 0) std::memcpy(p, tmp, size_t(n >= 16 ? 16 : n) * sizeof(uint16_t));
+}
+
+#define PAGEDLLM_VEC_BINARY(name, op)                          \
+  inline F32x16 name(F32x16 a, F32x16 b) {                     \
+    for (int i = 0; i < 4; ++i) a.v[i] = op(a.v[i], b.v[i]); \
+    return a;                                                  \
+  }
+PAGEDLLM_VEC_BINARY(add, vaddq_f32)
+PAGEDLLM_VEC_BINARY(sub, vsubq_f32)
+PAGEDLLM_VEC_BINARY(mul, vmulq_f32)
+PAGEDLLM_VEC_BINARY(div, vdivq_f32)
+PAGEDLLM_VEC_BINARY(max, vmaxq_f32)
+#undef PAGEDLLM_VEC_BINARY
+inline F32x16 fma(F32x16 a, F32x16 b, F32x16 c) {
+  for (int i = 0; i < 4; ++i) c.v[i] = vfmaq_f32(c.v[i], a.v[i], b.v[i]);
+  return c;
+}
+inline F32x16 abs(F32x16 a) {
+  for (int i = 0; i < 4; ++i) a.v[i] = vabsq_f32(a.v[i]);
+  return a;
+}
+inline F32x16 floor(F32x16 a) {
+  for (int i = 0; i < 4; ++i) a.v[i] = vrndmq_f32(a.v[i]);
+  return a;
+}
+inline F32x16 ldexp(F32x16 p, F32x16 n) {  // n integral, the result normal: add n to the exponent
+  for (int i = 0; i < 4; ++i)
+    p.v[i] = vreinterpretq_f32_s32(vaddq_s32(vreinterpretq_s32_f32(p.v[i]), vshlq_n_s32(vcvtq_s32_f32(n.v[i]), 23)));
+  return p;
+}
+inline float reduce_add(F32x16 a) { return vaddvq_f32(vaddq_f32(vaddq_f32(a.v[0], a.v[1]), vaddq_f32(a.v[2], a.v[3]))); }
+inline float reduce_max(F32x16 a) { return vmaxvq_f32(vmaxq_f32(vmaxq_f32(a.v[0], a.v[1]), vmaxq_f32(a.v[2], a.v[3]))); }
+
+#define PAGEDLLM_VEC_CMP(name, op)                             \
+  inline M16 name(F32x16 a, F32x16 b) {                        \
+    M16 m;                                                     \
+    for (int i = 0; i < 4; ++i) m.v[i] = op(a.v[i], b.v[i]); \
+    return m;                                                  \
+  }
+PAGEDLLM_VEC_CMP(lt, vcltq_f32)
+PAGEDLLM_VEC_CMP(gt, vcgtq_f32)
+PAGEDLLM_VEC_CMP(le, vcleq_f32)
+PAGEDLLM_VEC_CMP(eq, vceqq_f32)
+#undef PAGEDLLM_VEC_CMP
+inline F32x16 select(M16 m, F32x16 a, F32x16 b) {
+  for (int i = 0; i < 4; ++i) a.v[i] = vbslq_f32(m.v[i], a.v[i], b.v[i]);
+  return a;
+}
+inline F32x16 maskz(M16 m, F32x16 a) {
+  for (int i = 0; i < 4; ++i) a.v[i] = vreinterpretq_f32_u32(vandq_u32(m.v[i], vreinterpretq_u32_f32(a.v[i])));
+  return a;
+}
+
+// The transpose-and-add tree (see vec_avx512.h). Layouts here: after N = 1 each key's 8
+// partial sums in two q registers; after N = 2 one key per q register; after N = 4 two
+// adjacent lanes per key; N = 8: key s in lane s.
+template <int N>
+inline F32x16 merge(F32x16 a, F32x16 b) {
+  if constexpr (N <= 2) {
+    return {{vaddq_f32(a.v[0], a.v[1]), vaddq_f32(a.v[2], a.v[3]), vaddq_f32(b.v[0], b.v[1]), vaddq_f32(b.v[2], b.v[3])}};
+  } else {
+    return {{vpaddq_f32(a.v[0], a.v[1]), vpaddq_f32(a.v[2], a.v[3]), vpaddq_f32(b.v[0], b.v[1]), vpaddq_f32(b.v[2], b.v[3])}};
+  }
+}
+
+inline I32x16 round_i32(F32x16 a) { return {{vcvtnq_s32_f32(a.v[0]), vcvtnq_s32_f32(a.v[1]), vcvtnq_s32_f32(a.v[2]), vcvtnq_s32_f32(a.v[3])}}; }
+inline F32x16 to_f32(I32x16 a) { return {{vcvtq_f32_s32(a.v[0]), vcvtq_f32_s32(a.v[1]), vcvtq_f32_s32(a.v[2]), vcvtq_f32_s32(a.v[3])}}; }
+inline void store_i8(int8_t* p, I32x16 a) {
+  const int16x8_t lo = vcombine_s16(vqmovn_s32(a.v[0]), vqmovn_s32(a.v[1]));
+  const int16x8_t hi = vcombine_s16(vqmovn_s32(a.v[2]), vqmovn_s32(a.v[3]));
+  vst1q_s8(p, vcombine_s8(vqmovn_s16(lo), vqmovn_s16(hi)));
+}
+
+struct DotX { int8x16_t x; };  // the 4 x values, in every 32-bit lane
+inline DotX dot_prepare(int32_t quad) { return {vreinterpretq_s8_s32(vdupq_n_s32(quad))}; }
+inline I32x16 dot_init(const int32_t*) { return {{vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)}}; }
+inline I32x16 dot(I32x16 acc, DotX x, const int8_t* w) {
+  for (int i = 0; i < 4; ++i) {
+    const int8x16_t wv = vld1q_s8(w + 16 * i);
+#ifdef __ARM_FEATURE_DOTPROD
+    acc.v[i] = vdotq_s32(acc.v[i], wv, x.x);
+#else
+    const int16x8_t lo = vmull_s8(vget_low_s8(wv), vget_low_s8(x.x)), hi = vmull_high_s8(wv, x.x);
+    acc.v[i] = vaddq_s32(acc.v[i], vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi)));
+#endif
+  }
+  return acc;
+}
+
+}  // namespace vec

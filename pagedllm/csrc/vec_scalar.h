@@ -1,0 +1,128 @@
+// vec.h in plain C++: 16 floats per F32x16, for any CPU the other headers do not cover, and
+// the reference the per-ISA headers are tested against (the compiler may still vectorize the
+// loops for the baseline ISA).
+#pragma once
+
+#include <stdint.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace vec {
+
+inline constexpr const char* kName = "scalar";
+inline constexpr int kF32Regs = 4;
+inline constexpr int kGemmRowsF32 = 4;
+inline constexpr int kGemmRowsI8 = 2;
+
+struct F32x16 { float v[16]; };
+struct I32x16 { int32_t v[16]; };
+struct M16 { uint32_t bits; };  // lane i set: bit i
+
+template <typename F>
+inline F32x16 lanes(F f) {
+  F32x16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = f(i);
+  return r;
+}
+
+inline F32x16 zero() { return lanes([](int) { return 0.f; }); }
+inline F32x16 set1(float x) { return lanes([x](int) { return x; }); }
+inline F32x16 load(const float* p) { return lanes([p](int i) { return p[i]; }); }
+inline void store(float* p, F32x16 a) { std::memcpy(p, a.v, sizeof(a.v)); }
+
+inline M16 mask_range(int lo, int hi) { return {((1u << hi) - 1) & ~((1u << lo) - 1)}; }
+inline M16 mask_first(int64_t n) { return mask_range(0, n >= 16 ? 16 : n <= 0 ? 0 : int(n)); }
+inline M16 operator&(M16 a, M16 b) { return {a.bits & b.bits}; }
+inline bool any(M16 a) { return a.bits != 0; }
+
+inline F32x16 load_first(const float* p, int64_t n) { return lanes([p, n](int i) { return i < n ? p[i] : 0.f; }); }
+inline void store_first(float* p, F32x16 a, int64_t n) {
+  for (int i = 0; i < 16 && i < n; ++i) p[i] = a.v[i];
+}
+
+inline F32x16 load_bf16(const uint16_t* p) {
+  return lanes([p](int i) {
+    const uint32_t u = uint32_t(p[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  });
+}
+inline void store_bf16_first(uint16_t* p, F32x16 a, int64_t n) {
+  for (int i = 0; i < 16 && i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &a.v[i], sizeof(u));
+    p[i] = uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);  // round to nearest even
+  }
+}
+
+inline F32x16 add(F32x16 a, F32x16 b) { return lanes([&](int i) { return a.v[i] + b.v[i]; }); }
+inline F32x16 sub(F32x16 a, F32x16 b) { return lanes([&](int i) { return a.v[i] - b.v[i]; }); }
+inline F32x16 mul(F32x16 a, F32x16 b) { return lanes([&](int i) { return a.v[i] * b.v[i]; }); }
+inline F32x16 div(F32x16 a, F32x16 b) { return lanes([&](int i) { return a.v[i] / b.v[i]; }); }
+inline F32x16 fma(F32x16 a, F32x16 b, F32x16 c) { return lanes([&](int i) { return std::fma(a.v[i], b.v[i], c.v[i]); }); }
+inline F32x16 max(F32x16 a, F32x16 b) { return lanes([&](int i) { return a.v[i] > b.v[i] ? a.v[i] : b.v[i]; }); }
+inline F32x16 abs(F32x16 a) { return lanes([&](int i) { return std::fabs(a.v[i]); }); }
+inline F32x16 floor(F32x16 a) { return lanes([&](int i) { return std::floor(a.v[i]); }); }
+inline F32x16 ldexp(F32x16 p, F32x16 n) { return lanes([&](int i) { return std::ldexp(p.v[i], int(n.v[i])); }); }
+inline float reduce_add(F32x16 a) {
+  float s = 0.f;
+  for (float x : a.v) s += x;
+  return s;
+}
+inline float reduce_max(F32x16 a) {
+  float m = a.v[0];
+  for (float x : a.v) m = x > m ? x : m;
+  return m;
+}
+
+template <typename P>
+inline M16 compare(F32x16 a, F32x16 b, P pred) {
+  uint32_t bits = 0;
+  for (int i = 0; i < 16; ++i) bits |= uint32_t(pred(a.v[i], b.v[i])) << i;
+  return {bits};
+}
+inline M16 lt(F32x16 a, F32x16 b) { return compare(a, b, [](float x, float y) { return x < y; }); }
+inline M16 gt(F32x16 a, F32x16 b) { return compare(a, b, [](float x, float y) { return x > y; }); }
+inline M16 le(F32x16 a, F32x16 b) { return compare(a, b, [](float x, float y) { return x <= y; }); }
+inline M16 eq(F32x16 a, F32x16 b) { return compare(a, b, [](float x, float y) { return x == y; }); }
+inline F32x16 select(M16 m, F32x16 a, F32x16 b) { return lanes([&](int i) { return (m.bits >> i) & 1 ? a.v[i] : b.v[i]; }); }
+inline F32x16 maskz(M16 m, F32x16 a) { return select(m, a, zero()); }
+
+// The transpose-and-add tree (see vec_avx512.h), key-major here: after merge<N> the 2N keys'
+// partial sums take 8 / N adjacent lanes each (N = 8: key s in lane s).
+template <int N>
+inline F32x16 merge(F32x16 a, F32x16 b) {
+  constexpr int in = 16 / N, out = 8 / N;  // partial sums per key before and after
+  return lanes([&](int i) {
+    const F32x16& src = i < 8 ? a : b;
+    const int key = (i % 8) / out, j = i % out;
+    return src.v[key * in + 2 * j] + src.v[key * in + 2 * j + 1];
+  });
+}
+
+inline I32x16 round_i32(F32x16 a) {
+  I32x16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = int32_t(std::nearbyint(a.v[i]));
+  return r;
+}
+inline F32x16 to_f32(I32x16 a) { return lanes([&](int i) { return float(a.v[i]); }); }
+inline void store_i8(int8_t* p, I32x16 a) {
+  for (int i = 0; i < 16; ++i) p[i] = int8_t(a.v[i]);
+}
+
+struct DotX { int8_t x[4]; };
+inline DotX dot_prepare(int32_t quad) {
+  DotX d;
+  std::memcpy(d.x, &quad, 4);
+  return d;
+}
+inline I32x16 dot_init(const int32_t*) { return I32x16{}; }
+inline I32x16 dot(I32x16 acc, const DotX& x, const int8_t* w) {
+  for (int l = 0; l < 16; ++l)
+    for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(x.x[j]) * w[4 * l + j];
+  return acc;
+}
+
+}  // namespace vec
