@@ -62,7 +62,7 @@ void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K, const 
   store<R>(acc, y, ldy, ncols);
 }
 
-// x: R rows of kq quads of int8 (stride ldx, in int32), groups of QG/4 quads; xscale: R rows
+// x: R rows of kq quads of codes (store_codes; stride ldx, in int32), groups of QG/4 quads; xscale: R rows
 // of G scales (stride G); panel: [kq][32][4] int8; wscale, wsum128: [G][32].
 // y[r, n] = sum_g xscale[r, g] * wscale[g, n] * (sum_k x w) + bias[n].
 template <int R>
@@ -73,14 +73,15 @@ void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const int8_t*
   init<R>(out, bias);
   for (int64_t g = 0; g < G; ++g) {
     I32x16 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = dot_init(wsum128 + g * NB), acc[r][1] = dot_init(wsum128 + g * NB + 16);
+    const I32x16 init0 = dot_init(wsum128 + g * NB), init1 = dot_init(wsum128 + g * NB + 16);
+    for (int r = 0; r < R; ++r) acc[r][0] = init0, acc[r][1] = init1;
     const int8_t* pg = panel + g * quads * 4 * NB;
     __builtin_prefetch(pg + 4 * quads * 4 * NB);
     for (int64_t k = 0; k < quads; ++k) {
       const int8_t* w = pg + k * 4 * NB;
       __builtin_prefetch(pg + (k + 4 * quads) * 4 * NB + 2 * NB);
       for (int r = 0; r < R; ++r) {
-        const DotX a = dot_prepare(x[r * ldx + g * quads + k]);
+        const DotX a = dot_prepare(x + r * ldx + g * quads + k);
         acc[r][0] = dot(acc[r][0], a, w);
         acc[r][1] = dot(acc[r][1], a, w + 2 * NB);
       }
@@ -177,8 +178,8 @@ int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* 
       const float a = reduce_max(max(abs(v0), abs(v1)));
       xscale[m * G + g] = a / 127.f;
       const F32x16 inv = set1(a > 0.f ? 127.f / a : 0.f);
-      store_i8(row + k0, round_i32(mul(v0, inv)));
-      store_i8(row + k0 + 16, round_i32(mul(v1, inv)));
+      store_codes(row + k0, round_i32(mul(v0, inv)));
+      store_codes(row + k0 + 16, round_i32(mul(v1, inv)));
     }
   }
   // Rows in chunks whose codes fit in L2, each chunk over all panels (as linear_f32).

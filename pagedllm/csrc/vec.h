@@ -17,8 +17,9 @@
 //           even), add, sub, mul, div, fma (a * b + c), max, abs, floor, ldexp (p * 2^n for
 //           integral n), reduce_add, reduce_max, merge<N> (the transpose-and-add tree, below)
 //   M16     lt, gt, le, eq, mask_first(n), mask_range(lo, hi), &, any, select, maskz
-//   I32x16  round_i32 (to nearest even), to_f32, store_i8 (values in [-128, 127])
-//   int8    DotX dot_prepare(int32 quad of 4 int8 x), I32x16 dot_init(wsum128),
+//   I32x16  round_i32 (to nearest even), to_f32
+//   int8    store_codes (16 activation codes in [-127, 127], in the encoding dot_prepare
+//           reads), DotX dot_prepare(a quad of 4 stored codes), I32x16 dot_init(wsum128),
 //           I32x16 dot(acc, DotX, 64 int8 w): acc[l] += sum_j x[j] * w[4 l + j]
 #pragma once
 

@@ -128,14 +128,14 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
 
 inline I32x16 round_i32(F32x16 a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
 inline F32x16 to_f32(I32x16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
-inline void store_i8(int8_t* p, I32x16 a) {
+inline void store_codes(int8_t* p, I32x16 a) {
   const __m256i h = _mm256_permute4x64_epi64(_mm256_packs_epi32(a.lo, a.hi), 0xD8);  // 16 int16 in order
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
 
 struct DotX { __m256i x, ax; };  // x and |x|, in every lane
-inline DotX dot_prepare(int32_t quad) {
-  const __m256i x = _mm256_set1_epi32(quad);
+inline DotX dot_prepare(const int32_t* quad) {
+  const __m256i x = _mm256_set1_epi32(*quad);
   return {x, _mm256_abs_epi8(x)};
 }
 inline I32x16 dot_init(const int32_t*) { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }

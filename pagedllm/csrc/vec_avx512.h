@@ -78,17 +78,20 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
 
 inline I32x16 round_i32(F32x16 a) { return {_mm512_cvtps_epi32(a.v)}; }
 inline F32x16 to_f32(I32x16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
-inline void store_i8(int8_t* p, I32x16 a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a.v)); }
-
 #ifdef __AVX512VNNI__
+// Codes are stored as x + 128 (u8), so that dot_prepare is one broadcast from memory.
+inline void store_codes(int8_t* p, I32x16 a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_add_epi32(a.v, _mm512_set1_epi32(128))));
+}
 struct DotX { __m512i u; };  // x + 128 as u8, in every lane
-inline DotX dot_prepare(int32_t quad) { return {_mm512_set1_epi32(quad ^ int32_t(0x80808080))}; }
+inline DotX dot_prepare(const int32_t* quad) { return {_mm512_set1_epi32(*quad)}; }
 inline I32x16 dot_init(const int32_t* wsum128) { return {_mm512_loadu_si512(wsum128)}; }
 inline I32x16 dot(I32x16 acc, DotX x, const int8_t* w) { return {_mm512_dpbusd_epi32(acc.v, x.u, _mm512_loadu_si512(w))}; }
 #else
+inline void store_codes(int8_t* p, I32x16 a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a.v)); }
 struct DotX { __m512i ax; __mmask64 neg; };  // |x| in every lane; the bytes where x < 0
-inline DotX dot_prepare(int32_t quad) {
-  const __m512i x = _mm512_set1_epi32(quad);
+inline DotX dot_prepare(const int32_t* quad) {
+  const __m512i x = _mm512_set1_epi32(*quad);
   return {_mm512_abs_epi8(x), _mm512_movepi8_mask(x)};
 }
 inline I32x16 dot_init(const int32_t*) { return {_mm512_setzero_si512()}; }

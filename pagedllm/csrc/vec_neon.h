@@ -136,14 +136,14 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
 
 inline I32x16 round_i32(F32x16 a) { return {{vcvtnq_s32_f32(a.v[0]), vcvtnq_s32_f32(a.v[1]), vcvtnq_s32_f32(a.v[2]), vcvtnq_s32_f32(a.v[3])}}; }
 inline F32x16 to_f32(I32x16 a) { return {{vcvtq_f32_s32(a.v[0]), vcvtq_f32_s32(a.v[1]), vcvtq_f32_s32(a.v[2]), vcvtq_f32_s32(a.v[3])}}; }
-inline void store_i8(int8_t* p, I32x16 a) {
+inline void store_codes(int8_t* p, I32x16 a) {
   const int16x8_t lo = vcombine_s16(vqmovn_s32(a.v[0]), vqmovn_s32(a.v[1]));
   const int16x8_t hi = vcombine_s16(vqmovn_s32(a.v[2]), vqmovn_s32(a.v[3]));
   vst1q_s8(p, vcombine_s8(vqmovn_s16(lo), vqmovn_s16(hi)));
 }
 
 struct DotX { int8x16_t x; };  // the 4 x values, in every 32-bit lane
-inline DotX dot_prepare(int32_t quad) { return {vreinterpretq_s8_s32(vdupq_n_s32(quad))}; }
+inline DotX dot_prepare(const int32_t* quad) { return {vreinterpretq_s8_s32(vld1q_dup_s32(quad))}; }
 inline I32x16 dot_init(const int32_t*) { return {{vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)}}; }
 inline I32x16 dot(I32x16 acc, DotX x, const int8_t* w) {
   for (int i = 0; i < 4; ++i) {

@@ -108,14 +108,14 @@ inline I32x16 round_i32(F32x16 a) {
   return r;
 }
 inline F32x16 to_f32(I32x16 a) { return lanes([&](int i) { return float(a.v[i]); }); }
-inline void store_i8(int8_t* p, I32x16 a) {
+inline void store_codes(int8_t* p, I32x16 a) {
   for (int i = 0; i < 16; ++i) p[i] = int8_t(a.v[i]);
 }
 
 struct DotX { int8_t x[4]; };
-inline DotX dot_prepare(int32_t quad) {
+inline DotX dot_prepare(const int32_t* quad) {
   DotX d;
-  std::memcpy(d.x, &quad, 4);
+  std::memcpy(d.x, quad, 4);
   return d;
 }
 inline I32x16 dot_init(const int32_t*) { return I32x16{}; }
