@@ -8,12 +8,11 @@ import torch.nn.functional as F
 
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import write_kv
-from pagedllm.layers.cpu_kernels import native_library
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.layers.sampler import _greedy
 
-pytestmark = pytest.mark.skipif(native_library() is None, reason="no C++ compiler")
+pytestmark = pytest.mark.usefixtures("native_isa")  # each test on every ISA's kernels
 
 
 @pytest.mark.parametrize("rows", [1, 5, 100])  # 100: the rows split over threads
