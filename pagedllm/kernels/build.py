@@ -126,7 +126,7 @@ def _build(isa: str, tmp: Path, out: Path) -> None:
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         failures = [e for e in pool.map(_run, commands) if e]
     if failures:  # every unit's errors, not only the first one's: one run shows them all
-        raise _CompileError([line for errors in failures for line in errors][:_MAX_ERROR_LINES])
+        raise _CompileError(list(dict.fromkeys(line for errors in failures for line in errors))[:_MAX_ERROR_LINES])
     errors = _run([cxx, *flags, "-shared", "-o", str(out), *map(str, objects)])
     if errors:
         raise _CompileError(errors)

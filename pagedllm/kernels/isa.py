@@ -39,7 +39,7 @@ def cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset({"asimd", "asimddp"} if platform.machine().lower() in ("arm64", "aarch64") else ())
+        return frozenset({"asimd", "asimddp"} if is_arm(platform.machine()) else ())
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
@@ -47,10 +47,15 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def runnable_isas(flags: frozenset[str]) -> list[str]:
-    """The ISAs a CPU with these cpuinfo ``flags`` executes, best first (``scalar`` always)."""
-    isas = ARM_ISAS if "asimd" in flags or platform.machine().lower() in ("arm64", "aarch64") else X86_ISAS
-    return [isa for isa in isas if _REQUIRED[isa] <= flags]
+def is_arm(machine: str) -> bool:
+    """Whether ``platform.machine()``'s answer names a 64-bit Arm CPU (Linux or macOS spelling)."""
+    return machine.lower() in ("arm64", "aarch64")
+
+
+def runnable_isas(flags: frozenset[str], machine: str) -> list[str]:
+    """The ISAs a CPU of architecture ``machine`` (``platform.machine()``) with these cpuinfo
+    ``flags`` executes, best first (``scalar`` always)."""
+    return [isa for isa in (ARM_ISAS if is_arm(machine) else X86_ISAS) if _REQUIRED[isa] <= flags]
 
 
 def isa_flags(isa: str, flags: frozenset[str]) -> list[str]:

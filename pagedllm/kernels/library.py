@@ -12,6 +12,7 @@ import ctypes
 import functools
 import logging
 import os
+import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,7 +28,7 @@ _forced_isa: str | None = None  # set by use_isa()
 
 def available_isas() -> list[str]:
     """The ISAs this CPU executes, best first: e.g. ["avx512", "avx2", "scalar"]."""
-    return runnable_isas(cpu_flags())
+    return runnable_isas(cpu_flags(), platform.machine())
 
 
 def native_library(isa: str | None = None) -> ctypes.CDLL | None:
