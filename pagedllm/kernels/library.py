@@ -38,12 +38,11 @@ def native_library(isa: str | None = None) -> ctypes.CDLL | None:
     Raises:
         ValueError: ``isa`` (or ``PAGEDLLM_CPU_ISA``) is unknown or this CPU cannot run it.
     """
-    if os.environ.get("PAGEDLLM_DISABLE_NATIVE") == "1":
+    if isa is None:  # every native call asks: cached lookups only
+        isa = _forced_isa or _choose()
+        return None if isa is None else _load(isa)
+    if _disabled():
         return None
-    if isa is None:
-        isa = active_isa()
-        if isa is None:
-            return None
     _check_runnable(isa, "isa")
     return _load(isa)
 
@@ -55,8 +54,6 @@ def active_isa() -> str | None:
     Raises:
         ValueError: ``PAGEDLLM_CPU_ISA`` is unknown or this CPU cannot run it.
     """
-    if os.environ.get("PAGEDLLM_DISABLE_NATIVE") == "1":
-        return None
     if _forced_isa:
         return _forced_isa if _load(_forced_isa) is not None else None
     return _choose()
@@ -70,18 +67,23 @@ def build_error(isa: str) -> str | None:
 
 @contextmanager
 def use_isa(isa: str) -> Iterator[None]:
-    """Run every native call inside the block on ``isa``'s library (tests compare ISAs).
+    """Run every native call inside the block on ``isa``'s library (tests compare ISAs);
+    none under ``PAGEDLLM_DISABLE_NATIVE=1``.
 
     Raises:
         ValueError: this CPU cannot run ``isa``.
     """
     global _forced_isa
     _check_runnable(isa, "isa")
-    previous, _forced_isa = _forced_isa, isa
+    previous, _forced_isa = _forced_isa, None if _disabled() else isa
     try:
         yield
     finally:
         _forced_isa = previous
+
+
+def _disabled() -> bool:
+    return os.environ.get("PAGEDLLM_DISABLE_NATIVE") == "1"
 
 
 def _check_runnable(isa: str, source: str) -> None:
@@ -94,6 +96,8 @@ def _check_runnable(isa: str, source: str) -> None:
 @functools.cache
 def _choose() -> str | None:
     """The first ISA, from the best (or ``PAGEDLLM_CPU_ISA``) down, whose library loads."""
+    if _disabled():
+        return None
     candidates = available_isas()
     forced = os.environ.get("PAGEDLLM_CPU_ISA")
     if forced:
