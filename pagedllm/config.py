@@ -143,8 +143,8 @@ def dtype_settings(
     for the kernels' ISA: w8a8, the lm_head included (int8 weights and activations in groups
     of 32: SmolLM2 perplexity +0.16% against float32, 1.4-3.6x the float32 GEMM's speed on
     AVX-512; docs/benchmarks.md), or float32. Where ``quantization`` names a mode (even
-    "none"), the linear layers are as that says. An explicit dtype: that dtype throughout. ``kv_cache_dtype`` other than "auto"
-    overrides the K/V dtype.
+    "none"), the linear layers are as that says. An explicit dtype: that dtype throughout.
+    ``kv_cache_dtype`` other than "auto" overrides the K/V dtype.
 
     Raises:
         ValueError: for an unknown dtype name or K/V dtype.
@@ -168,7 +168,9 @@ def dtype_settings(
 
 # What ``--dtype auto`` runs the linear layers as, by the native kernels' ISA (None: no
 # library). Measured on AVX-512 (docs/benchmarks.md); the other entries await their numbers.
-_AUTO_LINEARS: dict[str | None, str] = {"avx512": "w8a8", "avx2": "w8a8", "neon": "w8a8", "scalar": "float32", None: "float32"}
+_AUTO_LINEARS: dict[str | None, str] = {
+    "avx512": "w8a8", "avx2": "w8a8", "neon": "w8a8", "scalar": "float32", None: "float32"
+}
 
 
 def auto_linears() -> str:

@@ -125,7 +125,7 @@ def _load_or_failure(isa: str) -> ctypes.CDLL | build.BuildFailed:
         if e.cached:
             logger.warning("%s native kernels skipped: their build failed before (%s; %s)", isa, e.marker, _RETRY)
         else:
-            where = f"recorded in {e.marker}; {_RETRY}" if e.marker else "set PAGEDLLM_REBUILD_NATIVE=1 or rerun to retry"
+            where = f"recorded in {e.marker}; {_RETRY}" if e.marker else "rerun to retry"
             logger.warning("%s native kernels failed to build:\n  %s\n(%s)", isa, "\n  ".join(e.errors), where)
         return e
 
@@ -140,7 +140,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_prefill_attention.restype = c_int
     # cache_bf16, q, ldq, k_cache, v_cache, block_tables, max_blocks, query_starts, query_lens, seq_lens, out,
     # R, Hq, Hkv, D, BS, scale, window
-    lib.paged_prefill_attention.argtypes = [c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
+    lib.paged_prefill_attention.argtypes = [
+        c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64
+    ]
     lib.linear_w8a8_available.restype = c_int
     lib.linear_pack_f32.argtypes = [ptr, ptr, i64, i64]
     lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]

@@ -173,7 +173,8 @@ def add_rms_norm(x: torch.Tensor | None, stream: torch.Tensor, weight: torch.Ten
         return None
     h = stream.shape[-1]
     if (x is not None and x.shape != stream.shape) or weight.shape != (h,):
-        raise ValueError(f"add_rms_norm: x {None if x is None else list(x.shape)}, stream {list(stream.shape)}, weight {list(weight.shape)}")
+        x_shape = None if x is None else list(x.shape)
+        raise ValueError(f"add_rms_norm: x {x_shape}, stream {list(stream.shape)}, weight {list(weight.shape)}")
     out = torch.empty_like(stream)
     lib.add_rms_norm(None if x is None else _ptr(x), _ptr(stream), _ptr(weight), _ptr(out), stream.numel() // h, h, eps)
     return out
@@ -308,8 +309,11 @@ def linear_w8a8(
     codes, wscale, wsum128 = packed
     _check_packed(codes, torch.int8, out_features, -(-k // W8A8_GROUP) * W8A8_GROUP, bias)
     groups = -(-out_features // PANEL) * PANEL * -(-k // W8A8_GROUP)
-    if wscale.numel() != groups or wsum128.numel() != groups or wscale.dtype != torch.float32 or wsum128.dtype != torch.int32:
-        raise ValueError(f"w8a8 scales: need {groups} float32 / int32, got {wscale.dtype} {wscale.numel()}, {wsum128.dtype} {wsum128.numel()}")
+    if (wscale.dtype, wsum128.dtype, wscale.numel(), wsum128.numel()) != (torch.float32, torch.int32, groups, groups):
+        raise ValueError(
+            f"w8a8 scales: need {groups} float32 and int32, "
+            f"got {wscale.numel()} {wscale.dtype}, {wsum128.numel()} {wsum128.dtype}"
+        )
     y = x.new_empty(m, out_features)
     status = lib.linear_w8a8(
         _ptr(x), x.stride(0), _ptr(codes), _ptr(wscale), _ptr(wsum128), _ptr_or_none(bias), _ptr(y), m, out_features, k
@@ -322,7 +326,7 @@ def linear_w8a8(
 def _require() -> ctypes.CDLL:
     lib = native_library()
     if lib is None:
-        raise RuntimeError("the native kernels are not available here (pagedllm/csrc did not build, or PAGEDLLM_DISABLE_NATIVE=1)")
+        raise RuntimeError("no native kernels here (pagedllm/csrc did not build, or PAGEDLLM_DISABLE_NATIVE=1)")
     return lib
 
 
@@ -358,7 +362,7 @@ def _check_packed(packed: torch.Tensor, dtype: torch.dtype, n: int, k: int, bias
     if packed.dtype != dtype or packed.numel() != padded_n * k or not packed.is_contiguous():
         raise ValueError(f"packed weight: need {padded_n * k} contiguous {dtype}, got {packed.numel()} {packed.dtype}")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (padded_n,) or not bias.is_contiguous()):
-        raise ValueError(f"bias: need float32 [{padded_n}] (padded to whole panels), got {bias.dtype} {list(bias.shape)}")
+        raise ValueError(f"bias: need float32 [{padded_n}] (whole panels), got {bias.dtype} {list(bias.shape)}")
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, head_dim: int) -> None:

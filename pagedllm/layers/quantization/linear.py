@@ -133,7 +133,7 @@ class W8A8Linear(QuantizedLinear):
         n, k = weight.shape
         super().__init__(k, n, None)
         if not ops.linear_w8a8_available():
-            raise ValueError("w8a8 needs the native kernels' w8a8 GEMM, which this build lacks (ops.linear_w8a8_available())")
+            raise ValueError("w8a8 needs the native kernels' w8a8 GEMM, which this build lacks")
         packed, wscale, wsum128 = ops.linear_pack_w8a8(weight.detach())
         self.register_buffer("packed", packed)
         self.register_buffer("wscale", wscale)
