@@ -14,6 +14,7 @@ marker, or set ``PAGEDLLM_REBUILD_NATIVE=1``, to try again.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -55,7 +56,11 @@ def cache_dir() -> Path:
 def compiler() -> tuple[str, str]:
     """(resolved path, first line of ``--version``) of ``$CXX`` (default g++); the path is the
     bare name where it is not found, the version empty where it says nothing."""
-    cxx = os.environ.get("CXX", "g++")
+    return _identify(os.environ.get("CXX", "g++"))
+
+
+@functools.cache  # one --version run per compiler and process
+def _identify(cxx: str) -> tuple[str, str]:
     path = shutil.which(cxx) or cxx
     try:
         done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
