@@ -98,11 +98,11 @@ def load(isa: str) -> ctypes.CDLL:
                 _build(isa, Path(tmp), out)
             except subprocess.TimeoutExpired as e:  # a busy machine, not a broken build: no marker
                 raise BuildFailed([f"the compiler ran past {e.timeout:.0f} s"], None) from None
-            except _CompileError as e:
+            except BuildFailed as e:
                 _write_atomically(marker, "\n".join(e.errors) + "\n")
                 raise BuildFailed(e.errors, marker) from None
             os.replace(out, path)  # atomic: concurrent processes never load a half-written file
-    marker.unlink(missing_ok=True)
+    marker.unlink(missing_ok=True)  # a retry (PAGEDLLM_REBUILD_NATIVE=1) that succeeded
     try:
         return ctypes.CDLL(str(path))
     except OSError as e:  # built but not loadable here (a missing runtime library)
@@ -110,17 +110,11 @@ def load(isa: str) -> ctypes.CDLL:
         raise BuildFailed([str(e)], marker) from None
 
 
-class _CompileError(Exception):
-    def __init__(self, errors: list[str]) -> None:
-        super().__init__(errors[0])
-        self.errors = errors
-
-
 def _build(isa: str, tmp: Path, out: Path) -> None:
     """Compile every translation unit at once (one process per core), then link ``out``.
 
     Raises:
-        _CompileError: the compiler is missing or failed (its error lines);
+        BuildFailed: the compiler is missing or failed (its error lines; no marker yet);
         subprocess.TimeoutExpired: it ran past the limit.
     """
     cxx, _ = compiler()
@@ -131,10 +125,10 @@ def _build(isa: str, tmp: Path, out: Path) -> None:
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         failures = [e for e in pool.map(_run, commands) if e]
     if failures:  # every unit's errors, not only the first one's: one run shows them all
-        raise _CompileError(list(dict.fromkeys(line for errors in failures for line in errors))[:_MAX_ERROR_LINES])
+        raise BuildFailed(list(dict.fromkeys(line for errors in failures for line in errors))[:_MAX_ERROR_LINES], None)
     errors = _run([cxx, *flags, "-shared", "-o", str(out), *map(str, objects)])
     if errors:
-        raise _CompileError(errors)
+        raise BuildFailed(errors, None)
 
 
 def _run(command: list[str]) -> list[str]:
