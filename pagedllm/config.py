@@ -139,12 +139,12 @@ def dtype_settings(
 ) -> dict[str, object]:
     """EngineConfig fields for the dtype and quantization flags.
 
-    "auto": float32 activations around w8a8 linear layers, the lm_head included (int8 weights
-    and activations in groups of 32: SmolLM2 perplexity +0.16% against float32, 1.4-3.6x the
-    float32 GEMM's speed; docs/benchmarks.md), and bfloat16 K/V. Where the CPU lacks
-    AVX512-VNNI, or ``quantization`` names a mode (even "none"), the linear layers are as that
-    says. An explicit dtype: that dtype throughout. ``kv_cache_dtype`` other than "auto"
-    overrides the K/V dtype.
+    "auto": float32 activations, bfloat16 K/V, and linear layers as ``auto_linears()`` picks
+    for the kernels' ISA: w8a8, the lm_head included (int8 weights and activations in groups
+    of 32: SmolLM2 perplexity +0.16% against float32, 1.4-3.6x the float32 GEMM's speed on
+    AVX-512; docs/benchmarks.md), or float32. Where ``quantization`` names a mode (even
+    "none"), the linear layers are as that says. An explicit dtype: that dtype throughout.
+    ``kv_cache_dtype`` other than "auto" overrides the K/V dtype.
 
     Raises:
         ValueError: for an unknown dtype name or K/V dtype.
@@ -161,17 +161,25 @@ def dtype_settings(
         "kv_cache_dtype": kv or (torch.bfloat16 if auto else None),
         "quantization": quantization or "none",
     }
-    if auto and quantization is None and w8a8_supported():
+    if auto and quantization is None and auto_linears() == "w8a8":
         settings |= {"quantization": "w8a8", "quantize_lm_head": True}
     return settings
 
 
-def w8a8_supported() -> bool:
-    """Whether the w8a8 kernel runs here (native kernels built, CPU with AVX512-VNNI)."""
-    from pagedllm.layers.cpu_kernels import native_library  # builds the kernels on first use
+# What ``--dtype auto`` runs the linear layers as, by the native kernels' ISA (None: no
+# library). Measured on AVX-512 (docs/benchmarks.md); the other entries await their numbers.
+_AUTO_LINEARS: dict[str | None, str] = {
+    "avx512": "w8a8", "avx2": "w8a8", "neon": "w8a8", "scalar": "float32", None: "float32"
+}
 
-    lib = native_library()
-    return lib is not None and bool(lib.linear_w8a8_available())
+
+def auto_linears() -> str:
+    """"w8a8" or "float32": the linear layers ``--dtype auto`` picks for the ISA this
+    process's kernels run (w8a8 only where the library has that GEMM)."""
+    from pagedllm.kernels import library, ops  # builds the kernels on first use
+
+    choice = _AUTO_LINEARS[library.active_isa()]
+    return choice if choice != "w8a8" or ops.linear_w8a8_available() else "float32"
 
 
 def parse_memory(value: str | int | float) -> int:

@@ -4,8 +4,9 @@ import random
 
 import pytest
 import torch
+from native_isa import ISAS, on_isa
 
-from pagedllm.layers import attention, cpu_kernels
+from pagedllm.kernels import library, ops
 from pagedllm.layers.attention import AttentionMetadata, paged_attention
 
 
@@ -27,21 +28,29 @@ def _dense(q, k, v, scale, window=0):
 
 
 def test_native_kernel_builds():
-    assert cpu_kernels.native_library() is not None
+    assert library.native_library() is not None
 
 
 @pytest.mark.parametrize("window", [0, 5])
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("backend", [*ISAS, "torch"])
 @pytest.mark.parametrize(
     "dtype,cache_dtype",
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
 )
-def test_mixed_decode_and_chunked_prefill_match_dense(native, dtype, cache_dtype, window, monkeypatch):
+def test_mixed_decode_and_chunked_prefill_match_dense(backend, dtype, cache_dtype, window, monkeypatch):
     """window 5: a sliding-window layer; requests shorter and longer than the window; a
-    bfloat16 cache under float32 activations (dtype auto)."""
-    if not native:
-        monkeypatch.setattr(attention, "paged_decode_attention", lambda *args: None)
-        monkeypatch.setattr(attention, "paged_prefill_attention", lambda *args: False)
+    bfloat16 cache under float32 activations (dtype auto). backend: an ISA's kernels, or
+    PyTorch's attention (the native K/V write still runs)."""
+    if backend == "torch":
+        monkeypatch.setattr(ops, "paged_decode_attention", lambda *args: None)
+        monkeypatch.setattr(ops, "paged_prefill_attention", lambda *args: False)
+        _check_against_dense(dtype, cache_dtype, window)
+    else:
+        with on_isa(backend):
+            _check_against_dense(dtype, cache_dtype, window)
+
+
+def _check_against_dense(dtype: torch.dtype, cache_dtype: torch.dtype, window: int) -> None:
     torch.manual_seed(0)
     rng = random.Random(0)
     block_size, num_blocks, hkv, h, d = 4, 64, 2, 6, 64

@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels import ops
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import write_kv
-from pagedllm.layers.cpu_kernels import native_library
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.layers.sampler import _greedy
 
-pytestmark = pytest.mark.skipif(native_library() is None, reason="no C++ compiler")
+pytestmark = pytest.mark.usefixtures("native_isa")  # each test on every ISA's kernels
 
 
 @pytest.mark.parametrize("rows", [1, 5, 100])  # 100: the rows split over threads
@@ -75,3 +75,23 @@ def test_greedy_argmax_takes_the_first_maximum(shape: tuple[int, int]) -> None:
     if shape[0] > 2:
         logits[2, 1] = logits[2, -2] = 100.0  # a tie: the first index wins, as in argmax
     assert torch.equal(_greedy(logits), logits.argmax(-1))
+
+
+def test_misuse_raises_and_other_devices_fall_back() -> None:
+    """Calls only our own code could get wrong raise before reaching C; tensors elsewhere than
+    on the CPU are left to PyTorch."""
+    k = torch.randn(4, 2, 64)
+    cache = torch.zeros(3, 16, 2, 64)
+    with pytest.raises(ValueError, match="slot_mapping: need contiguous int64 \\[4\\]"):
+        ops.write_kv_cache(k, k, cache, cache.clone(), torch.arange(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="do not fit the cache"):
+        ops.write_kv_cache(k, k, torch.zeros(3, 16, 4, 64), torch.zeros(3, 16, 4, 64), torch.arange(4))
+    with pytest.raises(ValueError, match="weight \\[5\\]"):
+        ops.add_rms_norm(None, torch.randn(3, 8), torch.ones(5), 1e-5)
+    packed = ops.linear_pack_f32(torch.randn(40, 16))
+    with pytest.raises(ValueError, match="packed weight"):
+        ops.linear_f32(torch.randn(2, 17), packed, None, 40)
+    with pytest.raises(ValueError, match="bias: need float32 \\[64\\]"):
+        ops.linear_f32(torch.randn(2, 16), packed, torch.zeros(40), 40)
+    assert ops.argmax_rows(torch.randn(2, 5, device="meta")) is None
+    assert not ops.silu_and_mul(torch.randn(2, 8, device="meta"))

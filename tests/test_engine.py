@@ -228,9 +228,9 @@ def test_dtype_settings() -> None:
     explicit quantization mode or dtype wins."""
     import torch
 
-    from pagedllm.config import dtype_settings, w8a8_supported
+    from pagedllm.config import auto_linears, dtype_settings
 
-    linears = {"quantization": "w8a8", "quantize_lm_head": True} if w8a8_supported() else {"quantization": "none"}
+    linears = {"quantization": "w8a8", "quantize_lm_head": True} if auto_linears() == "w8a8" else {"quantization": "none"}
     assert dtype_settings("auto") == {"dtype": torch.float32, "kv_cache_dtype": torch.bfloat16} | linears
     assert dtype_settings("auto", quantization="none")["quantization"] == "none"
     assert dtype_settings("auto", quantization="int4")["quantization"] == "int4"

@@ -132,11 +132,11 @@ def test_prefill_matches_transformers(tiny) -> None:
 def test_chunked_prefill_and_decode_across_windows_match_transformers(tiny, native, monkeypatch) -> None:
     """Chunks and decodes well past the window (5 tokens), mixed in steps with another request;
     the sliding-window groups release the blocks the window has passed as the requests advance."""
-    from pagedllm.layers import attention
+    from pagedllm.kernels import ops
 
     if not native:
-        monkeypatch.setattr(attention, "paged_decode_attention", lambda *args: None)
-        monkeypatch.setattr(attention, "paged_prefill_attention", lambda *args: False)
+        monkeypatch.setattr(ops, "paged_decode_attention", lambda *args: None)
+        monkeypatch.setattr(ops, "paged_prefill_attention", lambda *args: False)
     hf, model, config = tiny
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (19, 23)]

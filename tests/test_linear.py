@@ -6,10 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.cpu_kernels import native_library
 from pagedllm.layers.linear import PackedLinear, pack_linears
 
-pytestmark = pytest.mark.skipif(native_library() is None, reason="no C++ compiler")
+pytestmark = pytest.mark.usefixtures("native_isa")  # each test on every ISA's kernels
 
 SHAPES = [(5, 7), (40, 64), (960, 576), (576, 1536), (33, 577)]  # (out, in): N, K not multiples of 32
 

@@ -17,8 +17,8 @@ from test_loader import prefill_logits, write_gguf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.perplexity import DEFAULT_TEXT, perplexity, sliding_windows
-from pagedllm.config import EngineConfig, w8a8_supported
-from pagedllm.layers.cpu_kernels import native_library
+from pagedllm.config import EngineConfig, auto_linears
+from pagedllm.kernels import ops
 from pagedllm.layers.linear import PackedLinear
 from pagedllm.layers.quantization.config import QuantizationConfig
 from pagedllm.layers.quantization.gguf import gguf_linears, unpack_q4_0, unpack_q4_1, unpack_q8_0
@@ -31,7 +31,6 @@ from pagedllm.layers.quantization.linear import (
     make_linear,
 )
 from pagedllm.layers.quantization.weights import Int8Weight, quantize_int4, quantize_int8
-from pagedllm.models import loader
 from pagedllm.models.gguf_loader import GGUFFile, gguf_config
 from pagedllm.models.loader import load_model, resolve_model
 
@@ -223,7 +222,7 @@ def tiny_quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_gguf_blocks_kept_equal_the_dequantized_weights(tiny_quantized_gguf: Path, monkeypatch) -> None:
     """Kept blocks (q/k rows unpermuted, projections fused) hold exactly the float loader's weights."""
-    monkeypatch.setattr(loader, "native_library", lambda: None)  # keep nn.Linear weights to compare
+    monkeypatch.setattr(ops, "available", lambda: False)  # keep nn.Linear weights to compare
     f = GGUFFile(tiny_quantized_gguf)
     config = gguf_config(f)
     float_model, _ = load_model(resolve_model(str(tiny_quantized_gguf)), torch.float32)
@@ -296,13 +295,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 @pytest.mark.parametrize(
     ("kwargs", "layer"),
     [
-        ({"quantization": "none"}, torch.nn.Linear if native_library() is None else PackedLinear),
+        ({"quantization": "none"}, PackedLinear if ops.available() else torch.nn.Linear),
         ({"quantization": "int8"}, Int4Linear),  # SmolLM2's Q4_1 blocks are kept in int8 mode too
         ({"quantization": "int4"}, Int4Linear),
         ({"quantization": "int8", "quantize_lm_head": True}, Int4Linear),
         ({"quantization": "int4", "quantization_group_size": 64, "quantize_lm_head": True}, Int4Linear),
         ({"quantization": "w8a8"}, W8A8Linear),
-        ({}, W8A8Linear if w8a8_supported() else PackedLinear),  # dtype auto: w8a8, the lm_head too
+        ({}, W8A8Linear if auto_linears() == "w8a8" else PackedLinear),  # dtype auto: w8a8, the lm_head too
         ({"quantization": "int4", "dtype": "bfloat16"}, Int4Linear),  # bfloat16 activations reach the kernel as views
     ],
 )
@@ -310,7 +309,7 @@ def test_engine_end_to_end(kwargs: dict, layer: type) -> None:
     llm = LLM(kv_cache_memory="64MiB", max_model_len=256, **kwargs)
     model = llm.engine.core.runner.model
     assert type(model.layers[0].mlp.gate_up_proj) is layer
-    if not kwargs and w8a8_supported():
+    if not kwargs and auto_linears() == "w8a8":
         assert type(model.lm_head) is W8A8Linear
     if kwargs.get("quantize_lm_head"):  # SmolLM2's tied Q8_0 embedding: kept in int8, requantized in int4
         assert type(model.lm_head) is (Int8BlockLinear if kwargs["quantization"] == "int8" else Int4Linear)
@@ -369,7 +368,7 @@ def test_sliding_windows_score_every_token_once() -> None:
         sliding_windows(10, 4, 5)
 
 
-@pytest.mark.skipif(not w8a8_supported(), reason="needs AVX512-VNNI")
+@pytest.mark.skipif(auto_linears() != "w8a8", reason="dtype auto runs float32 linear layers on these kernels")
 def test_default_dtype_perplexity_within_half_a_percent_of_float32() -> None:
     """dtype auto's w8a8 layers (lm_head included) and bfloat16 K/V on the shipped text:
     measured +0.16% against float32 (window 512, stride 256)."""
@@ -397,13 +396,12 @@ def test_perplexity_through_prompt_logprobs() -> None:
     assert full.perplexity == pytest.approx(float(nll.exp()), rel=1e-4)
 
 
-@pytest.mark.skipif(
-    native_library() is None or not native_library().linear_w8a8_available(), reason="needs AVX512-VNNI"
-)
 @pytest.mark.parametrize("n,k", [(5, 7), (40, 64), (96, 577)])
-def test_w8a8_linear_is_exact_for_its_scheme(n, k) -> None:
+def test_w8a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
     """Integer sums of int8 weights and int8 activations, each symmetric per group of 32 input
-    features, scaled per group: equal to the same scheme in float64."""
+    features, scaled per group: equal to the same scheme in float64, on every ISA's kernels."""
+    if not ops.linear_w8a8_available():
+        pytest.skip(f"the {native_isa} kernels have no w8a8 GEMM")
     gen = torch.Generator().manual_seed(k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     layer = W8A8Linear(w, b)

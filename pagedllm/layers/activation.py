@@ -5,15 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.cpu_kernels import native_library
+from pagedllm.kernels import ops
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for gate_up: [T, 2 * I] (gate first), computed in place in the gate
     half; returns that half, a [T, I] view with row stride 2 * I. One native pass for float32."""
     gate, up = gate_up.chunk(2, dim=-1)
-    lib = native_library()
-    if lib is not None and gate_up.dtype == torch.float32 and gate_up.stride(1) == 1:
-        lib.silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), gate_up.shape[0], gate.shape[1])
+    if ops.silu_and_mul(gate_up):
         return gate
     return F.silu(gate, inplace=True).mul_(up)

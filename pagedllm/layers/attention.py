@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.cpu_kernels import native_library, paged_decode_attention, paged_prefill_attention
+from pagedllm.kernels import ops
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -121,15 +121,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: 
     """Scatter this step's K/V ([T, num_kv_heads, head_dim]) into their cache slots (in the cache's dtype)."""
     k_cache, v_cache = kv_cache
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    lib = native_library()
-    if (
-        lib is not None and k.dtype == v.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.bfloat16)
-        and k.stride(0) == v.stride(0) and k.stride(1) == v.stride(1) == head_dim and k.stride(2) == v.stride(2) == 1
-    ):  # one pass over both, converting as it goes (rows of the fused qkv output, read in place)
-        lib.write_kv_cache(
-            int(k_cache.dtype == torch.bfloat16), k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(),
-            v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], num_kv_heads * head_dim,
-        )
+    if ops.write_kv_cache(k, v, k_cache, v_cache, slot_mapping):  # rows of the fused qkv output, read in place
         return
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -167,14 +159,16 @@ def paged_attention(
 
     b = meta.num_decodes
     if b:
-        o = paged_decode_attention(
+        o = ops.paged_decode_attention(
             q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window
         )
         if o is None:
             o = _decode_attention_torch(q[:b], k_cache, v_cache, meta, scale, window)
         out[:b] = o.view(b, num_heads * head_dim)
 
-    if meta.prefills and paged_prefill_attention(q, k_cache, v_cache, meta, scale, window, out):
+    if meta.prefills and ops.paged_prefill_attention(
+        q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_spans, scale, window, out
+    ):
         return out
     block_size = k_cache.shape[1]
     for i, p in enumerate(meta.prefills):

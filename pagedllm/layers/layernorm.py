@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.cpu_kernels import native_library
+from pagedllm.kernels import ops
 
 
 class RMSNorm(nn.Module):
@@ -37,15 +37,10 @@ class RMSNorm(nn.Module):
         Returns:
             (normalized [..., hidden_size], new residual stream [..., hidden_size]), both in x's dtype.
         """
-        lib = native_library()
-        if lib is not None and x.dtype == self.weight.dtype == torch.float32 and x.is_contiguous():
-            # One pass over the rows; the residual stream is the model's own, so add in place.
-            stream = x if residual is None else residual
-            out = torch.empty_like(stream)
-            lib.add_rms_norm(
-                None if residual is None else x.data_ptr(), stream.data_ptr(), self.weight.data_ptr(), out.data_ptr(),
-                stream.numel() // self.shape[0], self.shape[0], self.eps,
-            )
+        # One native pass over the rows; the residual stream is the model's own, so add in place.
+        stream = x if residual is None else residual
+        out = ops.add_rms_norm(None if residual is None else x, stream, self.weight, self.eps)
+        if out is not None:
             return out, stream
         if residual is not None:
             x = x + residual

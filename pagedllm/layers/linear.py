@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_kernels import native_library
-
-PANEL = 32  # output columns per packed panel (csrc/linear.cpp)
+from pagedllm.kernels import ops
+from pagedllm.kernels.ops import PANEL
 
 
 def pad_to_panels(column_values: torch.Tensor) -> torch.Tensor:
@@ -30,32 +29,18 @@ class PackedLinear(nn.Module):
         bias: [out_features] or None.
 
     Raises:
-        RuntimeError: if the native kernels are not available (check ``native_library()``).
+        RuntimeError: if the native kernels are not available (check ``ops.available()``).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self._lib = native_library()
-        if self._lib is None:
-            raise RuntimeError("PackedLinear needs the native kernels (pagedllm/csrc)")
-        n, k = weight.shape
-        self.in_features, self.out_features = k, n
-        w32 = weight.detach().float().contiguous()
-        self.register_buffer("packed_f32", torch.empty(-(-n // PANEL) * PANEL * k), persistent=False)
-        self._lib.linear_pack_f32(w32.data_ptr(), self.packed_f32.data_ptr(), n, k)
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed_f32", ops.linear_pack_f32(weight.detach()), persistent=False)
         self.register_buffer("bias", None if bias is None else pad_to_panels(bias.detach().float()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] float32 (rows may be strided) -> [T, out_features] float32."""
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        y = x.new_empty(x.shape[0], self.out_features)
-        bias = None if self.bias is None else self.bias.data_ptr()
-        self._lib.linear_f32(
-            x.data_ptr(), x.stride(0), self.packed_f32.data_ptr(), bias, y.data_ptr(), x.shape[0], self.out_features,
-            self.in_features,
-        )
-        return y
+        return ops.linear_f32(x, self.packed_f32, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

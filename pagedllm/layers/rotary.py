@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_kernels import native_library
+from pagedllm.kernels import ops
 
 
 class RotaryEmbedding(nn.Module):
@@ -46,12 +46,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x: [T, num_heads, head_dim] (q and k heads together) by the cos and signed sin
     of :meth:`RotaryEmbedding.forward`. Float32 heads (rows at any stride) are rotated in place
     by the native kernel and returned; otherwise the result is a new tensor."""
-    lib = native_library()
-    t, heads, d = x.shape
-    if (
-        lib is not None and x.dtype == cos.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == d
-        and cos.stride(0) == 2 * d and sin.data_ptr() == cos.data_ptr() + d * cos.element_size()
-    ):  # cos and sin as RotaryEmbedding.forward gives them: [T, 2, D] rows for the kernel
-        lib.rotary_inplace(x.data_ptr(), x.stride(0), cos.data_ptr(), t, heads, d)
+    if ops.rotary_inplace(x, cos, sin):
         return x
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)

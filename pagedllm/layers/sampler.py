@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.cpu_kernels import native_library
+from pagedllm.kernels import ops
 from pagedllm.layers.sampling_metadata import PenaltyTensors, SamplingMetadata, TruncationTensors
 
 # Top-p first looks for the nucleus among this many most likely tokens, then among 4x as
@@ -154,10 +154,8 @@ def _truncated_probs(probs: torch.Tensor, trunc: TruncationTensors) -> torch.Ten
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
     """LongTensor[S]: the first index of each row's maximum, as ``argmax`` gives it."""
-    lib = native_library()
-    if lib is not None and logits.dtype == torch.float32 and logits.is_contiguous():
-        out = torch.empty(logits.shape[0], dtype=torch.long)  # one pass: ~4x torch's max(dim) at [32, 49152]
-        lib.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+    out = ops.argmax_rows(logits)  # one pass: ~4x torch's max(dim) at [32, 49152]
+    if out is not None:
         return out
     # max(dim).indices is argmax's result, and ~3x faster than argmax in the CPU kernels.
     return logits.max(dim=-1).indices

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.layers.cpu_kernels import native_library
+from pagedllm.kernels import ops
 from pagedllm.layers.linear import pack_linears
 from pagedllm.layers.quantization.config import QuantizationConfig
 from pagedllm.layers.quantization.gguf import gguf_linears
@@ -262,7 +262,7 @@ def load_model(
         if quantization is not None:
             linears = None if gguf is None else gguf_linears(gguf, config, quantization)
             quantize_model(model, quantization, dtype, linears, num_workers=num_threads)
-        if dtype == torch.float32 and native_library() is not None:
+        if dtype == torch.float32 and ops.available():
             pack_linears(model)  # what quantization left float (a float lm_head)
     return model.eval(), config
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_kernels import native_library
-from pagedllm.layers.linear import PANEL, pad_to_panels
+from pagedllm.kernels import ops
+from pagedllm.layers.linear import pad_to_panels
 from pagedllm.layers.quantization.weights import (
     KERNEL_DTYPE,
     Int4Weight,
@@ -30,7 +30,6 @@ from pagedllm.layers.quantization.weights import (
 )
 
 _aten = torch.ops.aten
-W8A8_GROUP = 32  # input features per scale, of weights and activations (csrc/linear.cpp QG)
 _INT4_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants N % 16 == 0
 
 
@@ -116,9 +115,9 @@ class W8A8Linear(QuantizedLinear):
     The scheme of llama.cpp's Q8_0 x Q8_0 dot product: each group of 32 weights of a row
     has its scale (``max|w| / 127``), and each row of ``x`` is quantized on the fly per group
     of 32 the same way, so an outlier feature costs precision only in its own group (SmolLM2
-    perplexity +0.1%, against +3% with one scale per token). The sums run on our
-    AVX512-VNNI kernel (``csrc/linear.cpp``, ``vpdpbusd``: 4x the float32 FMA rate on the
-    target CPU), 1.4-3.6x faster than our float32 or bfloat16 GEMM at every batch size, and it
+    perplexity +0.1%, against +3% with one scale per token). The sums run on our native
+    kernel (``csrc/linear.cpp``; on the AVX-512 target CPU AVX512-VNNI's ``vpdpbusd``, 4x the
+    float32 FMA rate), 1.4-3.6x faster than our float32 or bfloat16 GEMM at every batch size, and it
     reads 1.25 bytes per weight. Buffers: ``packed`` int8 panels, ``wscale`` (float32) and
     ``wsum128`` (int32) per panel and group, the bias in float32, padded to whole panels.
 
@@ -127,37 +126,23 @@ class W8A8Linear(QuantizedLinear):
         bias: [out_features] or None.
 
     Raises:
-        ValueError: where the native kernels or AVX512-VNNI are missing.
+        ValueError: where the native kernels, or their w8a8 GEMM, are missing.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         n, k = weight.shape
         super().__init__(k, n, None)
-        lib = native_library()
-        if lib is None or not lib.linear_w8a8_available():
-            raise ValueError("w8a8 needs the native kernels on a CPU with AVX512-VNNI")
-        self._lib = lib
-        w32 = weight.detach().float().contiguous()
-        panels, groups = -(-n // PANEL), -(-k // W8A8_GROUP)
-        self.register_buffer("packed", torch.empty(panels * PANEL * groups * W8A8_GROUP, dtype=torch.int8))
-        self.register_buffer("wscale", torch.empty(panels * groups * PANEL))
-        self.register_buffer("wsum128", torch.empty(panels * groups * PANEL, dtype=torch.int32))
-        lib.linear_pack_w8a8(
-            w32.data_ptr(), self.packed.data_ptr(), self.wscale.data_ptr(), self.wsum128.data_ptr(), n, k
-        )
+        if not ops.linear_w8a8_available():
+            raise ValueError("w8a8 needs the native kernels' w8a8 GEMM, which this build lacks")
+        packed, wscale, wsum128 = ops.linear_pack_w8a8(weight.detach())
+        self.register_buffer("packed", packed)
+        self.register_buffer("wscale", wscale)
+        self.register_buffer("wsum128", wsum128)
         self.register_buffer("padded_bias", None if bias is None else pad_to_panels(bias.detach().float()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
-        x32 = x.float()
-        if x32.stride(1) != 1:
-            x32 = x32.contiguous()
-        y = x32.new_empty(x32.shape[0], self.out_features)
-        bias = None if self.padded_bias is None else self.padded_bias.data_ptr()
-        self._lib.linear_w8a8(
-            x32.data_ptr(), x32.stride(0), self.packed.data_ptr(), self.wscale.data_ptr(), self.wsum128.data_ptr(),
-            bias, y.data_ptr(), x32.shape[0], self.out_features, self.in_features,
-        )
+        y = ops.linear_w8a8(x.float(), (self.packed, self.wscale, self.wsum128), self.padded_bias, self.out_features)
         return y.to(x.dtype)
 
 
