@@ -191,7 +191,7 @@ int dispatch(const void* q, const void* kc, const void* vc, const int64_t* bt, i
 
 }  // namespace
 
-// Built twice (layers/cpu_kernels.py), once per cache dtype: each build is 24 instantiations
+// Built twice (kernels/build.py), once per cache dtype: each build is 24 instantiations
 // of the kernel, about half a minute of the compiler, and two builds run on two cores.
 #if PAGED_ATTENTION_BF16
 #define PAGED_ATTENTION_ENTRY paged_decode_attention_bf16

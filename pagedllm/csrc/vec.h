@@ -4,7 +4,7 @@
 //   AVX-512 (F/BW/VL/DQ, + VNNI, + BF16)  vec_avx512.h   one zmm register
 //   AVX2 + FMA (+ F16C)                   vec_avx2.h     two ymm registers
 //   ARM NEON (+ dotprod)                  vec_neon.h     four q registers
-//   anything else                         vec_scalar.h   16 floats (the reference)
+//   anything else, or PAGEDLLM_VEC_SCALAR vec_scalar.h   16 floats (the reference)
 // A fixed 16-lane width keeps every kernel's tiling (16 keys per tile, 32-column GEMM panels)
 // the same on all of them; the register budget differs, so each header also says how many
 // F32x16 values fit in its registers (kF32Regs) and how many GEMM rows a micro-tile keeps.
@@ -25,7 +25,9 @@
 
 #include <stdint.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#if defined(PAGEDLLM_VEC_SCALAR)
+#include "vec_scalar.h"
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #include "vec_avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "vec_avx2.h"

@@ -126,7 +126,10 @@ def _build(isa: str, tmp: Path, out: Path) -> None:
         failures = [e for e in pool.map(_run, commands) if e]
     if failures:  # every unit's errors, not only the first one's: one run shows them all
         raise BuildFailed(list(dict.fromkeys(line for errors in failures for line in errors))[:_MAX_ERROR_LINES], None)
-    errors = _run([cxx, *flags, "-shared", "-o", str(out), *map(str, objects)])
+    # Linked without -ffast-math: GCC 12 would add crtfastmath.o, whose constructor sets
+    # flush-to-zero for the whole process (torch's float32 subnormals would become 0).
+    link_flags = [f for f in flags if f != "-ffast-math"]
+    errors = _run([cxx, *link_flags, "-shared", "-o", str(out), *map(str, objects)])
     if errors:
         raise BuildFailed(errors, None)
 

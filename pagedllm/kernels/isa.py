@@ -72,6 +72,6 @@ def isa_flags(isa: str, flags: frozenset[str]) -> list[str]:
         return [*COMMON_FLAGS, *_AVX2]
     if isa == "neon":
         return [*COMMON_FLAGS, "-march=armv8.2-a+dotprod" if "asimddp" in flags else "-march=armv8-a"]
-    if isa == "scalar":
-        return list(COMMON_FLAGS)
+    if isa == "scalar":  # NEON is aarch64's baseline: vec.h would pick it without the define
+        return [*COMMON_FLAGS, "-DPAGEDLLM_VEC_SCALAR"]
     raise ValueError(f"unknown ISA {isa!r}; valid: {', '.join(ALL_ISAS)}")
