@@ -131,9 +131,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
-        self._check()
+        self.check()
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Validate every field (run at construction; again before queueing, since a struct is
+        mutable). Normalizes numbers to float and ``logit_bias`` keys to int.
+
+        Raises:
+            InvalidParamError: the first field at fault.
+        """
         def bad(field: str, value: object, allowed: str) -> InvalidParamError:
             return InvalidParamError(field, f"{field} must be {allowed}, got {value!r}")
 

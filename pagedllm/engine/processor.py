@@ -76,6 +76,9 @@ class Processor:
                 the vocabulary (prompt, stop_token_ids, logit_bias, allowed_token_ids), or
                 prompt + max_tokens beyond max_model_len (the message gives the numbers).
         """
+        if not isinstance(params, SamplingParams):
+            raise InvalidParamError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+        params.check()
         n_prompt = len(prompt_token_ids)
         if n_prompt == 0:
             raise InvalidParamError("prompt", "the prompt is empty: it must have at least 1 token")
