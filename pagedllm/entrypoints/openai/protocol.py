@@ -156,7 +156,7 @@ class ChatCompletionRequest(SamplingRequest):
     def check(self) -> None:
         super().check()
         if self.tools:
-            raise InvalidParamError("tools", "tool calling is not supported")
+            raise InvalidParamError("tools", "tools: tool calling is not supported")
         if self.tool_choice not in (None, "none"):
             raise InvalidParamError("tool_choice", "tool calling is not supported: tool_choice can only be 'none'")
 
