@@ -119,9 +119,10 @@ class LLM:
             ValueError: a message that is not such a dict, text that is not Unicode scalar
                 values (lone surrogates), or any error ``generate`` raises; nothing is run then.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
         for i, conv in enumerate(conversations):
-            _check_conversation(conv, f"messages.{i}" if conv is not messages else "messages")
+            _check_conversation(conv, "messages" if single else f"messages.{i}")
         prompts = [
             self.engine.tokenizer.apply_chat_template(
                 conv, tokenize=False, add_generation_prompt=add_generation_prompt
