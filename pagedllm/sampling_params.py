@@ -69,7 +69,7 @@ def _check_float(field: str, value: object) -> float:
 
 def _check_token_ids(field: str, values: object) -> list[int]:
     if not isinstance(values, (list, tuple)):
-        raise InvalidParamError(field, f"{field} must be a list of token ids, got {values!r}")
+        raise InvalidParamError(field, f"{field} must be a list of token ids, got {values!r:.200}")
     ids = [_check_int(field, t) for t in values]
     if any(t < 0 for t in ids):
         raise InvalidParamError(field, f"{field} must hold non-negative token ids, got {min(ids)}")
@@ -141,7 +141,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             InvalidParamError: the first field at fault.
         """
         def bad(field: str, value: object, allowed: str) -> InvalidParamError:
-            return InvalidParamError(field, f"{field} must be {allowed}, got {value!r}")
+            return InvalidParamError(field, f"{field} must be {allowed}, got {value!r:.200}")  # bounded echo
 
         for field in ("n", "top_k", "min_tokens"):
             _check_int(field, getattr(self, field))
@@ -200,7 +200,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @staticmethod
     def _checked_logit_bias(bias: object) -> dict[int, float]:
         if not isinstance(bias, Mapping):
-            raise InvalidParamError("logit_bias", f"logit_bias must map token ids to biases, got {bias!r}")
+            raise InvalidParamError("logit_bias", f"logit_bias must map token ids to biases, got {bias!r:.200}")
         checked = {}
         for key, value in bias.items():
             try:
