@@ -1,10 +1,79 @@
-"""Per-request sampling parameters, with vLLM's names and semantics."""
+"""Per-request sampling parameters, with vLLM's names and semantics, and the checks shared by
+every entry point (Python API, CLI, server) on parameter values and text."""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
 
 import msgspec
 
 _GREEDY_EPS = 1e-5
+_INT64 = 2**63  # msgpack carries signed 64-bit integers; anything wider cannot reach the core
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+class InvalidParamError(ValueError):
+    """A ValueError that names the request field at fault (the server's ``param``).
+
+    Args:
+        param: the field, dotted for nested values (``"messages.0.content"``).
+        message: what is wrong and what is allowed.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_text(value: object, field: str) -> str:
+    """``value`` if it is a str of Unicode scalar values, for text that reaches the tokenizer.
+
+    JSON's ``\\ud800`` escapes and Python strings can hold lone surrogates, which no tokenizer
+    (and no UTF-8 encoder) accepts.
+
+    Raises:
+        InvalidParamError: not a str, or a str with a lone surrogate (its index is given).
+    """
+    if not isinstance(value, str):
+        raise InvalidParamError(field, f"{field} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidParamError(
+            field, f"{field} is not valid Unicode text: lone surrogate U+{ord(value[e.start]):04X} at index {e.start}"
+        ) from None
+    return value
+
+
+def _check_int(field: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParamError(field, f"{field} must be an integer, got {value!r}")
+    if not -_INT64 <= value < _INT64:
+        raise InvalidParamError(field, f"{field} must fit in 64 bits, got {value}")
+    return value
+
+
+def _check_float(field: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParamError(field, f"{field} must be a number, got {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float's range
+        value = math.inf
+    if not math.isfinite(value):
+        raise InvalidParamError(field, f"{field} must be a finite number, got {value!r}")
+    return value
+
+
+def _check_token_ids(field: str, values: object) -> list[int]:
+    if not isinstance(values, (list, tuple)):
+        raise InvalidParamError(field, f"{field} must be a list of token ids, got {values!r:.200}")
+    ids = [_check_int(field, t) for t in values]
+    if any(t < 0 for t in ids):
+        raise InvalidParamError(field, f"{field} must hold non-negative token ids, got {min(ids)}")
+    return ids
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -15,9 +84,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``frequency_penalty`` act on output tokens only (OpenAI's definition),
     ``repetition_penalty`` on prompt and output tokens (CTRL, Keskar et al. 2019, §4.1).
 
+    Ranges (vLLM's): n >= 1; temperature in [0, 2]; top_p in (0, 1]; top_k 0 or -1 (off) or
+    >= 1; min_p in [0, 1]; presence/frequency penalty in [-2, 2]; repetition_penalty > 0;
+    max_tokens >= 1 (0 only with prompt_logprobs; None: up to max_model_len); 0 <= min_tokens
+    <= max_tokens; logprobs and prompt_logprobs in [0, 20]; seed any 64-bit integer. Every
+    number must be finite and every integer fit in 64 bits.
+
+    Token-level controls, applied to the logits before penalties and sampling (vLLM order):
+    ``allowed_token_ids`` (non-empty: every other token is banned), ``bad_words`` (a word's
+    token sequence never completes: vLLM's semantics, tokenized by the front end into
+    ``bad_words_token_ids``), ``logit_bias`` (token id -> bias in [-100, 100] added to its logit,
+    OpenAI's semantics; str keys such as JSON's are accepted). The vocabulary bound on token ids
+    is checked by ``Processor``, which knows the model.
+
     Raises:
-        ValueError: at construction, for any value outside its allowed range; the
-            message names the field, the value and the range.
+        InvalidParamError (a ValueError): at construction, for a value of the wrong type or
+            outside its range; the message names the field, the value and the range.
     """
 
     n: int = 1
@@ -39,22 +121,39 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None  # set by Processor from bad_words
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
-        self._check()
+        self.check()
 
-    def _check(self) -> None:
-        def bad(field: str, value: object, allowed: str) -> ValueError:
-            return ValueError(f"{field} must be {allowed}, got {value!r}")
+    def check(self) -> None:
+        """Validate every field (run at construction; again before queueing, since a struct is
+        mutable). Normalizes numbers to float and ``logit_bias`` keys to int.
 
+        Raises:
+            InvalidParamError: the first field at fault.
+        """
+        def bad(field: str, value: object, allowed: str) -> InvalidParamError:
+            return InvalidParamError(field, f"{field} must be {allowed}, got {value!r:.200}")  # bounded echo
+
+        for field in ("n", "top_k", "min_tokens"):
+            _check_int(field, getattr(self, field))
+        for field in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            if getattr(self, field) is not None:
+                _check_int(field, getattr(self, field))
+        for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            setattr(self, field, _check_float(field, getattr(self, field)))
         if self.n < 1:
             raise bad("n", self.n, "at least 1")
-        if self.temperature < 0.0:
-            raise bad("temperature", self.temperature, "non-negative")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise bad("temperature", self.temperature, "in [0, 2]")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "in (0, 1]")
         if self.top_k < 0:
@@ -65,8 +164,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", self.repetition_penalty, "in (0, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "greater than 0")
         # max_tokens == 0 only scores the prompt (echo + logprobs), as evaluation harnesses do.
         min_max_tokens = 0 if self.prompt_logprobs is not None else 1
         if self.max_tokens is not None and self.max_tokens < min_max_tokens:
@@ -75,12 +174,49 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad("min_tokens", self.min_tokens, "non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", self.logprobs, "in [0, 20]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise bad("prompt_logprobs", self.prompt_logprobs, "in [0, 20]")
-        if any(not s for s in self.stop):
-            raise bad("stop", self.stop, "a list of non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", self.prompt_logprobs, f"in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.stop, (list, tuple)) or any(not check_text(s, "stop") for s in self.stop):
+            raise bad("stop", self.stop, "a string or a list of non-empty strings")
+        self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = self._checked_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", self.allowed_token_ids, "non-empty (None: all tokens allowed)")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or any(
+                not check_text(w, "bad_words").strip() for w in self.bad_words
+            ):
+                raise bad("bad_words", self.bad_words, "a list of strings with at least one non-space character")
+        if self.bad_words_token_ids is not None:
+            for ids in self.bad_words_token_ids:
+                if not _check_token_ids("bad_words", ids):
+                    raise bad("bad_words", self.bad_words, "words of at least one token")
+
+    @staticmethod
+    def _checked_logit_bias(bias: object) -> dict[int, float]:
+        if not isinstance(bias, Mapping):
+            raise InvalidParamError("logit_bias", f"logit_bias must map token ids to biases, got {bias!r:.200}")
+        checked = {}
+        for key, value in bias.items():
+            try:
+                token = int(key) if isinstance(key, str) else key
+            except ValueError:
+                token = key
+            _check_int("logit_bias", token)
+            if token < 0:
+                raise InvalidParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            value = _check_float("logit_bias", value)
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise InvalidParamError(
+                    "logit_bias", f"logit_bias values must be in [-100, 100], got {value!r} for token {token}"
+                )
+            checked[token] = value
+        return checked
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import msgspec
 
 from pagedllm.engine.messages import EngineCoreRequest
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import InvalidParamError, SamplingParams, check_text
 
 PromptType = str | Sequence[int]
 
@@ -30,10 +30,37 @@ class Processor:
         self.eos_token_ids = eos_token_ids
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids). Text is tokenized as the model expects (BOS if any)."""
+        """(prompt text or None, token ids). Text is tokenized as the model expects (BOS if any).
+
+        Raises:
+            InvalidParamError (a ValueError, param "prompt"): text that is not Unicode scalar
+                values, or a prompt that is neither a str nor a sequence of int token ids.
+        """
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        return None, [int(t) for t in prompt]
+            return prompt, self.tokenizer.encode(check_text(prompt, "prompt"))
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence) or any(
+            isinstance(t, bool) or not isinstance(t, int) for t in prompt
+        ):
+            raise InvalidParamError("prompt", f"a prompt must be a str or a list of int token ids, got {prompt!r:.80}")
+        return None, list(prompt)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """The token sequences ``bad_words`` bans, as vLLM tokenizes them: each word as given
+        (leading spaces stripped) and with one leading space, the latter only where that gives
+        a different first token and as many tokens (the word's spelling mid-sentence)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            sequences.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
+                sequences.append(spaced)
+        return sequences
+
+    def _check_vocab(self, field: str, token_ids: Sequence[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidParamError(field, f"{field}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
     def process(
         self,
@@ -45,21 +72,26 @@ class Processor:
         """Validate one request and return its ``n`` engine-core requests ("{id}-{i}").
 
         Raises:
-            ValueError: empty prompt, token ids outside the vocabulary, or prompt + max_tokens
-                beyond max_model_len (the message gives the numbers).
+            InvalidParamError (a ValueError naming the field): empty prompt, token ids outside
+                the vocabulary (prompt, stop_token_ids, logit_bias, allowed_token_ids), or
+                prompt + max_tokens beyond max_model_len (the message gives the numbers).
         """
+        if not isinstance(params, SamplingParams):
+            raise InvalidParamError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+        params.check()
         n_prompt = len(prompt_token_ids)
         if n_prompt == 0:
-            raise ValueError("the prompt is empty: it must have at least 1 token")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidParamError("prompt", "the prompt is empty: it must have at least 1 token")
+        self._check_vocab("prompt", prompt_token_ids)
+        self._check_vocab("stop_token_ids", params.stop_token_ids)
+        self._check_vocab("logit_bias", list(params.logit_bias or {}))
+        self._check_vocab("allowed_token_ids", params.allowed_token_ids or [])
+        if params.bad_words:
+            params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
         if n_prompt + max_tokens > self.max_model_len:
-            raise ValueError(
+            raise InvalidParamError(
+                "max_tokens",
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"{n_prompt} prompt tokens + {max_tokens} max_tokens = {n_prompt + max_tokens} were requested"
             )

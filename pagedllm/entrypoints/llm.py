@@ -13,7 +13,7 @@ from pagedllm.config import DEFAULT_MODEL, EngineConfig, dtype_settings, parse_m
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import InvalidParamError, SamplingParams, check_text
 
 Message = dict[str, Any]
 
@@ -86,7 +86,8 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt.
 
         Raises:
-            ValueError: if any prompt or parameter is invalid (nothing is run then).
+            ValueError: if any prompt or parameter is invalid (an ``InvalidParamError`` naming
+                the field); nothing is queued then, so no earlier prompt of the list runs.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -112,9 +113,17 @@ class LLM:
         """Apply the model's chat template to each conversation and generate.
 
         Args:
-            messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+            messages: one conversation (a list of {"role", "content"} dicts) or a list of them;
+                a content is a str or a list of {"type": "text", "text": str} parts.
+
+        Raises:
+            ValueError: a message that is not such a dict, text that is not Unicode scalar
+                values (lone surrogates), or any error ``generate`` raises; nothing is run then.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
+        for i, conv in enumerate(conversations):
+            _check_conversation(conv, "messages" if single else f"messages.{i}")
         prompts = [
             self.engine.tokenizer.apply_chat_template(
                 conv, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -136,3 +145,19 @@ class LLM:
                     bar.set_postfix_str(f"output: {num_out / (time.perf_counter() - start):.1f} tok/s")
         bar.close()
         return [done[i] for i in request_ids]
+
+
+def _check_conversation(conversation: object, path: str) -> None:
+    """Raise InvalidParamError unless ``conversation`` is a list of messages with valid text."""
+    if not isinstance(conversation, list):
+        raise InvalidParamError(path, f"{path} must be a list of messages, got {type(conversation).__name__}")
+    for i, message in enumerate(conversation):
+        where = f"{path}.{i}"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidParamError(where, f"{where} must be a dict with a str role, got {message!r:.80}")
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                check_text(part.get("text") if isinstance(part, dict) else part, f"{where}.content.{j}.text")
+        elif content is not None:
+            check_text(content, f"{where}.content")

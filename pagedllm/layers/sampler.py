@@ -1,11 +1,13 @@
 """Turns one engine step's logits into next tokens, with vLLM's sampling semantics.
 
-Pipeline per step, each stage skipped when no row of the batch uses it:
+Pipeline per step, each stage skipped when no row of the batch uses it (vLLM's order):
 
-1. penalties (repetition on prompt + output tokens, presence and frequency on output tokens);
-2. ``min_tokens``: EOS and stop token ids masked while the output is still too short;
-3. greedy rows (temperature 0) take the argmax;
-4. the other rows: temperature -> top-k -> top-p -> min-p -> one draw (inverse CDF).
+1. ``allowed_token_ids`` (all other tokens -inf), ``bad_words`` (-inf for a token that would
+   complete one), ``logit_bias`` (added to the logits), each one sparse update for the batch;
+2. penalties (repetition on prompt + output tokens, presence and frequency on output tokens);
+3. ``min_tokens``: EOS and stop token ids masked while the output is still too short;
+4. greedy rows (temperature 0) take the argmax;
+5. the other rows: temperature -> top-k -> top-p -> min-p -> one draw (inverse CDF).
 
 Logprobs are those of the raw model distribution (vLLM's default ``raw_logprobs``): the
 log-softmax of the logits as the model produced them, before any of the stages above.
@@ -97,13 +99,28 @@ class Sampler(torch.nn.Module):
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Stages 1-2: penalties and the ``min_tokens`` mask, on a copy (FloatTensor[S, V]).
+    """Stages 1-3: token controls, penalties and the ``min_tokens`` mask, on a copy
+    (FloatTensor[S, V]).
 
-    ``logits`` itself is returned when no row uses either; it is never modified.
+    ``logits`` itself is returned when no row uses any; it is never modified.
     """
-    if meta.penalties is None and meta.min_tokens_mask is None:
+    if (
+        meta.allowed_tokens is None
+        and meta.bad_words_mask is None
+        and meta.logit_bias is None
+        and meta.penalties is None
+        and meta.min_tokens_mask is None
+    ):
         return logits
     logits = logits.clone()
+    if meta.allowed_tokens is not None:
+        kept = logits[meta.allowed_tokens.kept]
+        logits[meta.allowed_tokens.rows] = -torch.inf
+        logits[meta.allowed_tokens.kept] = kept
+    if meta.bad_words_mask is not None:
+        logits.index_put_(meta.bad_words_mask, logits.new_tensor(-torch.inf))
+    if meta.logit_bias is not None:
+        logits.index_put_(meta.logit_bias.index, meta.logit_bias.values, accumulate=True)
     if meta.penalties is not None:
         _apply_penalties(logits, meta.penalties)
     if meta.min_tokens_mask is not None:
@@ -114,7 +131,7 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
 def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """The distribution each sampling row draws from, as a full FloatTensor[R, V].
 
-    Stage 4 without the draw: temperature, top-k, top-p and min-p applied to
+    Stage 5 without the draw: temperature, top-k, top-p and min-p applied to
     ``process_logits`` output, renormalized. ``Sampler`` draws from exactly this
     distribution without materializing it; speculative decoding's rejection sampler needs it
     whole (its target distribution p). Rows are ``meta.random_rows`` (all rows when None).
@@ -316,4 +333,6 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     token adds no mass, so it is never the first to reach a target in (0, total].
     """
     cdf = torch.cumsum(probs, dim=-1, out=probs)
-    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
+    # A row whose controls ban every token (NaN mass) finds no target: clamp to a valid id
+    # rather than return V, which would fail the whole batch downstream.
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_(max=probs.shape[1] - 1)

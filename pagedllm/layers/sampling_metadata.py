@@ -1,8 +1,8 @@
 """Per-step sampling inputs: each row's parameters gathered into batched tensors.
 
 ``SamplingMetadata.build`` turns the scheduled rows' ``SamplingParams`` and token histories
-into the tensors the sampler's stages read (temperatures, top-k / top-p / min-p, penalty
-counts, ``min_tokens`` masks, seeded generators); a stage no row uses gets None, so the
+into the tensors the sampler's stages read (allowed tokens, bad words, logit biases,
+temperatures, top-k / top-p / min-p, penalty counts, ``min_tokens`` masks, seeded generators); a stage no row uses gets None, so the
 sampler skips it. Tensors may live on any device.
 """
 
@@ -82,6 +82,32 @@ class TruncationTensors:
 
 
 @dataclass(frozen=True, slots=True)
+class AllowedTokens:
+    """``allowed_token_ids`` of the rows that set it: all other logits of those rows are -inf.
+
+    Attributes:
+        rows: LongTensor[A], the batch rows that restrict their tokens.
+        kept: (LongTensor[N] batch row, LongTensor[N] token id), each row's allowed tokens.
+    """
+
+    rows: torch.Tensor
+    kept: tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class LogitBias:
+    """``logit_bias`` of the batch as one sparse update: ``values`` added at ``index``.
+
+    Attributes:
+        index: (LongTensor[N] batch row, LongTensor[N] token id).
+        values: FloatTensor[N], the biases.
+    """
+
+    index: tuple[torch.Tensor, torch.Tensor]
+    values: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingMetadata:
     """Per-step tensors for ``Sampler``, built once from the batch's rows.
 
@@ -95,6 +121,10 @@ class SamplingMetadata:
         truncation: top-k / top-p of the sampling rows that use them.
         min_p: FloatTensor[R, 1]; None when no sampling row uses min-p.
         generators: index into the sampling rows -> that row's seeded generator.
+        allowed_tokens: the rows with ``allowed_token_ids`` and those ids.
+        bad_words_mask: (LongTensor[B] batch row, LongTensor[B] token id) pairs whose logit is
+            set to -inf because they would complete one of the row's ``bad_words``.
+        logit_bias: the biases of the rows with ``logit_bias``.
         penalties: repetition / presence / frequency penalties.
         min_tokens_mask: (LongTensor[M] batch row, LongTensor[M] token id) pairs whose logit is
             set to -inf because the row is still below ``min_tokens``.
@@ -108,6 +138,9 @@ class SamplingMetadata:
     truncation: TruncationTensors | None
     min_p: torch.Tensor | None
     generators: dict[int, torch.Generator]
+    allowed_tokens: AllowedTokens | None
+    bad_words_mask: tuple[torch.Tensor, torch.Tensor] | None
+    logit_bias: LogitBias | None
     penalties: PenaltyTensors | None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     max_num_logprobs: int | None
@@ -147,6 +180,9 @@ class SamplingMetadata:
             generators={
                 j: gen for j, i in enumerate(random_idx) if (gen := rows[i].generator) is not None
             },
+            allowed_tokens=_build_allowed_tokens(rows, device),
+            bad_words_mask=_build_bad_words_mask(rows, device),
+            logit_bias=_build_logit_bias(rows, device),
             penalties=_build_penalties(rows, device),
             min_tokens_mask=_build_min_tokens_mask(rows, device),
             max_num_logprobs=max(logprobs, default=None),
@@ -232,3 +268,44 @@ def _build_min_tokens_mask(
         return None
     batch_rows, tokens = _coo(short, lists)
     return batch_rows.to(device), tokens.to(device)
+
+
+def _build_allowed_tokens(rows: Sequence[SamplingRow], device: Device) -> AllowedTokens | None:
+    restricted = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if not restricted:
+        return None
+    batch_rows, tokens = _coo(restricted, [rows[i].params.allowed_token_ids for i in restricted])
+    return AllowedTokens(_indices(restricted, device), (batch_rows.to(device), tokens.to(device)))
+
+
+def _build_bad_words_mask(
+    rows: Sequence[SamplingRow], device: Device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """vLLM's rule: a one-token word's token is always banned; a longer word's last token is
+    banned when the output ends with the word's other tokens."""
+    banned_rows: list[int] = []
+    banned_lists: list[list[int]] = []
+    for i, row in enumerate(rows):
+        words = row.params.bad_words_token_ids
+        if not words:
+            continue
+        output = list(row.output_token_ids)
+        banned = [w[-1] for w in words if len(w) == 1 or output[len(output) - len(w) + 1 :] == w[:-1]]
+        if banned:
+            banned_rows.append(i)
+            banned_lists.append(banned)
+    if not banned_rows:
+        return None
+    batch_rows, tokens = _coo(banned_rows, banned_lists)
+    return batch_rows.to(device), tokens.to(device)
+
+
+def _build_logit_bias(rows: Sequence[SamplingRow], device: Device) -> LogitBias | None:
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if not biased:
+        return None
+    batch_rows, tokens = _coo(biased, [list(rows[i].params.logit_bias) for i in biased])
+    values = [v for i in biased for v in rows[i].params.logit_bias.values()]
+    return LogitBias(
+        (batch_rows.to(device), tokens.to(device)), torch.tensor(values, dtype=torch.float32, device=device)
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import signal
 from collections.abc import AsyncIterator, Awaitable
@@ -57,15 +58,21 @@ def http_error(status: int, message: str) -> OpenAIError:
 
 
 # -- ASGI middleware (pure ASGI: wrapping receive must not hide client disconnects) -----------
+# Routes anyone may call with --api-key set: probes and monitoring, which change nothing.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
 class BearerAuthMiddleware:
-    """401 for a /v1 request whose ``Authorization: Bearer`` token is missing or wrong."""
+    """401 for a request whose ``Authorization: Bearer`` token is missing or wrong, on every
+    route but ``OPEN_PATHS`` (so a new route, admin ones such as /reset_prefix_cache included,
+    is protected by default)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = error_response(http_error(401, "missing or invalid API key (Authorization: Bearer ...)"))
@@ -128,15 +135,24 @@ async def _respond(request: Request, result: Awaitable[BaseModel | AsyncIterator
     return StreamingResponse(body, media_type="text/event-stream")
 
 
+# pydantic's names for the members of a union, which it puts in an error's location.
+_UNION_TAG = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
+    kind = first.get("type")
+    if kind == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_TAG.fullmatch(str(p))]
     param = ".".join(loc) or None
+    if kind == "extra_forbidden":
+        return f"unsupported field `{param}`: pagedllm does not implement it (see the README's field list)", param
+    if kind == "finite_number":
+        return f"{param}: NaN and Infinity are not valid values", param
     return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
 
 
@@ -190,18 +206,21 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        chat.check_model(body.model)
+        chat.check_request(body)
         if body.messages is not None:
             tokens = chat.render(body.messages, body.add_generation_prompt)
         elif body.prompt is not None:
             tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise OpenAIError(400, "give either prompt or messages", param="prompt")
-        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        result: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            result["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
+        return result
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        chat.check_model(body.model)
+        chat.check_request(body)
         vocab = engine.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:

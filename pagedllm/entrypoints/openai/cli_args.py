@@ -19,7 +19,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the model argument)")
-    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on every route but /health, /metrics, /version")
     parser.add_argument("--max-request-body-size", default="16MiB", help="larger request bodies get 413")
     parser.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     parser.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")

@@ -1,12 +1,20 @@
-"""Request and response bodies of the OpenAI-compatible API (pydantic; unknown request fields ignored)."""
+"""Request and response bodies of the OpenAI-compatible API (pydantic).
+
+Request bodies refuse what they cannot honour: an unknown field, a NaN or Infinity, text with
+lone surrogates, or a known field pagedllm does not implement is a 400 naming it. Fields that
+are only hints to OpenAI (``user``, ``parallel_tool_calls``, a message's ``name``) are accepted
+and ignored; the README lists every field per route.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from pagedllm.sampling_params import InvalidParamError, check_text
 
 
 def random_id(prefix: str) -> str:
@@ -14,8 +22,37 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Clients send fields this server does not know (vendor extensions, newer API versions).
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body (or part of one): unknown fields and non-finite numbers fail validation."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    def check(self) -> None:
+        """Checks beyond each field's type, run before anything is tokenized or queued.
+
+        Raises:
+            InvalidParamError: naming the first field at fault.
+        """
+        _check_texts(self, "")
+
+
+def _check_texts(value: object, path: str) -> None:
+    """Every str in a parsed body (dict keys included) must be Unicode scalar values."""
+    if isinstance(value, str):
+        check_text(value, path)
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            _check_texts(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_texts(item, f"{path}.{i}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_texts(key, path)
+            _check_texts(item, f"{path}.{key}")
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -30,11 +67,11 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # -- requests --------------------------------------------------------------------------------
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
@@ -54,29 +91,55 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: structured output is unsupported
+    user: str | None = None  # a hint to OpenAI; ignored
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
+
+    def check(self) -> None:
+        super().check()
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParamError("stream_options", "stream_options is only allowed with stream: true")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise InvalidParamError(
+                "response_format",
+                f"response_format {self.response_format.get('type')!r} is not supported; only {{'type': 'text'}}",
+            )
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+# OpenAI's and vLLM's default for /v1/completions, also when a client sends null.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     echo: bool = False
     logprobs: int | None = None
+    best_of: int | None = None  # only best_of == n: pagedllm returns every sample
+
+    def check(self) -> None:
+        super().check()
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidParamError("best_of", f"best_of must equal n ({self.n}) if set, got {self.best_of}")
 
 
-class TextPart(OpenAIBaseModel):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(OpenAIBaseModel):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # a hint to OpenAI; ignored
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -86,17 +149,28 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # tool calling is unsupported: only none or []
+    tool_choice: str | dict[str, Any] | None = None  # only "none"
+    parallel_tool_calls: bool | None = None  # meaningless without tools; ignored
+
+    def check(self) -> None:
+        super().check()
+        if self.tools:
+            raise InvalidParamError("tools", "tools: tool calling is not supported")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidParamError("tool_choice", "tool calling is not supported: tool_choice can only be 'none'")
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -60,7 +60,7 @@ class OpenAIServingChat(OpenAIServing):
         Raises:
             OpenAIError: 404 for another model, 400 for invalid input (before anything runs).
         """
-        self.check_model(req.model)
+        self.check_request(req)
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -69,10 +69,7 @@ class OpenAIServingChat(OpenAIServing):
         token_ids = self.render(req.messages, req.add_generation_prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        try:
-            params = self.sampling_params(req, len(token_ids), max_tokens, logprobs)
-        except ValueError as e:
-            raise OpenAIError(400, str(e)) from None
+        params = self.sampling_params(req, len(token_ids), max_tokens, logprobs)
         request_id = random_id("chatcmpl")
         prepared = self.prepare(request_id, token_ids, params, req.cache_salt)
         if req.stream:

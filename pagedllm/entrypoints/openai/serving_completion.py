@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pagedllm.engine.async_llm import PreparedRequest
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.openai.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -37,9 +38,7 @@ class OpenAIServingCompletion(OpenAIServing):
         Raises:
             OpenAIError: 404 for another model, 400 for invalid input (before anything runs).
         """
-        self.check_model(req.model)
-        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-            raise OpenAIError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
+        self.check_request(req)
         request_id = random_id("cmpl")
         prepared = [self._prepare(f"{request_id}-{i}", p, req) for i, p in enumerate(self._prompts(req))]
         if req.stream:
@@ -70,13 +69,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = None
         if req.echo and (req.logprobs is not None or req.max_tokens == 0):
             prompt_logprobs = req.logprobs or 0
-        prompt_len = 0  # only needed to default max_tokens to the room the context leaves
-        if req.max_tokens is None:
-            prompt_len = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
-        try:
-            params = self.sampling_params(req, prompt_len, req.max_tokens, req.logprobs, prompt_logprobs)
-        except ValueError as e:
-            raise OpenAIError(400, str(e)) from None
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        params = self.sampling_params(req, 0, max_tokens, req.logprobs, prompt_logprobs)
         return self.prepare(request_id, prompt, params, req.cache_salt)
 
     # -- running -----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestModel, SamplingRequest
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -18,7 +18,11 @@ T = TypeVar("T")
 
 # Each sample is an engine request; a cap keeps one HTTP request from flooding the engine.
 MAX_N = 256
-_INT64 = 2**63
+
+
+def _printable(text: str) -> str:
+    # Messages and params can quote client text; a lone surrogate would make the body unencodable.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class OpenAIError(Exception):
@@ -27,9 +31,14 @@ class OpenAIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.message = message
+        self.message = _printable(message)
         self.type = type_
-        self.param = param
+        self.param = None if param is None else _printable(param)
+
+    @classmethod
+    def bad_request(cls, error: ValueError) -> OpenAIError:
+        """A 400 for invalid input; ``param`` is the field an ``InvalidParamError`` names."""
+        return cls(400, str(error), param=getattr(error, "param", None))
 
     def body(self) -> dict:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status)
@@ -63,6 +72,18 @@ class OpenAIServing:
             raise OpenAIError(404, f"the model `{model}` does not exist; this server serves `{self.served_model_name}`",
                               "NotFoundError", "model")
 
+    def check_request(self, req: RequestModel) -> None:
+        """The request's own checks (text, field combinations), then its model.
+
+        Raises:
+            OpenAIError: 400 naming the field at fault; 404 for another model.
+        """
+        try:
+            req.check()
+        except ValueError as e:
+            raise OpenAIError.bad_request(e) from None
+        self.check_model(getattr(req, "model", None))
+
     def sampling_params(
         self,
         req: SamplingRequest,
@@ -76,16 +97,10 @@ class OpenAIServing:
         ``max_tokens`` None means all the room the context leaves after the prompt.
 
         Raises:
-            ValueError: for values outside their ranges.
+            OpenAIError: 400 naming the field, for values outside their ranges.
         """
         if not 1 <= req.n <= MAX_N:
-            raise ValueError(f"n must be in [1, {MAX_N}], got {req.n}")
-        if req.seed is not None and not -_INT64 <= req.seed < _INT64:
-            raise ValueError(f"seed must fit in 64 bits, got {req.seed}")
-        vocab = self.engine.model_config.vocab_size
-        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise OpenAIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         if max_tokens is None:
             max_tokens = max(self.engine.max_model_len - prompt_len, 1)
         kwargs = {
@@ -94,30 +109,35 @@ class OpenAIServing:
                          "repetition_penalty")
             if getattr(req, name) is not None
         }
-        if kwargs.get("top_k", 0) >= _INT64:
-            raise ValueError(f"top_k must be 0 or -1 (off) or a positive integer below 2^63, got {kwargs['top_k']}")
-        return SamplingParams(
-            n=req.n,
-            seed=req.seed,
-            max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
-            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-            stop_token_ids=list(req.stop_token_ids or []),
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            **kwargs,
-        )
+        try:
+            return SamplingParams(
+                n=req.n,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+                stop_token_ids=list(req.stop_token_ids or []),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                logit_bias=req.logit_bias,
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words,
+                **kwargs,
+            )
+        except ValueError as e:
+            raise OpenAIError.bad_request(e) from None
 
     def prepare(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None
     ) -> PreparedRequest:
-        """Validate and tokenize one prompt (400 on invalid input)."""
+        """Validate and tokenize one prompt (400 naming the field on invalid input)."""
         try:
             return self.engine.prepare(request_id, prompt, params, cache_salt)
         except ValueError as e:
-            raise OpenAIError(400, str(e)) from None
+            raise OpenAIError.bad_request(e) from None
 
     def token_str(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:

@@ -1,0 +1,142 @@
+"""Input validation shared by every entry point: SamplingParams' ranges and types, text that is
+not Unicode scalar values, and ``LLM.generate`` refusing a whole batch before queueing any of it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pagedllm import LLM
+from pagedllm.sampling_params import InvalidParamError, SamplingParams, check_text
+
+FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+INT_FIELDS = ["n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"]
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 10**400, "1", None, True])
+def test_float_fields_must_be_finite_numbers(field: str, value: object) -> None:
+    with pytest.raises(InvalidParamError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field and field in str(e.value)
+
+
+@pytest.mark.parametrize("field", INT_FIELDS)
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 1.5, "2", True])
+def test_int_fields_must_be_64_bit_integers(field: str, value: object) -> None:
+    with pytest.raises(InvalidParamError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": 2.0001}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": ["ok", "a\ud800"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {"five": 1.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: math.nan}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -3]}, "allowed_token_ids"),
+        ({"bad_words": ["\udfff"]}, "bad_words"),
+        ({"bad_words": ["  "]}, "bad_words"),
+    ],
+)
+def test_out_of_range(kwargs: dict, param: str) -> None:
+    with pytest.raises(InvalidParamError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+
+
+def test_documented_bounds_are_accepted() -> None:
+    p = SamplingParams(temperature=2, top_k=-1, min_p=1, presence_penalty=-2, repetition_penalty=3.0,
+                       seed=2**63 - 1, logit_bias={"3": -100, 4: 100}, allowed_token_ids=[0])
+    assert p.temperature == 2.0 and isinstance(p.temperature, float) and p.top_k == 0
+    assert p.logit_bias == {3: -100.0, 4: 100.0}
+
+
+def test_check_text() -> None:
+    assert check_text("naïve 🙂", "prompt") == "naïve 🙂"
+    with pytest.raises(InvalidParamError, match="U\\+D800 at index 2"):
+        check_text("ab\ud800cd", "prompt")
+
+
+# -- LLM: a bad request anywhere in a batch refuses the batch --------------------------------------
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
+
+
+def _idle(llm: LLM) -> bool:
+    return not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "param"),
+    [
+        (["Hello", "ab\ud800cd", "Bye"], None, "prompt"),
+        (["Hello", [1, 10**9], "Bye"], None, "prompt"),
+        (["Hello", [1, True], "Bye"], None, "prompt"),
+        (["Hello", None, "Bye"], None, "prompt"),
+        (["Hello", "Hi", "Bye"], [SamplingParams(), SamplingParams(max_tokens=1000), SamplingParams()], "max_tokens"),
+        (["Hello", "Hi", "Bye"], [SamplingParams(), SamplingParams(logit_bias={10**6: 1}), SamplingParams()],
+         "logit_bias"),
+        (["Hello", "Hi", "Bye"], [SamplingParams(), SamplingParams(allowed_token_ids=[10**6]), SamplingParams()],
+         "allowed_token_ids"),
+        (["Hello", "Hi", "Bye"], [SamplingParams(), "greedy", SamplingParams()], "sampling_params"),
+    ],
+)
+def test_generate_refuses_the_whole_batch(llm: LLM, prompts: list, params: list | None, param: str) -> None:
+    with pytest.raises(ValueError) as e:
+        llm.generate(prompts, params, use_tqdm=False)
+    assert getattr(e.value, "param", None) == param
+    assert _idle(llm)
+
+
+def test_generate_rechecks_a_mutated_params_struct(llm: LLM) -> None:
+    bad = SamplingParams()
+    bad.temperature = math.nan  # a struct is mutable: construction-time checks are not enough
+    with pytest.raises(InvalidParamError) as e:
+        llm.generate(["Hello", "Hi"], [SamplingParams(), bad], use_tqdm=False)
+    assert e.value.param == "temperature" and _idle(llm)
+
+
+def test_chat_refuses_lone_surrogates(llm: LLM) -> None:
+    conversations = [[{"role": "user", "content": "Hi"}],
+                     [{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]]
+    with pytest.raises(InvalidParamError) as e:
+        llm.chat(conversations, use_tqdm=False)
+    assert e.value.param == "messages.1.0.content.0.text" and _idle(llm)
+
+
+def test_token_controls_through_the_python_api(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    forced = tok.encode(" blue", add_special_tokens=False)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = llm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                    logit_bias={forced: 100}), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [forced] * 4
+    out = llm.generate("The sky is", SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=1,
+                                                    allowed_token_ids=[forced, 11]), use_tqdm=False)
+    assert set(out[0].outputs[0].token_ids) <= {forced, 11}
+    plain = llm.generate("The sky is", greedy, use_tqdm=False)[0].outputs[0]
+    word = plain.text.split()[0]
+    banned = llm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                       bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    assert banned.token_ids[0] != plain.token_ids[0]
+    assert _idle(llm)
