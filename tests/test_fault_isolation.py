@@ -107,3 +107,34 @@ def test_scheduling_fault_fails_only_its_request(llm, baseline, monkeypatch: pyt
         rid: o.outputs[0].token_ids for rid, o in baseline.items()
     }
     assert pool_is_whole(llm)
+
+
+@pytest.mark.parametrize("fault", ["sample", "logits", "token"])
+def test_fault_during_speculative_verification(fault: str) -> None:
+    """With n-gram drafts the rejection sampler verifies: a fault there fails its request alone."""
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, enable_prefix_caching=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.engine.core.runner.inject_faults = True
+    # Repetitive prompts so that the n-gram proposer has drafts to verify.
+    prompts = [f"{i} {i} {i} {i} {i} {i} {i} {i}" for i in range(1, 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
+    baseline = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"ok-{i}", prompt, params)
+    engine.add_request("bad", "a b c a b c a b c a b c", params)
+    finals: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        bad = engine.core.scheduler.requests.get("bad-0")
+        if bad is not None and bad.spec_token_ids:  # drafts to verify next step: the fault hits there
+            bad.cache_salt = f"fault:{fault}"
+    failed = finals.pop("bad").outputs[0]
+    assert failed.finish_reason == "error"
+    if fault != "token":  # an id outside the vocabulary is caught after any sampler, with one message
+        assert "verification failed" in failed.error
+    assert [finals[f"ok-{i}"].outputs[0].token_ids for i in range(len(prompts))] == baseline
+    assert engine.core.scheduler.spec_stats.num_drafts > 0
+    assert pool_is_whole(llm)

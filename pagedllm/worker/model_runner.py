@@ -282,7 +282,15 @@ class ModelRunner:
                 )
                 for j in range(k + 1)
             )
+        if self.inject_faults and any(_marked(s.request, "sample") for _, s, _ in verify_rows):
+            raise InjectedFault("injected verification fault")
         logits = self.model.compute_logits(hidden[idx])
+        if self.inject_faults:
+            row = 0
+            for _, s, _ in verify_rows:
+                if _marked(s.request, "logits"):
+                    logits[row] = float("nan")
+                row += len(s.spec_token_ids) + 1
         if not torch.isfinite(logits).all():
             raise ValueError("the model produced non-finite logits")
         accepted = self.rejection_sampler(
@@ -295,6 +303,8 @@ class ModelRunner:
         results: list[tuple[list[int], TokenLogprobs | None]] = []
         row = 0
         for (_, s, _), tokens in zip(verify_rows, accepted):
+            if self.inject_faults and _marked(s.request, "token"):
+                tokens = [*tokens[:-1], self.config.vocab_size]
             lp = None
             num = s.request.sampling_params.logprobs
             if num is not None:  # raw logprobs of each emitted token, at its own position
