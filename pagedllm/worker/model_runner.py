@@ -145,28 +145,8 @@ class ModelRunner:
                 if result is not None:
                     sampled[i], logprobs[i] = result
         if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_idx])
-            if self.inject_faults:
-                for j, (_, s) in enumerate(sample_rows):
-                    if _marked(s.request, "logits"):
-                        logits[j] = float("nan")
-            # NaN beats every value in argmax and poisons a softmax: nothing sampled from such a
-            # row means anything. Raw logits are finite unless something broke.
-            finite = torch.isfinite(logits).all(dim=-1).tolist()
-            if not all(finite):
-                for j, (i, s) in enumerate(sample_rows):
-                    if not finite[j]:
-                        errors[i] = f"the model produced non-finite logits for request {s.request.request_id}"
-                        logger.error("%s", errors[i])
-                keep = [j for j, ok in enumerate(finite) if ok]
-                logits, sample_rows = logits[keep], [sample_rows[j] for j in keep]
-            results = self._isolated(
-                lambda js: self._sample(logits[js], [sample_rows[j][1] for j in js]),
-                [(i, s.request) for i, s in sample_rows], errors, "sampling",
-            )
-            for (i, _), result in zip(sample_rows, results):
-                if result is not None:
-                    sampled[i], logprobs[i] = result
+            for i, result in self._sample_rows(hidden[sample_idx], sample_rows, errors).items():
+                sampled[i], logprobs[i] = result
         for i, tokens in enumerate(sampled):
             # A token id the embedding cannot look up would crash the next step for everyone.
             bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
@@ -175,6 +155,38 @@ class ModelRunner:
                 logger.error("request %s: %s", sched.scheduled[i].request.request_id, errors[i])
                 sampled[i], logprobs[i] = [], None
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, errors)
+
+    def _sample_rows(
+        self, hidden: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequest]], errors: dict[int, str]
+    ) -> dict[int, tuple[list[int], TokenLogprobs | None]]:
+        """Sample the next token of each request from its last hidden state ([B, hidden_size]).
+
+        Returns:
+            Output index -> (one token, its logprobs or None), for the requests that did not
+            fail; those that did are in ``errors``.
+        """
+        logits = self.model.compute_logits(hidden)
+        if self.inject_faults:
+            for j, (_, s) in enumerate(sample_rows):
+                if _marked(s.request, "logits"):
+                    logits[j] = float("nan")
+        # NaN beats every value in argmax and poisons a softmax: nothing sampled from such a
+        # row means anything. Raw logits are finite unless something broke.
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        if not all(finite):
+            for j, (i, s) in enumerate(sample_rows):
+                if not finite[j]:
+                    errors[i] = f"the model produced non-finite logits for request {s.request.request_id}"
+                    logger.error("%s", errors[i])
+            keep = [j for j, ok in enumerate(finite) if ok]
+            logits, sample_rows = logits[keep], [sample_rows[j] for j in keep]
+        if not sample_rows:
+            return {}
+        results = self._isolated(
+            lambda js: self._sample(logits[js], [sample_rows[j][1] for j in js]),
+            [(i, s.request) for i, s in sample_rows], errors, "sampling",
+        )
+        return {i: result for (i, _), result in zip(sample_rows, results) if result is not None}
 
     def _isolated(
         self,
