@@ -171,7 +171,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="pagedllm", description="LLM inference and serving with a paged KV cache")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}", help="print the version and exit")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
