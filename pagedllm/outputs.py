@@ -37,7 +37,10 @@ class Logprob:
 
     logprob: float
     rank: int | None = None
+    # The token's share of the text: "" for a token that holds only part of a UTF-8 character;
+    # the token that completes a character carries all of it (vLLM's convention).
     decoded_token: str | None = None
+    token_bytes: bytes | None = None  # the token's own raw bytes (UTF-8, or raw byte-level/byte-fallback bytes)
 
 
 # Per position: {token_id: Logprob}; the chosen token is included (vLLM's shape).
@@ -49,10 +52,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    error: str | None = None  # with finish_reason "error": why the engine failed this sample
 
     def finished(self) -> bool:
         return self.finish_reason is not None

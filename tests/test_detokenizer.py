@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, TokenBytes
 from pagedllm.sampling_params import SamplingParams
 
 TEXTS = [
@@ -93,9 +93,46 @@ def test_random_token_ids_match_decode(tok, prompt, skip_special_tokens: bool) -
         if rng.random() < 0.3:
             ids[rng.randrange(len(ids))] = rng.choice(tok.all_special_ids)
         detok, deltas, _ = stream(tok, prompt, ids, params, rng)
-        expected = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        # At the end an unfinished character is dropped, where decode() writes U+FFFD.
+        expected = tok.decode(ids, skip_special_tokens=skip_special_tokens).rstrip("\ufffd")
         assert detok.output_text == expected
         assert "".join(deltas) == expected
+
+
+@pytest.mark.parametrize("text", TEXTS[1:3])
+def test_cut_mid_character_ends_on_last_whole_character(tok, prompt, text: str) -> None:
+    """An output cut inside a character (max_tokens) ends before it: no U+FFFD, ever."""
+    ids = tok.encode(text)
+    cuts = [i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd")]
+    assert cuts
+    for cut in cuts:
+        detok, deltas, _ = stream(tok, prompt, ids[:cut], SamplingParams())
+        assert "\ufffd" not in detok.output_text
+        assert "".join(deltas) == detok.output_text
+        assert text.startswith(detok.output_text)
+        assert len(detok.output_text) == len(tok.decode(ids[:cut]).rstrip("\ufffd"))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_texts_join_to_the_text(tok, prompt, text: str) -> None:
+    """Each token's share: "" while it only starts a character, the character when it completes it."""
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    shares = []
+    for token_id in ids:
+        detok.update([token_id])
+        shares.extend(detok.token_texts)
+    assert len(shares) == len(ids)
+    assert "".join(shares) == text
+    assert all("\ufffd" not in s for s in shares)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_are_the_raw_bytes(tok, text: str) -> None:
+    token_bytes = TokenBytes(tok)
+    ids = tok.encode(text)
+    assert b"".join(token_bytes(i) for i in ids) == text.encode()
+    assert token_bytes(tok.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"
 
 
 def test_special_tokens_shown_only_when_not_skipped(tok, prompt) -> None:

@@ -17,6 +17,7 @@ and blocks that held only rejected drafts return to the pool.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ import torch
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.spec_decode.metrics import SpecDecodingStats
+
+logger = logging.getLogger("pagedllm")
 
 
 @dataclass
@@ -47,6 +50,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, error): finished, blocks freed
 
     @property
     def is_empty(self) -> bool:
@@ -113,42 +117,60 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_drafts = self._num_drafts(request, num_new, budget)
-            while not self.kv_cache.allocate_slots(request, num_new, num_lookahead_tokens=num_drafts):
-                if num_drafts:  # drafts are optional: drop them before preempting anyone
-                    num_drafts = 0
-                    continue
-                victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                self._schedule(out, request, num_new, num_drafts)
-                budget -= num_new + num_drafts
-                i += 1
+            try:
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                num_drafts = self._num_drafts(request, num_new, budget)
+                while not self.kv_cache.allocate_slots(request, num_new, num_lookahead_tokens=num_drafts):
+                    if num_drafts:  # drafts are optional: drop them before preempting anyone
+                        num_drafts = 0
+                        continue
+                    victim = self.running.pop()  # the most recently admitted
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is request:
+                        break
+                else:
+                    self._schedule(out, request, num_new, num_drafts)
+                    budget -= num_new + num_drafts
+                    i += 1
+            except Exception as e:  # this request's fault: it leaves self.running, so i stays
+                self._fail(out, request, e)
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if out.preempted:  # no room for newcomers in a step that had to preempt
                 break
             request = self.waiting[0]
-            blocks, num_hit = [], 0
-            if request.num_computed_tokens == 0:
-                blocks, num_hit = self.kv_cache.get_computed_blocks(request)
-            request.num_computed_tokens = num_hit
-            num_new = min(request.num_tokens - num_hit, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, blocks):
-                request.num_computed_tokens = 0
-                break
-            self.waiting.popleft()
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._schedule(out, request, num_new)
-            budget -= num_new
+            try:
+                blocks, num_hit = [], 0
+                if request.num_computed_tokens == 0:
+                    blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+                request.num_computed_tokens = num_hit
+                num_new = min(request.num_tokens - num_hit, budget)
+                if not self.kv_cache.allocate_slots(request, num_new, blocks):
+                    request.num_computed_tokens = 0
+                    break
+                self.waiting.popleft()
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                self._schedule(out, request, num_new)
+                budget -= num_new
+            except Exception as e:
+                self._fail(out, request, e)
         return out
+
+    def _fail(self, out: SchedulerOutput, request: Request, error: Exception) -> None:
+        """Finish a request whose scheduling raised, free its blocks and report it in ``out.failed``."""
+        logger.exception("request %s failed while being scheduled", request.request_id)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        out.scheduled = [s for s in out.scheduled if s.request is not request]
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free(request)
+        out.failed.append((request.request_id, f"scheduling failed: {type(error).__name__}: {error}"))
 
     def _num_drafts(self, request: Request, num_new: int, budget: int) -> int:
         """How many of the request's draft tokens to verify this step (they follow its last token)."""

@@ -132,12 +132,20 @@ class EngineCore:
 
     # -- one step ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        """Schedule, run the model, update the requests; return what changed."""
+        """Schedule, run the model, update the requests; return what changed.
+
+        A request that fails alone (while being scheduled, sampled or scored) is finished
+        with reason "error", its blocks freed; the others carry on. Anything else that
+        raises (the forward pass, out of memory) propagates: the core cannot go on.
+        """
         sched = self.scheduler.schedule()
-        outputs: list[EngineCoreOutput] = []
+        failed = list(sched.failed)
         num_kept_tokens = sched.num_batched_tokens
+        outputs: list[EngineCoreOutput] = []
         if not sched.is_empty:
             result = self.runner.execute(sched)
+            failed += [(sched.scheduled[i].request.request_id, error) for i, error in result.errors.items()]
+            self.scheduler.finish_requests([rid for rid, _ in failed], RequestStatus.FINISHED_ERROR)
             index = {id(s): i for i, s in enumerate(sched.scheduled)}
             updated = self.scheduler.update_from_output(sched, result.sampled)
             for s, new_tokens in updated:
@@ -161,10 +169,11 @@ class EngineCore:
                 self._propose([s.request for s, new in updated if new and not s.request.is_finished])
             # Prompt logprobs of chunks that sampled nothing still have to reach the front end.
             for i, s in enumerate(sched.scheduled):
-                if not result.sampled[i] and result.prompt_logprobs[i] is not None:
+                if not result.sampled[i] and result.prompt_logprobs[i] is not None and i not in result.errors:
                     outputs.append(
                         EngineCoreOutput(s.request.request_id, [], prompt_logprobs=result.prompt_logprobs[i])
                     )
+        outputs += [EngineCoreOutput(rid, [], "error", error=error) for rid, error in failed]
         return EngineCoreOutputs(outputs, self.stats(num_kept_tokens), time.monotonic())
 
     def _propose(self, requests: list[Request]) -> None:

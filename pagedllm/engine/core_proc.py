@@ -100,11 +100,12 @@ class EngineCoreProc:
     def _add(self, request: EngineCoreRequest) -> None:
         try:
             self.core.add_request(request)
-        except Exception:
+        except Exception as e:
             # The front end validated the request; whatever still fails ends that request
             # alone, never the loop that serves all the others.
             logger.exception("could not add request %s", request.request_id)
-            self._send(EngineCoreOutputs([EngineCoreOutput(request.request_id, [], finish_reason="abort")]))
+            error = f"could not add the request: {type(e).__name__}: {e}"
+            self._send(EngineCoreOutputs([EngineCoreOutput(request.request_id, [], "error", error=error)]))
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
         self.output.send(self._encoder.encode(outputs), copy=False)

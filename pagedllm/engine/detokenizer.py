@@ -10,6 +10,8 @@ character. Each step therefore costs O(window), not O(output length).
 
 from __future__ import annotations
 
+import json
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,7 +29,10 @@ class IncrementalDetokenizer:
     """Turns one request's output token ids into text, a few tokens at a time.
 
     ``output_text`` holds the text so far. Text is withheld while the last tokens end inside a
-    UTF-8 character; ``flush()`` releases it when the request ends for another reason.
+    UTF-8 character; at the end ``flush()`` drops such an incomplete character, so the text
+    never holds a U+FFFD that stands for bytes still to come. ``token_texts`` gives each token
+    of the last ``update`` its share of the text: "" for a token that only starts a character,
+    the whole character for the token that completes it.
 
     The first output token is decoded after the last few prompt tokens, as vLLM does, so
     ``output_text`` equals ``tokenizer.decode(output_ids)`` for byte-level BPE tokenizers, and
@@ -62,6 +67,7 @@ class IncrementalDetokenizer:
         self._stop_first_chars = {stop[0] for stop in params.stop}
         self._finished = False
         self._num_sent = 0  # chars of output_text already returned by get_delta()
+        self.token_texts: list[str] = []  # per token of the last update(): the text it added
 
         context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
         context_text = self._decode(context)
@@ -85,6 +91,7 @@ class IncrementalDetokenizer:
             the stop string: tokens after it in the same update (accepted speculative
             drafts) are not part of the output, exactly as if they had come one at a time.
         """
+        self.token_texts = []
         if not self.params.detokenize:
             self.num_output_tokens += len(new_token_ids)
             return None
@@ -92,7 +99,9 @@ class IncrementalDetokenizer:
             self.num_output_tokens += 1
             self._ids.append(token_id)
             old_len = len(self.output_text)
-            self.output_text += self._decode_step()
+            delta = self._decode_step()
+            self.token_texts.append(delta)
+            self.output_text += delta
             matching = self.params.stop and self.num_output_tokens >= self.params.min_tokens
             if matching and (stop := self._match_stop(old_len)) is not None:
                 return stop
@@ -112,13 +121,14 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """Finish the text (the request ended by length or EOS); return the final delta.
+        """Finish the text (the request ended by length, EOS or error); return the final delta.
 
-        Tokens held back for ending inside a character are decoded as they are (with U+FFFD),
-        as ``tokenizer.decode`` would, and the stop-string tail is released.
+        Tokens held back for ending inside a character stay out: the text ends on the last
+        complete character (their text shares stay ""). The stop-string tail is released.
         """
         if not self._finished and self._read_offset < len(self._ids):
-            new_text = self._decode(self._ids[self._prefix_offset :])
+            # Whatever completes before the unfinished character still counts.
+            new_text = self._decode(self._ids[self._prefix_offset :]).rstrip(_REPLACEMENT_CHAR)
             self.output_text += new_text[len(self._prefix_text) :]
         self._finished = True
         return self.get_delta()
@@ -171,3 +181,56 @@ class IncrementalDetokenizer:
                 if any(stop.startswith(tail) for stop in self.params.stop):
                     return len(text) - start
         return 0
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL_CHARS = _bytes_to_unicode()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenBytes:
+    """The raw bytes of each token id (cached), for OpenAI's logprob ``bytes`` field.
+
+    Byte-level BPE tokens (GPT-2 alphabet) map back to their bytes and sentencepiece
+    byte-fallback tokens (``<0xE2>``) to their one byte, so a token holding part of a
+    character gives that part; other tokens give the UTF-8 of their decoded text.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, bytes] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._byte_level = backend is not None and '"ByteLevel"' in json.dumps(json.loads(backend.to_str())["decoder"])
+
+    def __call__(self, token_id: int) -> bytes:
+        cached = self._cache.get(token_id)
+        if cached is None:
+            cached = self._cache[token_id] = self._compute(token_id)
+        return cached
+
+    def _compute(self, token_id: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if m := _BYTE_FALLBACK.fullmatch(piece):
+                return bytes([int(m[1], 16)])
+            if self._byte_level and all(c in _BYTE_LEVEL_CHARS for c in piece):
+                return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
+        return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False).encode()
+
+
+def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
+    """A token's text out of context: "" when it holds only part of a UTF-8 character."""
+    text = tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+    return "" if _REPLACEMENT_CHAR in text else text

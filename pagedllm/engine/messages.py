@@ -23,11 +23,12 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # with finish_reason "error": what failed, for logs and the client
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, TokenBytes, token_text
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
@@ -27,6 +27,7 @@ class SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_sent_tokens: int = 0
@@ -69,6 +70,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)
         self.requests: dict[str, RequestState] = {}
         self._child_to_parent: dict[str, tuple[RequestState, SampleState]] = {}
         self.timings: list[TokenTiming] = []  # drained by metrics consumers
@@ -135,13 +137,14 @@ class OutputProcessor:
                 num_new = sample.detokenizer.num_output_tokens - num_before
                 sample.token_ids.extend(out.new_token_ids[:num_new])
                 if out.logprobs is not None:
-                    self._add_logprobs(sample, out.logprobs.first(num_new))
+                    self._add_logprobs(sample, out.logprobs.first(num_new), sample.detokenizer.token_texts)
                 if stop is not None:
                     sample.finish_reason, sample.stop_reason = "stop", stop
                     if out.finish_reason is None:  # the core still runs it
                         to_abort.append(out.request_id)
             if sample.finish_reason is None and out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+                sample.error = out.error
                 sample.final_delta = sample.detokenizer.flush()
             if sample.finish_reason is not None:
                 self._child_to_parent.pop(out.request_id, None)
@@ -163,20 +166,27 @@ class OutputProcessor:
             self.timings.append(TokenTiming(child_id, False, now - sample.last_token_time, n))
         sample.last_token_time = now
 
-    def _add_logprobs(self, sample: SampleState, lp: TokenLogprobs) -> None:
+    def _add_logprobs(self, sample: SampleState, lp: TokenLogprobs, texts: list[str]) -> None:
         if sample.logprobs is None:
             sample.logprobs, sample.cumulative_logprob = [], 0.0
-        for entry in self._to_dicts(lp):
+        for entry in self._to_dicts(lp, texts):
             sample.logprobs.append(entry)
         sample.cumulative_logprob += sum(row[0] for row in lp.logprobs)
 
-    def _to_dicts(self, lp: TokenLogprobs) -> list[dict[int, Logprob]]:
+    def _to_dicts(self, lp: TokenLogprobs, texts: list[str] | None = None) -> list[dict[int, Logprob]]:
+        """vLLM's logprob dicts. ``texts``: the chosen tokens' shares of the output text
+        (from the detokenizer), so that the chosen tokens' strings join to the text."""
         result = []
-        for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+        for pos, (ids, lps, rank) in enumerate(zip(lp.token_ids, lp.logprobs, lp.ranks)):
             entry: dict[int, Logprob] = {}
             for j, (tid, value) in enumerate(zip(ids, lps)):
                 if tid not in entry:  # the chosen token may also be among the top-N
-                    entry[tid] = Logprob(value, rank if j == 0 else j, self.tokenizer.decode([tid]))
+                    text = token_text(self.tokenizer, tid)
+                    # In context the chosen token may complete a character; a token the text
+                    # skips (a special token) keeps its own string.
+                    if j == 0 and texts is not None and pos < len(texts) and texts[pos]:
+                        text = texts[pos]
+                    entry[tid] = Logprob(value, rank if j == 0 else j, text, self.token_bytes(tid))
             result.append(entry)
         return result
 
@@ -193,7 +203,9 @@ class OutputProcessor:
             else:
                 tokens, logprobs, text = list(s.token_ids), s.logprobs, s.detokenizer.output_text
             outputs.append(
-                CompletionOutput(s.index, text, tokens, s.finish_reason, s.stop_reason, logprobs, s.cumulative_logprob)
+                CompletionOutput(
+                    s.index, text, tokens, s.finish_reason, s.stop_reason, logprobs, s.cumulative_logprob, s.error
+                )
             )
         first_times = [s.first_token_time for s in state.samples if s.first_token_time is not None]
         metrics = {"arrival_time": state.arrival_time}

@@ -1,9 +1,19 @@
-"""``pagedllm chat``: an interactive chat that streams the reply as it is generated."""
+"""``pagedllm chat``: an interactive chat that streams the reply as it is generated.
+
+Ctrl-C while a reply streams stops it (the request is aborted, its KV blocks freed) and
+returns to the prompt; Ctrl-C or Ctrl-D at the prompt, or /exit, ends the chat with status 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
 
 
 def run_repl(args: argparse.Namespace) -> None:
@@ -16,15 +26,17 @@ def run_repl(args: argparse.Namespace) -> None:
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
-    print("pagedllm chat: type a message; /reset clears the conversation, /exit quits.", file=sys.stderr)
+    print("pagedllm chat: type a message; /reset clears the conversation, /exit, Ctrl-D or Ctrl-C quits; "
+          "Ctrl-C during a reply stops it.", file=sys.stderr)
     turn = 0
     while True:
         try:
             line = input("> ")
-        except EOFError:
-            break
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)  # end the prompt's line
+            return
         if line.strip() == "/exit":
-            break
+            return
         if line.strip() == "/reset":
             history = history[:1] if args.system else []
             continue
@@ -39,11 +51,41 @@ def run_repl(args: argparse.Namespace) -> None:
             print(f"error: {e}", file=sys.stderr)
             history.pop()
             continue
-        reply = []
-        while engine.has_unfinished_requests():
+        reply = stream_reply(engine, f"chat-{turn}")
+        # An interrupted reply stays in the history: it is what the user saw.
+        history.append({"role": "assistant", "content": reply})
+
+
+def stream_reply(engine: LLMEngine, request_id: str) -> str:
+    """Step the engine until the request ends or Ctrl-C arrives, printing its text as it comes.
+
+    Ctrl-C only raises a flag, checked between steps: interrupting a step halfway could leave
+    the scheduler's state torn. On Ctrl-C the request is aborted, which frees its blocks.
+
+    Returns:
+        The reply's text so far.
+    """
+    interrupted = False
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    reply: list[str] = []
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        while engine.has_unfinished_requests() and not interrupted:
             for out in engine.step():
-                delta = out.outputs[0].text
-                reply.append(delta)
-                print(delta, end="", flush=True)
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+                c = out.outputs[0]
+                reply.append(c.text)
+                print(c.text, end="", flush=True)
+                if c.finish_reason == "error":
+                    print(f"\n[error: {c.error}]", end="", file=sys.stderr, flush=True)
+        if interrupted:
+            engine.abort_request(request_id)
+            print("\n[interrupted]", end="", file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    print()
+    return "".join(reply)
+

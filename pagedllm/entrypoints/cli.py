@@ -1,13 +1,51 @@
-"""The ``pagedllm`` command: generate, chat, serve, bench."""
+"""The ``pagedllm`` command: generate, chat, serve, bench.
+
+Every flag is checked (engine settings and sampling values) before a model is loaded: a bad
+value is a usage error, exit status 2, within a second or two.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import math
 import sys
+from typing import Any
 
+from pagedllm import __version__
 from pagedllm.config import DEFAULT_MODEL
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose ``--help`` shows every flag's default, subcommands included
+    (subparsers are made with the parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        # The formatter annotates only flags that have a help text.
+        if kwargs.get("help") is None and kwargs.get("action") not in ("help", "version"):
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (NaN and infinities are refused)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -22,16 +60,21 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "NEON kernels; float32 ones on scalar kernels or none; a bfloat16 K/V cache) | float32 (exact) | bfloat16 | float16",
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (as --dtype decides) | float32 | bfloat16 | float16")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 2GiB")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--max-model-len", type=positive_int, default=None,
+        help="longest request (prompt + output) in tokens; None: the model's context, at most 8192",
+    )
+    parser.add_argument("--max-num-seqs", type=positive_int, default=128, help="most requests running at once")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=positive_int, default=2048, help="token budget of one engine step"
+    )
+    parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 2GiB or 512MiB")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block: 8 | 16 | 32 | 64 | 128")
     parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-        help="reuse cached KV blocks of shared prefixes (default on)",
+        help="reuse cached KV blocks of shared prefixes",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the engine's random sampling")
     parser.add_argument(
         "--speculative-config", default=None,
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
@@ -69,17 +112,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
+    """Sampling flags (SamplingParams' names); values are range-checked before any model loads."""
+    parser.add_argument("--max-tokens", type=positive_int, default=128, help="most tokens to generate")
+    parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1: off")
+    parser.add_argument("--min-p", type=finite_float, default=0.0, help="drop tokens below min_p x the top probability")
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=finite_float, default=0.0, help="in [-2, 2]")
+    parser.add_argument("--frequency-penalty", type=finite_float, default=0.0, help="in [-2, 2]")
+    parser.add_argument("--repetition-penalty", type=finite_float, default=1.0, help="in (0, 2]; 1 is off")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def sampling_params(args: argparse.Namespace):
@@ -112,9 +156,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     for out in outputs:
         for c in out.outputs:
             if args.json:
-                print(json.dumps({"prompt": out.prompt, "text": c.text, "finish_reason": c.finish_reason}))
+                record = {"prompt": out.prompt, "text": c.text, "finish_reason": c.finish_reason}
+                print(json.dumps(record | ({"error": c.error} if c.error else {})))
             else:
-                print(f"--- prompt: {out.prompt!r}\n{c.text}\n--- finish_reason: {c.finish_reason}")
+                reason = f"{c.finish_reason}: {c.error}" if c.error else c.finish_reason
+                print(f"--- prompt: {out.prompt!r}\n{c.text}\n--- finish_reason: {reason}")
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
@@ -123,9 +169,11 @@ def cmd_chat(args: argparse.Namespace) -> None:
     run_repl(args)
 
 
-def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference and serving with a paged KV cache")
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="pagedllm", description="LLM inference and serving with a paged KV cache")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -140,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("-v", "--verbose", action="store_true", help="log at INFO (else warnings only)")
     chat.set_defaults(func=cmd_chat, temperature=0.7, max_tokens=512)
 
     from pagedllm.bench.cli import add_bench_parser
@@ -152,13 +201,42 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(serve, positional_model=True)
     add_serve_args(serve)
     serve.set_defaults(func=run_serve)
+    return parser
 
+
+def check_args(args: argparse.Namespace) -> None:
+    """Build the engine config and sampling params the command will use, without loading anything.
+
+    Raises:
+        ValueError: for a value out of its range (the message names the flag's setting).
+    """
+    if hasattr(args, "max_num_seqs"):
+        from pagedllm.entrypoints.openai.cli_args import engine_config
+
+        engine_config(args)
+    if hasattr(args, "temperature"):
+        sampling_params(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        parser.error(str(e))  # exit 2, before a model is loaded
+    # The chat REPL streams to stdout: log lines there would cut into the reply.
+    quiet = args.command == "chat" and not args.verbose
+    logging.basicConfig(
+        level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         args.func(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)  # Ctrl-C while loading: no traceback
 
 
 if __name__ == "__main__":

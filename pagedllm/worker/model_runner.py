@@ -3,11 +3,21 @@
 A request with draft tokens (speculative decoding) is fed its last token and its drafts; the
 logits at all ``1 + k`` positions go to the rejection sampler, which returns the accepted
 drafts and one more token.
+
+Fault isolation: a request whose logits row is not finite, whose sampled id is outside the
+vocabulary, or whose sampling, verification or logprob step raises is reported in
+``ModelRunnerOutput.errors`` and gets no tokens; the other requests of the step keep theirs.
+When a batched sampling stage raises, it is rerun one request at a time to find the culprit.
+A failing forward pass, or running out of memory, is no one request's fault: it propagates.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -18,7 +28,23 @@ from pagedllm.layers.rejection_sampler import RejectionSampler
 from pagedllm.layers.sampler import Sampler, compute_logprobs
 from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.outputs import TokenLogprobs
+from pagedllm.core.request import Request
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
+
+logger = logging.getLogger("pagedllm")
+R = TypeVar("R")
+
+# Test hook, fault injection (never set it in production): with PAGEDLLM_TEST_FAULTS=1 in the
+# engine core's environment, a request whose cache_salt is "fault:<stage>" fails at that stage:
+# "sample" (every sampling call that includes it raises), "logits" (its logits row becomes NaN)
+# or "token" (it samples the id just past the vocabulary). Read when the runner is built.
+FAULT_ENV = "PAGEDLLM_TEST_FAULTS"
+# Faults of the process, not of any request: isolating them per request would only hide them.
+_FATAL = (MemoryError, torch.OutOfMemoryError)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the fault-injection test hook."""
 
 
 @dataclass
@@ -28,6 +54,8 @@ class ModelRunnerOutput:
     sampled: list[list[int]]  # new token ids (with drafts: the accepted ones, then one sampled); [] mid-prefill
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[TokenLogprobs | None]
+    # Index of a request that failed alone -> why; it has no sampled tokens and must be finished.
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -55,6 +83,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, dtype)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
+        self.inject_faults = os.environ.get(FAULT_ENV) == "1"
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -88,24 +117,128 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[TokenLogprobs | None] = [None] * n
         prompt_logprobs: list[TokenLogprobs | None] = [None] * n
+        errors: dict[int, str] = {}
 
         sample_rows, sample_idx, offset = [], [], 0
         verify_rows: list[tuple[int, ScheduledRequest, int]] = []  # (index, request, first row)
         for i, s in zip(order, reqs):
             offset += s.num_new_tokens
             if s.request.sampling_params.prompt_logprobs is not None:
-                prompt_logprobs[i] = self._prompt_logprobs(s, hidden[offset - s.num_new_tokens : offset])
+                try:
+                    prompt_logprobs[i] = self._prompt_logprobs(s, hidden[offset - s.num_new_tokens : offset])
+                except _FATAL:
+                    raise
+                except Exception as e:
+                    errors[i] = self._failed(s.request, "prompt logprobs", e)
+                    continue
             if s.spec_token_ids:
                 verify_rows.append((i, s, offset - len(s.spec_token_ids) - 1))
             elif s.samples:
                 sample_idx.append(offset - 1)
                 sample_rows.append((i, s))
         if verify_rows:
-            self._verify(hidden, verify_rows, sampled, logprobs)
-        if not sample_rows:
-            return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+            results = self._isolated(
+                lambda js: self._verify(hidden, [verify_rows[j] for j in js]),
+                [(i, s.request) for i, s, _ in verify_rows], errors, "verification",
+            )
+            for (i, _, _), result in zip(verify_rows, results):
+                if result is not None:
+                    sampled[i], logprobs[i] = result
+        if sample_rows:
+            for i, result in self._sample_rows(hidden[sample_idx], sample_rows, errors).items():
+                sampled[i], logprobs[i] = result
+        for i, tokens in enumerate(sampled):
+            # A token id the embedding cannot look up would crash the next step for everyone.
+            bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
+            if bad:
+                errors[i] = f"sampled token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})"
+                logger.error("request %s: %s", sched.scheduled[i].request.request_id, errors[i])
+                sampled[i], logprobs[i] = [], None
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, errors)
 
-        logits = self.model.compute_logits(hidden[sample_idx])
+    def _sample_rows(
+        self, hidden: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequest]], errors: dict[int, str]
+    ) -> dict[int, tuple[list[int], TokenLogprobs | None]]:
+        """Sample the next token of each request from its last hidden state ([B, hidden_size]).
+
+        Returns:
+            Output index -> (one token, its logprobs or None), for the requests that did not
+            fail; those that did are in ``errors``.
+        """
+        logits = self.model.compute_logits(hidden)
+        if self.inject_faults:
+            for j, (_, s) in enumerate(sample_rows):
+                if _marked(s.request, "logits"):
+                    logits[j] = float("nan")
+        # NaN beats every value in argmax and poisons a softmax: nothing sampled from such a
+        # row means anything. Raw logits are finite unless something broke.
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        if not all(finite):
+            for j, (i, s) in enumerate(sample_rows):
+                if not finite[j]:
+                    errors[i] = f"the model produced non-finite logits for request {s.request.request_id}"
+                    logger.error("%s", errors[i])
+            keep = [j for j, ok in enumerate(finite) if ok]
+            logits, sample_rows = logits[keep], [sample_rows[j] for j in keep]
+        if not sample_rows:
+            return {}
+        results = self._isolated(
+            lambda js: self._sample(logits[js], [sample_rows[j][1] for j in js]),
+            [(i, s.request) for i, s in sample_rows], errors, "sampling",
+        )
+        return {i: result for (i, _), result in zip(sample_rows, results) if result is not None}
+
+    def _isolated(
+        self,
+        run: Callable[[list[int]], list[R]],
+        requests: list[tuple[int, Request]],
+        errors: dict[int, str],
+        stage: str,
+    ) -> list[R | None]:
+        """``run`` over all of ``requests`` at once; if that raises, over each alone.
+
+        Args:
+            run: maps positions in ``requests`` to one result per position; raises on failure.
+            requests: (output index, request) per position.
+            errors: filled with the output index -> message of each request that fails alone.
+            stage: what ``run`` does, for messages.
+
+        Returns:
+            One result per position, None where the request failed.
+        """
+        # A batch that raised may have drawn from seeded generators: rewind them so a retried
+        # request samples what it would have sampled in a healthy batch.
+        states = [(r.generator, r.generator.get_state()) for _, r in requests if r.generator is not None]
+        try:
+            return list(run(list(range(len(requests)))))
+        except _FATAL:
+            raise
+        except Exception:
+            logger.warning("batched %s of %d requests failed; retrying one by one", stage, len(requests))
+        for generator, state in states:
+            generator.set_state(state)
+        results: list[R | None] = []
+        for j, (i, request) in enumerate(requests):
+            try:
+                results.extend(run([j]))
+            except _FATAL:
+                raise
+            except Exception as e:
+                errors[i] = self._failed(request, stage, e)
+                results.append(None)
+        return results
+
+    @staticmethod
+    def _failed(request: Request, stage: str, error: Exception) -> str:
+        logger.error("request %s failed in %s", request.request_id, stage, exc_info=error)
+        return f"{stage} failed: {type(error).__name__}: {error}"
+
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest]
+    ) -> list[tuple[list[int], TokenLogprobs | None]]:
+        """Sample one token per row of ``logits`` ([B, V] float, raw) and its logprobs if asked."""
+        if self.inject_faults and any(_marked(s.request, "sample") for s in reqs):
+            raise InjectedFault("injected sampling fault")
         rows = [
             SamplingRow(
                 params=s.request.sampling_params,
@@ -114,34 +247,37 @@ class ModelRunner:
                 generator=s.request.generator,
                 eos_token_ids=s.request.eos_token_ids,
             )
-            for _, s in sample_rows
+            for s in reqs
         ]
         out = self.sampler(logits, SamplingMetadata.build(rows))
         tokens = out.sampled_token_ids.tolist()
-        for j, (i, s) in enumerate(sample_rows):
-            sampled[i] = [tokens[j]]
+        results: list[tuple[list[int], TokenLogprobs | None]] = []
+        for j, s in enumerate(reqs):
+            if self.inject_faults and _marked(s.request, "token"):
+                tokens[j] = self.config.vocab_size
+            lp = None
             if out.logprobs is not None and s.request.sampling_params.logprobs is not None:
                 num = s.request.sampling_params.logprobs + 1
-                logprobs[i] = TokenLogprobs(
+                lp = TokenLogprobs(
                     [out.logprobs.token_ids[j, :num].tolist()],
                     [out.logprobs.logprobs[j, :num].tolist()],
                     [int(out.logprobs.ranks[j])],
                 )
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+            results.append(([tokens[j]], lp))
+        return results
 
     def _verify(
-        self,
-        hidden: torch.Tensor,
-        verify_rows: list[tuple[int, ScheduledRequest, int]],
-        sampled: list[list[int]],
-        logprobs: list[TokenLogprobs | None],
-    ) -> None:
-        """Rejection-sample the requests with drafts; fill their ``sampled`` and ``logprobs`` entries.
+        self, hidden: torch.Tensor, verify_rows: list[tuple[int, ScheduledRequest, int]]
+    ) -> list[tuple[list[int], TokenLogprobs | None]]:
+        """Rejection-sample the requests with drafts: (accepted tokens, their logprobs) per request.
 
         Args:
             hidden: [T, hidden_size], the step's final hidden states.
             verify_rows: (output index, request, row in ``hidden`` of its last known token);
                 its drafts' rows follow that row.
+
+        Raises:
+            ValueError: if a request's logits at a verified position are not finite.
         """
         idx: list[int] = []
         rows: list[SamplingRow] = []
@@ -158,7 +294,17 @@ class ModelRunner:
                 )
                 for j in range(k + 1)
             )
+        if self.inject_faults and any(_marked(s.request, "sample") for _, s, _ in verify_rows):
+            raise InjectedFault("injected verification fault")
         logits = self.model.compute_logits(hidden[idx])
+        if self.inject_faults:
+            row = 0
+            for _, s, _ in verify_rows:
+                if _marked(s.request, "logits"):
+                    logits[row] = float("nan")
+                row += len(s.spec_token_ids) + 1
+        if not torch.isfinite(logits).all():
+            raise ValueError("the model produced non-finite logits")
         accepted = self.rejection_sampler(
             logits,
             SamplingMetadata.build(rows),
@@ -166,16 +312,21 @@ class ModelRunner:
             [s.spec_probs for _, s, _ in verify_rows],
             [s.request.generator for _, s, _ in verify_rows],
         )
+        results: list[tuple[list[int], TokenLogprobs | None]] = []
         row = 0
-        for (i, s, _), tokens in zip(verify_rows, accepted):
-            sampled[i] = tokens
+        for (_, s, _), tokens in zip(verify_rows, accepted):
+            if self.inject_faults and _marked(s.request, "token"):
+                tokens = [*tokens[:-1], self.config.vocab_size]
+            lp = None
             num = s.request.sampling_params.logprobs
             if num is not None:  # raw logprobs of each emitted token, at its own position
                 ids, lps, ranks = compute_logprobs(
                     logits[row : row + len(tokens)], torch.tensor(tokens, dtype=torch.long), num
                 )
-                logprobs[i] = TokenLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())
+                lp = TokenLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())
+            results.append((tokens, lp))
             row += len(s.spec_token_ids) + 1
+        return results
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> TokenLogprobs | None:
         """Log-probabilities of the prompt tokens this chunk predicts (token p+1 from position p)."""
@@ -188,3 +339,8 @@ class ModelRunner:
         targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], dtype=torch.long)
         top_ids, top_lps, ranks = compute_logprobs(logits, targets, request.sampling_params.prompt_logprobs)
         return TokenLogprobs(top_ids.tolist(), top_lps.tolist(), ranks.tolist())
+
+
+def _marked(request: Request, stage: str) -> bool:
+    """Whether the fault-injection test hook targets this request at this stage."""
+    return request.cache_salt == f"fault:{stage}"

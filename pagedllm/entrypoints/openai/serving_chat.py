@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from pagedllm.engine.async_llm import PreparedRequest
 from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.entrypoints.openai.errors import generation_error
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -75,6 +76,8 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             return self._stream(req, prepared)
         (out,) = await gather_final([self.engine.generate(prepared)])
+        if (error := generation_error(out)) is not None:
+            raise error
         choices = [
             ChatChoice(
                 index=c.index,
@@ -104,6 +107,10 @@ class OpenAIServingChat(OpenAIServing):
         finished: set[int] = set()
         try:
             async for out in self.engine.generate(prepared, stream=True):
+                if (error := generation_error(out)) is not None:
+                    yield sse(error.body())
+                    yield SSE_DONE
+                    return  # leaving the stream aborts the other samples
                 for c in out.outputs:
                     if c.index in finished or not (c.text or c.token_ids or c.finish_reason):
                         continue
@@ -127,9 +134,14 @@ class OpenAIServingChat(OpenAIServing):
             chosen = entry[tid]
             token = self.token_str(tid, chosen)
             top = [
-                TopLogprob(token=(s := self.token_str(t, v)), logprob=v.logprob, bytes=list(s.encode()))
+                TopLogprob(token=self.token_str(t, v), logprob=v.logprob, bytes=_bytes(self.token_str(t, v), v))
                 for t, v in top_n(entry, n)
             ]
-            content.append(TokenLogprob(token=token, logprob=chosen.logprob, bytes=list(token.encode()),
+            content.append(TokenLogprob(token=token, logprob=chosen.logprob, bytes=_bytes(token, chosen),
                                         top_logprobs=top))
         return ChatLogprobs(content=content)
+
+
+def _bytes(token: str, logprob: Logprob) -> list[int]:
+    """The token's own raw bytes (part of a character for a token that splits one), as OpenAI."""
+    return list(logprob.token_bytes if logprob.token_bytes is not None else token.encode())

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from pagedllm.engine.async_llm import PreparedRequest
 from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.entrypoints.openai.errors import generation_error
 from pagedllm.entrypoints.openai.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     CompletionChoice,
@@ -44,6 +45,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             return self._stream(req, request_id, prepared)
         outputs = await gather_final([self.engine.generate(p) for p in prepared])
+        for out in outputs:
+            if (error := generation_error(out)) is not None:
+                raise error
         choices = [
             self._choice(req, out, c, prompt_idx * req.n + c.index, c.text, c.logprobs)
             for prompt_idx, out in enumerate(outputs)
@@ -83,6 +87,10 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = 0
         try:
             async for prompt_idx, out in merge([self.engine.generate(p, stream=True) for p in prepared]):
+                if (error := generation_error(out)) is not None:
+                    yield sse(error.body())
+                    yield SSE_DONE
+                    return  # leaving the merge aborts the other prompts
                 for c in out.outputs:
                     index = prompt_idx * req.n + c.index
                     if index in finished:

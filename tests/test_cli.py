@@ -1,0 +1,169 @@
+"""The ``pagedllm`` command: --version, --help with every default, bad flags refused before a
+model loads, and the chat REPL's Ctrl-C / Ctrl-D handling (under tmux, a real terminal)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+from pagedllm import LLM, __version__
+from pagedllm.entrypoints.chat_repl import stream_reply
+from pagedllm.entrypoints.cli import build_parser, main
+
+SMALL = ["--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--dtype", "float32"]
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pagedllm {__version__}"
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _parsers(sub)
+    return found
+
+
+def test_help_shows_every_default() -> None:
+    parsers = _parsers(build_parser())
+    assert {p.prog for p in parsers} >= {"pagedllm generate", "pagedllm chat", "pagedllm serve",
+                                         "pagedllm bench throughput", "pagedllm bench serve"}
+    for parser in parsers:
+        formatter = parser._get_formatter()
+        assert isinstance(formatter, argparse.ArgumentDefaultsHelpFormatter), parser.prog
+        parser.format_help()  # renders
+        for action in parser._actions:
+            if action.default is argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
+                continue
+            assert "%(default)" in formatter._get_help_string(action), (parser.prog, action.dest)
+
+
+BAD_FLAGS = [
+    (["generate", "--prompt", "x", "--max-num-seqs", "0"], "max-num-seqs"),
+    (["generate", "--prompt", "x", "--dtype", "fp7"], "dtype"),
+    (["generate", "--prompt", "x", "--kv-cache-memory", "lots"], "memory size"),
+    (["generate", "--prompt", "x", "--temperature", "nan"], "temperature"),
+    (["generate", "--prompt", "x", "--top-p", "1.5"], "top_p"),
+    (["generate", "--prompt", "x", "--repetition-penalty", "0"], "repetition_penalty"),
+    (["chat", "--block-size", "7"], "block_size"),
+    (["chat", "--max-tokens", "0"], "max-tokens"),
+    (["serve", "--max-num-batched-tokens", "-1"], "max-num-batched-tokens"),
+    (["serve", "--quantization", "int3"], "quantization"),
+    (["bench", "throughput", "--kv-cache-dtype", "int2"], "kv_cache_dtype"),
+]
+
+
+@pytest.mark.parametrize(("argv", "needle"), BAD_FLAGS)
+def test_bad_flag_exits_2_before_loading(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("pagedllm.engine.core.load_model", no_load)
+    monkeypatch.setattr("pagedllm.engine.async_llm.AsyncLLM.__init__", no_load)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_stream_reply_interrupted_aborts_and_frees_blocks(capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C (SIGINT) while a reply streams: the loop ends after the current step, the request is aborted."""
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=1024)
+    engine = llm.engine
+    step: Callable[[], list] = engine.step
+    steps = 0
+
+    def step_then_interrupt() -> list:
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return step()
+
+    engine.step = step_then_interrupt  # type: ignore[method-assign]
+    from pagedllm import SamplingParams
+
+    engine.add_request("r", "Tell me a long story.", SamplingParams(max_tokens=200, ignore_eos=True), stream=True)
+    reply = stream_reply(engine, "r")
+    assert reply and steps == 3
+    assert not engine.has_unfinished_requests()
+    pool = engine.core.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert "[interrupted]" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+# -- the REPL in a terminal ------------------------------------------------------------------
+class Tmux:
+    """One detached tmux session running a command; its screen read by polling capture-pane."""
+
+    def __init__(self, command: str) -> None:
+        self.name = f"pagedllm-test-{uuid.uuid4().hex[:8]}"
+        # The shell stays after the command so its exit status can be read from the screen.
+        shell = f"{command}; echo EXIT=$?; sleep 600"
+        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "200", "-y", "50", shell], check=True)
+
+    def screen(self) -> str:
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.name, "-S", "-1000"],
+                              capture_output=True, text=True, check=True).stdout
+
+    def send(self, *keys: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+
+    def wait_for(self, predicate: Callable[[str], bool], what: str, timeout: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            screen = self.screen()
+            if predicate(screen):
+                return screen
+            if "EXIT=" in screen and "EXIT=" not in what:
+                break
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}; screen:\n{self.screen()}")
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+
+
+def _prompts(screen: str) -> int:
+    return sum(line.startswith("> ") or line == ">" for line in screen.splitlines())
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install -y tmux)")
+@pytest.mark.parametrize("exit_key", ["C-d", "C-c"])
+def test_chat_ctrl_c_stops_reply_then_exits_0(exit_key: str) -> None:
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "chat", *SMALL, "--temperature", "0",
+           "--max-tokens", "600", "--ignore-eos"]
+    tmux = Tmux(f"cd {shlex.quote(os.getcwd())} && {shlex.join(cmd)}")
+    try:
+        tmux.wait_for(lambda s: _prompts(s) == 1, "the first prompt")
+        tmux.send("Tell me a very long story about a dragon.", "Enter")
+        # Wait for the reply to stream: a line of output after the question.
+        tmux.wait_for(lambda s: len(s.split("dragon.", 1)[-1].strip()) > 20, "the reply to stream")
+        tmux.send("C-c")
+        screen = tmux.wait_for(lambda s: _prompts(s) == 2, "the prompt after Ctrl-C")
+        assert "[interrupted]" in screen
+        tmux.send(exit_key)
+        screen = tmux.wait_for(lambda s: "EXIT=" in s, "EXIT=")
+        assert "EXIT=0" in screen
+        assert "Traceback" not in screen and "KeyboardInterrupt" not in screen
+        assert " INFO " not in screen  # the REPL logs warnings only, without -v
+    finally:
+        tmux.close()
