@@ -6,7 +6,7 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from pagedllm.bench import kv_memory, perplexity, quant, serve, spec, throughput
+    from pagedllm.bench import kv_memory, perplexity, quant, roofline, serve, spec, throughput
     from pagedllm.entrypoints.cli import add_engine_args
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -38,6 +38,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     kv = bench_sub.add_parser("kv-memory", help="KV blocks held per long request, sliding-window release on vs off")
     kv_memory.add_args(kv)
     kv.set_defaults(func=kv_memory.run)
+
+    rf = bench_sub.add_parser("roofline", help="this CPU's float32 FLOP/s, int8 OP/s and memory bandwidth, measured")
+    roofline.add_args(rf)
+    rf.set_defaults(func=roofline.run)
 
     sv = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
     serve.add_bench_serve_args(sv)
