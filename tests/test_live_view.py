@@ -157,3 +157,63 @@ def test_trace_has_trace_event_keys_monotonic_tracks_and_one_track_per_request()
     assert tids == set(range(1, len(view.requests) + 1))
     steps = [e for e in events if e["pid"] == 1 and e["ph"] == "X"]
     assert len(steps) == len(view.steps)
+
+
+def test_llm_trace_file_has_a_track_per_request(tmp_path):
+    from pagedllm import LLM, SamplingParams
+
+    path = tmp_path / "trace.json"
+    llm = LLM(trace=str(path), kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=64)
+    prompts = ["The paged KV cache", "Continuous batching means", "A prefix cache hit"]
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    events = json.loads(path.read_text())["traceEvents"]
+    tracks = [e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 2]
+    assert sorted(tracks) == ["0-0", "1-0", "2-0"]
+    steps = [e for e in events if e["pid"] == 1 and e["ph"] == "X"]
+    assert sum(e["args"]["prefill"] for e in steps) == sum(len(llm.get_tokenizer().encode(p)) for p in prompts)
+    assert llm.engine.live_view.blocks.ref == [0] * llm.engine.core.num_blocks  # every block back in the pool
+
+
+def live_view_app(view, api_key=None):
+    from fastapi import FastAPI
+
+    from pagedllm.entrypoints.openai.api_server import BearerAuthMiddleware
+    from pagedllm.live_view.routes import live_view_router
+
+    app = FastAPI()
+    app.include_router(live_view_router(view))
+    if api_key:
+        app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+    return app
+
+
+def test_page_is_self_contained_and_trace_is_served():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(live_view_app(feed_view()))
+    page = client.get("/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/*DASHBOARD_JS*/" not in page.text and "EventSource" in page.text
+    assert "http://" not in page.text and "https://" not in page.text  # no CDN, no external asset
+    assert client.get("/debug/trace").json()["traceEvents"]
+
+
+def test_routes_answer_404_when_the_live_view_is_off():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(live_view_app(None))
+    for path in ("/dashboard", "/dashboard/events", "/debug/trace"):
+        response = client.get(path)
+        assert response.status_code == 404 and "--enable-live-view" in response.text
+
+
+def test_api_key_as_query_parameter_only_on_the_page_routes():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(live_view_app(feed_view(), api_key="k"))
+    assert client.get("/dashboard").status_code == 401
+    assert client.get("/dashboard?api_key=wrong").status_code == 401
+    assert client.get("/dashboard?api_key=k").status_code == 200
+    assert client.get("/dashboard", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert client.get("/debug/trace?api_key=k").status_code == 401  # a download: the header, as elsewhere
+    assert client.get("/debug/trace", headers={"Authorization": "Bearer k"}).status_code == 200
