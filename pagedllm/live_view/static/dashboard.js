@@ -35,12 +35,14 @@
     $("h-in").textContent = fmt(h.tokens_in_per_s);
     $("h-out").textContent = fmt(h.tokens_out_per_s);
     $("h-preempt").textContent = h.preemptions;
+    document.body.dataset.preemptions = h.preemptions;
     $("h-steps").textContent = h.steps;
   }
 
   // -- KV block map: one band per KV cache group, every pool block a cell in each band ---
   function drawMap(snap) {
     const { blocks, config } = snap, n = config.num_blocks, groups = config.group_windows;
+    $("map").style.height = `${Math.max(260, 110 * groups.length)}px`;  // a band per group
     const [ctx, w, h] = sizeCanvas($("map"));
     const labelH = 14, bandGap = 6, perBand = (h - groups.length * (labelH + bandGap)) / groups.length;
     let cell = Math.floor(Math.sqrt((w * perBand) / n));
@@ -158,10 +160,17 @@
         if (b < t0) continue;
         parts.push(`<span class="${kind[0]}" style="left:${pct(a)};width:${wid(a, b)}"></span>`);
       }
-      for (const t of r.preemptions) if (t >= t0) parts.push(`<span class="x" style="left:${pct(t)}"></span>`);
+      for (const t of r.preemptions) {  // waiting again until the recompute's first chunk
+        const next = r.segments.find((seg) => seg[0] > t), back = next ? next[0] : r.finished ?? now;
+        if (back < t0) continue;
+        parts.push(`<span class="w" style="left:${pct(t)};width:${wid(t, back)}"></span>`);
+        parts.push(`<span class="x" style="left:${pct(t)}"></span>`);
+      }
       if (r.finished !== null) parts.push(`<span class="f" style="left:${pct(r.finished)}"></span>`);
       const ttft = r.ttft === null ? "" : `TTFT <b>${ms(r.ttft)}</b> · `;
-      const end = r.reason ? `<b>${r.reason}</b>` : r.scheduled === null ? "waiting" : "running";
+      const last = r.segments[r.segments.length - 1];
+      const requeued = r.preemptions.length && (!last || r.preemptions[r.preemptions.length - 1] > last[0]);
+      const end = r.reason ? `<b>${r.reason}</b>` : r.scheduled === null ? "waiting" : requeued ? "preempted" : "running";
       const cached = r.cached ? ` · ${r.cached} cached` : "";
       rows.push(`<div class="row${r.id === state.selected ? " selected" : ""}" data-id="${r.id}" data-finished="${r.reason ?? ""}">` +
         `<div class="id"><i style="background:${requestColor(r.id)}"></i>${r.id}</div><div class="bar">${parts.join("")}</div>` +
