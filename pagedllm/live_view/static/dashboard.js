@@ -84,6 +84,7 @@
     const { blocks, config } = state.snap, bs = config.block_size;
     const range = (i) => `tokens ${i * bs}–${(i + 1) * bs - 1}`;
     const head = `block ${b} · group ${g}`;
+    if (blocks.group[b] !== g && blocks.ref[b] > 0) return `${head}\nin use by group ${blocks.group[b]}`;
     if (blocks.group[b] !== g || (blocks.ref[b] === 0 && !blocks.cached[b])) return `${head}\nfree`;
     if (blocks.ref[b] === 0) {
       const who = blocks.owner[b] >= 0 ? `\nlast held by ${blocks.owners[blocks.owner[b]]}, ${range(blocks.index[b])}` : "";
