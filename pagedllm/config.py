@@ -81,6 +81,8 @@ class EngineConfig:
     quantization: str = "none"
     quantization_group_size: int = 32  # int4's group size: 32, 64 or 128
     quantize_lm_head: bool = False  # the logits matmul too (a tied embedding's lookup stays float)
+    live_view: bool = False  # the core sends a StepRecord with every step (pagedllm.live_view)
+    live_view_steps: int = 4096  # step records the front end keeps (a ring buffer)
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -93,6 +95,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
+        if self.live_view_steps < 1:
+            raise ValueError(f"live_view_steps must be at least 1, got {self.live_view_steps}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
 

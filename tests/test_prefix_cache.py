@@ -183,3 +183,32 @@ def test_hit_count_is_block_arithmetic():
     assert (kv.prefix_queries, kv.prefix_hits) == (143, 80)
     llm.generate([prompt[:32]], params)  # whole prompt cached: its last block is recomputed
     assert (kv.prefix_queries, kv.prefix_hits) == (175, 96)
+
+
+def test_hybrid_groups_never_hand_one_block_to_two_groups():
+    """A free cached block that one group is about to reuse must not be taken as another group's new block."""
+    import random
+
+    from pagedllm.core.kv_cache_groups import KVCacheGroup
+
+    groups = (KVCacheGroup((0,), 0), KVCacheGroup((1,), 8))  # global + sliding window of 8 tokens
+    for seed in range(6):
+        rng = random.Random(seed)
+        kv = KVCacheManager(20, BS, True, groups)
+        sched = Scheduler(kv, 6, 24, 256)
+        prefixes = [[rng.randint(10, 90) for _ in range(8)] for _ in range(3)]
+        for i in range(24):
+            prompt = rng.choice(prefixes) + [rng.randint(10, 90) for _ in range(rng.randint(1, 14))]
+            sched.add_request(req(f"r{i}", prompt, max_tokens=rng.randint(2, 12), ignore_eos=True))
+            for _ in range(1 if i < 23 else 200):
+                out = sched.schedule()
+                sched.update_from_output(out, [[7] if s.samples else [] for s in out.scheduled])
+                held: dict[int, list[int]] = {}  # block id -> the groups whose tables hold it
+                for tables in kv.req_blocks.values():
+                    for g, blocks in enumerate(tables):
+                        for b in blocks:
+                            if b is not None:
+                                held.setdefault(b.block_id, []).append(g)
+                for block_id, gs in held.items():
+                    assert len(set(gs)) == 1, f"seed {seed}: block {block_id} in groups {gs}"
+                    assert kv.pool.blocks[block_id].ref_cnt == len(gs)

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM
     from pagedllm.entrypoints.cli import engine_kwargs
 
-    kwargs = engine_kwargs(args)
+    kwargs = engine_kwargs(args) | {"trace": args.trace}
     if args.compare == "prefix-caching":
         kwargs["enable_prefix_caching"] = True
     llm = LLM(**kwargs)
@@ -145,3 +145,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")
     parser.add_argument("--result-json", default=None)
+    parser.add_argument(
+        "--trace", default=None,
+        help="record the engine's steps (the live view) and write them to this file as Chrome Trace Event JSON",
+    )

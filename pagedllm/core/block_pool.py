@@ -117,11 +117,13 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Record a now-full block under its chained hash (first writer wins)."""
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Record a now-full block under its chained hash (first writer wins); whether it was entered."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            return True
+        return False
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks that reach zero join the queue's tail.

@@ -20,6 +20,7 @@ from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.stat_logger import StatLogger
+from pagedllm.live_view.view import LiveView
 from pagedllm.models.loader import load_tokenizer, resolve_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -75,6 +76,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
         self.stat_logger = StatLogger() if log_stats else None
+        self.live_view = LiveView.for_engine(config, self.model_config, self.num_blocks) if config.live_view else None
         self.dead_error: EngineDeadError | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._dead_callbacks: list[Callable[[], None]] = []
@@ -127,6 +129,8 @@ class AsyncLLM:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = queue
         self.output_processor.add_request(rid, request.prompt, request.core_requests, stream)
+        if self.live_view is not None:
+            self.live_view.on_arrival(request.core_requests)
         try:
             self.client.add_requests(request.core_requests)
             while True:
@@ -146,6 +150,8 @@ class AsyncLLM:
         child_ids = self.output_processor.child_ids(request_id)
         out = self.output_processor.abort(request_id)
         self.client.abort_requests(child_ids)
+        if self.live_view is not None:
+            self.live_view.on_finish(child_ids, "abort", time.monotonic())
         if out is not None:
             self.metrics.record_finished(out, time.monotonic())
         return out
@@ -176,9 +182,13 @@ class AsyncLLM:
             self._fail(EngineDeadError(f"output handler failed: {e}"))
 
     def _process(self, core_out: EngineCoreOutputs) -> None:
+        if self.live_view is not None:
+            self.live_view.on_outputs(core_out)
         outputs, to_abort = self.output_processor.process_outputs(core_out.outputs)
         self.client.abort_requests(to_abort)  # stop strings found here end requests the core still runs
         now = time.monotonic()
+        if self.live_view is not None:
+            self.live_view.on_finish(to_abort, "stop", now)
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:

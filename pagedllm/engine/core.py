@@ -17,6 +17,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.live_view.recorder import StepRecorder
 from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.worker.kv_cache import bytes_per_block
@@ -87,6 +88,8 @@ class EngineCore:
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, config.kv_dtype)
+        self.recorder = StepRecorder() if config.live_view else None
+        self.kv_cache.recorder = self.recorder
         self.proposer = self._build_proposer()
 
     def _build_proposer(self) -> Proposer | None:
@@ -138,12 +141,18 @@ class EngineCore:
         with reason "error", its blocks freed; the others carry on. Anything else that
         raises (the forward pass, out of memory) propagates: the core cannot go on.
         """
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.begin(self.scheduler)
         sched = self.scheduler.schedule()
+        entries = recorder.entries(sched) if recorder is not None else None
+        sampled = None
         failed = list(sched.failed)
         num_kept_tokens = sched.num_batched_tokens
         outputs: list[EngineCoreOutput] = []
         if not sched.is_empty:
             result = self.runner.execute(sched)
+            sampled = result.sampled
             failed += [(sched.scheduled[i].request.request_id, error) for i, error in result.errors.items()]
             self.scheduler.finish_requests([rid for rid, _ in failed], RequestStatus.FINISHED_ERROR)
             index = {id(s): i for i, s in enumerate(sched.scheduled)}
@@ -174,7 +183,15 @@ class EngineCore:
                         EngineCoreOutput(s.request.request_id, [], prompt_logprobs=result.prompt_logprobs[i])
                     )
         outputs += [EngineCoreOutput(rid, [], "error", error=error) for rid, error in failed]
-        return EngineCoreOutputs(outputs, self.stats(num_kept_tokens), time.monotonic())
+        record = None
+        if recorder is not None:
+            record = recorder.finish(self.scheduler, self.kv_cache.usage, entries, sched, sampled)
+        return EngineCoreOutputs(outputs, self.stats(num_kept_tokens), time.monotonic(), step=record)
+
+    def idle_outputs(self) -> EngineCoreOutputs:
+        """Stats (and with the live view, the block operations) of a moment without a step: after aborts."""
+        record = None if self.recorder is None else self.recorder.finish(self.scheduler, self.kv_cache.usage)
+        return EngineCoreOutputs(stats=self.stats(), timestamp=time.monotonic(), step=record)
 
     def _propose(self, requests: list[Request]) -> None:
         """Drafts for the next step, from the tokens just added (none while the batch is large)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -73,7 +72,7 @@ class EngineCoreProc:
                 self._send(self.core.step())
             elif changed:
                 # Aborts emptied the engine: report the idle stats so gauges drop to zero.
-                self._send(EngineCoreOutputs(stats=self.core.stats(), timestamp=time.monotonic()))
+                self._send(self.core.idle_outputs())
 
     def _drain_input(self) -> bool | None:
         """Apply every queued message. Returns whether requests changed, None on SHUTDOWN."""

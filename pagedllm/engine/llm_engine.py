@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.stat_logger import StatLogger
+from pagedllm.live_view.view import LiveView
 from pagedllm.models.loader import load_tokenizer, resolve_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -32,6 +35,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLogger() if log_stats else None
+        self.live_view = LiveView.for_engine(config, model_config, self.core.num_blocks) if config.live_view else None
 
     def prepare(
         self, request_id: str, prompt: PromptType, params: SamplingParams, cache_salt: str | None = None
@@ -47,6 +51,8 @@ class LLMEngine:
     def submit(self, request_id: str, text: str | None, core_requests: list[EngineCoreRequest], stream: bool = False) -> None:
         """Queue a request made by ``prepare``."""
         self.output_processor.add_request(request_id, text, core_requests, stream)
+        if self.live_view is not None:
+            self.live_view.on_arrival(core_requests)
         for r in core_requests:
             self.core.add_request(r)
 
@@ -63,7 +69,10 @@ class LLMEngine:
         self.submit(request_id, text, core_requests, stream)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        self.core.abort_requests(self.output_processor.child_ids(request_id))
+        child_ids = self.output_processor.child_ids(request_id)
+        self.core.abort_requests(child_ids)
+        if self.live_view is not None:
+            self.live_view.on_finish(child_ids, "abort", time.monotonic())
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -71,9 +80,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_out = self.core.step()
+        if self.live_view is not None:
+            self.live_view.on_outputs(core_out)
         outputs, to_abort = self.output_processor.process_outputs(core_out.outputs)
         if to_abort:
             self.core.abort_requests(to_abort)
+            if self.live_view is not None:
+                self.live_view.on_finish(to_abort, "stop", time.monotonic())
         if self.stat_logger is not None:
             num_gen = sum(len(o.new_token_ids) for o in core_out.outputs)
             num_batched = core_out.stats.num_batched_tokens if core_out.stats else 0

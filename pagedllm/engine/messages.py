@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.live_view.records import StepRecord
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -52,6 +53,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     timestamp: float = 0.0
     utility_call_id: int | None = None  # set on the reply to a utility call
     utility_result: Any = None
+    step: StepRecord | None = None  # with the live view on: what this step (or idle moment) did
 
 
 class RequestType(enum.IntEnum):

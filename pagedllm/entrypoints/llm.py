@@ -12,6 +12,7 @@ from tqdm import tqdm
 from pagedllm.config import DEFAULT_MODEL, EngineConfig, dtype_settings, parse_memory
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
+from pagedllm.live_view.trace import write_trace
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import InvalidParamError, SamplingParams, check_text
 
@@ -39,6 +40,9 @@ class LLM:
             or "int4" (groups of ``quantization_group_size``: 32, 64, 128), weight-only; "w8a8"
             (int8 weights and activations); None: as ``dtype`` decides. ``quantize_lm_head=True``
             quantizes the logits matmul too.
+        trace: a file path: record every engine step (the live view's records) and, after each
+            ``generate``/``chat``, write them there as Chrome Trace Event JSON (Perfetto,
+            chrome://tracing); the last ``live_view_steps`` steps (default 4096) are kept.
         **kwargs: any other ``EngineConfig`` field (block_size, enable_prefix_caching, ...).
 
     Raises:
@@ -55,6 +59,7 @@ class LLM:
         kv_cache_memory: int | str = "2GiB",
         speculative_config: dict[str, Any] | str | None = None,
         quantization: str | None = None,
+        trace: str | None = None,
         **kwargs: Any,
     ) -> None:
         settings = dtype_settings(dtype, kwargs.pop("kv_cache_dtype", "auto"), quantization)
@@ -65,8 +70,10 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_memory=parse_memory(kv_cache_memory),
             speculative_config=speculative_config,
+            live_view=trace is not None,
             **(kwargs | settings),
         )
+        self.trace = trace
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
 
@@ -88,6 +95,7 @@ class LLM:
         Raises:
             ValueError: if any prompt or parameter is invalid (an ``InvalidParamError`` naming
                 the field); nothing is queued then, so no earlier prompt of the list runs.
+            OSError: with ``trace``, if the trace file cannot be written (after generating).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -144,6 +152,8 @@ class LLM:
                     bar.update(1)
                     bar.set_postfix_str(f"output: {num_out / (time.perf_counter() - start):.1f} tok/s")
         bar.close()
+        if self.trace is not None:
+            write_trace(self.engine.live_view, self.trace)
         return [done[i] for i in request_ids]
 
 

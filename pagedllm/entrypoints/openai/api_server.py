@@ -13,6 +13,7 @@ import secrets
 import signal
 from collections.abc import AsyncIterator, Awaitable
 from types import FrameType
+from urllib.parse import parse_qs
 from typing import Any
 
 import uvicorn
@@ -38,6 +39,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.live_view.routes import live_view_router
 
 logger = logging.getLogger("pagedllm")
 
@@ -60,21 +62,29 @@ def http_error(status: int, message: str) -> OpenAIError:
 # -- ASGI middleware (pure ASGI: wrapping receive must not hide client disconnects) -----------
 # Routes anyone may call with --api-key set: probes and monitoring, which change nothing.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# Routes a browser opens itself (a page, its EventSource), which cannot send a header: the
+# key may come as the ``api_key`` query parameter instead.
+QUERY_KEY_PATHS = frozenset({"/dashboard", "/dashboard/events"})
 
 
 class BearerAuthMiddleware:
     """401 for a request whose ``Authorization: Bearer`` token is missing or wrong, on every
     route but ``OPEN_PATHS`` (so a new route, admin ones such as /reset_prefix_cache included,
-    is protected by default)."""
+    is protected by default); on ``QUERY_KEY_PATHS`` an ``api_key`` query parameter will do."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
+        self.api_key = api_key.encode()
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            ok = secrets.compare_digest(given, self.expected)
+            if not ok and scope["path"] in QUERY_KEY_PATHS:
+                query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+                ok = secrets.compare_digest(query.get("api_key", [""])[0].encode("latin-1"), self.api_key)
+            if not ok:
                 response = error_response(http_error(401, "missing or invalid API key (Authorization: Bearer ...)"))
                 await response(scope, receive, send)
                 return
@@ -226,6 +236,8 @@ def build_app(
         if bad:
             raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    app.include_router(live_view_router(engine.live_view))
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, bool]:

@@ -24,6 +24,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-body-size", default="16MiB", help="larger request bodies get 413")
     parser.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     parser.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    parser.add_argument("--enable-live-view", action="store_true",
+                        help="record every engine step; serve the live view at /dashboard and a trace at /debug/trace")
+    parser.add_argument("--live-view-steps", type=int, default=4096, help="engine steps the live view keeps")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -33,7 +36,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     kwargs = engine_kwargs(args)
     kwargs |= dtype_settings(kwargs.pop("dtype"), kwargs.pop("kv_cache_dtype"), kwargs.pop("quantization"))
     kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])
-    return EngineConfig(**kwargs)
+    live_view = getattr(args, "enable_live_view", False)  # serve's flags; other commands lack them
+    return EngineConfig(**kwargs, live_view=live_view, live_view_steps=getattr(args, "live_view_steps", 4096))
 
 
 def run_serve(args: argparse.Namespace) -> None:

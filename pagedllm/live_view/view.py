@@ -1,0 +1,214 @@
+"""The front end's live view: a ring buffer of step records, request lifecycles and the block map."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.core.kv_cache_groups import kv_cache_groups
+from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.live_view.block_map import BlockMap
+from pagedllm.live_view.records import StepRecord
+
+DEFAULT_STEPS = 4096  # ring buffer length: the last few thousand steps
+DEFAULT_REQUESTS = 512  # request timelines kept (finished ones are dropped oldest first)
+_MAX_SEGMENTS = 256  # per request; later steps extend the last segment
+_RATE_WINDOW_S = 5.0  # tokens/s are averaged over the steps of this many seconds
+
+
+@dataclass
+class RequestTimeline:
+    """One engine-core request's life. Times are ``time.monotonic()`` seconds; None: not yet."""
+
+    request_id: str
+    arrival: float
+    num_prompt_tokens: int
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    cached_tokens: int = 0  # prefix-cache hit tokens at (first) admission
+    preemptions: list[float] = field(default_factory=list)
+    # [start, end, kind ("prefill" | "decode"), last step index]; consecutive decode steps merge.
+    segments: list[list[Any]] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    def add_step(self, record: StepRecord, kind: str) -> None:
+        last = self.segments[-1] if self.segments else None
+        mergeable = last is not None and last[2] == kind == "decode" and last[3] == record.index - 1
+        if mergeable or len(self.segments) >= _MAX_SEGMENTS:
+            last[1], last[3] = record.end, record.index
+        else:
+            self.segments.append([record.start, record.end, kind, record.index])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.request_id, "arrival": self.arrival, "prompt": self.num_prompt_tokens,
+            "scheduled": self.first_scheduled, "first_token": self.first_token, "last_token": self.last_token,
+            "finished": self.finished, "reason": self.finish_reason, "output": self.num_output_tokens,
+            "cached": self.cached_tokens, "ttft": self.ttft, "preemptions": self.preemptions,
+            "segments": [s[:3] for s in self.segments],
+        }
+
+
+class LiveView:
+    """Everything the dashboard and the trace export show, fed with every ``EngineCoreOutputs``.
+
+    Args:
+        num_blocks: blocks in the KV cache pool.
+        block_size: token slots per block.
+        group_windows: per KV cache group, its sliding window in tokens (0: global attention).
+        max_num_batched_tokens: the scheduler's token budget per step.
+        max_steps: step records kept (a ring buffer: the oldest are dropped).
+        max_requests: request timelines kept; finished ones are dropped oldest first.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, group_windows: list[int], max_num_batched_tokens: int,
+        max_steps: int = DEFAULT_STEPS, max_requests: int = DEFAULT_REQUESTS,
+    ) -> None:
+        if max_steps < 1 or max_requests < 1:
+            raise ValueError(f"max_steps and max_requests must be at least 1, got {max_steps}, {max_requests}")
+        self.block_size = block_size
+        self.group_windows = group_windows
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.blocks = BlockMap(num_blocks)
+        self.steps: deque[StepRecord] = deque(maxlen=max_steps)
+        self.output_tokens: deque[int] = deque(maxlen=max_steps)  # tokens emitted, per step in ``steps``
+        self.requests: OrderedDict[str, RequestTimeline] = OrderedDict()
+        self.max_requests = max_requests
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens of admitted requests (first admission)
+        self.prefix_hits = 0
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> LiveView:
+        """The view of an engine built from ``config`` with ``num_blocks`` KV blocks."""
+        windows = [g.window for g in kv_cache_groups(model_config)]
+        return cls(num_blocks, config.block_size, windows, config.max_num_batched_tokens, config.live_view_steps)
+
+    # -- feeding -------------------------------------------------------------------------
+    def on_arrival(self, requests: list[EngineCoreRequest]) -> None:
+        """Start the timelines of newly queued engine-core requests."""
+        for r in requests:
+            self.requests[r.request_id] = RequestTimeline(r.request_id, r.arrival_time, len(r.prompt_token_ids))
+        self._trim_requests()
+
+    def on_finish(self, request_ids: list[str], reason: str, now: float) -> None:
+        """Finish requests the front end ended (abort, stop string): the core reports nothing for them."""
+        for rid in request_ids:
+            timeline = self.requests.get(rid)
+            if timeline is not None and timeline.finished is None:
+                timeline.finished, timeline.finish_reason = now, reason
+
+    def on_outputs(self, out: EngineCoreOutputs) -> None:
+        """Apply one message from the core: its step record (if any) and its new tokens."""
+        record = out.step
+        if record is not None:
+            self._on_step(record)
+        num_output = 0
+        for o in out.outputs:
+            timeline = self.requests.get(o.request_id)
+            num_output += len(o.new_token_ids)
+            if timeline is None:
+                continue
+            if o.new_token_ids:
+                if timeline.first_token is None:
+                    timeline.first_token = out.timestamp
+                timeline.last_token = out.timestamp
+                timeline.num_output_tokens += len(o.new_token_ids)
+            if o.finish_reason is not None and timeline.finished is None:
+                timeline.finished, timeline.finish_reason = out.timestamp, o.finish_reason
+        if record is not None and record.scheduled:
+            self.output_tokens.append(num_output)
+
+    def _on_step(self, record: StepRecord) -> None:
+        self.blocks.apply(record.ops)
+        record.ops = []  # applied; the ring keeps the step's shape only
+        for rid in record.preempted:
+            self.num_preemptions += 1
+            timeline = self.requests.get(rid)
+            if timeline is not None:
+                timeline.preemptions.append(record.start)
+        if not record.scheduled:
+            return  # an idle moment (aborts): blocks only, no step to show
+        self.steps.append(record)
+        for entry in record.scheduled:
+            timeline = self.requests.get(entry.request_id)
+            if timeline is None:
+                continue
+            if timeline.first_scheduled is None:
+                timeline.first_scheduled = record.start
+                timeline.cached_tokens = max(entry.cached, 0)
+                self.prefix_queries += timeline.num_prompt_tokens
+                self.prefix_hits += max(entry.cached, 0)
+            timeline.add_step(record, "prefill" if entry.prefill else "decode")
+
+    def _trim_requests(self) -> None:
+        excess = len(self.requests) - self.max_requests
+        if excess <= 0:
+            return
+        for rid in [rid for rid, t in self.requests.items() if t.finished is not None][:excess]:
+            del self.requests[rid]
+
+    # -- reading -------------------------------------------------------------------------
+    def headline(self) -> dict[str, Any]:
+        """Queue lengths, KV usage, prefix hit rate, tokens/s in and out, preemptions."""
+        last = self.steps[-1] if self.steps else None
+        prefill = output = 0
+        span = 0.0
+        if last is not None:
+            since = last.end - _RATE_WINDOW_S
+            first = last
+            for record, num_out in zip(reversed(self.steps), reversed(self.output_tokens)):
+                if record.end < since:
+                    break
+                prefill += sum(e.prefill for e in record.scheduled)
+                output += num_out
+                first = record
+            span = last.end - first.start
+        return {
+            "running": last.num_running if last else 0,
+            "waiting": last.num_waiting if last else 0,
+            "kv_usage": last.kv_usage if last else 0.0,
+            "prefix_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else None,
+            "tokens_in_per_s": prefill / span if span > 0 else 0.0,
+            "tokens_out_per_s": output / span if span > 0 else 0.0,
+            "preemptions": self.num_preemptions,
+            "steps": last.index + 1 if last else 0,
+        }
+
+    def snapshot(self, num_steps: int = 300, num_requests: int = 40) -> dict[str, Any]:
+        """What the page draws: the last ``num_steps`` steps, recent requests, the block map.
+
+        Steps are ``[index, start, end, prefill, decode, draft, preempted, running, waiting]``.
+        Requests: every unfinished one, then the most recently arrived, ``num_requests`` in all.
+        """
+        steps = [
+            [r.index, r.start, r.end, sum(e.prefill for e in r.scheduled), sum(e.decode for e in r.scheduled),
+             sum(e.draft for e in r.scheduled), len(r.preempted), r.num_running, r.num_waiting]
+            for r in list(self.steps)[-num_steps:]
+        ]
+        recent = list(self.requests.values())[::-1]
+        shown = [t for t in recent if t.finished is None][:num_requests]
+        shown += [t for t in recent if t.finished is not None][: num_requests - len(shown)]
+        shown.sort(key=lambda t: t.arrival)
+        return {
+            "now": time.monotonic(),
+            "config": {
+                "num_blocks": self.blocks.num_blocks, "block_size": self.block_size,
+                "group_windows": self.group_windows, "max_num_batched_tokens": self.max_num_batched_tokens,
+            },
+            "headline": self.headline(),
+            "steps": steps,
+            "requests": [t.to_json() for t in shown],
+            "blocks": self.blocks.snapshot(),
+        }

@@ -1,0 +1,219 @@
+"""The live view's records and trace: block accounting by replay, Trace Event format, the ring buffer."""
+
+import json
+import random
+
+import pytest
+
+from pagedllm.core.kv_cache_groups import KVCacheGroup
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from pagedllm.live_view.block_map import BlockMap
+from pagedllm.live_view.recorder import StepRecorder
+from pagedllm.live_view.records import StepRecord
+from pagedllm.live_view.trace import trace_events
+from pagedllm.live_view.view import LiveView
+from pagedllm.sampling_params import SamplingParams
+
+EOS = 2
+BS = 4
+GLOBAL = (KVCacheGroup((0,), 0),)
+HYBRID = (KVCacheGroup((0,), 0), KVCacheGroup((1,), 8))  # one global group, one sliding window of 8
+
+
+def make_engine(groups, num_blocks=20, budget=24):
+    kv = KVCacheManager(num_blocks, BS, True, groups)
+    recorder = StepRecorder()
+    kv.recorder = recorder
+    return Scheduler(kv, 6, budget, 256), recorder
+
+
+def make_request(rid, rng, prefixes):
+    prompt = rng.choice(prefixes) + [rng.randint(10, 90) for _ in range(rng.randint(1, 14))]
+    params = SamplingParams(max_tokens=rng.randint(2, 12), ignore_eos=True)
+    return Request(rid, prompt, params, [EOS], 256)
+
+
+def fake_step(sched, recorder, rng) -> StepRecord:
+    """What EngineCore.step does, with a fake model that accepts a random run of each request's drafts."""
+    for r in sched.running:  # a proposer's drafts for some decoding requests
+        if r.num_output_tokens and rng.random() < 0.4:
+            r.spec_token_ids = [rng.randint(10, 90) for _ in range(rng.randint(1, 3))]
+    recorder.begin(sched)
+    out = sched.schedule()
+    entries = recorder.entries(out)
+    sampled = []
+    for s in out.scheduled:
+        accepted = s.spec_token_ids[: rng.randint(0, len(s.spec_token_ids))]
+        sampled.append(accepted + [7] if s.samples else [])
+    sched.update_from_output(out, sampled)
+    return recorder.finish(sched, sched.kv_cache.usage, entries, out, sampled)
+
+
+def assert_replay_matches(block_map: BlockMap, kv: KVCacheManager) -> None:
+    pool = kv.pool
+    assert block_map.ref == [b.ref_cnt for b in pool.blocks]
+    assert block_map.cached == [b.block_hash is not None for b in pool.blocks]
+    expected: dict[int, dict[str, int]] = {}
+    for rid, tables in kv.req_blocks.items():
+        for g, blocks in enumerate(tables):
+            for i, b in enumerate(blocks):
+                if b is not None:
+                    expected.setdefault(b.block_id, {})[rid] = i
+                    assert block_map.group[b.block_id] == g
+    assert {b: h for b, h in enumerate(block_map.holders) if h} == expected
+
+
+def scripted_run(groups, seed):
+    """A run with shared prefixes, preemptions, drafts, aborts and a prefix-cache reset; yields each record."""
+    rng = random.Random(seed)
+    sched, recorder = make_engine(groups)
+    prefixes = [[rng.randint(10, 90) for _ in range(8)] for _ in range(3)]
+    for i in range(24):
+        sched.add_request(make_request(f"r{i}", rng, prefixes))
+        yield fake_step(sched, recorder, rng), sched
+        if i % 7 == 6 and sched.running:  # an abort between steps
+            sched.finish_requests([sched.running[0].request_id], RequestStatus.FINISHED_ABORTED)
+    while sched.num_unfinished:
+        yield fake_step(sched, recorder, rng), sched
+    assert sched.kv_cache.reset_prefix_cache()
+    yield recorder.finish(sched, sched.kv_cache.usage), sched  # the idle record after the reset
+
+
+@pytest.mark.parametrize("groups", [GLOBAL, HYBRID], ids=["global", "sliding-window"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_replaying_block_ops_reproduces_the_pool_after_every_step(groups, seed):
+    block_map = BlockMap(20)
+    kinds = set()
+    preempted = 0
+    for record, sched in scripted_run(groups, seed):
+        block_map.apply(record.ops)
+        assert_replay_matches(block_map, sched.kv_cache)
+        kinds |= {op.kind for op in record.ops}
+        preempted += len(record.preempted)
+    assert kinds == {0, 1, 2, 3, 4}  # new, hit, free, cached and reset all happened
+    assert preempted > 0
+    assert all(r == 0 for r in block_map.ref)
+
+
+def test_step_entries_count_every_scheduled_token():
+    hits = 0
+    for record, _ in scripted_run(GLOBAL, 3):
+        for e in record.scheduled:
+            assert e.prefill >= 0 and e.decode in (0, 1) and 0 <= e.accepted <= e.draft
+            hits += max(e.cached, 0)
+        assert record.start <= record.end
+        assert record.num_running >= 0 and 0.0 <= record.kv_usage <= 1.0
+    assert hits > 0  # shared prefixes were hit at admission
+
+
+def feed_view(max_steps=4096):
+    """A LiveView fed as the front end feeds it: arrivals, then every record with its outputs."""
+    view = LiveView(20, BS, [0], 24, max_steps=max_steps)
+    seen = set()
+    for record, sched in scripted_run(GLOBAL, 4):
+        for rid, r in sched.requests.items():
+            if rid not in seen:
+                seen.add(rid)
+                view.on_arrival([EngineCoreRequest(rid, r.prompt_token_ids, r.sampling_params, [EOS], r.arrival_time)])
+        outputs = [EngineCoreOutput(e.request_id, [7] if e.decode or e.prefill else []) for e in record.scheduled]
+        view.on_outputs(EngineCoreOutputs(outputs, timestamp=record.end, step=record))
+    return view
+
+
+def test_ring_buffer_is_bounded_and_keeps_the_latest_steps():
+    view = feed_view(max_steps=10)
+    assert len(view.steps) == 10
+    indices = [r.index for r in view.steps]
+    assert indices == sorted(indices)
+    snapshot = json.loads(json.dumps(view.snapshot()))
+    assert len(snapshot["steps"]) == 10
+    assert snapshot["headline"]["preemptions"] > 0
+    assert len(snapshot["blocks"]["ref"]) == 20
+
+
+def test_trace_has_trace_event_keys_monotonic_tracks_and_one_track_per_request():
+    view = feed_view()
+    trace = json.loads(json.dumps(trace_events(view)))
+    events = trace["traceEvents"]
+    assert events
+    last_ts: dict[tuple[int, int], float] = {}
+    for e in events:
+        assert {"name", "ph", "ts", "pid", "tid"} <= e.keys()
+        assert e["ph"] in ("X", "i", "C", "M")
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+        if e["ph"] == "M":
+            continue
+        track = (e["pid"], e["tid"])
+        assert e["ts"] >= last_ts.get(track, 0.0)
+        last_ts[track] = e["ts"]
+    names = [e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 2]
+    assert sorted(names) == sorted(view.requests)
+    assert len(set(names)) == len(names)
+    tids = {e["tid"] for e in events if e["pid"] == 2 and e["ph"] != "M"}
+    assert tids == set(range(1, len(view.requests) + 1))
+    steps = [e for e in events if e["pid"] == 1 and e["ph"] == "X"]
+    assert len(steps) == len(view.steps)
+
+
+def test_llm_trace_file_has_a_track_per_request(tmp_path):
+    from pagedllm import LLM, SamplingParams
+
+    path = tmp_path / "trace.json"
+    llm = LLM(trace=str(path), kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=64)
+    prompts = ["The paged KV cache", "Continuous batching means", "A prefix cache hit"]
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    events = json.loads(path.read_text())["traceEvents"]
+    tracks = [e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 2]
+    assert sorted(tracks) == ["0-0", "1-0", "2-0"]
+    steps = [e for e in events if e["pid"] == 1 and e["ph"] == "X"]
+    assert sum(e["args"]["prefill"] for e in steps) == sum(len(llm.get_tokenizer().encode(p)) for p in prompts)
+    assert llm.engine.live_view.blocks.ref == [0] * llm.engine.core.num_blocks  # every block back in the pool
+
+
+def live_view_app(view, api_key=None):
+    from fastapi import FastAPI
+
+    from pagedllm.entrypoints.openai.api_server import BearerAuthMiddleware
+    from pagedllm.live_view.routes import live_view_router
+
+    app = FastAPI()
+    app.include_router(live_view_router(view))
+    if api_key:
+        app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+    return app
+
+
+def test_page_is_self_contained_and_trace_is_served():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(live_view_app(feed_view()))
+    page = client.get("/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/*DASHBOARD_JS*/" not in page.text and "EventSource" in page.text
+    assert "http://" not in page.text and "https://" not in page.text  # no CDN, no external asset
+    assert client.get("/debug/trace").json()["traceEvents"]
+
+
+def test_routes_answer_404_when_the_live_view_is_off():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(live_view_app(None))
+    for path in ("/dashboard", "/dashboard/events", "/debug/trace"):
+        response = client.get(path)
+        assert response.status_code == 404 and "--enable-live-view" in response.text
+
+
+def test_api_key_as_query_parameter_only_on_the_page_routes():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(live_view_app(feed_view(), api_key="k"))
+    assert client.get("/dashboard").status_code == 401
+    assert client.get("/dashboard?api_key=wrong").status_code == 401
+    assert client.get("/dashboard?api_key=k").status_code == 200
+    assert client.get("/dashboard", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert client.get("/debug/trace?api_key=k").status_code == 401  # a download: the header, as elsewhere
+    assert client.get("/debug/trace", headers={"Authorization": "Bearer k"}).status_code == 200

@@ -1,0 +1,117 @@
+"""The live view in a real browser: headless Chromium (Debian's ``chromium`` and ``chromium-driver``
+packages, driven by Selenium) on a live server while 16 requests run in a small KV cache.
+
+Skipped, with the reason, where Selenium or the Debian packages are missing
+(``apt-get install -y chromium chromium-driver; pip install selenium``). The screenshot is
+saved in the test's temporary directory, and also at ``$PAGEDLLM_LIVE_VIEW_SCREENSHOT`` if set.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server import Server, _start_server, _stop
+
+API_KEY = "live-key"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+WAIT_S = 180  # generous: two shared cores
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+    pytest.skip("Debian's chromium and chromium-driver are not installed (apt-get install -y chromium chromium-driver)",
+                allow_module_level=True)
+
+from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # 24 MiB of bfloat16 K/V is 68 blocks of 16 tokens: 16 requests of up to ~280 tokens do not
+    # fit, so some are preempted.
+    s = _start_server(
+        tmp_path_factory.mktemp("live"), "--enable-live-view", "--api-key", API_KEY, "--kv-cache-memory", "24MiB",
+        "--max-model-len", "512", "--max-num-batched-tokens", "256", "--disable-log-stats",
+    )
+    yield s
+    _stop(s)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[webdriver.Chrome]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1050"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def _send_requests(url: str, n: int) -> list[threading.Thread]:
+    """``n`` completions at once, half of them behind one shared system prompt (prefix-cache hits)."""
+    shared = "You are a careful assistant who answers questions about the history of computing. " * 4
+
+    def one(i: int) -> None:
+        prompt = (shared if i % 2 else "") + f"Question {i}: tell me about machine number {i}, in detail. " * (1 + i % 3)
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 64 + 16 * (i % 5), "temperature": 0}
+        httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    return threads
+
+
+def _data(driver: webdriver.Chrome, name: str) -> int:
+    return int(driver.execute_script(f"return document.body.dataset.{name} || '0'"))
+
+
+def test_dashboard_needs_the_key(server: Server, browser: webdriver.Chrome) -> None:
+    browser.get(f"{server.url}/dashboard")
+    assert "missing or invalid API key" in browser.page_source
+    assert httpx.get(f"{server.url}/dashboard/events", timeout=10).status_code == 401
+    assert httpx.get(f"{server.url}/debug/trace", timeout=10).status_code == 401
+
+
+def test_dashboard_shows_blocks_steps_and_requests_under_load(
+    server: Server, browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    browser.get(f"{server.url}/dashboard?api_key={API_KEY}")
+    wait = WebDriverWait(browser, WAIT_S, poll_frequency=0.2)
+    wait.until(lambda d: _data(d, "frames") >= 2)  # the event stream is live
+    threads = _send_requests(server.url, 16)
+    wait.until(lambda d: _data(d, "heldBlocks") > 0 and _data(d, "steps") > 0)
+    wait.until(lambda d: _data(d, "requests") >= 16)
+    steps_before = _data(browser, "steps")
+    wait.until(lambda d: _data(d, "steps") > steps_before)  # the timeline gains bars
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".row[data-finished='length'], .row[data-finished='stop']"))
+    try:  # a preemption makes the screenshot tell more; not asserted: it depends on timing
+        WebDriverWait(browser, 20, poll_frequency=0.2).until(lambda d: _data(d, "preemptions") > 0)
+    except TimeoutException:
+        pass
+    time.sleep(1.0)  # a few more frames: the page under load, some requests finished
+    shot = tmp_path / "live_view.png"
+    browser.save_screenshot(str(shot))
+    if os.environ.get("PAGEDLLM_LIVE_VIEW_SCREENSHOT"):
+        shutil.copy(shot, os.environ["PAGEDLLM_LIVE_VIEW_SCREENSHOT"])
+    finished = browser.find_elements(By.CSS_SELECTOR, ".row[data-finished='length'], .row[data-finished='stop']")
+    assert "TTFT" in finished[0].text
+    finished[0].click()  # selects the request: its row is marked, the map dims the others
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".row.selected"))
+    for t in threads:
+        t.join(WAIT_S)
+    trace = httpx.get(f"{server.url}/debug/trace", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
+    request_tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["pid"] == 2
+                      and e["name"] == "thread_name"}
+    assert len(request_tracks) >= 16
