@@ -49,6 +49,11 @@ def check_text(value: object, field: str) -> str:
     return value
 
 
+def _nested(parent: str, param: str) -> str:
+    """``param`` of a nested struct's error as a dotted path from the request's field."""
+    return param if param == parent or param.startswith(parent + ".") else f"{parent}.{param}"
+
+
 def _check_int(field: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidParamError(field, f"{field} must be an integer, got {value!r}")
@@ -209,7 +214,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             try:
                 self.structured_outputs.check()
             except InvalidParamError as e:
-                raise InvalidParamError(f"structured_outputs.{e.param}", str(e)) from None
+                raise InvalidParamError(_nested("structured_outputs", e.param), str(e)) from None
 
     @staticmethod
     def _checked_logit_bias(bias: object) -> dict[int, float]:

@@ -11,6 +11,7 @@ builds matchers; it knows nothing of requests or batches.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import llguidance
@@ -24,14 +25,13 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 _LOG_LEVEL = 0
 
 
-def grammar_text(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar (its JSON form) for ``params``.
+def grammar_text(kind: str, text: str) -> str:
+    """The llguidance grammar (its JSON form) for a constraint, given as ``params.key``.
 
     Raises:
         InvalidParamError: a ``json`` schema that is not a JSON object, or a grammar that
             is neither Lark nor GBNF (``param`` names the field).
     """
-    kind, text = params.key
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
     if kind == "json":
@@ -42,30 +42,35 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "choice":
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
     try:  # Lark as is; GBNF (``root ::= ...``) converted to Lark
         return llguidance.grammar_from("grammar", text)
     except ValueError as e:
         raise InvalidParamError("grammar", f"grammar is neither a Lark nor a GBNF grammar: {e}") from None
 
 
+@functools.lru_cache(maxsize=256)
+def _checked(kind: str, text: str) -> str:
+    grammar = grammar_text(kind, text)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        what = "schema" if kind in ("json", "json_object") else kind
+        raise InvalidParamError(kind, f"the {what} cannot be compiled: {error.strip()}")
+    return grammar
+
+
 def check(params: StructuredOutputsParams) -> str:
     """Compile-check ``params``; return its grammar text (what ``Compiler.compile`` takes).
 
     Runs the llguidance compiler without a tokenizer (about a millisecond for a typical
-    schema), so the API process can refuse a bad grammar before it reaches the engine core.
+    schema; the last 256 results are cached), so the API process can refuse a bad grammar
+    before it reaches the engine core.
 
     Raises:
         InvalidParamError: the schema, regex or grammar does not compile; the message is
             llguidance's (``param`` names the field: ``json``, ``regex``, ``choice``, ...).
     """
-    grammar = grammar_text(params)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        kind = params.kind
-        what = "schema" if kind in ("json", "json_object") else kind
-        raise InvalidParamError(kind, f"the {what} cannot be compiled: {error.strip()}")
-    return grammar
+    return _checked(*params.key)
 
 
 class Compiler:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from pagedllm.sampling_params import InvalidParamError, check_text
 
 
@@ -95,7 +96,13 @@ class SamplingRequest(RequestModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: structured output is unsupported
+    # Structured outputs (entrypoints/openai/structured_outputs.py): at most one of these.
+    response_format: dict[str, Any] | None = None  # OpenAI's: text | json_object | json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json | regex | choice | grammar | json_object
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None  # a hint to OpenAI; ignored
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
 
@@ -103,11 +110,7 @@ class SamplingRequest(RequestModel):
         super().check()
         if self.stream_options is not None and not self.stream:
             raise InvalidParamError("stream_options", "stream_options is only allowed with stream: true")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise InvalidParamError(
-                "response_format",
-                f"response_format {self.response_format.get('type')!r} is not supported; only {{'type': 'text'}}",
-            )
+        structured_outputs_params(self)
 
     @property
     def include_usage(self) -> bool:
