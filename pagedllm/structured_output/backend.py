@@ -20,6 +20,10 @@ import llguidance.hf
 from pagedllm.sampling_params import InvalidParamError
 from pagedllm.structured_output.params import StructuredOutputsParams
 
+# Compact JSON, no whitespace between tokens (as vLLM's disable_any_whitespace):
+# with free whitespace, small models loop on newlines until max_tokens. A schema's own
+# "x-guidance" options override this.
+_JSON_OPTIONS = {"whitespace_flexible": False}
 # Matchers never raise on a bad grammar: they enter an error state. Grammar errors are
 # found by ``check`` before a request is queued.
 _LOG_LEVEL = 0
@@ -33,10 +37,10 @@ def grammar_text(kind: str, text: str) -> str:
             is neither Lark nor GBNF (``param`` names the field).
     """
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
     if kind == "json":
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(text)
+            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
         except ValueError as e:
             raise InvalidParamError("json", f"json is not a JSON schema object: {e}") from None
     if kind == "regex":

@@ -87,7 +87,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                     value = jsonlib.loads(value)
                 except ValueError as e:
                     raise InvalidParamError("json", f"json is not valid JSON: {e}") from None
-            return kind, jsonlib.dumps(value, sort_keys=True, separators=(",", ":"))
+            # Key order kept: llguidance emits properties in the schema's order.
+            return kind, jsonlib.dumps(value, separators=(",", ":"))
         if kind == "choice":
             return kind, jsonlib.dumps(list(value))
         return kind, "" if kind == "json_object" else value
