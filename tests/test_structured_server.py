@@ -23,7 +23,8 @@ from tests.test_server import MODEL, Server, _start_server, _stop
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start_server(tmp_path_factory.mktemp("structured"))
+    # float32: outputs independent of batching and prefix-cache hits, so streamed == non-streamed.
+    s = _start_server(tmp_path_factory.mktemp("structured"), "--dtype", "float32")
     yield s
     _stop(s)
 
@@ -161,3 +162,100 @@ def test_bad_constraints_are_400_naming_the_field(http: httpx.Client, path: str,
     assert error["type"] == "BadRequestError" and error["code"] == 400
     assert error["param"] == param, error
     assert http.get("/health").status_code == 200
+
+
+# -- tool calling -----------------------------------------------------------------------------
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}}, "required": ["zone"],
+         "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}},
+]
+ASK = _messages("What's the weather in Paris?")
+
+
+def _streamed_calls(client: openai.OpenAI, **kwargs) -> tuple[str, dict[int, dict], str | None]:
+    """(content, index -> {id, name, arguments}, finish reason) joined from a stream's deltas."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        finish = chunk.choices[0].finish_reason or finish
+        content += delta.content or ""
+        for piece in delta.tool_calls or []:
+            call = calls.setdefault(piece.index, {"id": None, "name": None, "arguments": ""})
+            if piece.id:
+                assert call["id"] is None and call["arguments"] == ""  # id and name come first
+                call["id"], call["name"] = piece.id, piece.function.name
+            call["arguments"] += piece.function.arguments or ""
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_tool_choice_constrains_the_arguments(client: openai.OpenAI, tool_choice) -> None:
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=60)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    named = isinstance(tool_choice, dict)
+    assert choice.finish_reason == ("stop" if named else "tool_calls")
+    assert choice.message.content is None and choice.message.tool_calls
+    schemas = {"get_weather": WEATHER, "get_time": CLOCK}
+    for call in choice.message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if named:
+        assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    content, calls, finish = _streamed_calls(client, **kwargs)
+    assert content == "" and finish == choice.finish_reason
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_tool_choice_auto_and_none_leave_plain_text_as_content(client: openai.OpenAI) -> None:
+    for tool_choice in ("auto", "none"):
+        kwargs = dict(model=MODEL, messages=_messages("Say hello."), tools=TOOLS, tool_choice=tool_choice,
+                      temperature=0, max_tokens=12)
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.message.content and not choice.message.tool_calls and choice.finish_reason != "tool_calls"
+        content, calls, _ = _streamed_calls(client, **kwargs)
+        assert content == choice.message.content and not calls
+
+
+def test_tool_result_conversation_continues(client: openai.OpenAI) -> None:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    choice = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0,
+                                            max_tokens=12).choices[0]
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+
+
+BAD_TOOLS = [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nowhere"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
+      "tool_choice": "required"}, "tools.0.function.parameters"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_TOOLS, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_TOOLS)])
+def test_bad_tools_are_400_naming_the_field(http: httpx.Client, fields: dict, param: str) -> None:
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **fields})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "BadRequestError" and error["param"] == param, error

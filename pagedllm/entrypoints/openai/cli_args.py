@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pagedllm.config import EngineConfig, dtype_settings, parse_memory
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pagedllm")
 
@@ -24,6 +25,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-body-size", default="16MiB", help="larger request bodies get 413")
     parser.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     parser.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    parser.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                        help='format of the tool calls a model writes, read for tool_choice "auto"')
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -56,7 +59,7 @@ def run_serve(args: argparse.Namespace) -> None:
         logger.error("%s", e)
         sys.exit(1)
     try:
-        app = build_app(engine, name, args.api_key, max_body)
+        app = build_app(engine, name, args.api_key, max_body, args.tool_call_parser)
         server = ApiServer(
             uvicorn.Config(app, host=args.host, port=args.port, access_log=not args.disable_access_log,
                            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_TIMEOUT_S),
