@@ -56,11 +56,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(tmp_path: Path, *extra: str) -> Server:
+def _start_server(tmp_path: Path, *extra: str, model: str = MODEL) -> Server:
     port = _free_port()
     log = tmp_path / f"server-{port}.log"
     cmd = [
-        sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", MODEL,
+        sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", model,
         "--port", str(port), "--kv-cache-memory", "512MiB", "--max-model-len", str(MAX_MODEL_LEN),
         "--disable-access-log", *extra,
     ]
