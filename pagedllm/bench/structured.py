@@ -108,16 +108,22 @@ def bench_throughput(args: argparse.Namespace) -> None:
         ("unconstrained", SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)),
         ("json schema", SamplingParams(temperature=0.0, max_tokens=args.output_len, structured_outputs=structured)),
     ]
-    llm.chat(prompts[:1], runs[1][1], use_tqdm=False)  # warm-up: tokenizer build, first compile
-    rates = {}
-    for label, params in runs:
-        start = time.perf_counter()
-        outputs = llm.chat(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        rates[label] = tokens / elapsed
-        print(f"[{label}] {len(prompts)} requests, {tokens} output tokens in {elapsed:.2f} s: {rates[label]:.1f} tok/s")
-    print(f"constrained / unconstrained output tok/s: {rates['json schema'] / rates['unconstrained']:.2f}")
+    for _, params in runs:  # warm-up: kernels, the grammar tokenizer and the first compile
+        llm.chat(prompts[:1], params, use_tqdm=False)
+    rates: dict[str, list[float]] = {label: [] for label, _ in runs}
+    for _ in range(args.rounds):  # interleaved, so a busy spell on shared cores hits both alike
+        for label, params in runs:
+            llm.engine.core.reset_prefix_cache()  # same prompts: neither run may reuse the other's prefill
+            start = time.perf_counter()
+            outputs = llm.chat(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            rates[label].append(tokens / elapsed)
+            print(f"[{label}] {len(prompts)} requests, {tokens} output tokens in {elapsed:.2f} s: "
+                  f"{rates[label][-1]:.1f} tok/s")
+    best = {label: max(r) for label, r in rates.items()}
+    print(f"best of {args.rounds}: constrained / unconstrained output tok/s: "
+          f"{best['json schema']:.1f} / {best['unconstrained']:.1f} = {best['json schema'] / best['unconstrained']:.2f}")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -137,4 +143,5 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=96, help="max_tokens of every request")
     parser.add_argument("--repeats", type=int, default=20, help="compilations timed")
     parser.add_argument("--steps", type=int, default=60, help="mask steps timed per batch size")
+    parser.add_argument("--rounds", type=int, default=2, help="throughput runs of each kind, interleaved; best kept")
     parser.add_argument("--skip-throughput", action="store_true", help="only the compile and mask figures")
