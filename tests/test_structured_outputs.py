@@ -75,6 +75,12 @@ def test_json_regex_choice_grammar(llm, greedy):
     assert re.fullmatch(r"x=[0-9]{2};", outs[2].outputs[0].text)
 
 
+def test_stop_string_cuts_a_constrained_output(llm, greedy):
+    out = llm.generate(CHAT, json_params(temperature=0, stop=[","]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == ","
+    assert out.text == greedy["json"].split(",")[0]
+
+
 def test_json_object_and_cut_output_is_length(llm):
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json_object=True))
     out = llm.generate(CHAT, params, use_tqdm=False)[0].outputs[0]
@@ -112,8 +118,10 @@ def test_sampled_n3_outputs_valid(llm):
         {"max_num_batched_tokens": 8},  # chunked prefill
         {"num_gpu_blocks_override": 12, "block_size": 8, "enable_prefix_caching": False},  # preemption
         {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}},
+        # The model drafting for itself: drafts with probabilities, cut to the grammar's prefix.
+        {"speculative_config": {"method": "draft_model", "model": "SmolLM2-135M-Instruct", "num_speculative_tokens": 3}},
     ],
-    ids=["chunked-prefill", "preemption", "ngram-spec"],
+    ids=["chunked-prefill", "preemption", "ngram-spec", "draft-model-spec"],
 )
 def test_features_keep_outputs_valid_and_greedy_unchanged(greedy, features):
     engine = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, **features)
