@@ -89,7 +89,6 @@ class Compiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         # ~1 s for a 49k vocabulary: build once, in the compile thread.
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
-        self.vocab_size = vocab_size
 
     def compile(self, grammar: str) -> llguidance.LLMatcher:
         """A matcher in its initial state for ``grammar`` (from ``check``).
