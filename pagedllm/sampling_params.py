@@ -8,6 +8,8 @@ from collections.abc import Mapping
 
 import msgspec
 
+from pagedllm.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 _INT64 = 2**63  # msgpack carries signed 64-bit integers; anything wider cannot reach the core
 MAX_LOGPROBS = 20
@@ -45,6 +47,11 @@ def check_text(value: object, field: str) -> str:
             field, f"{field} is not valid Unicode text: lone surrogate U+{ord(value[e.start]):04X} at index {e.start}"
         ) from None
     return value
+
+
+def _nested(parent: str, param: str) -> str:
+    """``param`` of a nested struct's error as a dotted path from the request's field."""
+    return param if param == parent or param.startswith(parent + ".") else f"{parent}.{param}"
 
 
 def _check_int(field: str, value: object) -> int:
@@ -97,6 +104,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     OpenAI's semantics; str keys such as JSON's are accepted). The vocabulary bound on token ids
     is checked by ``Processor``, which knows the model.
 
+    ``structured_outputs`` constrains the output to a JSON schema, regex, choice or grammar
+    (``StructuredOutputsParams``); the engine masks the logits each step so nothing else can
+    be sampled. ``Processor`` compiles it before queueing, so a bad one is refused up front.
+
     Raises:
         InvalidParamError (a ValueError): at construction, for a value of the wrong type or
             outside its range; the message names the field, the value and the range.
@@ -125,6 +136,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None  # set by Processor from bad_words
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -196,6 +208,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             for ids in self.bad_words_token_ids:
                 if not _check_token_ids("bad_words", ids):
                     raise bad("bad_words", self.bad_words, "words of at least one token")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
+            try:
+                self.structured_outputs.check()
+            except InvalidParamError as e:
+                raise InvalidParamError(_nested("structured_outputs", e.param), str(e)) from None
 
     @staticmethod
     def _checked_logit_bias(bias: object) -> dict[int, float]:

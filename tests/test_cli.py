@@ -65,6 +65,8 @@ BAD_FLAGS = [
     (["serve", "--max-num-batched-tokens", "-1"], "max-num-batched-tokens"),
     (["serve", "--quantization", "int3"], "quantization"),
     (["bench", "throughput", "--kv-cache-dtype", "int2"], "kv_cache_dtype"),
+    (["generate", "--prompt", "x", "--json-schema", "{not json"], "json-schema"),
+    (["generate", "--prompt", "x", "--json-schema", '{"type": "strin"}'], "schema cannot be compiled"),
 ]
 
 
@@ -81,6 +83,19 @@ def test_bad_flag_exits_2_before_loading(
         main(argv)
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_generate_json_schema_from_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    main(["generate", "--prompt", "My favourite color is", "--json-schema", str(path), "--json", "--max-tokens", "20",
+          *SMALL])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["finish_reason"] == "stop" and json.loads(record["text"])["color"] in ("red", "green", "blue")
 
 
 def test_stream_reply_interrupted_aborts_and_frees_blocks(capsys: pytest.CaptureFixture[str]) -> None:

@@ -142,3 +142,29 @@ def test_invariants_hold_every_step():
             assert 0 <= r.num_computed_tokens <= r.num_tokens <= 64
     assert all(r.num_output_tokens == 6 for r in reqs)
     assert_pool_whole(sched)
+
+
+def test_request_waits_for_its_grammar_without_holding_up_others():
+    from concurrent.futures import Future
+
+    from pagedllm.structured_output.request import StructuredOutputRequest
+
+    sched = make_scheduler()
+    compiling: Future = Future()
+    constrained = make_request("grammar", 5)
+    constrained.structured_output = StructuredOutputRequest(compiling)
+    sched.add_request(constrained)
+    sched.add_request(make_request("free", 5))
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["free"]
+    assert sched.compiling == [constrained] and list(sched.waiting) == [constrained]
+    compiling.set_result(_any_text_matcher())
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["free", "grammar"] and not sched.compiling
+
+
+def _any_text_matcher():
+    from pagedllm.models.loader import load_tokenizer, resolve_model
+    from pagedllm.structured_output.backend import Compiler
+
+    return Compiler(load_tokenizer(resolve_model("SmolLM2-135M-Instruct")), 49152, [EOS]).compile("start: /.*/")

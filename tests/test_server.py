@@ -56,11 +56,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(tmp_path: Path, *extra: str) -> Server:
+def _start_server(tmp_path: Path, *extra: str, model: str = MODEL) -> Server:
     port = _free_port()
     log = tmp_path / f"server-{port}.log"
     cmd = [
-        sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", MODEL,
+        sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", model,
         "--port", str(port), "--kv-cache-memory", "512MiB", "--max-model-len", str(MAX_MODEL_LEN),
         "--disable-access-log", *extra,
     ]
@@ -367,10 +367,11 @@ REFUSED = [
     ("/v1/completions", _completion(suffix="!"), "suffix"),
     ("/v1/completions", _completion(best_of=3), "best_of"),
     ("/v1/completions", _completion(frobnicate=True), "frobnicate"),
-    ("/v1/chat/completions", _chat(response_format={"type": "json_object"}), "response_format"),
-    ("/v1/chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format"),
-    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    ("/v1/chat/completions", _chat(tool_choice="auto"), "tool_choice"),
+    ("/v1/chat/completions", _chat(response_format={"type": "yaml"}), "response_format"),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {}}),
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", _chat(tools=[{"type": "retrieval"}]), "tools.0.type"),
+    ("/v1/chat/completions", _chat(tool_choice="required"), "tool_choice"),
     ("/v1/chat/completions", _chat(echo=True), "echo"),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": "hi", "audio": {}}]), "messages.0.audio"),
     ("/v1/chat/completions", _chat(stream=True, stream_options={"include_usage": True, "x": 1}), "stream_options.x"),

@@ -6,7 +6,7 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from pagedllm.bench import kv_memory, perplexity, quant, roofline, serve, spec, throughput
+    from pagedllm.bench import kv_memory, perplexity, quant, roofline, serve, spec, structured, throughput
     from pagedllm.entrypoints.cli import add_engine_args
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -21,6 +21,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(sp)
     spec.add_args(sp)
     sp.set_defaults(func=spec.run)
+
+    so = bench_sub.add_parser(
+        "structured", help="structured outputs: grammar compile time, per-step mask cost, constrained vs free tok/s"
+    )
+    add_engine_args(so)
+    structured.add_args(so)
+    so.set_defaults(func=structured.run)
 
     ppl = bench_sub.add_parser("perplexity", help="sliding-window perplexity of a text (prompt logprobs)")
     add_engine_args(ppl)

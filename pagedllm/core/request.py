@@ -8,6 +8,7 @@ import time
 import torch
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -80,6 +81,8 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_probs: torch.Tensor | None = None
         self.generator: torch.Generator | None = None
+        # Set by the engine core for a request with ``structured_outputs``.
+        self.structured_output: StructuredOutputRequest | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
 
@@ -98,9 +101,18 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.structured_output is not None:
+            self.structured_output.accept(token_id)
 
     def check_stop(self, max_model_len: int) -> bool:
-        """Set a finished status if the last token ends the request; return whether it did."""
+        """Set a finished status if the last token ends the request; return whether it did.
+
+        A complete grammar stops the request even at its last allowed token, so a complete
+        structured output never reads as cut off ("length").
+        """
+        if self.structured_output is not None and self.structured_output.is_terminated:
+            self.status = RequestStatus.FINISHED_ERROR if self.structured_output.error else RequestStatus.FINISHED_STOPPED
+            return True
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True

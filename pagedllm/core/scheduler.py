@@ -136,11 +136,15 @@ class Scheduler:
             except Exception as e:  # this request's fault: it leaves self.running, so i stays
                 self._fail(out, request, e)
 
+        compiling: deque[Request] = deque()  # grammars not compiled yet: skipped, order kept
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if out.preempted:  # no room for newcomers in a step that had to preempt
                 break
             request = self.waiting[0]
             try:
+                if request.structured_output is not None and not request.structured_output.is_ready:
+                    compiling.append(self.waiting.popleft())
+                    continue
                 blocks, num_hit = [], 0
                 if request.num_computed_tokens == 0:
                     blocks, num_hit = self.kv_cache.get_computed_blocks(request)
@@ -158,7 +162,13 @@ class Scheduler:
                 budget -= num_new
             except Exception as e:
                 self._fail(out, request, e)
+        self.waiting.extendleft(reversed(compiling))
         return out
+
+    @property
+    def compiling(self) -> list[Request]:
+        """Waiting requests whose grammar is still compiling."""
+        return [r for r in self.waiting if r.structured_output is not None and not r.structured_output.compiled.done()]
 
     def _fail(self, out: SchedulerOutput, request: Request, error: Exception) -> None:
         """Finish a request whose scheduling raised, free its blocks and report it in ``out.failed``."""

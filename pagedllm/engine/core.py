@@ -18,12 +18,17 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.live_view.recorder import StepRecorder
-from pagedllm.models.loader import load_model, resolve_model
+from pagedllm.models.loader import load_model, load_tokenizer, resolve_model
 from pagedllm.spec_decode.proposer import Proposer
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.kv_cache import bytes_per_block
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
+
+# A step loop with nothing to run but requests whose grammars compile waits this long at most
+# for one to finish, instead of spinning.
+_COMPILE_WAIT_S = 0.05
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -91,6 +96,9 @@ class EngineCore:
         self.recorder = StepRecorder() if config.live_view else None
         self.kv_cache.recorder = self.recorder
         self.proposer = self._build_proposer()
+        self.structured = StructuredOutputManager(
+            lambda: load_tokenizer(resolve_model(config.model)), model_config.vocab_size, model_config.eos_token_ids
+        )
 
     def _build_proposer(self) -> Proposer | None:
         """The speculative decoding proposer of ``config.speculative_config``; None when off."""
@@ -111,18 +119,19 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request (the front end has validated it)."""
-        self.scheduler.add_request(
-            Request(
-                req.request_id,
-                req.prompt_token_ids,
-                req.sampling_params,
-                req.eos_token_ids,
-                self.max_model_len,
-                cache_salt=req.cache_salt,
-                arrival_time=req.arrival_time,
-            )
+        """Queue a request (the front end has validated it); its grammar, if any, starts compiling."""
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.eos_token_ids,
+            self.max_model_len,
+            cache_salt=req.cache_salt,
+            arrival_time=req.arrival_time,
         )
+        if req.sampling_params.structured_outputs is not None:
+            request.structured_output = self.structured.request_state(req.sampling_params.structured_outputs)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -145,6 +154,8 @@ class EngineCore:
         if recorder is not None:
             recorder.begin(self.scheduler)
         sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.failed and (compiling := self.scheduler.compiling):
+            self.structured.wait([r.structured_output for r in compiling], _COMPILE_WAIT_S)
         entries = recorder.entries(sched) if recorder is not None else None
         sampled = None
         failed = list(sched.failed)
@@ -172,6 +183,8 @@ class EngineCore:
                         None if result.logprobs[i] is None else result.logprobs[i].first(len(new_tokens)),
                         result.prompt_logprobs[i],
                         max(request.num_cached_tokens, 0),
+                        # A token the grammar refused (it was sampled under its mask, so a bug).
+                        request.structured_output.error if request.structured_output is not None else None,
                     )
                 )
             if self.proposer is not None:
@@ -198,6 +211,12 @@ class EngineCore:
         limit = self.config.speculative_config.disable_by_batch_size
         if limit is None or len(self.scheduler.running) < limit:
             self.proposer.propose(requests)
+            for r in requests:  # drafts the grammar forbids would only be rejected: cut them
+                if r.structured_output is not None and r.spec_token_ids:
+                    n = r.structured_output.num_valid(r.spec_token_ids)
+                    r.spec_token_ids = r.spec_token_ids[:n]
+                    if r.spec_probs is not None:
+                        r.spec_probs = r.spec_probs[:n] if n else None
         self.proposer.remove_finished(self.scheduler.requests)
 
     def stats(self, num_batched_tokens: int = 0) -> SchedulerStats:

@@ -9,6 +9,7 @@ import msgspec
 
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.sampling_params import InvalidParamError, SamplingParams, check_text
+from pagedllm.structured_output import backend
 
 PromptType = str | Sequence[int]
 
@@ -73,8 +74,9 @@ class Processor:
 
         Raises:
             InvalidParamError (a ValueError naming the field): empty prompt, token ids outside
-                the vocabulary (prompt, stop_token_ids, logit_bias, allowed_token_ids), or
-                prompt + max_tokens beyond max_model_len (the message gives the numbers).
+                the vocabulary (prompt, stop_token_ids, logit_bias, allowed_token_ids),
+                prompt + max_tokens beyond max_model_len (the message gives the numbers), or
+                ``structured_outputs`` that do not compile (``structured_outputs.json``, ...).
         """
         if not isinstance(params, SamplingParams):
             raise InvalidParamError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
@@ -86,6 +88,11 @@ class Processor:
         self._check_vocab("stop_token_ids", params.stop_token_ids)
         self._check_vocab("logit_bias", list(params.logit_bias or {}))
         self._check_vocab("allowed_token_ids", params.allowed_token_ids or [])
+        if params.structured_outputs is not None:  # nothing reaches the core that cannot compile
+            try:
+                backend.check(params.structured_outputs)
+            except InvalidParamError as e:
+                raise InvalidParamError(f"structured_outputs.{e.param}", str(e)) from None
         if params.bad_words:
             params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         max_tokens = params.max_tokens if params.max_tokens is not None else 1

@@ -126,10 +126,35 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
+def json_schema_arg(value: str) -> dict[str, Any]:
+    """A JSON schema given as a file path or as JSON text.
+
+    Raises:
+        ValueError: neither a readable file nor JSON text, or not a JSON object.
+    """
+    from pathlib import Path
+
+    path = Path(value)
+    text = path.read_text() if not value.lstrip().startswith("{") and path.is_file() else value
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--json-schema: {value!r:.80} is neither a file nor JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema must be a JSON object, got {type(schema).__name__}")
+    return schema
+
+
 def sampling_params(args: argparse.Namespace):
     from pagedllm.sampling_params import SamplingParams
+    from pagedllm.structured_output import StructuredOutputsParams, backend
 
+    structured = None
+    if getattr(args, "json_schema", None) is not None:
+        structured = StructuredOutputsParams(json=json_schema_arg(args.json_schema))
+        backend.check(structured)  # a schema that cannot compile is a usage error, before loading
     return SamplingParams(
+        structured_outputs=structured,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -182,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+    gen.add_argument(
+        "--json-schema", default=None, help="constrain each output to this JSON schema: a file path or JSON text"
+    )
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat that streams tokens")

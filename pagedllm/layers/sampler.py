@@ -2,7 +2,8 @@
 
 Pipeline per step, each stage skipped when no row of the batch uses it (vLLM's order):
 
-1. ``allowed_token_ids`` (all other tokens -inf), ``bad_words`` (-inf for a token that would
+1. the grammar mask of structured-output rows (-inf for every token the grammar forbids),
+   ``allowed_token_ids`` (all other tokens -inf), ``bad_words`` (-inf for a token that would
    complete one), ``logit_bias`` (added to the logits), each one sparse update for the batch;
 2. penalties (repetition on prompt + output tokens, presence and frequency on output tokens);
 3. ``min_tokens``: EOS and stop token ids masked while the output is still too short;
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import ops
 from pagedllm.layers.sampling_metadata import PenaltyTensors, SamplingMetadata, TruncationTensors
+from pagedllm.structured_output.bitmask import apply_bitmask
 
 # Top-p first looks for the nucleus among this many most likely tokens, then among 4x as
 # many for the rows whose nucleus is wider, and so on; only very flat rows reach a full sort.
@@ -105,7 +107,8 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     ``logits`` itself is returned when no row uses any; it is never modified.
     """
     if (
-        meta.allowed_tokens is None
+        meta.grammar_mask is None
+        and meta.allowed_tokens is None
         and meta.bad_words_mask is None
         and meta.logit_bias is None
         and meta.penalties is None
@@ -113,6 +116,8 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     ):
         return logits
     logits = logits.clone()
+    if meta.grammar_mask is not None:
+        apply_bitmask(logits, *meta.grammar_mask)
     if meta.allowed_tokens is not None:
         kept = logits[meta.allowed_tokens.kept]
         logits[meta.allowed_tokens.rows] = -torch.inf

@@ -129,6 +129,9 @@ class SamplingMetadata:
         min_tokens_mask: (LongTensor[M] batch row, LongTensor[M] token id) pairs whose logit is
             set to -inf because the row is still below ``min_tokens``.
         max_num_logprobs: the largest ``logprobs`` asked by any row; None when no row asked.
+        grammar_mask: (IntTensor[G, ceil(V / 32)] bitmask, G batch rows): the structured-output
+            rows' allowed next tokens, one bit per token (``structured_output.bitmask``); set
+            by the model runner, which owns the grammars.
     """
 
     random_rows: torch.Tensor | None
@@ -144,6 +147,7 @@ class SamplingMetadata:
     penalties: PenaltyTensors | None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     max_num_logprobs: int | None
+    grammar_mask: tuple[torch.Tensor, list[int]] | None = None
 
     @property
     def all_random(self) -> bool:

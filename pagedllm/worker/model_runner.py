@@ -4,6 +4,11 @@ A request with draft tokens (speculative decoding) is fed its last token and its
 logits at all ``1 + k`` positions go to the rejection sampler, which returns the accepted
 drafts and one more token.
 
+Structured outputs: before sampling (or verifying), the next-token masks of the requests
+with a grammar are filled into one bitmask for the batch, which the sampler applies to
+those rows' logits (-inf for every token the grammar forbids); rows without a grammar are
+untouched, and a batch without any costs nothing.
+
 Fault isolation: a request whose logits row is not finite, whose sampled id is outside the
 vocabulary, or whose sampling, verification or logprob step raises is reported in
 ``ModelRunnerOutput.errors`` and gets no tokens; the other requests of the step keep theirs.
@@ -16,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import torch
@@ -29,6 +34,7 @@ from pagedllm.layers.sampler import Sampler, compute_logprobs
 from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.core.request import Request
+from pagedllm.structured_output.bitmask import fill_bitmask
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 
 logger = logging.getLogger("pagedllm")
@@ -249,7 +255,12 @@ class ModelRunner:
             )
             for s in reqs
         ]
-        out = self.sampler(logits, SamplingMetadata.build(rows))
+        meta = SamplingMetadata.build(rows)
+        constrained = [j for j, s in enumerate(reqs) if s.request.structured_output is not None]
+        if constrained:
+            grammars = [reqs[j].request.structured_output for j in constrained]
+            meta = replace(meta, grammar_mask=(fill_bitmask(grammars, logits.shape[1]), constrained))
+        out = self.sampler(logits, meta)
         tokens = out.sampled_token_ids.tolist()
         results: list[tuple[list[int], TokenLogprobs | None]] = []
         for j, s in enumerate(reqs):
@@ -307,7 +318,7 @@ class ModelRunner:
             raise ValueError("the model produced non-finite logits")
         accepted = self.rejection_sampler(
             logits,
-            SamplingMetadata.build(rows),
+            _with_grammar_masks(SamplingMetadata.build(rows), [s for _, s, _ in verify_rows], logits.shape[1]),
             [s.spec_token_ids for _, s, _ in verify_rows],
             [s.spec_probs for _, s, _ in verify_rows],
             [s.request.generator for _, s, _ in verify_rows],
@@ -339,6 +350,25 @@ class ModelRunner:
         targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], dtype=torch.long)
         top_ids, top_lps, ranks = compute_logprobs(logits, targets, request.sampling_params.prompt_logprobs)
         return TokenLogprobs(top_ids.tolist(), top_lps.tolist(), ranks.tolist())
+
+
+def _with_grammar_masks(meta: SamplingMetadata, reqs: list[ScheduledRequest], vocab_size: int) -> SamplingMetadata:
+    """``meta`` of a verification batch with the grammar masks of its constrained requests.
+
+    Request b owns k_b + 1 consecutive rows; the mask at draft position i is the grammar's
+    after drafts 0..i-1 (all allowed: the engine cut the drafts to the grammar's valid prefix).
+    """
+    grammars, drafts, rows, row = [], [], [], 0
+    for s in reqs:
+        k = len(s.spec_token_ids)
+        if s.request.structured_output is not None:
+            grammars.append(s.request.structured_output)
+            drafts.append(s.spec_token_ids)
+            rows.extend(range(row, row + k + 1))
+        row += k + 1
+    if not grammars:
+        return meta
+    return replace(meta, grammar_mask=(fill_bitmask(grammars, vocab_size, drafts), rows))
 
 
 def _marked(request: Request, stage: str) -> bool:

@@ -37,6 +37,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.live_view.routes import live_view_router
@@ -171,8 +172,10 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_request_body_bytes: int = 16 * 1024**2,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
-    """The FastAPI app over a started-or-not engine (the app's lifespan starts and stops it)."""
+    """The FastAPI app over a started-or-not engine (the app's lifespan starts and stops it);
+    ``tool_call_parser`` names the format of "auto" tool calls (``tool_parsers.TOOL_PARSERS``)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -182,7 +185,7 @@ def build_app(
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     completion = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name)
+    chat = OpenAIServingChat(engine, served_model_name, TOOL_PARSERS[tool_call_parser])
     v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pagedllm.config import EngineConfig, dtype_settings, parse_memory
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pagedllm")
 
@@ -27,6 +28,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-live-view", action="store_true",
                         help="record every engine step; serve the live view at /dashboard and a trace at /debug/trace")
     parser.add_argument("--live-view-steps", type=int, default=4096, help="engine steps the live view keeps")
+    parser.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                        help='format of the tool calls a model writes, read for tool_choice "auto"')
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -60,7 +63,7 @@ def run_serve(args: argparse.Namespace) -> None:
         logger.error("%s", e)
         sys.exit(1)
     try:
-        app = build_app(engine, name, args.api_key, max_body)
+        app = build_app(engine, name, args.api_key, max_body, args.tool_call_parser)
         server = ApiServer(
             uvicorn.Config(app, host=args.host, port=args.port, access_log=not args.disable_access_log,
                            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_TIMEOUT_S),

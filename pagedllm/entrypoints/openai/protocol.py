@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
+from pagedllm.entrypoints.openai.tools import check_tools
 from pagedllm.sampling_params import InvalidParamError, check_text
 
 
@@ -95,7 +97,13 @@ class SamplingRequest(RequestModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: structured output is unsupported
+    # Structured outputs (entrypoints/openai/structured_outputs.py): at most one of these.
+    response_format: dict[str, Any] | None = None  # OpenAI's: text | json_object | json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json | regex | choice | grammar | json_object
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None  # a hint to OpenAI; ignored
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
 
@@ -103,11 +111,7 @@ class SamplingRequest(RequestModel):
         super().check()
         if self.stream_options is not None and not self.stream:
             raise InvalidParamError("stream_options", "stream_options is only allowed with stream: true")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise InvalidParamError(
-                "response_format",
-                f"response_format {self.response_format.get('type')!r} is not supported; only {{'type': 'text'}}",
-            )
+        structured_outputs_params(self)
 
     @property
     def include_usage(self) -> bool:
@@ -136,10 +140,44 @@ class TextPart(RequestModel):
     text: str
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends and returns it
+
+
+class ToolCall(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # a hint to OpenAI; ignored
+    tool_calls: list[ToolCall] | None = None  # assistant: calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # arguments always match ``parameters`` when the output is constrained
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -149,16 +187,21 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None  # tool calling is unsupported: only none or []
-    tool_choice: str | dict[str, Any] | None = None  # only "none"
-    parallel_tool_calls: bool | None = None  # meaningless without tools; ignored
+    tools: list[ChatTool] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's defaults).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # a hint; ignored
 
     def check(self) -> None:
         super().check()
-        if self.tools:
-            raise InvalidParamError("tools", "tools: tool calling is not supported")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidParamError("tool_choice", "tool calling is not supported: tool_choice can only be 'none'")
+        check_tools(self)
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named"."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
 
 
 class TokenizeRequest(RequestModel):
@@ -224,7 +267,8 @@ class ChatLogprobs(OpenAIBaseModel):
 
 class ChatResponseMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -244,9 +288,24 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A piece of a streamed tool call: the first has ``id``, ``type`` and the name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIBaseModel):

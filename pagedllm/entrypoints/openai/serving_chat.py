@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from pagedllm.engine.async_llm import PreparedRequest
+import msgspec
+
+from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.openai.errors import generation_error
 from pagedllm.entrypoints.openai.protocol import (
@@ -17,7 +19,10 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
+    ChatTool,
     DeltaMessage,
+    FunctionCall,
+    ToolCall,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -31,24 +36,34 @@ from pagedllm.entrypoints.openai.serving_engine import (
     sse,
     top_n,
 )
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from pagedllm.entrypoints.openai.tool_stream import ToolStream
+from pagedllm.entrypoints.openai.tools import required_calls, template_messages, tool_call_id, tool_constraint
 from pagedllm.outputs import Logprob
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Handles chat completions requests, streaming or not."""
+    """Handles chat completions requests, streaming or not.
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation under the model's chat template (400 if the template refuses it)."""
-        conversation = [
-            {
-                "role": m.role,
-                "content": m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or []),
-            }
-            for m in messages
-        ]
+    Args:
+        engine, served_model_name: as ``OpenAIServing``.
+        tool_parser: the format "auto" tool calls are read in (``tool_parsers.TOOL_PARSERS``).
+    """
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str, tool_parser: type[ToolParser] = HermesToolParser) -> None:
+        super().__init__(engine, served_model_name)
+        self.tool_parser = tool_parser
+
+    def render(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[ChatTool] | None = None
+    ) -> list[int]:
+        """Token ids of a conversation (and the tools offered) under the model's chat template
+        (400 if the template refuses it); a template without tool support ignores ``tools``."""
+        kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+                template_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
             )
         except Exception as e:  # jinja raises its own errors for conversations a template rejects
             raise OpenAIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
@@ -67,10 +82,13 @@ class OpenAIServingChat(OpenAIServing):
                 raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
             if not 0 <= req.top_logprobs <= 20:
                 raise OpenAIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
-        token_ids = self.render(req.messages, req.add_generation_prompt)
+        # tool_choice "none" keeps the tools out of the prompt too.
+        token_ids = self.render(req.messages, req.add_generation_prompt, req.tools if req.tool_mode != "none" else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, len(token_ids), max_tokens, logprobs)
+        if (constraint := tool_constraint(req)) is not None:
+            params = msgspec.structs.replace(params, structured_outputs=constraint)
         request_id = random_id("chatcmpl")
         prepared = self.prepare(request_id, token_ids, params, req.cache_salt)
         if req.stream:
@@ -78,20 +96,43 @@ class OpenAIServingChat(OpenAIServing):
         (out,) = await gather_final([self.engine.generate(prepared)])
         if (error := generation_error(out)) is not None:
             raise error
-        choices = [
-            ChatChoice(
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = self._message(req, c.text, c.finish_reason)
+            choices.append(ChatChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=c.text),
+                message=message,
                 logprobs=self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None,
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
-            )
-            for c in out.outputs
-        ]
+            ))
         completion = sum(len(c.token_ids) for c in out.outputs)
         usage = UsageInfo(prompt_tokens=len(token_ids), completion_tokens=completion,
                           total_tokens=len(token_ids) + completion)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
+
+    def _message(self, req: ChatCompletionRequest, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+        """The assistant message of one output under the request's tool mode, and its finish
+        reason ("tool_calls" where the model called tools; OpenAI keeps "stop" for a named one)."""
+        mode = req.tool_mode
+        calls: list[tuple[str, str]] | None = None
+        content: str | None = text
+        if mode == "named":
+            calls, content = [(req.tool_choice.function.name, text)], None
+        elif mode == "required":
+            calls = required_calls(text)  # None: cut off, returned as text
+            content = None if calls is not None else text
+        elif mode == "auto":
+            content, parsed = self.tool_parser().extract(text)
+            calls = [(c.name, c.arguments) for c in parsed] or None
+            if calls is None:
+                content = text
+        if not calls:
+            return ChatResponseMessage(content=content), finish_reason
+        tool_calls = [ToolCall(id=tool_call_id(), function=FunctionCall(name=n, arguments=a)) for n, a in calls]
+        if mode != "named" and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return ChatResponseMessage(content=content, tool_calls=tool_calls), finish_reason
 
     async def _stream(self, req: ChatCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
         created = int(time.time())
@@ -105,6 +146,11 @@ class OpenAIServingChat(OpenAIServing):
                      for i in range(req.n)])
         completion_tokens = 0
         finished: set[int] = set()
+        mode = req.tool_mode
+        tool_streams: dict[int, ToolStream] = {}
+        if mode != "none":
+            name = req.tool_choice.function.name if mode == "named" else None
+            tool_streams = {i: ToolStream(mode, self.tool_parser(), name) for i in range(req.n)}
         try:
             async for out in self.engine.generate(prepared, stream=True):
                 if (error := generation_error(out)) is not None:
@@ -118,8 +164,23 @@ class OpenAIServingChat(OpenAIServing):
                     if c.finish_reason is not None:
                         finished.add(c.index)
                     logprobs = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
-                    yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
-                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    tool_stream = tool_streams.get(c.index)
+                    if tool_stream is None:
+                        yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                                      logprobs=logprobs, finish_reason=c.finish_reason,
+                                                      stop_reason=c.stop_reason)])
+                        continue
+                    deltas = tool_stream.update(c.text, c.finish_reason is not None)
+                    finish_reason = c.finish_reason
+                    if finish_reason == "stop" and tool_stream.num_calls and tool_stream.mode != "named":
+                        finish_reason = "tool_calls"
+                    if finish_reason is not None or logprobs is not None:
+                        deltas = deltas or [DeltaMessage()]
+                    for j, delta in enumerate(deltas):
+                        last = j == len(deltas) - 1
+                        yield chunk([ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs if j == 0 else None,
+                                                      finish_reason=finish_reason if last else None,
+                                                      stop_reason=c.stop_reason if last else None)])
             if req.include_usage:
                 n_prompt = len(prepared.prompt_token_ids)
                 yield chunk([], UsageInfo(prompt_tokens=n_prompt, completion_tokens=completion_tokens,

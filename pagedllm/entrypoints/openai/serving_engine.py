@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestModel, SamplingRequest
+from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -125,6 +126,7 @@ class OpenAIServing:
                 logit_bias=req.logit_bias,
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
+                structured_outputs=structured_outputs_params(req),
                 **kwargs,
             )
         except ValueError as e:

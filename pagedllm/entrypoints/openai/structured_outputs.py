@@ -1,0 +1,81 @@
+"""The request fields that ask for structured output, in OpenAI's and vLLM's shapes, as one
+``StructuredOutputsParams`` (compile-checked, so a bad one is a 400 naming its field)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.sampling_params import InvalidParamError
+from pagedllm.structured_output import StructuredOutputsParams, backend
+from pagedllm.structured_output.params import KINDS
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.protocol import SamplingRequest
+
+# vLLM's older per-kind fields -> StructuredOutputsParams field.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
+def _response_format(value: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(param, StructuredOutputsParams kwargs) of OpenAI's ``response_format``; None for text."""
+    kind = value.get("type")
+    for key in value:
+        if key not in ("type", "json_schema"):
+            raise InvalidParamError(f"response_format.{key}", f"response_format.{key} is not supported")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "response_format", {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise InvalidParamError(
+                "response_format.json_schema.schema",
+                "response_format json_schema needs json_schema.schema, a JSON schema object",
+            )
+        for key in spec:
+            if key not in _JSON_SCHEMA_KEYS:
+                raise InvalidParamError(f"response_format.json_schema.{key}", f"response_format.json_schema.{key} is not supported")
+        return "response_format.json_schema.schema", {"json": spec["schema"]}
+    raise InvalidParamError(
+        "response_format", f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r:.80}"
+    )
+
+
+def structured_outputs_params(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """The one constraint a request asks for, from ``response_format``, ``structured_outputs``
+    or a ``guided_*`` field; None when it asks for none (or for ``{"type": "text"}``).
+
+    Raises:
+        InvalidParamError: an unknown ``response_format`` type or field, more than one
+            constraint, or one that is malformed or does not compile (empty ``choice``,
+            invalid schema, regex or grammar); ``param`` is the request field at fault.
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    if req.response_format is not None and (rf := _response_format(req.response_format)) is not None:
+        found.append(rf)
+    for key, value in (req.structured_outputs or {}).items():
+        if key not in KINDS:
+            raise InvalidParamError(
+                f"structured_outputs.{key}",
+                f"structured_outputs.{key} is not supported; the fields are {', '.join(KINDS)}",
+            )
+        if value is not None:
+            found.append((f"structured_outputs.{key}", {key: value}))
+    for name, kind in GUIDED_FIELDS.items():
+        if (value := getattr(req, name)) is not None:
+            found.append((name, {kind: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise InvalidParamError(
+            found[1][0], f"a request takes one structured output constraint; got {found[0][0]} and {found[1][0]}"
+        )
+    param, kwargs = found[0]
+    try:
+        params = StructuredOutputsParams(**kwargs)
+        backend.check(params)
+    except InvalidParamError as e:
+        raise InvalidParamError(param, f"{param}: {e}") from None
+    return params

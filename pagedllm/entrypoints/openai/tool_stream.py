@@ -1,0 +1,62 @@
+"""Streamed tool calls, as OpenAI sends them: per call, a ``delta.tool_calls[i]`` with the id,
+type and name, then ``function.arguments`` (the pieces joined equal the non-streamed
+arguments); text outside the calls stays ``delta.content``."""
+
+from __future__ import annotations
+
+from pagedllm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+from pagedllm.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser
+from pagedllm.entrypoints.openai.tools import required_calls, tool_call_id
+
+
+class ToolStream:
+    """One choice's stream under a tool mode.
+
+    Args:
+        mode: "auto" (calls parsed out of free text by ``parser``), "required" (the
+            constrained output is a JSON array of calls, sent once complete) or "named" (the
+            constrained output is the arguments of ``name``, sent as it comes).
+        parser: a fresh tool parser, for "auto".
+        name: the function of "named".
+    """
+
+    def __init__(self, mode: str, parser: ToolParser | None = None, name: str | None = None) -> None:
+        self.mode = mode
+        self.parser = parser
+        self.name = name
+        self.num_calls = 0
+        self._text = ""  # "required": the output so far
+
+    def update(self, delta: str, finished: bool) -> list[DeltaMessage]:
+        """The deltas to send for this piece of output text (``finished``: it is the last)."""
+        if self.mode == "named":
+            if self.num_calls == 0:
+                self.num_calls = 1
+                call = DeltaToolCall(index=0, id=tool_call_id(), type="function",
+                                     function=DeltaFunctionCall(name=self.name, arguments=delta))
+                return [DeltaMessage(tool_calls=[call])]
+            return [DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))])] if delta else []
+        if self.mode == "required":
+            self._text += delta
+            if not finished:
+                return []
+            calls = required_calls(self._text)
+            if calls is None:  # cut off: what there is, as text
+                return [DeltaMessage(content=self._text)]
+            return self._calls([ParsedToolCall(name, arguments) for name, arguments in calls])
+        content, calls = self.parser.feed(delta)
+        if finished:
+            rest, more = self.parser.finish()
+            content, calls = content + rest, calls + more
+        return ([DeltaMessage(content=content)] if content else []) + self._calls(calls)
+
+    def _calls(self, calls: list[ParsedToolCall]) -> list[DeltaMessage]:
+        out = []
+        for call in calls:
+            index = self.num_calls
+            self.num_calls += 1
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=index, id=tool_call_id(), type="function", function=DeltaFunctionCall(name=call.name, arguments=""),
+            )]))
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))]))
+        return out

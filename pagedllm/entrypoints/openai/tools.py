@@ -1,0 +1,120 @@
+"""Tool calling on ``/v1/chat/completions``: request checks, the output constraint of
+``tool_choice`` "required" and named, and the tool calls a constrained output holds.
+
+"auto" leaves the output free and reads the calls out of the text with a tool parser
+(``tool_parsers``); "required" and a named function constrain the output with a JSON schema
+built from the tools' parameters, so the arguments always fit the function, on any model.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.sampling_params import InvalidParamError
+from pagedllm.structured_output import StructuredOutputsParams, backend
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
+
+_NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters if tool.function.parameters is not None else _NO_ARGUMENTS
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
+    """``tool_choice`` against ``tools``, and the tools' parameters where they will constrain.
+
+    Raises:
+        InvalidParamError: ``tool_choice`` "required" or named without ``tools``, a named
+            function not in ``tools``, two tools of one name, a tool choice that constrains
+            together with another structured output field, or parameters that are not a
+            JSON schema the grammar engine compiles (``tools.i.function.parameters``).
+    """
+    tools = req.tools or []
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidParamError("tools", "tools: function names must be unique")
+    mode = req.tool_mode
+    if mode in ("required", "named") and not tools:
+        raise InvalidParamError("tool_choice", f"tool_choice {mode!r} needs tools")
+    if mode == "named" and req.tool_choice.function.name not in names:
+        raise InvalidParamError(
+            "tool_choice", f"tool_choice names the function {req.tool_choice.function.name!r}, which is not in tools"
+        )
+    if mode in ("required", "named"):
+        if any(getattr(req, f) is not None for f in ("response_format", "structured_outputs", "guided_json",
+                                                     "guided_regex", "guided_choice", "guided_grammar")):
+            raise InvalidParamError(
+                "tool_choice", f"tool_choice {mode!r} constrains the output: no other structured output field with it"
+            )
+        for i, tool in enumerate(tools):
+            try:
+                backend.check(StructuredOutputsParams(json=_parameters(tool)))
+            except InvalidParamError as e:
+                raise InvalidParamError(f"tools.{i}.function.parameters", f"tools.{i}.function.parameters: {e}") from None
+
+
+def tool_constraint(req: ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The output constraint of ``tool_choice`` "required" (a JSON array of calls, each
+    ``{"name", "parameters"}`` fitting one tool) or named (that function's arguments object);
+    None for "auto" and "none"."""
+    mode = req.tool_mode
+    if mode == "named":
+        tool = next(t for t in req.tools if t.function.name == req.tool_choice.function.name)
+        return StructuredOutputsParams(json=_parameters(tool))
+    if mode != "required":
+        return None
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in req.tools
+    ]
+    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+
+
+def required_calls(text: str) -> list[tuple[str, str]] | None:
+    """(name, arguments JSON) of each call in a "required" output; None if it is cut off."""
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return None
+    return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as HF chat templates take it: text content, assistant ``tool_calls``
+    with their arguments as objects (templates serialize them), ``tool_call_id`` on tool results."""
+    conversation = []
+    for m in messages:
+        message: dict[str, Any] = {
+            "role": m.role,
+            "content": m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or []),
+        }
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        conversation.append(message)
+    return conversation
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template shows it as it came

@@ -1,0 +1,182 @@
+"""Structured outputs in the engine (offline ``LLM``, float32, default model): outputs valid under
+every scheduling feature, greedy outputs unchanged by them, unconstrained neighbours untouched,
+and bad constraints refused before anything is queued."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import InvalidParamError
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 2},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+CHAT = "<|im_start|>user\nDescribe a person as JSON.<|im_end|>\n<|im_start|>assistant\n"
+PLAIN = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,"]
+
+
+def json_params(**kwargs) -> SamplingParams:
+    return SamplingParams(structured_outputs=StructuredOutputsParams(json=PERSON), **({"max_tokens": 60} | kwargs))
+
+
+def regex_params(**kwargs) -> SamplingParams:
+    return SamplingParams(structured_outputs=StructuredOutputsParams(regex=DATE), **({"max_tokens": 12} | kwargs))
+
+
+def assert_person(text: str) -> None:
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def pool_is_whole(llm: LLM) -> bool:
+    pool = llm.engine.core.kv_cache.pool
+    return pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM(dtype="float32", kv_cache_memory="128MiB", max_model_len=1024)
+    yield engine
+    assert pool_is_whole(engine)
+
+
+@pytest.fixture(scope="module")
+def greedy(llm) -> dict[str, str]:
+    """Greedy constrained outputs with no feature in play (one request at a time)."""
+    return {
+        "json": llm.generate(CHAT, json_params(temperature=0), use_tqdm=False)[0].outputs[0].text,
+        "regex": llm.generate("Today's date is", regex_params(temperature=0), use_tqdm=False)[0].outputs[0].text,
+    }
+
+
+def test_json_regex_choice_grammar(llm, greedy):
+    assert_person(greedy["json"])
+    assert re.fullmatch(DATE, greedy["regex"])
+    choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    gbnf = 'root ::= "The answer is " ("red" | "blue") "."'
+    grammar = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(grammar=gbnf))
+    lark = SamplingParams(temperature=0, max_tokens=16,
+                          structured_outputs=StructuredOutputsParams(grammar='start: "x=" /[0-9]{2}/ ";"'))
+    outs = llm.generate(["Is water wet?", "What color is the sky?", "Set x:"], [choice, grammar, lark], use_tqdm=False)
+    assert outs[0].outputs[0].text in ("yes", "no") and outs[0].outputs[0].finish_reason == "stop"
+    assert re.fullmatch(r"The answer is (red|blue)\.", outs[1].outputs[0].text)
+    assert re.fullmatch(r"x=[0-9]{2};", outs[2].outputs[0].text)
+
+
+def test_stop_string_cuts_a_constrained_output(llm, greedy):
+    out = llm.generate(CHAT, json_params(temperature=0, stop=[","]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == ","
+    assert out.text == greedy["json"].split(",")[0]
+
+
+def test_json_object_and_cut_output_is_length(llm):
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json_object=True))
+    out = llm.generate(CHAT, params, use_tqdm=False)[0].outputs[0]
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(out.text), dict)
+    cut = llm.generate(CHAT, json_params(temperature=0, max_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 5
+
+
+def test_unconstrained_neighbours_unchanged(llm):
+    plain = SamplingParams(temperature=0, max_tokens=16)
+    alone = [o.outputs[0].token_ids for o in llm.generate(PLAIN, plain, use_tqdm=False)]
+    mixed = llm.generate(
+        [CHAT, PLAIN[0], "Today's date is", PLAIN[1], CHAT, PLAIN[2]],
+        [json_params(temperature=0), plain, regex_params(temperature=0), plain, json_params(temperature=1, seed=3), plain],
+        use_tqdm=False,
+    )
+    assert [mixed[i].outputs[0].token_ids for i in (1, 3, 5)] == alone
+    assert_person(mixed[0].outputs[0].text)
+    assert mixed[4].outputs[0].finish_reason == "length" or assert_person(mixed[4].outputs[0].text) is None
+    assert re.fullmatch(DATE, mixed[2].outputs[0].text)
+
+
+def test_sampled_n3_outputs_valid(llm):
+    outs = llm.generate([CHAT, "Today's date is"],
+                        [json_params(temperature=1.0, n=3, seed=7), regex_params(temperature=1.0, n=3)], use_tqdm=False)
+    for c in outs[0].outputs:
+        assert c.finish_reason == "length" or assert_person(c.text) is None
+    assert len(outs[1].outputs) == 3 and all(re.fullmatch(DATE, c.text) for c in outs[1].outputs)
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        {"max_num_batched_tokens": 8},  # chunked prefill
+        {"num_gpu_blocks_override": 12, "block_size": 8, "enable_prefix_caching": False},  # preemption
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}},
+        # The model drafting for itself: drafts with probabilities, cut to the grammar's prefix.
+        {"speculative_config": {"method": "draft_model", "model": "SmolLM2-135M-Instruct", "num_speculative_tokens": 3}},
+    ],
+    ids=["chunked-prefill", "preemption", "ngram-spec", "draft-model-spec"],
+)
+def test_features_keep_outputs_valid_and_greedy_unchanged(greedy, features):
+    engine = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, **features)
+    prompts = [CHAT, "Today's date is"] * 3
+    params = [json_params(temperature=0), regex_params(temperature=0)] * 3
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    for i in range(0, 6, 2):
+        assert outs[i].outputs[0].text == greedy["json"]
+        assert outs[i + 1].outputs[0].text == greedy["regex"]
+    sampled = engine.generate([CHAT] * 3, json_params(temperature=1.0, seed=11), use_tqdm=False)
+    for o in sampled:
+        assert o.outputs[0].finish_reason == "length" or assert_person(o.outputs[0].text) is None
+    if "num_gpu_blocks_override" in features:
+        assert engine.engine.core.scheduler.num_preemptions > 0
+    if "speculative_config" in features:
+        assert engine.engine.core.scheduler.spec_stats.num_drafts > 0
+    assert pool_is_whole(engine)
+
+
+def test_compile_cache_and_prefix_caching(llm):
+    core = llm.engine.core
+    prompt = "<|im_start|>system\nYou answer with one JSON object describing a person, nothing else.<|im_end|>\n" + CHAT
+    first = llm.generate(prompt, json_params(temperature=0), use_tqdm=False)[0]
+    compiled = dict(core.structured._cache)
+    second = llm.generate(prompt, json_params(temperature=0), use_tqdm=False)[0]
+    assert core.structured._cache == compiled  # the same schema: compiled once, reused
+    assert second.num_cached_tokens >= 16  # a prefix-cache hit leaves the grammar state right
+    assert second.outputs[0].text == first.outputs[0].text
+    assert_person(second.outputs[0].text)
+
+
+@pytest.mark.parametrize(
+    ("constraint", "param"),
+    [
+        ({"json": {"type": "strin"}}, "structured_outputs.json"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"regex": "a(b"}, "structured_outputs.regex"),
+        ({"grammar": "start: nowhere"}, "structured_outputs.grammar"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({}, "structured_outputs"),
+        ({"regex": "a", "choice": ["b"]}, "structured_outputs.choice"),
+    ],
+)
+def test_bad_constraints_are_refused_before_queueing(llm, constraint, param):
+    with pytest.raises(InvalidParamError) as e:
+        llm.generate(["Hi", "Hello"], [SamplingParams(), SamplingParams(structured_outputs=_unchecked(**constraint))],
+                     use_tqdm=False)
+    assert e.value.param == param
+    assert not llm.engine.core.has_unfinished_requests()
+
+
+def _unchecked(**fields) -> StructuredOutputsParams:
+    """Params built without the constructor's check, as a mutated struct would reach ``generate``."""
+    params = StructuredOutputsParams(regex="x")
+    params.regex = None
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
