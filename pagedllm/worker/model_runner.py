@@ -250,6 +250,11 @@ class ModelRunner:
             for s in reqs
         ]
         out = self.sampler(logits, SamplingMetadata.build(rows))
+        if out.unsamplable:  # fails this batch; ``_isolated`` retries each request alone
+            raise ValueError(
+                "no token can be sampled: allowed_token_ids, bad_words, min_tokens and penalties leave no token "
+                "with a finite logit"
+            )
         tokens = out.sampled_token_ids.tolist()
         results: list[tuple[list[int], TokenLogprobs | None]] = []
         for j, s in enumerate(reqs):
