@@ -267,6 +267,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", _chat(presence_penalty=3), 400, "presence_penalty"),
     ("/detokenize", {"tokens": [10**9]}, 400, "vocabulary"),
     ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "Hi", "messages": CHAT}, 400, "not both"),  # was: prompt silently ignored
 ]
 
 
@@ -297,6 +298,26 @@ def test_auth(server: Server) -> None:
         _check_error(httpx.post(f"{server.url}/v1/completions", json=_completion(), headers=headers), 401, "API key")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [(["--port", "99999"], "--port"), (["--port", "-1"], "--port"), (["--api-key="], "--api-key"),
+     (["--max-request-body-size", "huge"], "huge")],
+)
+def test_bad_server_flags_exit_2_before_loading(flags: list[str], needle: str) -> None:
+    # --port 99999 used to load the model, then die of an OverflowError traceback (exit 1); an empty
+    # --api-key silently served without authentication.
+    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", MODEL, *flags],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "loaded" not in r.stderr
+
+
+def test_server_module_help_shows_defaults() -> None:
+    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "(default: 8000)" in r.stdout and "(default: 128)" in r.stdout
 
 
 def test_tokenize_detokenize(http: httpx.Client) -> None:

@@ -140,3 +140,50 @@ def test_token_controls_through_the_python_api(llm: LLM) -> None:
                                                        bad_words=[word]), use_tqdm=False)[0].outputs[0]
     assert banned.token_ids[0] != plain.token_ids[0]
     assert _idle(llm)
+
+
+# -- found by a hostile-client pass (issue 12) ---------------------------------------------------
+def test_largest_seed_with_n_above_one(llm: LLM) -> None:
+    # Sample i is seeded with seed + i, wrapped to 64 bits: a valid seed never becomes a 400.
+    params = SamplingParams(n=2, seed=2**63 - 1, temperature=1.0, max_tokens=3, ignore_eos=True)
+    out = llm.generate("Hello", params, use_tqdm=False)[0].outputs
+    wrapped = llm.generate("Hello", SamplingParams(seed=-(2**63), temperature=1.0, max_tokens=3, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert len(out) == 2 and out[1].token_ids == wrapped.token_ids
+
+
+@pytest.mark.parametrize("prompts", [None, {"prompt": "Hi"}, 5])
+def test_generate_refuses_what_is_not_a_prompt(llm: LLM, prompts: object) -> None:
+    with pytest.raises(InvalidParamError) as e:
+        llm.generate(prompts, use_tqdm=False)
+    assert e.value.param == "prompt" and _idle(llm)
+
+
+def test_a_row_with_every_token_banned_fails_alone(llm: LLM) -> None:
+    # allowed_token_ids = only EOS, masked while below min_tokens: nothing can be sampled. The
+    # sampler used to return a banned token (argmax of an all -inf row is token 0).
+    eos = llm.engine.processor.eos_token_ids[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    alone = llm.generate("The sky is", greedy, use_tqdm=False)[0].outputs[0]
+    for temperature in (0.0, 1.0):
+        banned = SamplingParams(temperature=temperature, max_tokens=4, min_tokens=3, allowed_token_ids=[eos])
+        good, bad = llm.generate(["The sky is", "Hi"], [greedy, banned], use_tqdm=False)
+        assert bad.outputs[0].finish_reason == "error" and "no token can be sampled" in bad.outputs[0].error
+        assert bad.outputs[0].token_ids == []
+        assert good.outputs[0].token_ids == alone.token_ids
+    assert _idle(llm) and llm.engine.core.kv_cache.usage == 0.0
+
+
+def test_stop_token_text_follows_include_stop_str_in_output(llm: LLM) -> None:
+    # vLLM: the token that ends a request (a stop_token_id, or EOS) is in token_ids, but its text is
+    # in the output only with include_stop_str_in_output.
+    tok = llm.get_tokenizer()
+    plain = llm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    stop_id = plain.token_ids[1]
+    for include in (False, True):
+        params = SamplingParams(temperature=0.0, max_tokens=3, stop_token_ids=[stop_id],
+                                include_stop_str_in_output=include)
+        out = llm.generate("The sky is", params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == plain.token_ids[:2] and out.finish_reason == "stop" and out.stop_reason == stop_id
+        assert out.text == tok.decode(plain.token_ids[: 2 if include else 1])

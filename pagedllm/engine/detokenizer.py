@@ -80,8 +80,12 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._prefix_text = context_text  # decode of ids[prefix_offset:read_offset]
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Append output tokens and extend ``output_text``.
+
+        ``stop_terminated``: the last token ended the request (EOS or one of
+        ``stop_token_ids``); as in vLLM, its text is left out of ``output_text`` unless
+        ``include_stop_str_in_output`` (it still counts as an output token, its share "").
 
         Returns:
             The stop string that matched, else None. On a match ``output_text`` is cut right
@@ -95,8 +99,12 @@ class IncrementalDetokenizer:
         if not self.params.detokenize:
             self.num_output_tokens += len(new_token_ids)
             return None
-        for token_id in new_token_ids:
+        skipped = stop_terminated and not self.params.include_stop_str_in_output and bool(new_token_ids)
+        for j, token_id in enumerate(new_token_ids):
             self.num_output_tokens += 1
+            if skipped and j == len(new_token_ids) - 1:
+                self.token_texts.append("")
+                break
             self._ids.append(token_id)
             old_len = len(self.output_text)
             delta = self._decode_step()

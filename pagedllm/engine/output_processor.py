@@ -131,7 +131,7 @@ class OutputProcessor:
             if out.new_token_ids:
                 self._record_timing(state, sample, out.request_id, now, len(out.new_token_ids))
                 num_before = sample.detokenizer.num_output_tokens
-                stop = sample.detokenizer.update(out.new_token_ids)
+                stop = sample.detokenizer.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
                 # A stop string completed inside an accepted run of speculative drafts ends the
                 # output at the token that completed it: the tokens after it are dropped.
                 num_new = sample.detokenizer.num_output_tokens - num_before

@@ -107,7 +107,8 @@ class Processor:
         for i in range(params.n):
             child = params
             if params.n > 1:  # each sample its own request; seeds differ so samples differ
-                seed = None if params.seed is None else params.seed + i
+                # Wrapped to a signed 64-bit value: seed 2**63 - 1 with n > 1 is valid input.
+                seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
                 child = msgspec.structs.replace(params, n=1, seed=seed)
             requests.append(
                 EngineCoreRequest(f"{request_id}-{i}", prompt_token_ids, child, self.eos_token_ids, now, cache_salt)

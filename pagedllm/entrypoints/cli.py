@@ -244,6 +244,10 @@ def check_args(args: argparse.Namespace) -> None:
         engine_config(args)
     if hasattr(args, "temperature"):
         sampling_params(args)
+    if hasattr(args, "max_request_body_size"):
+        from pagedllm.entrypoints.openai.cli_args import check_serve_args
+
+        check_serve_args(args)
 
 
 def main(argv: list[str] | None = None) -> None:

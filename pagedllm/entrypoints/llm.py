@@ -97,6 +97,10 @@ class LLM:
                 the field); nothing is queued then, so no earlier prompt of the list runs.
             OSError: with ``trace``, if the trace file cannot be written (after generating).
         """
+        if not isinstance(prompts, Sequence):  # None, a dict, a generator: not a prompt nor a list of them
+            raise InvalidParamError(
+                "prompt", f"prompts must be a str, a list of token ids or a list of either, got {type(prompts).__name__}"
+            )
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()

@@ -22,7 +22,7 @@ Tensors may live on any device; seeded generators are CPU ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -56,10 +56,15 @@ class LogprobsTensors(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class SamplerOutput:
-    """sampled_token_ids: LongTensor[S]; logprobs: None unless some row asked for them."""
+    """sampled_token_ids: LongTensor[S]; logprobs: None unless some row asked for them.
+
+    ``unsamplable``: the rows left with no token to sample (``unsamplable_rows``); each still
+    has a valid id in ``sampled_token_ids``, but not one its request allows.
+    """
 
     sampled_token_ids: torch.Tensor
     logprobs: LogprobsTensors | None
+    unsamplable: list[int] = field(default_factory=list)
 
 
 def compute_logprobs(
@@ -97,7 +102,21 @@ class Sampler(torch.nn.Module):
         logprobs = None
         if meta.max_num_logprobs is not None:  # of ``logits``: the model's own distribution
             logprobs = compute_logprobs(logits, sampled, meta.max_num_logprobs)
-        return SamplerOutput(sampled, logprobs)
+        return SamplerOutput(sampled, logprobs, unsamplable_rows(logits, processed))
+
+
+def unsamplable_rows(logits: torch.Tensor, processed: torch.Tensor) -> list[int]:
+    """The rows of ``processed`` (``process_logits`` of ``logits``) without a finite largest logit.
+
+    A row whose every token is banned (``allowed_token_ids`` that are all EOS or stop tokens
+    while ``min_tokens`` masks them, or all covered by ``bad_words``) is all -inf, and extreme
+    penalties overflow to +inf or NaN: nothing sampled from such a row honours the request
+    (argmax of an all -inf row is token 0, a banned one).
+    """
+    if processed is logits:
+        return []  # no stage ran; the runner has checked the raw logits
+    top = processed.amax(dim=-1)  # NaN propagates
+    return (~torch.isfinite(top)).nonzero().flatten().tolist()
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -261,6 +261,11 @@ class ModelRunner:
             grammars = [reqs[j].request.structured_output for j in constrained]
             meta = replace(meta, grammar_mask=(fill_bitmask(grammars, logits.shape[1]), constrained))
         out = self.sampler(logits, meta)
+        if out.unsamplable:  # fails this batch; ``_isolated`` retries each request alone
+            raise ValueError(
+                "no token can be sampled: allowed_token_ids, bad_words, min_tokens and penalties leave no token "
+                "with a finite logit"
+            )
         tokens = out.sampled_token_ids.tolist()
         results: list[tuple[list[int], TokenLogprobs | None]] = []
         for j, s in enumerate(reqs):

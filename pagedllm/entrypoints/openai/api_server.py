@@ -11,6 +11,7 @@ import logging
 import re
 import secrets
 import signal
+import sys
 from collections.abc import AsyncIterator, Awaitable
 from types import FrameType
 from urllib.parse import parse_qs
@@ -220,6 +221,8 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         chat.check_request(body)
+        if body.messages is not None and body.prompt is not None:
+            raise OpenAIError(400, "give either prompt or messages, not both", param="messages")
         if body.messages is not None:
             tokens = chat.render(body.messages, body.add_generation_prompt)
         elif body.prompt is not None:
@@ -312,16 +315,29 @@ class ApiServer(uvicorn.Server):
 
 def main() -> None:
     """``python -m pagedllm.entrypoints.openai.api_server [MODEL] [flags]``: same flags as ``pagedllm serve``."""
-    import argparse
-
-    from pagedllm.entrypoints.cli import add_engine_args
+    from pagedllm.entrypoints.cli import Parser, add_engine_args, check_args
     from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="pagedllm serve", description="OpenAI-compatible HTTP server")
+    # The same parser class and checks as ``pagedllm serve``: --help shows the defaults, and a
+    # bad flag is a usage error (exit 2) before the model is loaded.
+    parser = Parser(prog="pagedllm serve", description="OpenAI-compatible HTTP server")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {pagedllm.__version__}",
+                        help="print the version and exit")
     add_engine_args(parser, positional_model=True)
     add_serve_args(parser)
-    run_serve(parser.parse_args())
+    args = parser.parse_args()
+    try:
+        check_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_serve(args)
+    except ValueError as e:  # an unknown model or a setting the model refuses, as ``pagedllm serve``
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)  # Ctrl-C while loading: no traceback
 
 
 if __name__ == "__main__":

@@ -15,12 +15,36 @@ logger = logging.getLogger("pagedllm")
 _GRACEFUL_SHUTDOWN_TIMEOUT_S = 10
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free port) to 65535."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def api_key(text: str) -> str:
+    """argparse type: a non-empty key (an empty one would silently turn authentication off)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (omit --api-key to serve without one)")
+    return text
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """The server flags that argparse types cannot check, before any model is loaded.
+
+    Raises:
+        ValueError: for a bad value.
+    """
+    parse_memory(args.max_request_body_size)
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The server's own flags; the engine flags (model, dtype, KV cache, ...) are added by the caller."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the model argument)")
-    parser.add_argument("--api-key", default=None,
+    parser.add_argument("--api-key", type=api_key, default=None,
                         help="require `Authorization: Bearer KEY` on every route but /health, /metrics, /version")
     parser.add_argument("--max-request-body-size", default="16MiB", help="larger request bodies get 413")
     parser.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
