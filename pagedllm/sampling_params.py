@@ -13,6 +13,7 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 _GREEDY_EPS = 1e-5
 _INT64 = 2**63  # msgpack carries signed 64-bit integers; anything wider cannot reach the core
 MAX_LOGPROBS = 20
+MAX_BAD_WORDS = 1024
 MAX_LOGIT_BIAS = 100.0
 
 
@@ -200,6 +201,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if not self.allowed_token_ids:
                 raise bad("allowed_token_ids", self.allowed_token_ids, "non-empty (None: all tokens allowed)")
         if self.bad_words is not None:
+            if isinstance(self.bad_words, (list, tuple)) and len(self.bad_words) > MAX_BAD_WORDS:
+                # Each word is matched against every sequence every step: a long list slows everyone.
+                raise bad("bad_words", f"{len(self.bad_words)} words", f"at most {MAX_BAD_WORDS} words")
             if not isinstance(self.bad_words, (list, tuple)) or any(
                 not check_text(w, "bad_words").strip() for w in self.bad_words
             ):

@@ -256,6 +256,8 @@ BAD_REQUESTS = [
     ("/v1/completions", _completion(seed=2**70), 400, "seed"),
     ("/v1/completions", _completion(stop_token_ids=[-1]), 400, "stop_token_ids"),
     ("/v1/completions", _completion(n="two"), 400, "n"),
+    # n is capped per request, not per prompt: 20 tiny prompts at n=256 would queue 5,120 sequences.
+    ("/v1/completions", _completion(prompt=[[1]] * 20, n=256), 400, "20 x 256"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("/v1/completions", _completion(model="gpt-4"), 404, "gpt-4"),
     ("/v1/chat/completions", _chat(model="gpt-4"), 404, "gpt-4"),

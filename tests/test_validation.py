@@ -187,3 +187,13 @@ def test_stop_token_text_follows_include_stop_str_in_output(llm: LLM) -> None:
         out = llm.generate("The sky is", params, use_tqdm=False)[0].outputs[0]
         assert out.token_ids == plain.token_ids[:2] and out.finish_reason == "stop" and out.stop_reason == stop_id
         assert out.text == tok.decode(plain.token_ids[: 2 if include else 1])
+
+
+def test_bad_words_are_capped() -> None:
+    """Every word is matched against every sequence each step: a long list would slow everyone."""
+    from pagedllm.sampling_params import MAX_BAD_WORDS
+
+    SamplingParams(bad_words=["w"] * MAX_BAD_WORDS)
+    with pytest.raises(InvalidParamError) as e:
+        SamplingParams(bad_words=["w"] * (MAX_BAD_WORDS + 1))
+    assert e.value.param == "bad_words"

@@ -18,6 +18,7 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedllm.entrypoints.openai.serving_engine import (
+    MAX_N,
     SSE_DONE,
     OpenAIError,
     OpenAIServing,
@@ -65,6 +66,12 @@ class OpenAIServingCompletion(OpenAIServing):
             return [p]
         if not p:
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        # The cap on n is per request, not per prompt: a 200-byte body of 20 prompts at n=256
+        # would otherwise queue 5,120 sequences ahead of every other client.
+        if len(p) * req.n > MAX_N:
+            raise OpenAIError(
+                400, f"at most {MAX_N} sequences per request (prompts x n), got {len(p)} x {req.n}", param="prompt"
+            )
         return list(p)
 
     def _prepare(self, request_id: str, prompt: str | list[int], req: CompletionRequest) -> PreparedRequest:
