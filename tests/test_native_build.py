@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm import config
 from pagedllm.kernels import build, library, ops
@@ -196,3 +197,26 @@ def test_dtype_auto_by_isa(isa: str | None, w8a8: bool, linears: str, monkeypatc
     assert config.auto_linears() == linears
     expected = "w8a8" if linears == "w8a8" else "none"
     assert config.dtype_settings("auto")["quantization"] == expected
+
+
+def test_w8a8_is_bit_identical_on_every_isa() -> None:
+    """The int8 dot products are exact and the float32 steps run in the same order on every
+    ISA, so a w8a8 layer's output (and perplexity) does not depend on the CPU kind."""
+    from native_isa import ISAS
+
+    from pagedllm.kernels import ops
+    from pagedllm.kernels.library import native_library, use_isa
+
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(70, 100, generator=gen), torch.randn(5, 100, generator=gen)
+    outputs = {}
+    for isa in ISAS:
+        if native_library(isa) is None:
+            continue
+        with use_isa(isa):
+            outputs[isa] = ops.linear_w8a8(x, ops.linear_pack_w8a8(w), None, 70)
+    if len(outputs) < 2:
+        pytest.skip(f"fewer than two ISAs build here: {sorted(outputs)}")
+    first = next(iter(outputs.values()))
+    for isa, y in outputs.items():
+        assert torch.equal(y, first), isa
