@@ -23,7 +23,8 @@ SAPPHIRE_RAPIDS = frozenset("avx2 fma f16c avx512f avx512bw avx512vl avx512dq av
 ZEN3 = frozenset("avx2 fma f16c bmi2".split())
 EXPORTS = [
     "paged_decode_attention_bf16", "paged_decode_attention_f32", "paged_prefill_attention", "linear_w8a8_available",
-    "linear_pack_f32", "linear_f32", "linear_pack_w8a8", "linear_w8a8", "add_rms_norm", "rotary_inplace",
+    "linear_pack_f32", "linear_f32", "linear_pack_w8a8", "linear_w8a8",
+    "linear_pack_q4a8", "linear_q4a8", "add_rms_norm", "rotary_inplace",
     "silu_and_mul", "write_kv_cache", "argmax_rows",
 ]
 
