@@ -188,12 +188,12 @@ def test_disable_native_builds_nothing(fresh: Path, monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize(
     ("isa", "w8a8", "linears"),
-    [("avx512", True, "w8a8"), ("avx2", True, "w8a8"), ("neon", True, "w8a8"), ("scalar", True, "float32"),
-     (None, False, "float32"), ("avx2", False, "float32")],  # the table, and a library without the w8a8 GEMM
+    [("avx512", True, "w4a8"), ("avx2", True, "w4a8"), ("neon", True, "w8a8"), ("scalar", True, "float32"),
+     (None, False, "float32"), ("avx2", False, "float32")],  # the table, and a library without the integer GEMMs
 )
 def test_dtype_auto_by_isa(isa: str | None, w8a8: bool, linears: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(library, "active_isa", lambda: isa)
     monkeypatch.setattr(ops, "linear_w8a8_available", lambda: w8a8)
     assert config.auto_linears() == linears
-    expected = "w8a8" if linears == "w8a8" else "none"
+    expected = "none" if linears == "float32" else linears
     assert config.dtype_settings("auto")["quantization"] == expected

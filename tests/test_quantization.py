@@ -302,7 +302,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
         ({"quantization": "int8", "quantize_lm_head": True}, Int4Linear),
         ({"quantization": "int4", "quantization_group_size": 64, "quantize_lm_head": True}, Int4Linear),
         ({"quantization": "w8a8"}, W8A8Linear),
-        ({}, W8A8Linear if auto_linears() == "w8a8" else PackedLinear),  # dtype auto: w8a8, the lm_head too
+        ({"quantization": "w4a8", "quantize_lm_head": True}, W4A8Linear),  # Q4_1 kept; the lm_head w8a8
+        ({}, {"w4a8": W4A8Linear, "w8a8": W8A8Linear}.get(auto_linears(), PackedLinear)),  # dtype auto, lm_head too
         ({"quantization": "int4", "dtype": "bfloat16"}, Int4Linear),  # bfloat16 activations reach the kernel as views
     ],
 )
@@ -310,9 +311,9 @@ def test_engine_end_to_end(kwargs: dict, layer: type) -> None:
     llm = LLM(kv_cache_memory="64MiB", max_model_len=256, **kwargs)
     model = llm.engine.core.runner.model
     assert type(model.layers[0].mlp.gate_up_proj) is layer
-    if not kwargs and auto_linears() == "w8a8":
+    if (not kwargs and auto_linears() != "float32") or kwargs.get("quantization") == "w4a8":
         assert type(model.lm_head) is W8A8Linear
-    if kwargs.get("quantize_lm_head"):  # SmolLM2's tied Q8_0 embedding: kept in int8, requantized in int4
+    if kwargs.get("quantize_lm_head") and kwargs["quantization"] != "w4a8":  # SmolLM2's tied Q8_0 embedding: kept in int8, requantized in int4
         assert type(model.lm_head) is (Int8BlockLinear if kwargs["quantization"] == "int8" else Int4Linear)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, logprobs=1), use_tqdm=False)
     for out in outputs:
@@ -369,7 +370,7 @@ def test_sliding_windows_score_every_token_once() -> None:
         sliding_windows(10, 4, 5)
 
 
-@pytest.mark.skipif(auto_linears() != "w8a8", reason="dtype auto runs float32 linear layers on these kernels")
+@pytest.mark.skipif(auto_linears() == "float32", reason="dtype auto runs float32 linear layers on these kernels")
 def test_default_dtype_perplexity_within_half_a_percent_of_float32() -> None:
     """dtype auto's w8a8 layers (lm_head included) and bfloat16 K/V on the shipped text:
     measured +0.16% against float32 (window 512, stride 256)."""
