@@ -76,8 +76,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     # Speculative decoding; a dict or JSON string in vLLM's shape is parsed. None: off.
     speculative_config: SpeculativeConfig | None = None
-    # Quantization of the linear layers: "none" | "int8" | "int4" (weight-only) | "w8a8"
-    # (layers/quantization). dtype "auto" sets "w8a8" with the lm_head where the CPU has it.
+    # Quantization of the linear layers: "none" | "int8" | "int4" (weight-only) | "w8a8" |
+    # "w4a8" (layers/quantization). dtype "auto" sets auto_linears()'s with the lm_head.
     quantization: str = "none"
     quantization_group_size: int = 32  # int4's group size: 32, 64 or 128
     quantize_lm_head: bool = False  # the logits matmul too (a tied embedding's lookup stays float)
