@@ -76,8 +76,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     # Speculative decoding; a dict or JSON string in vLLM's shape is parsed. None: off.
     speculative_config: SpeculativeConfig | None = None
-    # Quantization of the linear layers: "none" | "int8" | "int4" (weight-only) | "w8a8"
-    # (layers/quantization). dtype "auto" sets "w8a8" with the lm_head where the CPU has it.
+    # Quantization of the linear layers: "none" | "int8" | "int4" (weight-only) | "w8a8" |
+    # "w4a8" (layers/quantization). dtype "auto" sets auto_linears()'s with the lm_head.
     quantization: str = "none"
     quantization_group_size: int = 32  # int4's group size: 32, 64 or 128
     quantize_lm_head: bool = False  # the logits matmul too (a tied embedding's lookup stays float)
@@ -144,9 +144,11 @@ def dtype_settings(
     """EngineConfig fields for the dtype and quantization flags.
 
     "auto": float32 activations, bfloat16 K/V, and linear layers as ``auto_linears()`` picks
-    for the kernels' ISA: w8a8, the lm_head included (int8 weights and activations in groups
-    of 32: SmolLM2 perplexity +0.16% against float32, 1.4-3.6x the float32 GEMM's speed on
-    AVX-512; docs/benchmarks.md), or float32. Where ``quantization`` names a mode (even
+    for the kernels' ISA: w4a8 (4-bit weights, int8 activations in groups of 32, the lm_head
+    w8a8: half w8a8's weight bytes, 1.4-1.8x its GEMM speed at 1-8 rows on AVX-512), w8a8,
+    the lm_head included (int8 weights and activations in groups of 32: SmolLM2 perplexity
+    +0.16% against float32, 1.4-3.6x the float32 GEMM's speed on AVX-512;
+    docs/benchmarks.md), or float32. Where ``quantization`` names a mode (even
     "none"), the linear layers are as that says. An explicit dtype: that dtype throughout.
     ``kv_cache_dtype`` other than "auto" overrides the K/V dtype.
 
@@ -165,25 +167,28 @@ def dtype_settings(
         "kv_cache_dtype": kv or (torch.bfloat16 if auto else None),
         "quantization": quantization or "none",
     }
-    if auto and quantization is None and auto_linears() == "w8a8":
-        settings |= {"quantization": "w8a8", "quantize_lm_head": True}
+    linears = auto_linears() if auto and quantization is None else "float32"
+    if linears != "float32":
+        settings |= {"quantization": linears, "quantize_lm_head": True}
     return settings
 
 
 # What ``--dtype auto`` runs the linear layers as, by the native kernels' ISA (None: no
-# library). Measured on AVX-512 (docs/benchmarks.md); the other entries await their numbers.
+# library). Measured on AVX-512 and AVX2 (docs/benchmarks.md, "Small batches at the memory
+# roofline"); NEON's w4a8 awaits its numbers.
 _AUTO_LINEARS: dict[str | None, str] = {
-    "avx512": "w8a8", "avx2": "w8a8", "neon": "w8a8", "scalar": "float32", None: "float32"
+    "avx512": "w4a8", "avx2": "w4a8", "neon": "w8a8", "scalar": "float32", None: "float32"
 }
 
 
 def auto_linears() -> str:
-    """"w8a8" or "float32": the linear layers ``--dtype auto`` picks for the ISA this
-    process's kernels run (w8a8 only where the library has that GEMM)."""
+    """"w4a8", "w8a8" or "float32": the linear layers ``--dtype auto`` picks for the ISA this
+    process's kernels run (the integer GEMMs only where the library has them; w4a8's lm_head
+    is w8a8)."""
     from pagedllm.kernels import library, ops  # builds the kernels on first use
 
     choice = _AUTO_LINEARS[library.active_isa()]
-    return choice if choice != "w8a8" or ops.linear_w8a8_available() else "float32"
+    return choice if choice == "float32" or ops.linear_w8a8_available() else "float32"
 
 
 def parse_memory(value: str | int | float) -> int:

@@ -81,7 +81,7 @@ def test_greedy_matches_transformers(llm, hf_model):
 
 
 def test_default_dtype_close_to_transformers(hf_model):
-    """dtype auto (w8a8 linear layers, bfloat16 K/V) is of bfloat16's precision class: greedy
+    """dtype auto (w4a8 / w8a8 linear layers, bfloat16 K/V) is of bfloat16's precision class: greedy
     tokens equal transformers' float32 ones until a gap under 0.5 nats between HF's top two,
     logprobs within 0.35 until then. Measured: at most 0.20 (full bfloat16: 0.11), divergence
     at gaps up to 0.13 (bfloat16: 0.20)."""
@@ -224,13 +224,14 @@ def test_unknown_model_alias():
 
 
 def test_dtype_settings() -> None:
-    """auto: float32 activations around w8a8 layers (lm_head too), a bfloat16 K/V cache; an
+    """auto: float32 activations around w4a8 / w8a8 layers (lm_head too), a bfloat16 K/V cache; an
     explicit quantization mode or dtype wins."""
     import torch
 
     from pagedllm.config import auto_linears, dtype_settings
 
-    linears = {"quantization": "w8a8", "quantize_lm_head": True} if auto_linears() == "w8a8" else {"quantization": "none"}
+    auto = auto_linears()
+    linears = {"quantization": "none"} if auto == "float32" else {"quantization": auto, "quantize_lm_head": True}
     assert dtype_settings("auto") == {"dtype": torch.float32, "kv_cache_dtype": torch.bfloat16} | linears
     assert dtype_settings("auto", quantization="none")["quantization"] == "none"
     assert dtype_settings("auto", quantization="int4")["quantization"] == "int4"

@@ -24,7 +24,8 @@ SAPPHIRE_RAPIDS = frozenset("avx2 fma f16c avx512f avx512bw avx512vl avx512dq av
 ZEN3 = frozenset("avx2 fma f16c bmi2".split())
 EXPORTS = [
     "paged_decode_attention_bf16", "paged_decode_attention_f32", "paged_prefill_attention", "linear_w8a8_available",
-    "linear_pack_f32", "linear_f32", "linear_pack_w8a8", "linear_w8a8", "add_rms_norm", "rotary_inplace",
+    "linear_pack_f32", "linear_f32", "linear_pack_w8a8", "linear_w8a8",
+    "linear_pack_q4a8", "linear_q4a8", "add_rms_norm", "rotary_inplace",
     "silu_and_mul", "write_kv_cache", "argmax_rows",
 ]
 
@@ -188,14 +189,14 @@ def test_disable_native_builds_nothing(fresh: Path, monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize(
     ("isa", "w8a8", "linears"),
-    [("avx512", True, "w8a8"), ("avx2", True, "w8a8"), ("neon", True, "w8a8"), ("scalar", True, "float32"),
-     (None, False, "float32"), ("avx2", False, "float32")],  # the table, and a library without the w8a8 GEMM
+    [("avx512", True, "w4a8"), ("avx2", True, "w4a8"), ("neon", True, "w8a8"), ("scalar", True, "float32"),
+     (None, False, "float32"), ("avx2", False, "float32")],  # the table, and a library without the integer GEMMs
 )
 def test_dtype_auto_by_isa(isa: str | None, w8a8: bool, linears: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(library, "active_isa", lambda: isa)
     monkeypatch.setattr(ops, "linear_w8a8_available", lambda: w8a8)
     assert config.auto_linears() == linears
-    expected = "w8a8" if linears == "w8a8" else "none"
+    expected = "none" if linears == "float32" else linears
     assert config.dtype_settings("auto")["quantization"] == expected
 
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # torch is imported where used: building the CLI parser stays
 
 # Mode name -> (dtype, quantization, quantize_lm_head).
 MODES = {
-    "auto": ("auto", None, False),  # the default: float32 around w8a8 layers (lm_head too), bf16 K/V
+    "auto": ("auto", None, False),  # the default: float32 around w4a8 / w8a8 layers (lm_head too), bf16 K/V
     "fp32": ("float32", "none", False),
     "bf16": ("bfloat16", "none", False),
     "int8": ("bfloat16", "int8", False),
@@ -30,6 +30,9 @@ MODES = {
     "int8+lm_head": ("bfloat16", "int8", True),
     "int4+lm_head": ("bfloat16", "int4", True),
     "w8a8": ("float32", "w8a8", False),
+    "w8a8+lm_head": ("float32", "w8a8", True),
+    "w4a8": ("float32", "w4a8", False),
+    "w4a8+lm_head": ("float32", "w4a8", True),  # the lm_head as w8a8
 }
 
 

@@ -7,6 +7,11 @@
 //   (llama.cpp's Q8_0 x Q8_0), four products per int32 lane summed by the vector layer's int8
 //   dot product (VNNI vpdpbusd, AVX2 vpmaddubsw + vpmaddwd, NEON sdot), each group's int32
 //   sum scaled into a float32 accumulator. Panels [Kp/4][32][4] (K padded to QG).
+// - 4-bit with int8 activations (w4a8): weights asymmetric per group of QG k, w = d q + m with
+//   q in [0, 15] (GGUF Q4_1; Q4_0 is m = -8 d), x symmetric as for w8a8 (llama.cpp's Q4_1 x
+//   Q8_1 dot product): y = sum_g xs (d sum(q x) + m sum(x)). Per panel and group, Q4_BYTES:
+//   QG/4 quads of 64 bytes of nibbles (vec.h's dot_q4_load layout), then d and m as float16
+//   [32] each: 0.625 bytes per weight, against w8a8's 1.25, for batches bound by memory.
 // A micro-tile keeps R rows x 32 columns of y in registers while it walks K once (R per ISA:
 // vec::kGemmRows*); every row takes the same instructions in the same order whatever M is, so
 // a row's result does not depend on the rest of the batch. Threads split the panels.
@@ -26,6 +31,8 @@ namespace {
 
 constexpr int64_t NB = 32;  // output columns per panel
 constexpr int64_t QG = 32;  // k per quantization group, of weights and of activations alike
+constexpr int64_t Q4_NIBBLES = QG / 4 * 64;       // bytes of codes per panel and group
+constexpr int64_t Q4_BYTES = Q4_NIBBLES + 4 * NB;  // + d and m, float16 per column
 
 template <int R>
 inline void store(F32x16 (&acc)[R][2], float* y, int64_t ldy, int64_t ncols) {
@@ -91,6 +98,36 @@ void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const int8_t*
       const F32x16 s = set1(xscale[r * G + g]);
       out[r][0] = fma(to_f32(acc[r][0]), mul(d0, s), out[r][0]);
       out[r][1] = fma(to_f32(acc[r][1]), mul(d1, s), out[r][1]);
+    }
+  }
+  store<R>(out, y, ldy, ncols);
+}
+
+// x: R rows of kq quads of s8 codes (stride ldx, in int32), groups of QG/4 quads; xscale, xsum:
+// R rows of G (stride G), xsum = xscale * the group's code sum; panel: G groups of Q4_BYTES.
+// y[r, n] = sum_g xscale[r, g] * d[g, n] * (sum_k x q) + xsum[r, g] * m[g, n] + bias[n].
+template <int R>
+void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const uint8_t* panel, int64_t G,
+               const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  constexpr int64_t quads = QG / 4;
+  F32x16 out[R][2];
+  init<R>(out, bias);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* pg = panel + g * Q4_BYTES;
+    __builtin_prefetch(pg + 4 * Q4_BYTES);
+    I32x16 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero_i32();
+    for (int64_t k = 0; k < quads; ++k) {
+      if (k % 2 == 0) __builtin_prefetch(pg + 4 * Q4_BYTES + 64 * (k / 2 + 1));
+      const Q4W w = dot_q4_load(pg + k * 64);
+      for (int r = 0; r < R; ++r) dot_q4(acc[r][0], acc[r][1], dot_q4_prepare(x + r * ldx + g * quads + k), w);
+    }
+    const uint16_t* dm = reinterpret_cast<const uint16_t*>(pg + Q4_NIBBLES);
+    const F32x16 d0 = load_f16(dm), d1 = load_f16(dm + 16), m0 = load_f16(dm + NB), m1 = load_f16(dm + NB + 16);
+    for (int r = 0; r < R; ++r) {
+      const F32x16 s = set1(xscale[r * G + g]), t = set1(xsum[r * G + g]);
+      out[r][0] = fma(to_f32(acc[r][0]), mul(d0, s), fma(m0, t, out[r][0]));
+      out[r][1] = fma(to_f32(acc[r][1]), mul(d1, s), fma(m1, t, out[r][1]));
     }
   }
   store<R>(out, y, ldy, ncols);
@@ -190,6 +227,68 @@ int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* 
       panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
         tile_w8a8<decltype(r)::value>(xq.data() + (m0 + m) * kq, kq, xscale.data() + (m0 + m) * G,
                                       packed + p * kq * 4 * NB, G, wsum128 + p * G * NB, wscale + p * G * NB, b,
+                                      y + (m0 + m) * N + p * NB, N, ncols);
+      });
+    });
+  }
+  return 0;
+}
+
+// q: [N, K] codes in [0, 15] (one per byte); d, m: [N, ceil(K/QG)] float16 bits (w = d q + m)
+// -> packed [ceil(N/32)][ceil(K/QG)][Q4_BYTES], codes, d and m zero padded (a padded k has
+// code 0 and its x code is 0 too, so m counts only real k). Returns 0.
+int linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K) {
+  const int64_t G = (K + QG - 1) / QG, panels = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t* pg = packed + (p * G + g) * Q4_BYTES;
+      uint16_t* dm = reinterpret_cast<uint16_t*>(pg + Q4_NIBBLES);
+      for (int64_t c = 0; c < NB; ++c) {
+        const int64_t n = p * NB + c;
+        dm[c] = n < N ? d[n * G + g] : 0;
+        dm[NB + c] = n < N ? m[n * G + g] : 0;
+      }
+      for (int64_t i = 0; i < Q4_NIBBLES; ++i) {  // quad i / 64, byte i % 64 (vec.h's dot_q4_load layout)
+        const int64_t k = g * QG + i / 64 * 4 + i % 4, c = i % 64 / 4;
+        auto code = [&](int64_t n) { return n < N && k < K ? uint8_t(q[n * K + k] & 0x0F) : uint8_t(0); };
+        pg[i] = uint8_t(code(p * NB + c) | code(p * NB + 16 + c) << 4);
+      }
+    }
+  return 0;
+}
+
+// x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed from linear_pack_q4a8;
+// bias: null or float32 padded to ceil(N/32)*32. Each row of x is quantized on the fly as
+// for linear_w8a8, with each group's code sum (llama.cpp's Q8_1 activations). Returns 0.
+int linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
+                int64_t K) {
+  const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
+  std::vector<int32_t> xq(static_cast<size_t>(M * kq));
+  std::vector<float> xscale(static_cast<size_t>(M * G)), xsum(static_cast<size_t>(M * G));
+#pragma omp parallel for schedule(static) if (M > 16)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = x + m * ldx;
+    int8_t* row = reinterpret_cast<int8_t*>(xq.data() + m * kq);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t k0 = g * QG;
+      const F32x16 v0 = load_first(src + k0, K - k0), v1 = load_first(src + k0 + 16, K - k0 - 16);
+      const float a = reduce_max(max(abs(v0), abs(v1))), scale = a / 127.f;
+      const F32x16 inv = set1(a > 0.f ? 127.f / a : 0.f);
+      const I32x16 c0 = round_i32(mul(v0, inv)), c1 = round_i32(mul(v1, inv));
+      store_i8(row + k0, c0);
+      store_i8(row + k0 + 16, c1);
+      xscale[m * G + g] = scale;
+      xsum[m * G + g] = scale * reduce_add(add(to_f32(c0), to_f32(c1)));  // an exact integer sum
+    }
+  }
+  const int64_t chunk = std::max<int64_t>(24, (262144 / (4 * kq)) / 24 * 24);  // as linear_w8a8
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
+      panel_rows<kGemmRowsQ4>(rows, [&](auto r, int64_t m) {
+        tile_q4a8<decltype(r)::value>(xq.data() + (m0 + m) * kq, kq, xscale.data() + (m0 + m) * G,
+                                      xsum.data() + (m0 + m) * G, packed + p * G * Q4_BYTES, G, b,
                                       y + (m0 + m) * N + p * NB, N, ncols);
       });
     });

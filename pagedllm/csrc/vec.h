@@ -21,6 +21,13 @@
 //   int8    store_codes (16 activation codes in [-127, 127], in the encoding dot_prepare
 //           reads), DotX dot_prepare(a quad of 4 stored codes), I32x16 dot_init(wsum128),
 //           I32x16 dot(acc, DotX, 64 int8 w): acc[l] += sum_j x[j] * w[4 l + j]
+//   int4    (the w4a8 GEMM, kGemmRowsQ4 rows per micro-tile) store_i8 (16 codes in [-127, 127]
+//           as plain s8), load_f16 (16 float16 widened), I32x16 zero_i32, Q4W dot_q4_load(64
+//           bytes of nibbles: byte i holds column i/4's code i%4 in its low nibble, column
+//           16 + i/4's in its high one; loaded once, used by every row), DotQ4X dot_q4_prepare(a
+//           quad of 4 s8 codes), dot_q4(lo, hi, DotQ4X, Q4W): lo[l] += sum_j x[j] * low
+//           nibble of byte 4 l + j, hi[l] the same with the high nibbles (codes in [0, 15] are
+//           u8 and s8 alike: no offset or sign trick)
 #pragma once
 
 #include <stdint.h>

@@ -2,7 +2,8 @@
 // AVX-512 fused off): two ymm per F32x16 (lanes 0-7, 8-15), predicates as all-ones lanes.
 // No VNNI here: the int8 dot product is vpmaddubsw on |x| and w signed as x (each pair sum
 // |x0 w0 + x1 w1| <= 2 * 127 * 127 fits in int16, unlike u8 x + 128), widened by vpmaddwd,
-// as llama.cpp's AVX2 Q8_0 dot product does.
+// as llama.cpp's AVX2 Q8_0 dot product does. 4-bit weight codes are u8 already: vpmaddubsw
+// takes them with x as it is.
 #pragma once
 
 #include <immintrin.h>
@@ -16,6 +17,7 @@ inline constexpr const char* kName = "avx2";
 inline constexpr int kF32Regs = 8;
 inline constexpr int kGemmRowsF32 = 3;  // 12 ymm accumulators; weights come from L1 as FMA operands
 inline constexpr int kGemmRowsI8 = 2;
+inline constexpr int kGemmRowsQ4 = 2;
 
 struct F32x16 { __m256 lo, hi; };
 struct I32x16 { __m256i lo, hi; };
@@ -126,6 +128,12 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
   }
 }
 
+inline F32x16 load_f16(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+
+inline I32x16 zero_i32() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline I32x16 round_i32(F32x16 a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
 inline F32x16 to_f32(I32x16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 inline void store_codes(int8_t* p, I32x16 a) {
@@ -144,5 +152,23 @@ inline __m256i dot8(__m256i acc, const DotX& x, const int8_t* w) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x.ax, sw), _mm256_set1_epi16(1)));
 }
 inline I32x16 dot(I32x16 acc, const DotX& x, const int8_t* w) { return {dot8(acc.lo, x, w), dot8(acc.hi, x, w + 32)}; }
+
+inline void store_i8(int8_t* p, I32x16 a) { store_codes(p, a); }  // codes are plain s8 here
+struct Q4W { __m256i lo0, lo1, hi0, hi1; };  // columns 0-7, 8-15, 16-23, 24-31
+inline Q4W dot_q4_load(const uint8_t* nibbles64) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles64));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles64 + 32)), low = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(a, low), _mm256_and_si256(b, low), _mm256_and_si256(_mm256_srli_epi16(a, 4), low),
+          _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
+}
+struct DotQ4X { __m256i x; };  // the 4 s8 codes, in every lane
+inline DotQ4X dot_q4_prepare(const int32_t* quad) { return {_mm256_set1_epi32(*quad)}; }
+inline __m256i dot_q4_8(__m256i acc, __m256i w, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+inline void dot_q4(I32x16& lo, I32x16& hi, DotQ4X x, const Q4W& w) {
+  lo = {dot_q4_8(lo.lo, w.lo0, x.x), dot_q4_8(lo.hi, w.lo1, x.x)};
+  hi = {dot_q4_8(hi.lo, w.hi0, x.x), dot_q4_8(hi.hi, w.hi1, x.x)};
+}
 
 }  // namespace vec

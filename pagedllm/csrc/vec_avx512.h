@@ -1,7 +1,9 @@
 // vec.h on AVX-512 (F, BW, VL, DQ): one zmm per F32x16, a __mmask16 per M16. The int8 dot
 // product is VNNI's vpdpbusd where the target has it (u8 x s8: x is fed as x + 128, and the
 // -128 * sum(w) that adds is where the accumulator starts), else vpmaddubsw on |x| and w
-// negated where x < 0, widened by vpmaddwd.
+// negated where x < 0, widened by vpmaddwd. The 4-bit x int8 product needs no such trick:
+// weight codes in [0, 15] are u8 and x is s8, so vpdpbusd (or vpmaddubsw, pairs <= 2 * 15 * 127)
+// takes both as they are.
 #pragma once
 
 #include <immintrin.h>
@@ -13,6 +15,7 @@ inline constexpr const char* kName = "avx512";
 inline constexpr int kF32Regs = 32;     // F32x16 values that fit in the register file
 inline constexpr int kGemmRowsF32 = 12;  // rows of a float32 GEMM micro-tile (24 accumulators)
 inline constexpr int kGemmRowsI8 = 4;    // rows of a w8a8 micro-tile (8 int32 + 8 float32 accumulators)
+inline constexpr int kGemmRowsQ4 = 4;    // rows of a w4a8 micro-tile (the same accumulators + 2 weight registers)
 
 struct F32x16 { __m512 v; };
 struct I32x16 { __m512i v; };
@@ -76,6 +79,9 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
   }
 }
 
+inline F32x16 load_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+
+inline I32x16 zero_i32() { return {_mm512_setzero_si512()}; }
 inline I32x16 round_i32(F32x16 a) { return {_mm512_cvtps_epi32(a.v)}; }
 inline F32x16 to_f32(I32x16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
 #ifdef __AVX512VNNI__
@@ -99,6 +105,27 @@ inline I32x16 dot(I32x16 acc, DotX x, const int8_t* w) {  // |x| * (w signed as 
   const __m512i wv = _mm512_loadu_si512(w);
   const __m512i sw = _mm512_mask_sub_epi8(wv, x.neg, _mm512_setzero_si512(), wv);
   return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(x.ax, sw), _mm512_set1_epi16(1)))};
+}
+#endif
+
+inline void store_i8(int8_t* p, I32x16 a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a.v)); }
+struct Q4W { __m512i lo, hi; };  // columns 0-15 and 16-31, 4 u8 codes per int32 lane
+inline Q4W dot_q4_load(const uint8_t* nibbles64) {
+  const __m512i v = _mm512_loadu_si512(nibbles64), low = _mm512_set1_epi8(0x0F);
+  return {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+}
+struct DotQ4X { __m512i x; };  // the 4 s8 codes, in every lane
+inline DotQ4X dot_q4_prepare(const int32_t* quad) { return {_mm512_set1_epi32(*quad)}; }
+#ifdef __AVX512VNNI__
+inline void dot_q4(I32x16& lo, I32x16& hi, DotQ4X x, const Q4W& w) {
+  lo.v = _mm512_dpbusd_epi32(lo.v, w.lo, x.x);
+  hi.v = _mm512_dpbusd_epi32(hi.v, w.hi, x.x);
+}
+#else
+inline void dot_q4(I32x16& lo, I32x16& hi, DotQ4X x, const Q4W& w) {
+  const __m512i ones = _mm512_set1_epi16(1);
+  lo.v = _mm512_add_epi32(lo.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.lo, x.x), ones));
+  hi.v = _mm512_add_epi32(hi.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.hi, x.x), ones));
 }
 #endif
 

@@ -1,6 +1,7 @@
 // vec.h on ARM NEON (aarch64: Apple silicon, AWS Graviton, Ampere): four q registers per
 // F32x16. The int8 dot product is sdot (vdotq_s32, s8 x s8) where the target has the dotprod
-// extension (Armv8.2+), else widening multiplies (smull) and pairwise adds.
+// extension (Armv8.2+), else widening multiplies (smull) and pairwise adds; 4-bit weight codes
+// in [0, 15] are valid s8, so the same instructions take them.
 #pragma once
 
 #include <arm_neon.h>
@@ -14,6 +15,7 @@ inline constexpr const char* kName = "neon";
 inline constexpr int kF32Regs = 8;
 inline constexpr int kGemmRowsF32 = 2;  // 16 accumulators + 8 weight registers of 32
 inline constexpr int kGemmRowsI8 = 2;
+inline constexpr int kGemmRowsQ4 = 2;
 
 struct F32x16 { float32x4_t v[4]; };
 struct I32x16 { int32x4_t v[4]; };
@@ -134,6 +136,13 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
   }
 }
 
+inline F32x16 load_f16(const uint16_t* p) {
+  F32x16 r;
+  for (int i = 0; i < 4; ++i) r.v[i] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i)));
+  return r;
+}
+
+inline I32x16 zero_i32() { return {{vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)}}; }
 inline I32x16 round_i32(F32x16 a) { return {{vcvtnq_s32_f32(a.v[0]), vcvtnq_s32_f32(a.v[1]), vcvtnq_s32_f32(a.v[2]), vcvtnq_s32_f32(a.v[3])}}; }
 inline F32x16 to_f32(I32x16 a) { return {{vcvtq_f32_s32(a.v[0]), vcvtq_f32_s32(a.v[1]), vcvtq_f32_s32(a.v[2]), vcvtq_f32_s32(a.v[3])}}; }
 inline void store_codes(int8_t* p, I32x16 a) {
@@ -145,17 +154,34 @@ inline void store_codes(int8_t* p, I32x16 a) {
 struct DotX { int8x16_t x; };  // the 4 x values, in every 32-bit lane
 inline DotX dot_prepare(const int32_t* quad) { return {vreinterpretq_s8_s32(vld1q_dup_s32(quad))}; }
 inline I32x16 dot_init(const int32_t*) { return {{vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)}}; }
-inline I32x16 dot(I32x16 acc, DotX x, const int8_t* w) {
-  for (int i = 0; i < 4; ++i) {
-    const int8x16_t wv = vld1q_s8(w + 16 * i);
+inline int32x4_t dot4(int32x4_t acc, int8x16_t w, int8x16_t x) {  // acc[l] += sum_j x[j] * w[4 l + j]
 #ifdef __ARM_FEATURE_DOTPROD
-    acc.v[i] = vdotq_s32(acc.v[i], wv, x.x);
+  return vdotq_s32(acc, w, x);
 #else
-    const int16x8_t lo = vmull_s8(vget_low_s8(wv), vget_low_s8(x.x)), hi = vmull_high_s8(wv, x.x);
-    acc.v[i] = vaddq_s32(acc.v[i], vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi)));
+  const int16x8_t lo = vmull_s8(vget_low_s8(w), vget_low_s8(x)), hi = vmull_high_s8(w, x);
+  return vaddq_s32(acc, vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi)));
 #endif
-  }
+}
+inline I32x16 dot(I32x16 acc, DotX x, const int8_t* w) {
+  for (int i = 0; i < 4; ++i) acc.v[i] = dot4(acc.v[i], vld1q_s8(w + 16 * i), x.x);
   return acc;
+}
+
+inline void store_i8(int8_t* p, I32x16 a) { store_codes(p, a); }  // codes are plain s8 here
+struct Q4W { int8x16_t lo[4], hi[4]; };  // columns 0-15 and 16-31, 4 codes per int32 lane
+inline Q4W dot_q4_load(const uint8_t* nibbles64) {
+  Q4W w;
+  for (int i = 0; i < 4; ++i) {
+    const uint8x16_t v = vld1q_u8(nibbles64 + 16 * i);
+    w.lo[i] = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F)));
+    w.hi[i] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+  }
+  return w;
+}
+using DotQ4X = DotX;
+inline DotQ4X dot_q4_prepare(const int32_t* quad) { return dot_prepare(quad); }
+inline void dot_q4(I32x16& lo, I32x16& hi, DotQ4X x, const Q4W& w) {
+  for (int i = 0; i < 4; ++i) lo.v[i] = dot4(lo.v[i], w.lo[i], x.x), hi.v[i] = dot4(hi.v[i], w.hi[i], x.x);
 }
 
 }  // namespace vec

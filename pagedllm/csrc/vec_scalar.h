@@ -14,6 +14,7 @@ inline constexpr const char* kName = "scalar";
 inline constexpr int kF32Regs = 4;
 inline constexpr int kGemmRowsF32 = 4;
 inline constexpr int kGemmRowsI8 = 2;
+inline constexpr int kGemmRowsQ4 = 2;
 
 struct F32x16 { float v[16]; };
 struct I32x16 { int32_t v[16]; };
@@ -102,6 +103,18 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
   });
 }
 
+inline F32x16 load_f16(const uint16_t* p) {
+  return lanes([p](int i) {
+    const uint32_t h = p[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    if (exp == 0) return std::copysign(std::ldexp(float(man), -24), sign ? -1.f : 1.f);  // zero, subnormal
+    const uint32_t u = sign | (exp == 31 ? 0x7F800000u : (exp + 112) << 23) | man << 13;  // 112 = 127 - 15
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  });
+}
+
+inline I32x16 zero_i32() { return I32x16{}; }
 inline I32x16 round_i32(F32x16 a) {
   I32x16 r;
   for (int i = 0; i < 16; ++i) r.v[i] = int32_t(std::nearbyint(a.v[i]));
@@ -123,6 +136,20 @@ inline I32x16 dot(I32x16 acc, const DotX& x, const int8_t* w) {
   for (int l = 0; l < 16; ++l)
     for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(x.x[j]) * w[4 * l + j];
   return acc;
+}
+
+inline void store_i8(int8_t* p, I32x16 a) { store_codes(p, a); }  // codes are plain s8 here
+struct Q4W { uint8_t lo[64], hi[64]; };  // columns 0-15 and 16-31, 4 codes per column
+inline Q4W dot_q4_load(const uint8_t* nibbles64) {
+  Q4W w;
+  for (int i = 0; i < 64; ++i) w.lo[i] = nibbles64[i] & 0x0F, w.hi[i] = nibbles64[i] >> 4;
+  return w;
+}
+using DotQ4X = DotX;
+inline DotQ4X dot_q4_prepare(const int32_t* quad) { return dot_prepare(quad); }
+inline void dot_q4(I32x16& lo, I32x16& hi, const DotQ4X& x, const Q4W& w) {
+  for (int l = 0; l < 16; ++l)
+    for (int j = 0; j < 4; ++j) lo.v[l] += int32_t(x.x[j]) * w.lo[4 * l + j], hi.v[l] += int32_t(x.x[j]) * w.hi[4 * l + j];
 }
 
 }  // namespace vec

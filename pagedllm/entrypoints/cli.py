@@ -56,8 +56,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         parser.add_argument("--model", default=DEFAULT_MODEL, help=".gguf path, HF directory, or installed alias")
     parser.add_argument(
         "--dtype", default="auto",
-        help="auto (float32 activations around w8a8 linear layers, lm_head included, on AVX-512, AVX2 and "
-        "NEON kernels; float32 ones on scalar kernels or none; a bfloat16 K/V cache) | float32 (exact) | bfloat16 | float16",
+        help="auto (float32 activations around w4a8 linear layers and a w8a8 lm_head on AVX-512 and AVX2 kernels, "
+        "w8a8 ones on NEON, float32 ones on scalar kernels or none; a bfloat16 K/V cache) | float32 (exact) | bfloat16 | float16",
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (as --dtype decides) | float32 | bfloat16 | float16")
     parser.add_argument(
@@ -82,7 +82,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument(
         "--quantization", default=None,
         help="quantization of the linear layers: none | int8 (per channel) | int4 (group-wise), weight-only; "
-        "w8a8 (int8 weights and activations in groups of 32); default: as --dtype decides",
+        "w8a8 (int8 weights and activations in groups of 32); w4a8 (4-bit weights, GGUF Q4_0/Q4_1 kept, "
+        "int8 activations in groups of 32, the lm_head w8a8); default: as --dtype decides",
     )
     parser.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size for weights requantized from float: 32 | 64 | 128")
     parser.add_argument(

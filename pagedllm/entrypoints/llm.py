@@ -38,7 +38,8 @@ class LLM:
             ``{"method": "draft_model", "model": "...", "num_speculative_tokens": 4}``; None: off.
         quantization: quantization of the linear layers: "none", "int8" (per output channel)
             or "int4" (groups of ``quantization_group_size``: 32, 64, 128), weight-only; "w8a8"
-            (int8 weights and activations); None: as ``dtype`` decides. ``quantize_lm_head=True``
+            (int8 weights and activations); "w4a8" (4-bit weights, int8 activations, a w8a8
+            lm_head); None: as ``dtype`` decides. ``quantize_lm_head=True``
             quantizes the logits matmul too.
         trace: a file path: record every engine step (the live view's records) and, after each
             ``generate``/``chat``, write them there as Chrome Trace Event JSON (Perfetto,

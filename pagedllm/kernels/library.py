@@ -149,6 +149,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.linear_pack_w8a8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]
     lib.linear_w8a8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.linear_pack_w8a8.restype = lib.linear_w8a8.restype = c_int
+    lib.linear_pack_q4a8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]
+    lib.linear_q4a8.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+    lib.linear_pack_q4a8.restype = lib.linear_q4a8.restype = c_int
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
     lib.rotary_inplace.argtypes = [ptr, i64, ptr, i64, i64, i64]
     lib.silu_and_mul.argtypes = [ptr, i64, i64, i64]

@@ -18,6 +18,7 @@ from pagedllm.kernels.library import native_library
 
 PANEL = 32  # output columns per packed panel (csrc/linear.cpp NB)
 W8A8_GROUP = 32  # input features per scale, of weights and activations (csrc/linear.cpp QG)
+Q4A8_GROUP_BYTES = 640  # per panel and group: 512 bytes of nibbles, d and m float16 [32] (csrc/linear.cpp Q4_BYTES)
 _CACHE_DTYPES = (torch.float32, torch.bfloat16)
 _DECODE_HEAD_DIMS = (64, 128, 256)
 
@@ -320,6 +321,57 @@ def linear_w8a8(
     )
     if status != 0:
         raise RuntimeError("this build of the native kernels has no w8a8 GEMM")
+    return y
+
+
+def linear_pack_q4a8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """4-bit weights ``w = scales * codes + mins`` per group of 32 input features -> ``linear_q4a8``'s
+    panels, uint8 [ceil(N / 32) * ceil(K / 32) * 640], zero padded to whole panels and groups.
+
+    Args:
+        codes: [N, K] uint8 in [0, 15] (higher bits are ignored).
+        scales, mins: [N, ceil(K / 32)] float, rounded to float16 (the kernel's precision;
+            GGUF Q4_0 / Q4_1 blocks' values are float16 already, so they pass unchanged).
+
+    Raises:
+        RuntimeError: no native library here.
+        ValueError: shapes or dtypes that do not fit together.
+    """
+    lib = _require()
+    n, k = _matrix(codes, "codes").shape
+    groups = -(-k // W8A8_GROUP)
+    if codes.dtype != torch.uint8 or scales.shape != (n, groups) or mins.shape != (n, groups):
+        raise ValueError(
+            f"w4a8 weights: need uint8 codes [N, K] and scales, mins [N, ceil(K / 32)]; got {codes.dtype} "
+            f"{list(codes.shape)}, {list(scales.shape)}, {list(mins.shape)}"
+        )
+    codes = codes.contiguous()
+    d16, m16 = (t.to(torch.float16).contiguous().view(torch.int16) for t in (scales, mins))
+    packed = torch.empty(-(-n // PANEL) * groups * Q4A8_GROUP_BYTES, dtype=torch.uint8)
+    lib.linear_pack_q4a8(_ptr(codes), _ptr(d16), _ptr(m16), _ptr(packed), n, k)
+    return packed
+
+
+def linear_q4a8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ w.T + bias`` on ``linear_pack_q4a8``'s panels, x quantized to int8 per row and
+    group of 32 on the fly (llama.cpp's Q4_1 x Q8_1 dot product): x [M, K] float32 (rows at
+    any stride) -> [M, out_features] float32.
+
+    Args:
+        bias: float32 padded to whole panels ([ceil(N / 32) * 32]), or None.
+
+    Raises:
+        RuntimeError: no native library here.
+        ValueError: x, packed or bias do not fit each other.
+    """
+    lib = _require()
+    x = _rows(x, torch.float32)
+    m, k = x.shape
+    groups = -(-k // W8A8_GROUP)
+    # The check counts elements per output column: one panel-group's bytes per 32 columns.
+    _check_packed(packed, torch.uint8, out_features, groups * Q4A8_GROUP_BYTES // PANEL, bias)
+    y = x.new_empty(m, out_features)
+    lib.linear_q4a8(_ptr(x), x.stride(0), _ptr(packed), _ptr_or_none(bias), _ptr(y), m, out_features, k)
     return y
 
 

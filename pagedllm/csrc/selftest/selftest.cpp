@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 extern "C" {
@@ -22,6 +24,8 @@ void linear_f32(const float*, int64_t, const float*, const float*, float*, int64
 int linear_pack_w8a8(const float*, int8_t*, float*, int32_t*, int64_t, int64_t);
 int linear_w8a8(const float*, int64_t, const int8_t*, const float*, const int32_t*, const float*, float*, int64_t,
                 int64_t, int64_t);
+int linear_pack_q4a8(const uint8_t*, const uint16_t*, const uint16_t*, uint8_t*, int64_t, int64_t);
+int linear_q4a8(const float*, int64_t, const uint8_t*, const float*, float*, int64_t, int64_t, int64_t);
 void add_rms_norm(const float*, float*, const float*, float*, int64_t, int64_t, float);
 void rotary_inplace(float*, int64_t, const float*, int64_t, int64_t, int64_t);
 void silu_and_mul(float*, int64_t, int64_t, int64_t);
@@ -126,6 +130,47 @@ void test_linear() {
   linear_pack_w8a8(w.data(), q.data(), scale.data(), wsum.data(), N, K);
   linear_w8a8(x.data(), K, q.data(), scale.data(), wsum.data(), bias.data(), y.data(), M, N, K);
   check("linear_w8a8", max_error(y, ref), 1e-4f);
+
+  // w4a8: codes in [0, 15] with float16 d, m per group (w = d q + m), x as for w8a8 (rows at
+  // stride K + 3), against the same arithmetic in plain integers.
+  const int64_t ldx = K + 3;
+  std::vector<float> xs_rows(M * ldx);
+  for (int64_t m = 0; m < M; ++m) std::copy(x.begin() + m * K, x.begin() + (m + 1) * K, xs_rows.begin() + m * ldx);
+  std::vector<uint8_t> codes(N * K);
+  std::vector<uint16_t> d16(N * G), m16(N * G);
+  std::vector<float> d(N * G), mn(N * G);
+  auto f16 = [](int k, int shift) {  // k * 2^-shift, k in [-1023, 1023]: exact in float16
+    const float v = std::ldexp(float(k), -shift);
+    int e;
+    const float f = std::frexp(std::fabs(v), &e);  // |v| = f 2^e, f in [0.5, 1)
+    const uint16_t sign = k < 0 ? 0x8000 : 0;
+    const uint16_t bits = k == 0 ? 0 : uint16_t(sign | (e + 14) << 10 | (uint32_t(f * 2048.f) & 0x3FF));
+    return std::pair<uint16_t, float>(bits, v);
+  };
+  for (int64_t i = 0; i < N * K; ++i) codes[i] = uint8_t(int(std::fabs(rng.normal()) * 5.f) % 16);
+  for (int64_t i = 0; i < N * G; ++i) {
+    std::tie(d16[i], d[i]) = f16(1 + int(std::fabs(rng.normal()) * 300.f) % 1000, 12);
+    std::tie(m16[i], mn[i]) = f16(int(rng.normal() * 300.f) % 1000, 10);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    std::vector<int8_t> xc;
+    std::vector<float> xsc;
+    quantize(x.data() + m * K, K, xc, xsc);
+    for (int64_t n = 0; n < N; ++n) {
+      double s = b[n];
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t dot = 0, sum = 0;
+        for (int64_t k = g * 32; k < K && k < (g + 1) * 32; ++k) dot += int32_t(xc[k]) * codes[n * K + k], sum += xc[k];
+        s += double(xsc[g]) * (double(d[n * G + g]) * dot + double(mn[n * G + g]) * sum);
+      }
+      ref[m * N + n] = float(s);
+    }
+  }
+  std::vector<uint8_t> q4(panels * G * (8 * 64 + 4 * 32));
+  linear_pack_q4a8(codes.data(), d16.data(), m16.data(), q4.data(), N, K);
+  std::fill(y.begin(), y.end(), 0.f);
+  linear_q4a8(xs_rows.data(), ldx, q4.data(), bias.data(), y.data(), M, N, K);
+  check("linear_q4a8", max_error(y, ref), 1e-4f);
 }
 
 void test_elementwise() {

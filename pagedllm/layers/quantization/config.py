@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("none", "int8", "int4", "w8a8")
+MODES = ("none", "int8", "int4", "w8a8", "w4a8")
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -24,7 +24,9 @@ class QuantizationConfig:
             the input dimension). GGUF blocks no more precise than the mode are kept in their
             own layout instead (Q8_0, Q4_0, Q4_1; see ``gguf.py``). "w8a8": weights and
             activations both int8, symmetric per group of 32 input features (an integer
-            matmul; every weight is requantized from float; ``--dtype auto`` picks it).
+            matmul; every weight is requantized from float). "w4a8": 4-bit weights (d q + m
+            per group of 32; GGUF Q4_0 / Q4_1 kept, the rest requantized from float) with
+            activations as w8a8's, the lm_head as w8a8 (llama.cpp's Q4_1 x Q8_1).
         group_size: int4's group size, 32 (llama.cpp's block size), 64 or 128; int8 ignores it.
         lm_head: also quantize the logits matmul. With tied embeddings the embedding lookup
             stays float; the logits use a quantized copy of the same matrix.
@@ -52,7 +54,7 @@ class QuantizationConfig:
         if mode is None or mode == "none":
             _check_group_size(group_size)  # a bad flag is an error even where unused
             if lm_head:
-                raise ValueError("quantize_lm_head needs quantization int8, int4 or w8a8")
+                raise ValueError("quantize_lm_head needs quantization int8, int4, w8a8 or w4a8")
             return None
         return cls(mode, group_size, lm_head)
 

@@ -60,6 +60,7 @@ _KEPT: dict[str, dict[GGMLQuantizationType, Callable[[torch.Tensor], QuantizedWe
     "int8": {Q.Q8_0: unpack_q8_0, Q.Q4_0: unpack_q4_0, Q.Q4_1: unpack_q4_1},
     "int4": {Q.Q4_0: unpack_q4_0, Q.Q4_1: unpack_q4_1},
     "w8a8": {},  # its own packed layout: requantized from float
+    "w4a8": {Q.Q4_0: unpack_q4_0, Q.Q4_1: unpack_q4_1},  # d, m float16 as the kernel takes them
 }
 # The layout a kept type unpacks to (for the load log, and to keep a fused layer's rows alike).
 KEPT_LAYOUT = {Q.Q8_0: "int8 g32", Q.Q4_0: "int4 g32", Q.Q4_1: "int4 g32"}

@@ -12,8 +12,8 @@ from torch import nn
 
 from pagedllm.layers.quantization.config import GROUP_SIZES, QuantizationConfig
 from pagedllm.layers.quantization.gguf import KEPT_LAYOUT, GGUFLinears
-from pagedllm.layers.quantization.linear import QuantizedLinear, W8A8Linear, make_linear
-from pagedllm.layers.quantization.weights import QuantizedWeight, quantize_int4, quantize_int8
+from pagedllm.layers.quantization.linear import QuantizedLinear, W4A8Linear, W8A8Linear, make_linear
+from pagedllm.layers.quantization.weights import Int4Weight, QuantizedWeight, quantize_int4, quantize_int8, quantize_q4a8
 
 Q = GGMLQuantizationType
 
@@ -101,8 +101,12 @@ def quantize_model(
     def build(name: str) -> tuple[str, QuantizedLinear]:
         weight, bias = targets[name]
         qweight: QuantizedWeight
-        if quant.mode == "w8a8":
+        # w4a8 keeps the lm_head at 8 bits, as llama.cpp's 4-bit files keep their output matrix.
+        if quant.mode == "w8a8" or (quant.mode == "w4a8" and name == "lm_head"):
             return name, W8A8Linear(weight, bias)
+        if quant.mode == "w4a8":
+            kept_q4 = kept.get(name)
+            return name, W4A8Linear(kept_q4 if isinstance(kept_q4, Int4Weight) else quantize_q4a8(weight), bias)
         if name in kept:
             qweight = kept[name]
         elif quant.mode == "int8":

@@ -224,6 +224,29 @@ def quantize_int4(w: torch.Tensor, group_size: int, search: bool = True) -> Int4
     return Int4Weight(q.view(n, k), scales, zeros - 8 * scales)
 
 
+Q4A8_GROUP = 32  # the w4a8 kernel's group of input features (csrc/linear.cpp QG)
+_F16_TINY = 2.0**-24  # the least positive float16: a scale that rounds below it becomes it
+
+
+def quantize_q4a8(w: torch.Tensor) -> Int4Weight:
+    """4-bit codes of a [N, K] float matrix for the w4a8 kernel: ``w = d * q + m`` per group
+    of 32 along K (the last group may be partial: scales and mins are [N, ceil(K / 32)]), with
+    d and m float16 values.
+
+    Each group's d and m come from ``quantize_int4``'s least-squares search (K zero padded to
+    whole groups), rounded to float16; the codes are then chosen against the rounded values,
+    so the kernel computes with exactly ``d * q + m``.
+    """
+    n, k = w.shape
+    padded = torch.nn.functional.pad(w.float(), (0, -k % Q4A8_GROUP))
+    fitted = quantize_int4(padded, Q4A8_GROUP)
+    d = fitted.scales.half().float().clamp_min(_F16_TINY)
+    m = fitted.mins.half().float()
+    groups = padded.view(n, -1, Q4A8_GROUP)
+    q = ((groups - m.unsqueeze(-1)) / d.unsqueeze(-1)).round_().clamp_(0, 15).to(torch.uint8)
+    return Int4Weight(q.view(n, -1)[:, :k].contiguous(), d, m)
+
+
 def int8_as_int4_pair(w: Int8Weight) -> Int4Weight:
     """The same matrix as two int4 halves over a doubled input dimension: [N, K] -> [N, 2K].
 
