@@ -81,6 +81,7 @@ class EngineConfig:
     quantization: str = "none"
     quantization_group_size: int = 32  # int4's group size: 32, 64 or 128
     quantize_lm_head: bool = False  # the logits matmul too (a tied embedding's lookup stays float)
+    requantize_4bit: bool = True  # w4a8: False runs weights not stored as 4-bit blocks as w8a8 (auto)
     live_view: bool = False  # the core sends a StepRecord with every step (pagedllm.live_view)
     live_view_steps: int = 4096  # step records the front end keeps (a ring buffer)
 
@@ -107,7 +108,9 @@ class EngineConfig:
 
     def quantization_config(self) -> QuantizationConfig | None:
         """The quantization flags as one config; None when off."""
-        return QuantizationConfig.parse(self.quantization, self.quantization_group_size, self.quantize_lm_head)
+        return QuantizationConfig.parse(
+            self.quantization, self.quantization_group_size, self.quantize_lm_head, self.requantize_4bit
+        )
 
 
 _DTYPES = {
@@ -169,7 +172,8 @@ def dtype_settings(
     }
     linears = auto_linears() if auto and quantization is None else "float32"
     if linears != "float32":
-        settings |= {"quantization": linears, "quantize_lm_head": True}
+        # Only the file's own 4-bit blocks run as w4a8: auto never lowers a weight's precision.
+        settings |= {"quantization": linears, "quantize_lm_head": True, "requantize_4bit": False}
     return settings
 
 

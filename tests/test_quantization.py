@@ -476,3 +476,27 @@ def test_w4a8_takes_gguf_q4_blocks_as_stored(native_isa) -> None:
         exact = torch.nn.functional.linear(x, qw.dequantize())
         y = W4A8Linear(qw)(x)
         assert (y - exact).norm() / exact.norm() < 0.01  # only the activations' int8 rounding
+
+
+def test_auto_w4a8_runs_only_the_files_4bit_blocks_at_4_bits(native_isa) -> None:
+    """``--dtype auto`` (requantize_4bit False) never lowers a weight's precision: a layer the
+    GGUF stores as Q4 blocks runs as w4a8, one it stores otherwise (here: float) as w8a8;
+    explicit ``--quantization w4a8`` requantizes that one to 4 bits."""
+    from pagedllm.layers.quantization.gguf import GGUFLinears
+    from pagedllm.layers.quantization.model import quantize_model
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q4 = torch.nn.Linear(64, 32, bias=False)
+            self.f32 = torch.nn.Linear(64, 32, bias=False)
+            self.packed_modules_mapping: dict[str, list[str]] = {}
+
+    gen = torch.Generator().manual_seed(0)
+    stored = Int4Weight(torch.randint(0, 16, (32, 64), dtype=torch.uint8, generator=gen),
+                        torch.rand(32, 2, generator=gen).half().float(), torch.zeros(32, 2))
+    for requantize, f32_layer in ((False, W8A8Linear), (True, W4A8Linear)):
+        model = Tiny()
+        gguf_layers = GGUFLinears(sources={"q4": [Q.Q4_1], "f32": [Q.F32]}, kept={"q4": stored})
+        quantize_model(model, QuantizationConfig("w4a8", requantize_4bit=requantize), torch.float32, gguf_layers)
+        assert isinstance(model.q4, W4A8Linear) and isinstance(model.f32, f32_layer)

@@ -101,12 +101,14 @@ def quantize_model(
     def build(name: str) -> tuple[str, QuantizedLinear]:
         weight, bias = targets[name]
         qweight: QuantizedWeight
+        kept_q4 = kept.get(name) if isinstance(kept.get(name), Int4Weight) else None
         # w4a8 keeps the lm_head at 8 bits, as llama.cpp's 4-bit files keep their output matrix.
-        if quant.mode == "w8a8" or (quant.mode == "w4a8" and name == "lm_head"):
+        if quant.mode == "w8a8" or (
+            quant.mode == "w4a8" and (name == "lm_head" or (kept_q4 is None and not quant.requantize_4bit))
+        ):
             return name, W8A8Linear(weight, bias)
         if quant.mode == "w4a8":
-            kept_q4 = kept.get(name)
-            return name, W4A8Linear(kept_q4 if isinstance(kept_q4, Int4Weight) else quantize_q4a8(weight), bias)
+            return name, W4A8Linear(kept_q4 if kept_q4 is not None else quantize_q4a8(weight), bias)
         if name in kept:
             qweight = kept[name]
         elif quant.mode == "int8":
