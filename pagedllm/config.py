@@ -62,8 +62,9 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     dtype: torch.dtype = torch.float32
-    # dtype of the K/V caches; None: the model's dtype. dtype "auto" sets bfloat16: decode
-    # attention is bound by reading K/V, and half the bytes is twice the context per GiB.
+    # dtype of the K/V caches; None: the model's dtype. dtype "auto" sets bfloat16 on the native
+    # kernels (decode attention is bound by reading K/V, and half the bytes is twice the context
+    # per GiB); on the PyTorch fallback it leaves None, as casting would cost a pass per layer.
     kv_cache_dtype: torch.dtype | None = None
     max_model_len: int | None = None  # None: min(model's context, 8192)
     block_size: int = 16
