@@ -144,9 +144,11 @@ def dtype_settings(
     ``auto_linears()`` picks for the kernels' ISA: w8a8, the lm_head included (int8 weights
     and activations in groups of 32: SmolLM2 perplexity +0.16% against float32, 1.4-3.6x the
     float32 GEMM's speed on AVX-512; docs/benchmarks.md), or float32. "auto" on the PyTorch
-    fallback (no native library): one dtype throughout, ``fallback_dtype()``. Where
-    ``quantization`` names a mode (even "none"), the linear layers are as that says. An
-    explicit dtype: that dtype throughout.
+    fallback (no native library): float32 throughout, K/V included: the fallback would cast
+    every gathered bfloat16 context each layer (1.3-1.6x slower decode attention), and
+    without AVX512-BF16 (Zen 3) PyTorch's bfloat16 GEMMs run 2-3x slower than float32 MKL
+    beyond a few rows (docs/benchmarks.md). Where ``quantization`` names a mode (even
+    "none"), the linear layers are as that says. An explicit dtype: that dtype throughout.
     ``kv_cache_dtype`` other than "auto" overrides the K/V dtype.
 
     Raises:
@@ -161,9 +163,8 @@ def dtype_settings(
             raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {kv_cache_dtype!r}") from None
     from pagedllm.kernels import library  # builds the kernels on first use
 
-    native = library.active_isa() is not None
-    if auto and not native:  # the PyTorch fallback: K/V in the model's dtype, never cast
-        return {"dtype": fallback_dtype(), "kv_cache_dtype": kv, "quantization": quantization or "none"}
+    if auto and library.active_isa() is None:  # the PyTorch fallback: K/V in the model's dtype, never cast
+        return {"dtype": torch.float32, "kv_cache_dtype": kv, "quantization": quantization or "none"}
     settings: dict[str, object] = {
         "dtype": parse_dtype(dtype),
         "kv_cache_dtype": kv or (torch.bfloat16 if auto else None),
@@ -172,15 +173,6 @@ def dtype_settings(
     if auto and quantization is None and auto_linears() == "w8a8":
         settings |= {"quantization": "w8a8", "quantize_lm_head": True}
     return settings
-
-
-def fallback_dtype() -> torch.dtype:
-    """The one dtype ``--dtype auto`` runs the PyTorch fallback in: bfloat16 where the CPU has
-    bfloat16 dot products (AVX512-BF16: oneDNN's bfloat16 GEMMs at 2x (1 row) to 4.6x (32 rows)
-    the float32 rate, half the bytes per weight), else float32 (without them, PyTorch's
-    bfloat16 GEMM runs 2-3x slower than float32 MKL beyond a few rows; docs/benchmarks.md).
-    One dtype, so neither the K/V cache nor any activation is ever cast."""
-    return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
 
 
 # What ``--dtype auto`` runs the linear layers as, by the native kernels' ISA (None: no

@@ -244,16 +244,14 @@ def test_dtype_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         dtype_settings("float8")
 
 
-@pytest.mark.parametrize(("bf16_dot", "dtype"), [(True, torch.bfloat16), (False, torch.float32)])
-def test_dtype_settings_without_native_kernels(bf16_dot: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto on the PyTorch fallback: one dtype throughout (K/V in it too), bfloat16 only where
-    the CPU has bfloat16 dot products; explicit choices still win."""
+def test_dtype_settings_without_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto on the PyTorch fallback: float32 throughout, the K/V cache too (never cast);
+    explicit choices still win."""
     from pagedllm import config
     from pagedllm.kernels import library
 
     monkeypatch.setattr(library, "active_isa", lambda: None)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_dot)
-    assert config.dtype_settings("auto") == {"dtype": dtype, "kv_cache_dtype": None, "quantization": "none"}
+    assert config.dtype_settings("auto") == {"dtype": torch.float32, "kv_cache_dtype": None, "quantization": "none"}
     assert config.dtype_settings("auto", "float32")["kv_cache_dtype"] == torch.float32
     assert config.dtype_settings("auto", quantization="int8")["quantization"] == "int8"
     assert config.dtype_settings("float32")["dtype"] == torch.float32

@@ -301,7 +301,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
         ({"quantization": "int8", "quantize_lm_head": True}, Int4Linear),
         ({"quantization": "int4", "quantization_group_size": 64, "quantize_lm_head": True}, Int4Linear),
         ({"quantization": "w8a8"}, W8A8Linear),
-        # dtype auto: w8a8, the lm_head too; float32 or (fallback) bfloat16 nn.Linear without that GEMM
+        # dtype auto: w8a8, the lm_head too; float32 linear layers without that GEMM
         ({}, W8A8Linear if auto_linears() == "w8a8" else PackedLinear if ops.available() else torch.nn.Linear),
         ({"quantization": "int4", "dtype": "bfloat16"}, Int4Linear),  # bfloat16 activations reach the kernel as views
     ],

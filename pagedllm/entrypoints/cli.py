@@ -57,8 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument(
         "--dtype", default="auto",
         help="auto (float32 activations around w8a8 linear layers, lm_head included, on AVX-512, AVX2 and "
-        "NEON kernels; float32 ones on scalar kernels; a bfloat16 K/V cache; without native kernels, bfloat16 "
-        "throughout on CPUs with AVX512-BF16, else float32) | float32 (exact) | bfloat16 | float16",
+        "NEON kernels; float32 ones on scalar kernels; a bfloat16 K/V cache; without native kernels, float32 "
+        "throughout) | float32 (exact) | bfloat16 | float16",
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (as --dtype decides) | float32 | bfloat16 | float16")
     parser.add_argument(
