@@ -62,8 +62,9 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     dtype: torch.dtype = torch.float32
-    # dtype of the K/V caches; None: the model's dtype. dtype "auto" sets bfloat16: decode
-    # attention is bound by reading K/V, and half the bytes is twice the context per GiB.
+    # dtype of the K/V caches; None: the model's dtype. dtype "auto" sets bfloat16 on the native
+    # kernels (decode attention is bound by reading K/V, and half the bytes is twice the context
+    # per GiB); on the PyTorch fallback it leaves None, as casting would cost a pass per layer.
     kv_cache_dtype: torch.dtype | None = None
     max_model_len: int | None = None  # None: min(model's context, 8192)
     block_size: int = 16
@@ -146,12 +147,16 @@ def dtype_settings(
 ) -> dict[str, object]:
     """EngineConfig fields for the dtype and quantization flags.
 
-    "auto": float32 activations, bfloat16 K/V, and linear layers as ``auto_linears()`` picks
-    for the kernels' ISA: w4a8 (4-bit weights, int8 activations in groups of 32, the lm_head
-    w8a8: half w8a8's weight bytes, 1.4-1.8x its GEMM speed at 1-8 rows on AVX-512), w8a8,
-    the lm_head included (int8 weights and activations in groups of 32: SmolLM2 perplexity
-    +0.16% against float32, 1.4-3.6x the float32 GEMM's speed on AVX-512;
-    docs/benchmarks.md), or float32. Where ``quantization`` names a mode (even
+    "auto" on the native kernels: float32 activations, bfloat16 K/V, and linear layers as
+    ``auto_linears()`` picks for the kernels' ISA: w4a8 where the GGUF stores 4-bit blocks
+    (4-bit weights, int8 activations in groups of 32: half w8a8's weight bytes, 1.4-1.8x its
+    GEMM speed at 1-8 rows on AVX-512), w8a8 for the other weights and the lm_head (int8
+    weights and activations in groups of 32: SmolLM2 perplexity +0.16% against float32,
+    1.4-3.6x the float32 GEMM's speed on AVX-512; docs/benchmarks.md), or float32. "auto" on
+    the PyTorch fallback (no native library): float32 throughout, K/V included: the fallback
+    would cast every gathered bfloat16 context each layer (1.3-1.6x slower decode attention),
+    and without AVX512-BF16 (Zen 3) PyTorch's bfloat16 GEMMs run 2-3x slower than float32 MKL
+    beyond a few rows (docs/benchmarks.md). Where ``quantization`` names a mode (even
     "none"), the linear layers are as that says. An explicit dtype: that dtype throughout.
     ``kv_cache_dtype`` other than "auto" overrides the K/V dtype.
 
@@ -165,6 +170,10 @@ def dtype_settings(
             kv = parse_dtype(kv_cache_dtype)
         except ValueError:
             raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {kv_cache_dtype!r}") from None
+    from pagedllm.kernels import library  # builds the kernels on first use
+
+    if auto and library.active_isa() is None:  # the PyTorch fallback: K/V in the model's dtype, never cast
+        return {"dtype": torch.float32, "kv_cache_dtype": kv, "quantization": quantization or "none"}
     settings: dict[str, object] = {
         "dtype": parse_dtype(dtype),
         "kv_cache_dtype": kv or (torch.bfloat16 if auto else None),

@@ -223,16 +223,19 @@ def test_unknown_model_alias():
         LLM(model="no-such-model")
 
 
-def test_dtype_settings() -> None:
-    """auto: float32 activations around w4a8 / w8a8 layers (lm_head too), a bfloat16 K/V cache; an
-    explicit quantization mode or dtype wins."""
-    import torch
+def test_dtype_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto on AVX-512 kernels: float32 activations around w4a8 layers (the file's 4-bit blocks
+    only; the rest and the lm_head w8a8), a bfloat16 K/V cache; an explicit quantization mode
+    or dtype wins."""
+    from pagedllm.config import dtype_settings
+    from pagedllm.kernels import library, ops
 
-    from pagedllm.config import auto_linears, dtype_settings
-
-    auto = auto_linears()
-    linears = {"quantization": "none"} if auto == "float32" else {"quantization": auto, "quantize_lm_head": True}
-    assert dtype_settings("auto") == {"dtype": torch.float32, "kv_cache_dtype": torch.bfloat16} | linears
+    monkeypatch.setattr(library, "active_isa", lambda: "avx512")
+    monkeypatch.setattr(ops, "linear_w8a8_available", lambda: True)
+    assert dtype_settings("auto") == {
+        "dtype": torch.float32, "kv_cache_dtype": torch.bfloat16, "quantization": "w4a8", "quantize_lm_head": True,
+        "requantize_4bit": False,
+    }
     assert dtype_settings("auto", quantization="none")["quantization"] == "none"
     assert dtype_settings("auto", quantization="int4")["quantization"] == "int4"
     assert dtype_settings("float32") == {"dtype": torch.float32, "kv_cache_dtype": None, "quantization": "none"}
@@ -241,3 +244,16 @@ def test_dtype_settings() -> None:
         dtype_settings("auto", "int8")
     with pytest.raises(ValueError, match="dtype must be one of"):
         dtype_settings("float8")
+
+
+def test_dtype_settings_without_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto on the PyTorch fallback: float32 throughout, the K/V cache too (never cast);
+    explicit choices still win."""
+    from pagedllm import config
+    from pagedllm.kernels import library
+
+    monkeypatch.setattr(library, "active_isa", lambda: None)
+    assert config.dtype_settings("auto") == {"dtype": torch.float32, "kv_cache_dtype": None, "quantization": "none"}
+    assert config.dtype_settings("auto", "float32")["kv_cache_dtype"] == torch.float32
+    assert config.dtype_settings("auto", quantization="int8")["quantization"] == "int8"
+    assert config.dtype_settings("float32")["dtype"] == torch.float32

@@ -303,7 +303,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
         ({"quantization": "int4", "quantization_group_size": 64, "quantize_lm_head": True}, Int4Linear),
         ({"quantization": "w8a8"}, W8A8Linear),
         ({"quantization": "w4a8", "quantize_lm_head": True}, W4A8Linear),  # Q4_1 kept; the lm_head w8a8
-        ({}, {"w4a8": W4A8Linear, "w8a8": W8A8Linear}.get(auto_linears(), PackedLinear)),  # dtype auto, lm_head too
+        # dtype auto: w4a8 (SmolLM2's linears are Q4_1 blocks) or w8a8 by ISA, the lm_head w8a8;
+        # float32 linear layers without the integer GEMMs
+        ({}, {"w4a8": W4A8Linear, "w8a8": W8A8Linear}.get(auto_linears(), PackedLinear if ops.available() else torch.nn.Linear)),
         ({"quantization": "int4", "dtype": "bfloat16"}, Int4Linear),  # bfloat16 activations reach the kernel as views
     ],
 )

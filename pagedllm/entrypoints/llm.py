@@ -25,8 +25,9 @@ class LLM:
     Args:
         model: a .gguf path, an HF checkpoint directory, or an installed model alias.
         dtype: compute dtype: "auto" (float32 activations around w8a8 linear layers, the
-            lm_head included, float32 ones on scalar or no native kernels, and a bfloat16
-            K/V cache; see ``config.dtype_settings``),
+            lm_head included, float32 ones on scalar kernels, and a bfloat16 K/V cache;
+            without native kernels float32 throughout, K/V included; see
+            ``config.dtype_settings``),
             "float32" (float32 only: exact, outputs independent of batching), "bfloat16" or
             "float16". ``kv_cache_dtype="float32"`` (or another dtype) overrides the K/V cache's.
         max_model_len: longest prompt + output; default the model's context, at most 8192.
