@@ -16,6 +16,12 @@ TEXTS = [
     ("<tool_call>not json</tool_call> then text", "<tool_call>not json</tool_call> then text", []),
     ('Cut: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}', "Cut: ", [WEATHER]),
     ("Ünïcode 🙂 text", "Ünïcode 🙂 text", []),
+    # A bare call object as the whole reply, as Qwen2.5-Coder-0.5B writes it (no tags).
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [WEATHER]),
+    ('  \n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', None, [WEATHER]),
+    # JSON that is not (only) a call stays content, tags inside it still parsed.
+    ('{"name": "Ada", "age": 36}', '{"name": "Ada", "age": 36}', []),
+    ('{"a": 1} <tool_call>{"name": "f", "arguments": {}}</tool_call>', '{"a": 1} ', [ParsedToolCall("f", "{}")]),
 ]
 
 

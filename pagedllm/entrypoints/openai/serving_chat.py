@@ -89,6 +89,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(req, len(token_ids), max_tokens, logprobs)
         if (constraint := tool_constraint(req)) is not None:
             params = msgspec.structs.replace(params, structured_outputs=constraint)
+        if req.tool_mode == "auto":  # call markers such as Qwen's <tool_call> are special tokens: the parser needs them
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
         request_id = random_id("chatcmpl")
         prepared = self.prepare(request_id, token_ids, params, req.cache_salt)
         if req.stream:

@@ -1,5 +1,6 @@
 """Hermes / Qwen2.5 tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
-each on its own, anywhere in the text."""
+each on its own, anywhere in the text; or, as small models (Qwen2.5-Coder-0.5B) write them,
+the whole reply one bare ``{"name": ..., "arguments": {...}}`` object without the tags."""
 
 from __future__ import annotations
 
@@ -22,11 +23,23 @@ def _call(body: str) -> ParsedToolCall | None:
     return ParsedToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+def _bare_call(text: str) -> ParsedToolCall | None:
+    """A whole reply that is one call object and nothing else (only the call's keys)."""
+    try:
+        keys = json.loads(text).keys()
+    except (ValueError, AttributeError):
+        return None
+    return _call(text) if "name" in keys and keys <= {"name", "arguments", "parameters"} else None
+
+
 class HermesToolParser(ToolParser):
-    """Text outside the tags is content; a tag whose body is not a call stays content too."""
+    """Text outside the tags is content; a tag whose body is not a call stays content too. A
+    reply whose first non-space character is ``{`` is held back to its end (streaming too),
+    then is one bare call or, if not, content."""
 
     def __init__(self) -> None:
         self._buffer = ""  # text not yet certain: a possible start tag, or an open call
+        self._bare: bool | None = None  # whether the reply opens with "{": None until known
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         content, calls = self.feed(text)
@@ -36,6 +49,10 @@ class HermesToolParser(ToolParser):
 
     def feed(self, delta: str) -> tuple[str, list[ParsedToolCall]]:
         self._buffer += delta
+        if self._bare is None and self._buffer.strip():
+            self._bare = self._buffer.lstrip().startswith("{")
+        if self._bare is not False:  # undecided (only spaces so far), or a bare object: hold all
+            return "", []
         content, calls = "", []
         while True:
             start = self._buffer.find(START)
@@ -62,6 +79,15 @@ class HermesToolParser(ToolParser):
             self._buffer = self._buffer[end + len(END) :]
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
+        if self._bare:
+            call = _bare_call(self._buffer.strip())
+            if call is not None:
+                self._buffer = ""
+                return "", [call]
+            self._bare = False  # not a call: ordinary text, tags and all
+            content, calls = self.feed("")
+            more, last = self.finish()
+            return content + more, calls + last
         rest, self._buffer = self._buffer, ""
         if rest.startswith(START):  # an unclosed call: a model cut off, or one that omits the end tag
             call = _call(rest[len(START) :].strip())
