@@ -22,6 +22,7 @@ class SampleState:
     index: int
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
+    stop_token_ids: frozenset[int]  # tokens that end it (EOS unless ignore_eos, stop_token_ids)
     token_ids: list[int] = field(default_factory=list)
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
@@ -84,7 +85,10 @@ class OutputProcessor:
     ) -> None:
         first = core_requests[0]
         samples = [
-            SampleState(i, r.sampling_params, IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids, r.sampling_params))
+            SampleState(
+                i, r.sampling_params, IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids, r.sampling_params),
+                frozenset(r.sampling_params.stop_token_ids) | frozenset(() if r.sampling_params.ignore_eos else r.eos_token_ids),
+            )
             for i, r in enumerate(core_requests)
         ]
         state = RequestState(request_id, prompt, first.prompt_token_ids, samples, stream, first.arrival_time)
@@ -131,7 +135,10 @@ class OutputProcessor:
             if out.new_token_ids:
                 self._record_timing(state, sample, out.request_id, now, len(out.new_token_ids))
                 num_before = sample.detokenizer.num_output_tokens
-                stop = sample.detokenizer.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+                # Only a stop token's text is left out: a completed grammar also finishes with
+                # "stop", on a token whose text is part of the output.
+                stop_terminated = out.finish_reason == "stop" and out.new_token_ids[-1] in sample.stop_token_ids
+                stop = sample.detokenizer.update(out.new_token_ids, stop_terminated=stop_terminated)
                 # A stop string completed inside an accepted run of speculative drafts ends the
                 # output at the token that completed it: the tokens after it are dropped.
                 num_new = sample.detokenizer.num_output_tokens - num_before
