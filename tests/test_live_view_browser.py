@@ -29,7 +29,7 @@ if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
     pytest.skip("Debian's chromium and chromium-driver are not installed (apt-get install -y chromium chromium-driver)",
                 allow_module_level=True)
 
-from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.common.exceptions import StaleElementReferenceException, TimeoutException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -105,9 +105,9 @@ def test_dashboard_shows_blocks_steps_and_requests_under_load(
     browser.save_screenshot(str(shot))
     if os.environ.get("PAGEDLLM_LIVE_VIEW_SCREENSHOT"):
         shutil.copy(shot, os.environ["PAGEDLLM_LIVE_VIEW_SCREENSHOT"])
-    finished = browser.find_elements(By.CSS_SELECTOR, ".row[data-finished='length'], .row[data-finished='stop']")
-    assert "TTFT" in finished[0].text
-    finished[0].click()  # selects the request: its row is marked, the map dims the others
+    # The waterfall is redrawn with every frame: a row found may be gone by the click, so look
+    # it up and click it again until one click lands between two frames.
+    wait.until(lambda d: _click_finished_row(d))  # selects it: its row is marked, the map dims the others
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".row.selected"))
     for t in threads:
         t.join(WAIT_S)
@@ -115,3 +115,14 @@ def test_dashboard_shows_blocks_steps_and_requests_under_load(
     request_tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["pid"] == 2
                       and e["name"] == "thread_name"}
     assert len(request_tracks) >= 16
+
+
+def _click_finished_row(driver: webdriver.Chrome) -> bool:
+    """Click a finished request's row (it shows its TTFT); False where a redraw replaced it first."""
+    try:
+        row = driver.find_elements(By.CSS_SELECTOR, ".row[data-finished='length'], .row[data-finished='stop']")[0]
+        assert "TTFT" in row.text
+        row.click()
+    except StaleElementReferenceException:
+        return False
+    return True
