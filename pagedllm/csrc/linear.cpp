@@ -135,6 +135,19 @@ void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const float* 
 
 // Rows m..M of one panel: full tiles of MR rows, then one tile of the rest (its size
 // dispatched at compile time).
+// One group of QG values of a row of x (zeros past K): scale = max|x| / 127 and the 32 codes
+// x / scale rounded to nearest even (llama.cpp's Q8_0 / Q8_1 activations).
+struct GroupCodes {
+  float scale;
+  I32x16 lo, hi;
+};
+inline GroupCodes quantize_group(const float* row, int64_t K, int64_t k0) {
+  const F32x16 v0 = load_first(row + k0, K - k0), v1 = load_first(row + k0 + 16, K - k0 - 16);
+  const float a = reduce_max(max(abs(v0), abs(v1)));
+  const F32x16 inv = set1(a > 0.f ? 127.f / a : 0.f);
+  return {a / 127.f, round_i32(mul(v0, inv)), round_i32(mul(v1, inv))};
+}
+
 template <int MR, typename Tile>
 void panel_rows(int64_t M, Tile tile) {
   int64_t m = 0;
@@ -210,13 +223,10 @@ int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* 
     const float* src = x + m * ldx;
     int8_t* row = reinterpret_cast<int8_t*>(xq.data() + m * kq);
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t k0 = g * QG;
-      const F32x16 v0 = load_first(src + k0, K - k0), v1 = load_first(src + k0 + 16, K - k0 - 16);
-      const float a = reduce_max(max(abs(v0), abs(v1)));
-      xscale[m * G + g] = a / 127.f;
-      const F32x16 inv = set1(a > 0.f ? 127.f / a : 0.f);
-      store_codes(row + k0, round_i32(mul(v0, inv)));
-      store_codes(row + k0 + 16, round_i32(mul(v1, inv)));
+      const GroupCodes q = quantize_group(src, K, g * QG);
+      xscale[m * G + g] = q.scale;
+      store_codes(row + g * QG, q.lo);
+      store_codes(row + g * QG + 16, q.hi);
     }
   }
   // Rows in chunks whose codes fit in L2, each chunk over all panels (as linear_f32).
@@ -271,15 +281,11 @@ int linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float*
     const float* src = x + m * ldx;
     int8_t* row = reinterpret_cast<int8_t*>(xq.data() + m * kq);
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t k0 = g * QG;
-      const F32x16 v0 = load_first(src + k0, K - k0), v1 = load_first(src + k0 + 16, K - k0 - 16);
-      const float a = reduce_max(max(abs(v0), abs(v1))), scale = a / 127.f;
-      const F32x16 inv = set1(a > 0.f ? 127.f / a : 0.f);
-      const I32x16 c0 = round_i32(mul(v0, inv)), c1 = round_i32(mul(v1, inv));
-      store_i8(row + k0, c0);
-      store_i8(row + k0 + 16, c1);
-      xscale[m * G + g] = scale;
-      xsum[m * G + g] = scale * reduce_add(add(to_f32(c0), to_f32(c1)));  // an exact integer sum
+      const GroupCodes q = quantize_group(src, K, g * QG);
+      store_i8(row + g * QG, q.lo);
+      store_i8(row + g * QG + 16, q.hi);
+      xscale[m * G + g] = q.scale;
+      xsum[m * G + g] = q.scale * reduce_add(add(to_f32(q.lo), to_f32(q.hi)));  // an exact integer sum
     }
   }
   const int64_t chunk = std::max<int64_t>(24, (262144 / (4 * kq)) / 24 * 24);  // as linear_w8a8
