@@ -12,6 +12,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.sampling_params import InvalidParamError
+from test_engine import pool_is_whole
 
 PERSON = {
     "type": "object",
@@ -38,11 +39,6 @@ def regex_params(**kwargs) -> SamplingParams:
 
 def assert_person(text: str) -> None:
     jsonschema.validate(json.loads(text), PERSON)
-
-
-def pool_is_whole(llm: LLM) -> bool:
-    pool = llm.engine.core.kv_cache.pool
-    return pool.num_free_blocks == pool.num_blocks
 
 
 @pytest.fixture(scope="module")
