@@ -85,6 +85,13 @@ class EngineConfig:
     requantize_4bit: bool = True  # w4a8: False runs weights not stored as 4-bit blocks as w8a8 (auto)
     live_view: bool = False  # the core sends a StepRecord with every step (pagedllm.live_view)
     live_view_steps: int = 4096  # step records the front end keeps (a ring buffer)
+    # Scale-out (pagedllm/executor, pagedllm/distributed): ranks splitting one model (Megatron-LM
+    # style, torch.distributed); full replicas behind one front end (``pagedllm serve`` only);
+    # where the ranks run: None = "uni" at one rank, else "mp" (local processes) | "ray" (actors).
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    ray_placement_strategy: str = "STRICT_PACK"  # or "SPREAD" (one bundle per rank)
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -101,6 +108,24 @@ class EngineConfig:
             raise ValueError(f"live_view_steps must be at least 1, got {self.live_view_steps}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size and data_parallel_size must be at least 1, got "
+                f"{self.tensor_parallel_size} and {self.data_parallel_size}"
+            )
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+        if self.distributed_executor_backend not in ("uni", "mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend must be uni, mp or ray, got {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("the uni executor runs one rank: use mp or ray for tensor_parallel_size > 1")
+        if self.ray_placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
+            raise ValueError(
+                "ray_placement_strategy must be STRICT_PACK, PACK, SPREAD or STRICT_SPREAD, got "
+                f"{self.ray_placement_strategy!r}"
+            )
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -91,6 +91,19 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--quantize-lm-head", action="store_true",
         help="quantize the lm_head too (tied embeddings: the lookup stays float)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=positive_int, default=1,
+        help="ranks splitting the model (Megatron-LM style, torch.distributed gloo); each pins its share of the cores",
+    )
+    parser.add_argument(
+        "--distributed-executor-backend", choices=("uni", "mp", "ray"), default=None,
+        help="where the tensor-parallel ranks run: mp (local processes, default above one rank) | ray (actors of a "
+        "Ray cluster: pip install 'pagedllm[ray]') | uni (this process, one rank)",
+    )
+    parser.add_argument(
+        "--ray-placement-strategy", choices=("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"), default="STRICT_PACK",
+        help="Ray placement group strategy for the ranks (one bundle each)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -110,6 +123,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         quantize_lm_head=args.quantize_lm_head,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_placement_strategy=args.ray_placement_strategy,
     )
 
 

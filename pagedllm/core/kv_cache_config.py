@@ -1,0 +1,109 @@
+"""The KV cache's geometry, computed once at start-up and handed to every part that needs it.
+
+The engine core sizes the pool from it, the scheduler's KV cache manager takes its groups,
+each worker allocates its own share of the cache from it (with tensor parallelism a rank
+holds the K/V of its own KV heads only, so a block is ``1 / tp`` of the bytes per rank when
+the KV heads split, and the same budget buys ``tp`` times the blocks), the live view draws
+its groups. Nothing recomputes it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layers_per_block, max_request_tokens
+
+
+class KVCacheConfig(msgspec.Struct, frozen=True):
+    """One model's paged KV cache on one tensor-parallel rank (every rank has the same geometry).
+
+    Attributes:
+        num_blocks: blocks in the pool (shared by every group).
+        block_size: token slots per block.
+        groups: the KV cache groups (layers sharing a block table).
+        num_layers: the model's layers.
+        num_kv_heads: KV heads each rank stores (replicated heads counted once per rank).
+        head_dim: elements per head.
+        dtype: the caches' torch dtype, by name ("float32", "bfloat16", "float16").
+        max_model_len: the longest request (prompt + output, tokens) whose blocks fit.
+    """
+
+    num_blocks: int
+    block_size: int
+    groups: list[KVCacheGroup]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    max_model_len: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block on one rank: K and V of ``block_size`` slots in each layer of a group."""
+        return block_bytes(self.groups, self.block_size, self.num_kv_heads, self.head_dim, self.torch_dtype)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the whole cache on one rank."""
+        return self.num_blocks * self.bytes_per_block
+
+
+def block_bytes(
+    groups: list[KVCacheGroup], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * layers_per_block(groups) * block_size * num_kv_heads * head_dim * elem
+
+
+def kv_heads_per_rank(model_config: ModelConfig, tp_size: int) -> int:
+    """KV heads one rank holds: its share, or one replicated head when ``tp_size`` exceeds their count."""
+    return max(1, model_config.num_kv_heads // tp_size)
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The engine's max_model_len: the user's value, else the model's context capped at 8192.
+
+    Raises:
+        ValueError: if the user's value exceeds the model's context length.
+    """
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return min(limit, 8192)
+    if not 0 < config.max_model_len <= limit:
+        raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {config.max_model_len}")
+    return config.max_model_len
+
+
+def create_kv_cache_config(config: EngineConfig, model_config: ModelConfig) -> KVCacheConfig:
+    """The geometry an engine with ``config`` serving ``model_config`` uses.
+
+    The block count is ``config.kv_cache_memory`` (bytes per rank) over one rank's bytes per
+    block, or ``config.num_gpu_blocks_override``.
+
+    Raises:
+        ValueError: if the budget cannot hold one token in every group, or max_model_len is too long.
+    """
+    groups = kv_cache_groups(model_config)
+    heads = kv_heads_per_rank(model_config, config.tensor_parallel_size)
+    dtype = config.kv_dtype
+    num_blocks = config.num_gpu_blocks_override
+    if num_blocks is None:
+        num_blocks = config.kv_cache_memory // block_bytes(groups, config.block_size, heads, model_config.head_dim, dtype)
+    max_len = max_request_tokens(
+        groups, num_blocks, config.block_size, config.max_num_batched_tokens, resolve_max_model_len(config, model_config)
+    )
+    if max_len < 1:
+        raise ValueError(
+            f"kv_cache_memory {config.kv_cache_memory} bytes ({num_blocks} KV blocks) cannot hold one token "
+            f"in every KV cache group ({len(groups)} groups)"
+        )
+    return KVCacheConfig(
+        num_blocks, config.block_size, groups, model_config.num_layers, heads, model_config.head_dim,
+        str(dtype).removeprefix("torch."), max_len,
+    )

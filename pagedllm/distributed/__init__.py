@@ -1,0 +1,1 @@
+"""Tensor parallelism on torch.distributed: the rank's group, collectives and weight sharding."""

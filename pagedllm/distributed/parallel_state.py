@@ -1,0 +1,88 @@
+"""A tensor-parallel rank's view of its group: rank, size and the collectives the model needs.
+
+The group is torch.distributed's default one (gloo on CPU; the same calls run on NCCL), set
+up by :func:`init_tensor_parallel` in every rank's process. Models take a :class:`TPGroup`
+argument instead of reading globals, so a draft model in the same process stays whole.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """One rank of a tensor-parallel group (size 1: no group, every collective a no-op)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 schedules, samples and returns tokens; the others only compute."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns ``x``."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every rank's ``x`` (same shape on each) along the last dim, on rank 0.
+
+        Returns:
+            [..., size * x.shape[-1]] on rank 0, None on the others (``x`` itself at size 1).
+        """
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """Rank 0's ``payload`` on every rank (the others pass None): its length, then its bytes."""
+        if self.size == 1:
+            assert payload is not None
+            return payload
+        length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        dist.broadcast(length, src=0)
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(length), dtype=torch.uint8)
+        if len(buf):
+            dist.broadcast(buf, src=0)
+        return payload if self.rank == 0 else buf.numpy().tobytes()
+
+
+SINGLE = TPGroup()
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, timeout_s: float = 600) -> TPGroup:
+    """Join the default torch.distributed group (gloo) as ``rank`` of ``size``.
+
+    Args:
+        init_method: ``tcp://host:port`` of rank 0's store.
+        timeout_s: how long a collective may wait for a peer before it raises.
+    """
+    if size == 1:
+        return SINGLE
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    return TPGroup(rank, size)
+
+
+def destroy_tensor_parallel(tp: TPGroup) -> None:
+    """Leave the group (rank 0 last, or the others' collectives would hang until the timeout)."""
+    if tp.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
