@@ -30,7 +30,8 @@ def test_core_process_round_trip() -> None:
     client = SyncMPClient(EngineConfig(kv_cache_memory=64 * 1024**2, max_model_len=512))
     try:
         ready = client.wait_ready()
-        assert ready.max_model_len == 512 and ready.num_blocks > 0 and ready.model_config.vocab_size > 0
+        kv = ready.kv_cache_config
+        assert kv.max_model_len == 512 and kv.num_blocks > 0 and ready.model_config.vocab_size > 0
 
         tokens: list[int] = []
 

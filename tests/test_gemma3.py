@@ -16,6 +16,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -79,7 +80,7 @@ class _Driver:
     def __init__(self, model, config, num_blocks: int, enable_caching: bool = False) -> None:
         self.model, self.config = model, config
         self.groups = kv_cache_groups(config)
-        self.kv = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, torch.float32)
+        self.kv = allocate_kv_caches(KVCacheConfig.for_model(config, num_blocks, BLOCK_SIZE, torch.float32))
         self.manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching, self.groups)
 
     def request(self, rid: str, ids: list[int]) -> Request:
@@ -221,7 +222,7 @@ def _greedy_through_the_scheduler(model, config, num_blocks: int, prompts: list[
     """The engine's own loop (scheduler, KV cache manager, model runner) on the tiny model."""
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, False, kv_cache_groups(config))
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64)
-    runner = ModelRunner(model, config, num_blocks, BLOCK_SIZE, torch.float32)
+    runner = ModelRunner(model, config, KVCacheConfig.for_model(config, num_blocks, BLOCK_SIZE, torch.float32))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     reqs = [Request(str(i), p, params, [], 64) for i, p in enumerate(prompts)]
     for r in reqs:

@@ -15,6 +15,7 @@ import transformers
 from pagedllm.core.kv_cache_groups import kv_cache_groups
 from pagedllm.models import gguf_loader, loader
 from pagedllm.models.loader import load_model, load_tokenizer, resolve_model
+from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 
 BLOCK_SIZE = 16
@@ -42,7 +43,7 @@ def prefill_logits(model: torch.nn.Module, config, ids: list[int]) -> torch.Tens
     """Our logits for every position of one prompt, through a paged KV cache."""
     groups = kv_cache_groups(config)
     n = -(-len(ids) // BLOCK_SIZE)  # blocks per group, each group its own ids
-    kv_caches = allocate_kv_caches(config, n * len(groups), BLOCK_SIZE, torch.float32)
+    kv_caches = allocate_kv_caches(KVCacheConfig.for_model(config, n * len(groups), BLOCK_SIZE, torch.float32))
     tables = [[list(range(g * n, (g + 1) * n)) for g in range(len(groups))]]
     meta = build_attention_metadata(groups, config.num_layers, [len(ids)], [len(ids)], tables, BLOCK_SIZE)
     return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, meta))

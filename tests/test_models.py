@@ -13,6 +13,7 @@ from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.models.registry import get_model_class
+from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.worker.kv_cache import allocate_kv_caches
 
 BLOCK_SIZE = 16
@@ -72,7 +73,7 @@ def test_config_from_checkpoint(tiny) -> None:
 def test_prefill_matches_transformers(tiny) -> None:
     hf, model, config = tiny
     ids = torch.randint(0, config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)).tolist()
-    kv_caches = allocate_kv_caches(config, 4, BLOCK_SIZE, torch.float32)
+    kv_caches = allocate_kv_caches(KVCacheConfig.for_model(config, 4, BLOCK_SIZE, torch.float32))
     meta = AttentionMetadata.build([len(ids)], [len(ids)], [[2, 0, 3]], BLOCK_SIZE)
     hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, [meta] * config.num_layers)
     assert hidden.shape == (len(ids), config.hidden_size)
@@ -89,7 +90,7 @@ def test_batched_chunked_prefill_and_decode_match_transformers(tiny) -> None:
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (22, 27)]
     tables = [[5, 2], [0, 7]]  # scattered blocks
     refs = [hf_logits(hf, s) for s in seqs]
-    kv_caches = allocate_kv_caches(config, 8, BLOCK_SIZE, torch.float32)
+    kv_caches = allocate_kv_caches(KVCacheConfig.for_model(config, 8, BLOCK_SIZE, torch.float32))
     # (request, start, end) per step; decodes (one token) first, as the metadata requires.
     steps = [
         [(0, 0, 20), (1, 0, 10)],
@@ -116,7 +117,7 @@ def test_bfloat16_close_to_float32(tiny) -> None:
     outs = []
     with torch.inference_mode():
         for model, dtype in ((model32, torch.float32), (model16, torch.bfloat16)):
-            kv = allocate_kv_caches(config, 2, BLOCK_SIZE, dtype)
+            kv = allocate_kv_caches(KVCacheConfig.for_model(config, 2, BLOCK_SIZE, dtype))
             meta = AttentionMetadata.build([len(ids)], [len(ids)], [[0, 1]], BLOCK_SIZE)
             outs.append(model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv, [meta] * config.num_layers)))
     assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[0].abs().max()
@@ -176,7 +177,7 @@ def test_constructor_gives_random_model() -> None:
     )
     model = LlamaForCausalLM(config, torch.float32)
     assert not any(p.requires_grad for p in model.parameters())
-    kv = allocate_kv_caches(config, 1, BLOCK_SIZE, torch.float32)
+    kv = allocate_kv_caches(KVCacheConfig.for_model(config, 1, BLOCK_SIZE, torch.float32))
     meta = AttentionMetadata.build([5], [5], [[0]], BLOCK_SIZE)
     hidden = model(torch.arange(5), torch.arange(5), kv, [meta] * config.num_layers)
     assert model.compute_logits(hidden).shape == (5, 64)

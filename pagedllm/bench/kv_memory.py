@@ -11,23 +11,20 @@ import argparse
 import dataclasses
 
 from pagedllm.config import EngineConfig, parse_dtype, parse_memory
-from pagedllm.core.kv_cache_groups import kv_cache_groups
+from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.models.loader import load_config, resolve_model
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.kv_cache import bytes_per_block
 
 
 def simulate(args: argparse.Namespace, release: bool) -> dict[str, float]:
     config = load_config(resolve_model(args.model))
     dtype = parse_dtype(args.dtype)
-    groups = kv_cache_groups(config)
-    if not release:
-        groups = [dataclasses.replace(g, window=0) for g in groups]
-    block_bytes = bytes_per_block(config, args.block_size, dtype)
-    num_blocks = args.kv_cache_memory // block_bytes
+    kv = KVCacheConfig.for_model(config, 1, args.block_size, dtype)
+    groups = kv.groups if release else [dataclasses.replace(g, window=0) for g in kv.groups]
+    num_blocks = args.kv_cache_memory // kv.bytes_per_block
     manager = KVCacheManager(num_blocks, args.block_size, False, groups)
     max_len = args.prompt_len + args.output_len
     sched = Scheduler(manager, args.max_num_seqs, args.max_num_batched_tokens, max_len)

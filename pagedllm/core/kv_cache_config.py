@@ -39,6 +39,23 @@ class KVCacheConfig(msgspec.Struct, frozen=True):
     dtype: str
     max_model_len: int
 
+    @classmethod
+    def for_model(
+        cls,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        tp_size: int = 1,
+        max_model_len: int = 0,
+    ) -> KVCacheConfig:
+        """The geometry of ``num_blocks`` blocks for ``model_config`` split over ``tp_size`` ranks."""
+        return cls(
+            num_blocks, block_size, kv_cache_groups(model_config), model_config.num_layers,
+            kv_heads_per_rank(model_config, tp_size), model_config.head_dim, str(dtype).removeprefix("torch."),
+            max_model_len,
+        )
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
@@ -103,7 +120,6 @@ def create_kv_cache_config(config: EngineConfig, model_config: ModelConfig) -> K
             f"kv_cache_memory {config.kv_cache_memory} bytes ({num_blocks} KV blocks) cannot hold one token "
             f"in every KV cache group ({len(groups)} groups)"
         )
-    return KVCacheConfig(
-        num_blocks, config.block_size, groups, model_config.num_layers, heads, model_config.head_dim,
-        str(dtype).removeprefix("torch."), max_len,
+    return KVCacheConfig.for_model(
+        model_config, num_blocks, config.block_size, dtype, config.tensor_parallel_size, max_len
     )

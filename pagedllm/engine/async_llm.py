@@ -67,16 +67,18 @@ class AsyncLLM:
             raise
         assert ready.model_config is not None
         self.model_config = ready.model_config
-        self.max_model_len = ready.max_model_len
-        self.num_blocks = ready.num_blocks
-        self.block_size = ready.block_size
+        assert ready.kv_cache_config is not None
+        self.kv_config = ready.kv_cache_config
+        self.max_model_len = self.kv_config.max_model_len
+        self.num_blocks = self.kv_config.num_blocks
+        self.block_size = self.kv_config.block_size
         self.processor = Processor(
             self.tokenizer, self.max_model_len, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
         self.stat_logger = StatLogger() if log_stats else None
-        self.live_view = LiveView.for_engine(config, self.model_config, self.num_blocks) if config.live_view else None
+        self.live_view = LiveView.for_engine(config, self.kv_config) if config.live_view else None
         self.dead_error: EngineDeadError | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._dead_callbacks: list[Callable[[], None]] = []

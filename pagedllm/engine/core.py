@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from pagedllm.config import EngineConfig, ModelConfig
-from pagedllm.core.kv_cache_groups import kv_cache_groups, max_request_tokens
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_config import create_kv_cache_config
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -21,7 +21,6 @@ from pagedllm.live_view.recorder import StepRecorder
 from pagedllm.models.loader import load_model, load_tokenizer, resolve_model
 from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.structured_output.manager import StructuredOutputManager
-from pagedllm.worker.kv_cache import bytes_per_block
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -29,27 +28,6 @@ logger = logging.getLogger("pagedllm")
 # A step loop with nothing to run but requests whose grammars compile waits this long at most
 # for one to finish, instead of spinning.
 _COMPILE_WAIT_S = 0.05
-
-
-def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The engine's max_model_len: the user's value, else the model's context capped at 8192.
-
-    Raises:
-        ValueError: if the user's value exceeds the model's context length.
-    """
-    limit = model_config.max_position_embeddings
-    if config.max_model_len is None:
-        return min(limit, 8192)
-    if not 0 < config.max_model_len <= limit:
-        raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {config.max_model_len}")
-    return config.max_model_len
-
-
-def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
-    """How many KV blocks the memory budget buys (or the explicit override)."""
-    if config.num_gpu_blocks_override is not None:
-        return config.num_gpu_blocks_override
-    return config.kv_cache_memory // bytes_per_block(model_config, config.block_size, config.kv_dtype)
 
 
 class EngineCore:
@@ -69,30 +47,20 @@ class EngineCore:
         self.model_config = model_config
         logger.info("loaded %s in %.2f s (%s)", model_config.name or config.model, time.perf_counter() - t0, config.dtype)
 
-        num_blocks = num_kv_blocks(config, model_config)
-        groups = kv_cache_groups(model_config)
-        self.max_model_len = max_request_tokens(
-            groups, num_blocks, config.block_size, config.max_num_batched_tokens,
-            resolve_max_model_len(config, model_config),
-        )
-        if self.max_model_len < 1:
-            raise ValueError(
-                f"kv_cache_memory {config.kv_cache_memory} bytes ({num_blocks} KV blocks) cannot hold one token "
-                f"in every KV cache group ({len(groups)} groups)"
-            )
-        self.num_blocks = num_blocks
-        kv_bytes = num_blocks * bytes_per_block(model_config, config.block_size, config.kv_dtype)
+        kv = self.kv_config = create_kv_cache_config(config, model_config)
+        self.num_blocks = kv.num_blocks
+        self.max_model_len = kv.max_model_len
         logger.info(
             "KV cache: %d blocks of %d tokens x %d layers, %.2f GiB in %s; %d group(s) with windows %s; "
             "longest request %d tokens",
-            num_blocks, config.block_size, len(groups[0].layers), kv_bytes / 1024**3, config.kv_dtype, len(groups),
-            [g.window for g in groups], self.max_model_len,
+            kv.num_blocks, kv.block_size, len(kv.groups[0].layers), kv.num_bytes / 1024**3, kv.dtype, len(kv.groups),
+            [g.window for g in kv.groups], kv.max_model_len,
         )
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, groups)
+        self.kv_cache = KVCacheManager(kv.num_blocks, kv.block_size, config.enable_prefix_caching, kv.groups)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
-        self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, config.kv_dtype)
+        self.runner = ModelRunner(model, model_config, kv)
         self.recorder = StepRecorder() if config.live_view else None
         self.kv_cache.recorder = self.recorder
         self.proposer = self._build_proposer()

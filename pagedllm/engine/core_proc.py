@@ -19,6 +19,7 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestType
 
 logger = logging.getLogger("pagedllm")
@@ -30,9 +31,7 @@ _IDLE_POLL_MS = 1000
 class EngineCoreReady(msgspec.Struct):
     """The first message from the core process: what the front end needs, or why it failed."""
 
-    max_model_len: int = 0
-    num_blocks: int = 0
-    block_size: int = 0
+    kv_cache_config: KVCacheConfig | None = None
     model_config: ModelConfig | None = None
     error: str | None = None
 
@@ -132,7 +131,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
         output_socket.send(encoder.encode(EngineCoreReady(error=f"{type(e).__name__}: {e}")))
         ctx.destroy(linger=1000)
         raise SystemExit(1) from None
-    ready = EngineCoreReady(core.max_model_len, core.num_blocks, config.block_size, core.model_config)
+    ready = EngineCoreReady(core.kv_config, core.model_config)
     output_socket.send(encoder.encode(ready))
     EngineCoreProc(core, input_socket, output_socket, parent_pid).run()
     ctx.destroy(linger=0)

@@ -35,7 +35,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLogger() if log_stats else None
-        self.live_view = LiveView.for_engine(config, model_config, self.core.num_blocks) if config.live_view else None
+        self.live_view = LiveView.for_engine(config, self.core.kv_config) if config.live_view else None
 
     def prepare(
         self, request_id: str, prompt: PromptType, params: SamplingParams, cache_salt: str | None = None

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.config import EngineConfig, ModelConfig
-from pagedllm.core.kv_cache_groups import kv_cache_groups
+from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.live_view.block_map import BlockMap
 from pagedllm.live_view.records import StepRecord
@@ -90,10 +90,10 @@ class LiveView:
         self.prefix_hits = 0
 
     @classmethod
-    def for_engine(cls, config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> LiveView:
-        """The view of an engine built from ``config`` with ``num_blocks`` KV blocks."""
-        windows = [g.window for g in kv_cache_groups(model_config)]
-        return cls(num_blocks, config.block_size, windows, config.max_num_batched_tokens, config.live_view_steps)
+    def for_engine(cls, config: EngineConfig, kv: KVCacheConfig) -> LiveView:
+        """The view of an engine built from ``config`` with the KV cache ``kv``."""
+        windows = [g.window for g in kv.groups]
+        return cls(kv.num_blocks, kv.block_size, windows, config.max_num_batched_tokens, config.live_view_steps)
 
     # -- feeding -------------------------------------------------------------------------
     def on_arrival(self, requests: list[EngineCoreRequest]) -> None:

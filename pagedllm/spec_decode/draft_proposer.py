@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.core.kv_cache_groups import kv_cache_groups
+from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.layers.sampler import _inverse_cdf, process_logits, sampling_probs
@@ -99,9 +99,10 @@ class DraftModelProposer:
             )
         self.k = num_speculative_tokens
         self.block_size = block_size
-        self.groups = kv_cache_groups(self.config)
+        kv = KVCacheConfig.for_model(self.config, num_blocks, block_size, kv_dtype)
+        self.groups = kv.groups
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_caching=False, groups=self.groups)
-        self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, kv_dtype)
+        self.kv_caches = allocate_kv_caches(kv)
         self.seqs: dict[str, _DraftSequence] = {}
         logger.info(
             "draft model %s: %d layers, KV cache %d blocks", self.config.name or model, self.config.num_layers, num_blocks

@@ -5,38 +5,30 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.config import ModelConfig
-from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layers_per_block
+from pagedllm.core.kv_cache_config import KVCacheConfig
+from pagedllm.core.kv_cache_groups import KVCacheGroup, layers_per_block
 from pagedllm.layers.attention import AttentionMetadata
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes: K and V of ``block_size`` slots in each layer of one KV cache group."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    num_layers = layers_per_block(kv_cache_groups(config))
-    return 2 * num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+def allocate_kv_caches(kv: KVCacheConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim] in ``kv.dtype``.
 
-
-def allocate_kv_caches(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
-
-    The ``j``-th layer of every KV cache group gets the same tensors (see
-    ``core/kv_cache_groups.py``): block ids, not tensors, keep the groups apart. With one
-    group (every layer global) each layer has tensors of its own.
+    ``num_kv_heads`` is this rank's share (``kv.num_kv_heads``). The ``j``-th layer of every
+    KV cache group gets the same tensors (see ``core/kv_cache_groups.py``): block ids, not
+    tensors, keep the groups apart. With one group (every layer global) each layer has
+    tensors of its own.
 
     The memory comes from numpy's calloc: zero pages the OS maps lazily, so start-up does
     not touch gigabytes, and never-written slots read as 0.0 (masked padding must not be NaN).
     """
-    groups = kv_cache_groups(config)
-    num_slots = layers_per_block(groups)
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    num_slots = layers_per_block(kv.groups)
+    dtype = kv.torch_dtype
+    shape = (kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim)
     per_layer = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     raw = torch.from_numpy(np.zeros(2 * num_slots * per_layer, dtype=np.uint8))
     flat = raw.view(dtype).view(num_slots, 2, *shape)
-    caches: list[tuple[torch.Tensor, torch.Tensor]] = [None] * config.num_layers  # type: ignore[list-item]
-    for group in groups:
+    caches: list[tuple[torch.Tensor, torch.Tensor]] = [None] * kv.num_layers  # type: ignore[list-item]
+    for group in kv.groups:
         for j, layer in enumerate(group.layers):
             caches[layer] = (flat[j, 0], flat[j, 1])
     return caches

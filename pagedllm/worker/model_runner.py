@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 
 from pagedllm.config import ModelConfig
-from pagedllm.core.kv_cache_groups import kv_cache_groups
+from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.rejection_sampler import RejectionSampler
 from pagedllm.layers.sampler import Sampler, compute_logprobs
@@ -70,23 +70,20 @@ class ModelRunner:
     Args:
         model: the model (see ``pagedllm.models``), already loaded.
         config: its hyper-parameters.
-        num_blocks, block_size: KV cache geometry.
-        dtype: dtype of the KV caches.
+        kv: the KV cache geometry (this rank's share).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         config: ModelConfig,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
+        kv: KVCacheConfig,
     ) -> None:
         self.model = model
         self.config = config
-        self.block_size = block_size
-        self.groups = kv_cache_groups(config)
-        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, dtype)
+        self.block_size = kv.block_size
+        self.groups = kv.groups
+        self.kv_caches = allocate_kv_caches(kv)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.inject_faults = os.environ.get(FAULT_ENV) == "1"
