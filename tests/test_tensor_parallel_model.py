@@ -254,9 +254,11 @@ def test_kv_heads_split_or_replicate_as_vllm() -> None:
 
 @pytest.mark.slow
 def test_default_model_at_three_ranks(tmp_path: Path) -> None:
-    """The real SmolLM2 GGUF (9 heads, 3 KV heads) in float32 at 3 ranks equals 1 rank."""
+    """The real SmolLM2 GGUF (9 heads, 3 KV heads) in float32 at 3 ranks: the same greedy
+    tokens as 1 rank, logits (up to 35) within float32 rounding of 30 layers' sums (1.5e-4 seen)."""
     case = Case("smollm2", str(resolve_model("smollm2").path))
     expected = reference([case])["smollm2"]
     got = run_group([case], 3, tmp_path / "logits.pt")["smollm2"]
     assert isinstance(got, torch.Tensor), got
-    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=0)
