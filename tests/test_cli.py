@@ -77,7 +77,8 @@ def test_bad_flag_exits_2_before_loading(
     def no_load(*args: object, **kwargs: object) -> None:
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("pagedllm.engine.core.load_model", no_load)
+    monkeypatch.setattr("pagedllm.engine.core.EngineCore.__init__", no_load)
+    monkeypatch.setattr("pagedllm.worker.worker.load_model", no_load)
     monkeypatch.setattr("pagedllm.engine.async_llm.AsyncLLM.__init__", no_load)
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -168,3 +168,21 @@ def _any_text_matcher():
     from pagedllm.structured_output.backend import Compiler
 
     return Compiler(load_tokenizer(resolve_model("SmolLM2-135M-Instruct")), 49152, [EOS]).compile("start: /.*/")
+
+
+def test_a_request_the_whole_cache_cannot_hold_fails_instead_of_blocking_the_queue():
+    """8 blocks of 4 slots: a 40-token prompt never fits, and a 20-token prompt that grows past
+    32 tokens cannot either once alone; both fail with an error, the others finish, pool whole."""
+    sched = make_scheduler(num_blocks=8, block_size=4, budget=16)
+    small = make_request("small", 6)
+    for r in (make_request("huge", 40), make_request("grows", 20, max_tokens=30, ignore_eos=True), small):
+        sched.add_request(r)
+    failed = {}
+    for _ in range(200):
+        if not sched.num_unfinished:
+            break
+        failed.update(step(sched).failed)
+    assert not sched.num_unfinished
+    assert set(failed) == {"huge", "grows"} and "do not fit in the KV cache (8 blocks" in failed["huge"]
+    assert small.status == RequestStatus.FINISHED_LENGTH and small.num_output_tokens == 8
+    assert_pool_whole(sched)

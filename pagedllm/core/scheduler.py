@@ -124,6 +124,8 @@ class Scheduler:
                     if num_drafts:  # drafts are optional: drop them before preempting anyone
                         num_drafts = 0
                         continue
+                    if len(self.running) == 1:  # alone and still no room: it never will be
+                        raise self._never_fits(request)
                     victim = self.running.pop()  # the most recently admitted
                     self._preempt(victim)
                     out.preempted.append(victim)
@@ -152,6 +154,8 @@ class Scheduler:
                 num_new = min(request.num_tokens - num_hit, budget)
                 if not self.kv_cache.allocate_slots(request, num_new, blocks):
                     request.num_computed_tokens = 0
+                    if not self.running:  # every block is free or evictable: it never fits
+                        raise self._never_fits(request)
                     break
                 self.waiting.popleft()
                 if request.num_cached_tokens < 0:
@@ -169,6 +173,14 @@ class Scheduler:
     def compiling(self) -> list[Request]:
         """Waiting requests whose grammar is still compiling."""
         return [r for r in self.waiting if r.structured_output is not None and not r.structured_output.compiled.done()]
+
+    def _never_fits(self, request: Request) -> ValueError:
+        """The error of a request the whole KV cache cannot hold (the front end's length check
+        keeps these out; failing them here keeps one from blocking the queue forever)."""
+        return ValueError(
+            f"{request.num_tokens} tokens do not fit in the KV cache ({self.kv_cache.pool.num_blocks} blocks; "
+            f"max_model_len {self.max_model_len})"
+        )
 
     def _fail(self, out: SchedulerOutput, request: Request, error: Exception) -> None:
         """Finish a request whose scheduling raised, free its blocks and report it in ``out.failed``."""
