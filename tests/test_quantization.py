@@ -311,7 +311,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 )
 def test_engine_end_to_end(kwargs: dict, layer: type) -> None:
     llm = LLM(kv_cache_memory="64MiB", max_model_len=256, **kwargs)
-    model = llm.engine.core.runner.model
+    model = llm.engine.core.executor.runner.model
     assert type(model.layers[0].mlp.gate_up_proj) is layer
     if (not kwargs and auto_linears() != "float32") or kwargs.get("quantization") == "w4a8":
         assert type(model.lm_head) is W8A8Linear
@@ -394,7 +394,7 @@ def test_perplexity_through_prompt_logprobs() -> None:
     assert 2 < result.perplexity < 100
     # Windows of the full length score the same tokens with full context: the plain perplexity.
     full = perplexity(llm, ids, window=200, stride=200, label="none")
-    model, config = llm.engine.core.runner.model, llm.engine.core.model_config
+    model, config = llm.engine.core.executor.runner.model, llm.engine.core.model_config
     logits = prefill_logits(model, config, ids)
     nll = -logits.log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()
     assert full.perplexity == pytest.approx(float(nll.exp()), rel=1e-4)

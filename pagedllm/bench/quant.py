@@ -111,7 +111,7 @@ def _decode_rate(llm, prompts: list[list[int]], output_len: int, repeats: int) -
 def bench_pagedllm(llm, label: str, prompts: list[list[int]], output_len: int, repeats: int) -> QuantBenchResult:
     _timed_generate(llm, prompts[:1], 4)  # warm-up
     batch1, _ = _decode_rate(llm, prompts[:1], output_len, repeats)
-    model = llm.engine.core.runner.model
+    model = llm.engine.core.executor.runner.model
     result = QuantBenchResult(label, weight_bytes_per_step(model), batch1)
     if len(prompts) > 1:
         result.batch_size = len(prompts)

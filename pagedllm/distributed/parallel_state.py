@@ -8,13 +8,13 @@ argument instead of reading globals, so a draft model in the same process stays 
 from __future__ import annotations
 
 import datetime
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
-logger = logging.getLogger("pagedllm")
+_IDLE_WAIT = datetime.timedelta(days=3650)
 
 
 @dataclass(frozen=True)
@@ -67,18 +67,24 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, timeout_s: float = 600) -> TPGroup:
+def init_tensor_parallel(rank: int, size: int, init_method: str, timeout_s: float = 300) -> TPGroup:
     """Join the default torch.distributed group (gloo) as ``rank`` of ``size``.
 
     Args:
         init_method: ``tcp://host:port`` of rank 0's store.
-        timeout_s: how long a collective may wait for a peer before it raises.
+        timeout_s: how long to wait for every rank to join.
+
+    Raises:
+        RuntimeError: (torch.distributed's) if the group does not form within ``timeout_s``.
     """
     if size == 1:
         return SINGLE
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
     )
+    # Ranks 1..N-1 wait in a broadcast for rank 0's next step however long the server idles;
+    # a peer that dies closes its connections, which fails the wait at once instead.
+    _set_pg_timeout(_IDLE_WAIT)
     return TPGroup(rank, size)
 
 

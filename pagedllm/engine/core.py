@@ -18,10 +18,10 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.live_view.recorder import StepRecorder
-from pagedllm.models.loader import load_model, load_tokenizer, resolve_model
+from pagedllm.executor.executor import create_executor
+from pagedllm.models.loader import load_config, load_tokenizer, resolve_model
 from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.structured_output.manager import StructuredOutputManager
-from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 
@@ -42,11 +42,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.config = config
-        t0 = time.perf_counter()
-        model, model_config = load_model(resolve_model(config.model), config.dtype, config.quantization_config())
-        self.model_config = model_config
-        logger.info("loaded %s in %.2f s (%s)", model_config.name or config.model, time.perf_counter() - t0, config.dtype)
-
+        model_config = load_config(resolve_model(config.model))
         kv = self.kv_config = create_kv_cache_config(config, model_config)
         self.num_blocks = kv.num_blocks
         self.max_model_len = kv.max_model_len
@@ -60,7 +56,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
-        self.runner = ModelRunner(model, model_config, kv)
+        self.executor = create_executor(config, kv)
+        self.model_config = self.executor.model_config
         self.recorder = StepRecorder() if config.live_view else None
         self.kv_cache.recorder = self.recorder
         self.proposer = self._build_proposer()
@@ -110,6 +107,10 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the executor's other ranks; idempotent."""
+        self.executor.shutdown()
+
     # -- one step ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model, update the requests; return what changed.
@@ -130,7 +131,7 @@ class EngineCore:
         num_kept_tokens = sched.num_batched_tokens
         outputs: list[EngineCoreOutput] = []
         if not sched.is_empty:
-            result = self.runner.execute(sched)
+            result = self.executor.execute(sched)
             sampled = result.sampled
             failed += [(sched.scheduled[i].request.request_id, error) for i, error in result.errors.items()]
             self.scheduler.finish_requests([rid for rid, _ in failed], RequestStatus.FINISHED_ERROR)

@@ -145,5 +145,8 @@ def run_engine_core(
         raise SystemExit(1) from None
     ready = EngineCoreReady(core.kv_config, core.model_config)
     output_socket.send(encoder.encode(ready))
-    EngineCoreProc(core, input_socket, output_socket, parent_pid).run()
-    ctx.destroy(linger=0)
+    try:
+        EngineCoreProc(core, input_socket, output_socket, parent_pid).run()
+    finally:
+        core.shutdown()
+        ctx.destroy(linger=0)

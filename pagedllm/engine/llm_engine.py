@@ -45,6 +45,10 @@ class LLMEngine:
         self.stat_logger = StatLogger() if log_stats else None
         self.live_view = LiveView.for_engine(config, self.core.kv_config) if config.live_view else None
 
+    def shutdown(self) -> None:
+        """Stop the engine core's tensor-parallel workers (if any); idempotent."""
+        self.core.shutdown()
+
     def prepare(
         self, request_id: str, prompt: PromptType, params: SamplingParams, cache_salt: str | None = None
     ) -> tuple[str | None, list[EngineCoreRequest]]:

@@ -79,6 +79,20 @@ class LLM:
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any) and hand back this process's cores; idempotent.
+
+        With ``tensor_parallel_size`` > 1 this process is rank 0, pinned to its share of the cores
+        until then.
+        """
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.kernels import ops
 from pagedllm.layers.linear import pack_linears
 from pagedllm.layers.quantization.config import QuantizationConfig
@@ -234,6 +235,7 @@ def load_model(
     resolved: ResolvedModel,
     dtype: torch.dtype = torch.bfloat16,
     quantization: QuantizationConfig | None = None,
+    tp: TPGroup = SINGLE,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model and fill it with the checkpoint's weights, cast to ``dtype``.
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+import msgspec
 import torch
 
 from pagedllm.config import ModelConfig
@@ -34,8 +35,10 @@ from pagedllm.layers.sampler import Sampler, compute_logprobs
 from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.core.request import Request
+from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.structured_output.bitmask import fill_bitmask
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
+from pagedllm.worker.step_input import BlockTableMirror, StepInput, apply_updates
 
 logger = logging.getLogger("pagedllm")
 R = TypeVar("R")
@@ -71,6 +74,8 @@ class ModelRunner:
         model: the model (see ``pagedllm.models``), already loaded.
         config: its hyper-parameters.
         kv: the KV cache geometry (this rank's share).
+        tp: this rank's tensor-parallel group; rank 0 (the driver) schedules' steps are
+            broadcast to the others (:meth:`execute`), which run them (:meth:`execute_remote`).
     """
 
     def __init__(
@@ -78,8 +83,15 @@ class ModelRunner:
         model: torch.nn.Module,
         config: ModelConfig,
         kv: KVCacheConfig,
+        tp: TPGroup = SINGLE,
     ) -> None:
         self.model = model
+        self.tp = tp
+        # Rank 0 sends each step to the others; they keep the block tables it sent.
+        self.mirror = BlockTableMirror() if tp.size > 1 and tp.is_driver else None
+        self.tables: dict[str, list[list[int]]] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(StepInput)
         self.config = config
         self.block_size = kv.block_size
         self.groups = kv.groups
@@ -90,65 +102,81 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on the driver rank: forward pass, logits, sampling (see the module docstring)."""
         # Decodes first: the attention batches them in one call.
         order = sorted(range(len(sched.scheduled)), key=lambda i: sched.scheduled[i].num_new_tokens != 1)
         reqs = [sched.scheduled[i] for i in order]
 
         token_ids: list[int] = []
         positions: list[int] = []
-        for s in reqs:
+        # Hidden rows that need logits, in one lm_head call: sampled rows first (their logits are
+        # then a view), then each verified request's 1 + k rows, then prompt-logprob rows.
+        sample_rows: list[tuple[int, ScheduledRequest]] = []
+        sample_idx: list[int] = []
+        verify_rows: list[tuple[int, ScheduledRequest, int]] = []  # (index, request, first logits row)
+        verify_idx: list[int] = []
+        prompt_rows: list[tuple[int, ScheduledRequest, int, int]] = []  # (index, request, first row, rows)
+        prompt_idx: list[int] = []
+        for i, s in zip(order, reqs):
             start, end = s.num_computed_before, s.num_computed_before + s.num_new_tokens
+            first = len(token_ids)
             token_ids.extend(s.request.all_token_ids[start:end])  # stops at the last known token
             token_ids.extend(s.spec_token_ids)
             positions.extend(range(start, end))
-        meta = build_attention_metadata(
-            self.groups,
-            self.config.num_layers,
-            [s.num_new_tokens for s in reqs],
-            [s.num_computed_before + s.num_new_tokens for s in reqs],
-            [s.block_ids for s in reqs],
-            self.block_size,
+            if s.request.sampling_params.prompt_logprobs is not None:
+                # Token p + 1 is predicted from position p, up to the prompt's last token.
+                rows = min(end, s.request.num_prompt_tokens - 1) - start
+                if rows > 0:
+                    prompt_rows.append((i, s, len(prompt_idx), rows))
+                    prompt_idx.extend(range(first, first + rows))
+            if s.spec_token_ids:
+                verify_rows.append((i, s, len(verify_idx)))
+                verify_idx.extend(range(len(token_ids) - len(s.spec_token_ids) - 1, len(token_ids)))
+            elif s.samples:
+                sample_idx.append(len(token_ids) - 1)
+                sample_rows.append((i, s))
+        logit_rows = sample_idx + verify_idx + prompt_idx
+        if self.mirror is not None:
+            self.tp.broadcast_bytes(self._encoder.encode(self.mirror.step_input(reqs, logit_rows)))
+        hidden = self._forward(
+            token_ids, positions, [s.num_new_tokens for s in reqs],
+            [s.num_computed_before + s.num_new_tokens for s in reqs], [s.block_ids for s in reqs],
         )
-        hidden = self.model(
-            torch.tensor(token_ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
-            self.kv_caches,
-            meta,
-        )
+        logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
 
         n = len(reqs)
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[TokenLogprobs | None] = [None] * n
         prompt_logprobs: list[TokenLogprobs | None] = [None] * n
         errors: dict[int, str] = {}
+        if logits is None:
+            return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, errors)
 
-        sample_rows, sample_idx, offset = [], [], 0
-        verify_rows: list[tuple[int, ScheduledRequest, int]] = []  # (index, request, first row)
-        for i, s in zip(order, reqs):
-            offset += s.num_new_tokens
-            if s.request.sampling_params.prompt_logprobs is not None:
-                try:
-                    prompt_logprobs[i] = self._prompt_logprobs(s, hidden[offset - s.num_new_tokens : offset])
-                except _FATAL:
-                    raise
-                except Exception as e:
-                    errors[i] = self._failed(s.request, "prompt logprobs", e)
-                    continue
-            if s.spec_token_ids:
-                verify_rows.append((i, s, offset - len(s.spec_token_ids) - 1))
-            elif s.samples:
-                sample_idx.append(offset - 1)
-                sample_rows.append((i, s))
+        base = len(sample_idx) + len(verify_idx)
+        for i, s, first, rows in prompt_rows:
+            try:
+                prompt_logprobs[i] = self._prompt_logprobs(s, logits[base + first : base + first + rows])
+            except _FATAL:
+                raise
+            except Exception as e:
+                errors[i] = self._failed(s.request, "prompt logprobs", e)
+        # A request whose prompt logprobs failed samples nothing this step.
+        sample_keep = [j for j, (i, _) in enumerate(sample_rows) if i not in errors]
+        verify_rows = [v for v in verify_rows if v[0] not in errors]
         if verify_rows:
+            verify_logits = logits[len(sample_idx) : base]
             results = self._isolated(
-                lambda js: self._verify(hidden, [verify_rows[j] for j in js]),
+                lambda js: self._verify(verify_logits, [verify_rows[j] for j in js]),
                 [(i, s.request) for i, s, _ in verify_rows], errors, "verification",
             )
             for (i, _, _), result in zip(verify_rows, results):
                 if result is not None:
                     sampled[i], logprobs[i] = result
-        if sample_rows:
-            for i, result in self._sample_rows(hidden[sample_idx], sample_rows, errors).items():
+        if sample_keep:
+            sample_logits = logits[: len(sample_idx)]
+            if len(sample_keep) < len(sample_rows):
+                sample_logits = sample_logits[sample_keep]
+            for i, result in self._sample_rows(sample_logits, [sample_rows[j] for j in sample_keep], errors).items():
                 sampled[i], logprobs[i] = result
         for i, tokens in enumerate(sampled):
             # A token id the embedding cannot look up would crash the next step for everyone.
@@ -159,16 +187,57 @@ class ModelRunner:
                 sampled[i], logprobs[i] = [], None
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, errors)
 
+    @torch.inference_mode()
+    def execute_remote(self) -> bool:
+        """Run one step on a non-driver rank, as broadcast by rank 0; False when told to stop."""
+        step = self._decoder.decode(self.tp.broadcast_bytes(None))
+        if step.shutdown:
+            return False
+        apply_updates(self.tables, step, len(self.groups))
+        token_ids = [t for r in step.requests for t in r.token_ids]
+        positions = [p for r in step.requests for p in range(r.num_computed_before, r.num_computed_before + len(r.token_ids))]
+        hidden = self._forward(
+            token_ids, positions, [len(r.token_ids) for r in step.requests],
+            [r.num_computed_before + len(r.token_ids) for r in step.requests],
+            [self.tables[r.req_id] for r in step.requests],
+        )
+        if step.logit_rows:
+            self.model.compute_logits(hidden[step.logit_rows])  # this rank's vocabulary share, gathered on rank 0
+        return True
+
+    def stop_remote(self) -> None:
+        """Tell the other ranks to leave their loops (driver only)."""
+        if self.mirror is not None:
+            self.tp.broadcast_bytes(self._encoder.encode(StepInput(shutdown=True)))
+
+    def _forward(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[list[int]]],
+    ) -> torch.Tensor:
+        """The model over the step's flattened tokens: [T, hidden_size] final hidden states."""
+        meta = build_attention_metadata(
+            self.groups, self.config.num_layers, query_lens, seq_lens, block_tables, self.block_size
+        )
+        return self.model(
+            torch.tensor(token_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            self.kv_caches,
+            meta,
+        )
+
     def _sample_rows(
-        self, hidden: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequest]], errors: dict[int, str]
+        self, logits: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequest]], errors: dict[int, str]
     ) -> dict[int, tuple[list[int], TokenLogprobs | None]]:
-        """Sample the next token of each request from its last hidden state ([B, hidden_size]).
+        """Sample the next token of each request from its raw logits row ([B, V] float32).
 
         Returns:
             Output index -> (one token, its logprobs or None), for the requests that did not
             fail; those that did are in ``errors``.
         """
-        logits = self.model.compute_logits(hidden)
         if self.inject_faults:
             for j, (_, s) in enumerate(sample_rows):
                 if _marked(s.request, "logits"):
@@ -280,13 +349,13 @@ class ModelRunner:
         return results
 
     def _verify(
-        self, hidden: torch.Tensor, verify_rows: list[tuple[int, ScheduledRequest, int]]
+        self, all_logits: torch.Tensor, verify_rows: list[tuple[int, ScheduledRequest, int]]
     ) -> list[tuple[list[int], TokenLogprobs | None]]:
         """Rejection-sample the requests with drafts: (accepted tokens, their logprobs) per request.
 
         Args:
-            hidden: [T, hidden_size], the step's final hidden states.
-            verify_rows: (output index, request, row in ``hidden`` of its last known token);
+            all_logits: [R, V] float32 raw logits of the verified rows.
+            verify_rows: (output index, request, row in ``all_logits`` of its last known token);
                 its drafts' rows follow that row.
 
         Raises:
@@ -309,7 +378,7 @@ class ModelRunner:
             )
         if self.inject_faults and any(_marked(s.request, "sample") for _, s, _ in verify_rows):
             raise InjectedFault("injected verification fault")
-        logits = self.model.compute_logits(hidden[idx])
+        logits = all_logits[idx]
         if self.inject_faults:
             row = 0
             for _, s, _ in verify_rows:
@@ -341,14 +410,16 @@ class ModelRunner:
             row += len(s.spec_token_ids) + 1
         return results
 
-    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> TokenLogprobs | None:
-        """Log-probabilities of the prompt tokens this chunk predicts (token p+1 from position p)."""
+    @staticmethod
+    def _prompt_logprobs(s: ScheduledRequest, logits: torch.Tensor) -> TokenLogprobs:
+        """Log-probabilities of the prompt tokens this chunk predicts (token p+1 from position p).
+
+        Args:
+            logits: [R, V] float32 raw logits of the chunk's first R positions, R > 0.
+        """
         request = s.request
         start = s.num_computed_before
-        end = min(start + s.num_new_tokens, request.num_prompt_tokens - 1)
-        if end <= start:
-            return None
-        logits = self.model.compute_logits(hidden[: end - start])
+        end = start + logits.shape[0]
         targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], dtype=torch.long)
         top_ids, top_lps, ranks = compute_logprobs(logits, targets, request.sampling_params.prompt_logprobs)
         return TokenLogprobs(top_ids.tolist(), top_lps.tolist(), ranks.tolist())

@@ -1,0 +1,1 @@
+"""Executors: run each scheduled step on the model's tensor-parallel ranks."""
