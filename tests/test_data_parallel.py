@@ -188,7 +188,7 @@ def test_dead_core_fails_only_its_requests(dp_server: Server, http: httpx.Client
 
     async def one(c: httpx.AsyncClient, i: int) -> str:
         nonlocal num_started
-        body = _completion(f"Request {i}: tell me a story.", 200, ignore_eos=True, stream=True)
+        body = _completion(f"Request {i}: tell me a story.", 100, ignore_eos=True, stream=True)
         async with c.stream("POST", "/v1/completions", json=body) as r:
             events = []
             async for line in r.aiter_lines():

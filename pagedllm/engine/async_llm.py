@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.dp_client import DPAsyncMPClient
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
-from pagedllm.engine.messages import SchedulerStats
+from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.engine.metrics import EngineMetrics, sum_stats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType

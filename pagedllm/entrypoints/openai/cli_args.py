@@ -72,10 +72,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     kwargs = engine_kwargs(args)
     kwargs |= dtype_settings(kwargs.pop("dtype"), kwargs.pop("kv_cache_dtype"), kwargs.pop("quantization"))
     kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])
-    # serve's flags; other commands lack them
-    live_view = getattr(args, "enable_live_view", False)
-    config = EngineConfig(**kwargs, live_view=live_view, live_view_steps=getattr(args, "live_view_steps", 4096),
-                          data_parallel_size=getattr(args, "data_parallel_size", 1))
+    config = EngineConfig(  # getattr: serve's flags, which other commands lack
+        **kwargs, live_view=getattr(args, "enable_live_view", False),
+        live_view_steps=getattr(args, "live_view_steps", 4096), data_parallel_size=getattr(args, "data_parallel_size", 1),
+    )
     if config.data_parallel_size > 1:
         from pagedllm.engine.dp_client import check_data_parallel
 
