@@ -107,10 +107,11 @@ def http(server: Server) -> Iterator[httpx.Client]:
 
 
 def _metric(http: httpx.Client, name: str) -> float:
+    """A metric's value; for a per-core gauge (label ``engine``), the sum over the cores."""
     text = http.get("/metrics").text
-    match = re.search(rf"^pagedllm:{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    assert match, f"pagedllm:{name} not in /metrics"
-    return float(match.group(1))
+    values = re.findall(rf'^pagedllm:{re.escape(name)}(?:{{engine="\d+"}})? (\S+)$', text, re.MULTILINE)
+    assert values, f"pagedllm:{name} not in /metrics"
+    return sum(map(float, values))
 
 
 def _num_tokens(http: httpx.Client, **body) -> int:

@@ -1,8 +1,10 @@
-"""The asyncio front end of a serving engine whose core runs in its own process.
+"""The asyncio front end of a serving engine whose core runs in its own process (or whose
+``data_parallel_size`` cores run in as many processes).
 
 Tokenization, incremental detokenization and stop strings run here, in the API process; the
-core sees token ids only. One output-handler task reads every step's outputs from the core,
-turns them into ``RequestOutput``s and hands each to the queue of the request it belongs to.
+cores see token ids only. One output-handler task per core reads every step's outputs from
+it, turns them into ``RequestOutput``s and hands each to the queue of the request it belongs
+to. A core that dies fails the requests it held; the engine is dead when no core is left.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_client import AsyncMPClient, EngineDeadError
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
-from pagedllm.engine.metrics import EngineMetrics
+from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.engine.dp_client import DPAsyncMPClient
+from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.engine.metrics import EngineMetrics, sum_stats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.stat_logger import StatLogger
@@ -42,22 +45,24 @@ class PreparedRequest:
 
 
 class AsyncLLM:
-    """Serves requests from an engine core in a spawned process.
+    """Serves requests from ``config.data_parallel_size`` engine cores in spawned processes.
 
-    Construction starts the core process and blocks until its model is loaded; ``start()``
-    must then run inside the event loop before the first ``generate``.
+    Construction starts the core processes and blocks until their models are loaded;
+    ``start()`` must then run inside the event loop before the first ``generate``.
 
     Args:
         config: engine settings.
         log_stats: log a throughput line every few seconds while serving.
 
     Raises:
-        RuntimeError: the engine core failed to start.
+        RuntimeError: an engine core failed to start.
+        ValueError: a setting data parallelism cannot serve (the live view).
     """
 
     def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
         self.config = config
-        self.client = AsyncMPClient(config)
+        self.num_engines = config.data_parallel_size
+        self.client = DPAsyncMPClient(config)
         try:
             # The core loads the model meanwhile.
             self.tokenizer = load_tokenizer(resolve_model(config.model))
@@ -76,33 +81,49 @@ class AsyncLLM:
             self.tokenizer, self.max_model_len, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(self.num_engines)
         self.stat_logger = StatLogger() if log_stats else None
         self.live_view = LiveView.for_engine(config, self.kv_config) if config.live_view else None
-        self.dead_error: EngineDeadError | None = None
+        self.dead_error: EngineDeadError | None = None  # set once no core is left
+        self.dead_cores: dict[int, EngineDeadError] = {}
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._engine_of: dict[str, int] = {}  # in-flight request id -> the core serving it
+        self._core_stats: dict[int, SchedulerStats] = {}  # each live core's latest, for the log line
         self._dead_callbacks: list[Callable[[], None]] = []
-        self._handler: asyncio.Task[None] | None = None
+        self._handlers: list[asyncio.Task[None]] = []
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         """Start reading core outputs (call inside the running event loop)."""
         self.client.start()
-        self._handler = asyncio.create_task(self._output_loop(), name="pagedllm-output-handler")
+        self._handlers = [
+            asyncio.create_task(self._output_loop(i), name=f"pagedllm-output-handler-{i}")
+            for i in range(self.num_engines)
+        ]
 
     def on_dead(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (in the loop) once, when the core process dies unexpectedly."""
+        """Call ``callback`` (in the loop) once, when the last core process dies unexpectedly."""
         self._dead_callbacks.append(callback)
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_error is None and self.client.is_alive
+        """Every core is alive (with data parallelism the others may still serve when one is not)."""
+        return self.dead_error is None and all(self.client.is_alive(i) for i in range(self.num_engines))
+
+    def health_error(self) -> str:
+        """Why the engine is not healthy: which cores are dead, and why, as far as known yet."""
+        dead = [i for i in range(self.num_engines) if not self.client.is_alive(i)]
+        if self.num_engines == 1:
+            return f"engine core is dead: {self.dead_error or self.dead_cores.get(0) or 'its process exited'}"
+        why = "; ".join(f"{self.dead_cores[i]}" if i in self.dead_cores else f"engine core {i} exited" for i in dead)
+        return (f"engine core{'s' * (len(dead) > 1)} {', '.join(map(str, dead))} of {self.num_engines} dead "
+                f"({why}); {self.num_engines - len(dead)} serving")
 
     def shutdown(self) -> None:
-        """Abort what is in flight, stop the output handler, stop the core process."""
+        """Abort what is in flight, stop the output handlers, stop the core processes."""
         self.abort_all()
-        if self._handler is not None:
-            self._handler.cancel()
+        for handler in self._handlers:
+            handler.cancel()
         self.client.shutdown()
 
     # -- requests ------------------------------------------------------------------------
@@ -120,10 +141,11 @@ class AsyncLLM:
     async def generate(self, request: PreparedRequest, stream: bool = False) -> AsyncIterator[RequestOutput]:
         """Queue a prepared request and yield its outputs: deltas if ``stream``, else one final output.
 
-        Closing or cancelling the iterator early aborts the request in the core.
+        The request goes to one core (``DPRouter``'s choice). Closing or cancelling the iterator
+        early aborts the request in the core.
 
         Raises:
-            EngineDeadError: the core process has died.
+            EngineDeadError: the core serving it has died, or every core has.
         """
         if self.dead_error is not None:
             raise self.dead_error
@@ -134,7 +156,7 @@ class AsyncLLM:
         if self.live_view is not None:
             self.live_view.on_arrival(request.core_requests)
         try:
-            self.client.add_requests(request.core_requests)
+            self._engine_of[rid] = self.client.add_requests(request.core_requests)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -144,6 +166,7 @@ class AsyncLLM:
                     return
         finally:
             self._queues.pop(rid, None)
+            self._engine_of.pop(rid, None)
             if rid in self.output_processor.requests:  # the consumer left before the end
                 self.abort(rid)
 
@@ -166,24 +189,28 @@ class AsyncLLM:
                 queue.put_nowait(out)
 
     async def reset_prefix_cache(self) -> bool:
-        """Drop the prefix cache's unused blocks; False if blocks are still in use."""
+        """Drop every live core's prefix cache's unused blocks; False if blocks are still in use on one.
+
+        Raises:
+            EngineDeadError: every core has died, or one died during the call.
+        """
         if self.dead_error is not None:
             raise self.dead_error
-        return bool(await self.client.call_utility("reset_prefix_cache"))
+        return all(await self.client.call_utility("reset_prefix_cache"))
 
-    # -- the output handler ----------------------------------------------------------------
-    async def _output_loop(self) -> None:
+    # -- the output handlers ---------------------------------------------------------------
+    async def _output_loop(self, engine: int) -> None:
         try:
             while True:
-                self._process(await self.client.get_output())
+                self._process(engine, await self.client.get_output(engine))
         except EngineDeadError as e:
-            self._fail(e)
+            self._fail_core(engine, e)
         except Exception as e:
             # A bug here would leave every request waiting forever: fail loudly instead.
             logger.exception("output handler failed")
             self._fail(EngineDeadError(f"output handler failed: {e}"))
 
-    def _process(self, core_out: EngineCoreOutputs) -> None:
+    def _process(self, engine: int, core_out: EngineCoreOutputs) -> None:
         if self.live_view is not None:
             self.live_view.on_outputs(core_out)
         outputs, to_abort = self.output_processor.process_outputs(core_out.outputs)
@@ -202,9 +229,28 @@ class AsyncLLM:
         num_gen = sum(len(o.new_token_ids) for o in core_out.outputs)
         num_batched = core_out.stats.num_batched_tokens if core_out.stats else 0
         num_prompt = max(num_batched - num_gen, 0)
-        self.metrics.record_step(core_out.stats, num_prompt, num_gen, timings)
+        self.metrics.record_step(engine, core_out.stats, num_prompt, num_gen, timings)
         if self.stat_logger is not None:
-            self.stat_logger.record(core_out.stats, num_prompt, num_gen)
+            stats = core_out.stats
+            if stats is not None:
+                self._core_stats[engine] = stats
+                stats = sum_stats(list(self._core_stats.values()))
+            self.stat_logger.record(stats, num_prompt, num_gen)
+
+    def _fail_core(self, engine: int, error: EngineDeadError) -> None:
+        """Core ``engine`` died: fail the requests it held; the engine is dead if it was the last."""
+        self.dead_cores[engine] = error
+        self.client.fail_core(engine)
+        self._core_stats.pop(engine, None)
+        self.metrics.remove_engine(engine)
+        if len(self.dead_cores) == self.num_engines:
+            self._fail(error)
+            return
+        held = [rid for rid, e in self._engine_of.items() if e == engine]
+        logger.error("%s; failing its %d in-flight requests; %d of %d engine cores serving", error, len(held),
+                     self.num_engines - len(self.dead_cores), self.num_engines)
+        for rid in held:
+            self._queues[rid].put_nowait(error)
 
     def _fail(self, error: EngineDeadError) -> None:
         logger.error("engine core is dead: %s; failing %d in-flight requests", error, len(self._queues))

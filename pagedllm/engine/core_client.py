@@ -43,9 +43,11 @@ class MPClient:
 
     Args:
         config: engine settings, handed to the spawned process.
+        engine_index: which of ``config.data_parallel_size`` data-parallel cores this is.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
         self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-")
         input_addr, output_addr = f"ipc://{self._tmpdir}/input", f"ipc://{self._tmpdir}/output"
         self._ctx = zmq.Context()
@@ -64,11 +66,14 @@ class MPClient:
         # spawn, not fork: the front end may already hold threads (tokenizers, asyncio).
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(config, input_addr, output_addr, os.getpid()),
-            name="EngineCore",
+            args=(config, input_addr, output_addr, os.getpid(), engine_index),
+            name="EngineCore" if config.data_parallel_size == 1 else f"EngineCore_DP{engine_index}",
             daemon=True,  # multiprocessing terminates it if the front end exits without shutdown()
         )
         self.proc.start()
+        # How errors name this core: data-parallel cores by index and pid, so a log names the one that died.
+        dp = config.data_parallel_size > 1
+        self.name = f"engine core {engine_index} (pid {self.proc.pid})" if dp else "engine core"
 
     def wait_ready(self) -> EngineCoreReady:
         """Block until the core has loaded the model.
@@ -83,10 +88,10 @@ class MPClient:
         # A core that failed sent its reason just before exiting: give it a moment to arrive.
         if not self._output.poll(1000):
             self.proc.join()
-            raise RuntimeError(f"engine core process exited with code {self.proc.exitcode} during startup")
+            raise RuntimeError(f"{self.name} process exited with code {self.proc.exitcode} during startup")
         ready = msgspec.msgpack.decode(self._output.recv(), type=EngineCoreReady)
         if ready.error is not None:
-            raise RuntimeError(f"engine core failed to start: {ready.error}")
+            raise RuntimeError(f"{self.name} failed to start: {ready.error}")
         return ready
 
     @property
@@ -108,11 +113,11 @@ class MPClient:
 
     def _send(self, kind: RequestType, payload: Any) -> None:
         if not self.is_alive:
-            raise EngineDeadError("the engine core process is not running")
+            raise EngineDeadError(f"the {self.name} process is not running")
         try:
             self._input.send_multipart((bytes([kind]), self._encoder.encode(payload)), zmq.NOBLOCK)
         except zmq.Again:  # no peer: the core has just gone
-            raise EngineDeadError("the engine core process is not running") from None
+            raise EngineDeadError(f"the {self.name} process is not running") from None
 
     def _utility_message(self, method: str, args: tuple[Any, ...]) -> int:
         call_id = next(self._call_ids)
@@ -131,7 +136,7 @@ class MPClient:
                 pass
             self.proc.join(_SHUTDOWN_TIMEOUT_S)
             if self.proc.is_alive():
-                logger.warning("engine core did not stop within %.0f s; killing it", _SHUTDOWN_TIMEOUT_S)
+                logger.warning("%s did not stop within %.0f s; killing it", self.name, _SHUTDOWN_TIMEOUT_S)
                 self.proc.kill()
                 self.proc.join()
         self._ctx.destroy(linger=0)
@@ -173,7 +178,7 @@ class SyncMPClient(MPClient):
 
     def _recv(self) -> EngineCoreOutputs:
         if self._output not in dict(self._poller.poll()):  # only the sentinel fired
-            raise EngineDeadError(f"the engine core process exited with code {self.proc.exitcode}")
+            raise EngineDeadError(f"the {self.name} process exited with code {self.proc.exitcode}")
         return self._decoder.decode(self._output.recv())
 
 
@@ -183,8 +188,8 @@ class AsyncMPClient(MPClient):
     Call ``start()`` inside the running event loop before awaiting outputs.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+        super().__init__(config, engine_index)
         self._async_output: zmq.asyncio.Socket | None = None
         self._dead: asyncio.Future[None] | None = None
         self._utility_futures: dict[int, asyncio.Future[Any]] = {}
@@ -200,7 +205,7 @@ class AsyncMPClient(MPClient):
         asyncio.get_running_loop().remove_reader(self.proc.sentinel)
         if not self._dead.done():
             self._dead.set_result(None)
-        error = EngineDeadError(f"the engine core process exited with code {self.proc.exitcode}")
+        error = EngineDeadError(f"the {self.name} process exited with code {self.proc.exitcode}")
         for fut in self._utility_futures.values():
             if not fut.done():
                 fut.set_exception(error)
@@ -216,7 +221,7 @@ class AsyncMPClient(MPClient):
             await asyncio.wait((recv, self._dead), return_when=asyncio.FIRST_COMPLETED)
             if not recv.done():
                 recv.cancel()
-                raise EngineDeadError(f"the engine core process exited with code {self.proc.exitcode}")
+                raise EngineDeadError(f"the {self.name} process exited with code {self.proc.exitcode}")
             out = self._decoder.decode(recv.result())
             if out.utility_call_id is None:
                 return out

@@ -20,6 +20,7 @@ import zmq
 
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
+from pagedllm.distributed.cpu_budget import cpu_share, pin_to
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestType
 
 logger = logging.getLogger("pagedllm")
@@ -109,13 +110,24 @@ class EngineCoreProc:
         self.output.send(self._encoder.encode(outputs), copy=False)
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int) -> None:
-    """Entry point of the spawned process: load the model, handshake, loop."""
+def run_engine_core(
+    config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, engine_index: int = 0
+) -> None:
+    """Entry point of the spawned process: pin (data-parallel cores), load the model, handshake, loop.
+
+    Args:
+        engine_index: which of ``config.data_parallel_size`` cores this is: it takes that share of the cores.
+    """
     # Ctrl-C and service managers signal the whole process group; the front end alone decides
     # when the core stops (SHUTDOWN message), and the loop exits by itself if the front end dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s EngineCore: %(message)s")
+    dp = config.data_parallel_size
+    name = "EngineCore" if dp == 1 else f"EngineCore_DP{engine_index}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name}: %(message)s")
+    if dp > 1:
+        # N replicas each running one thread per core would oversubscribe N times over.
+        pin_to(cpu_share(engine_index, dp), f"data-parallel engine core {engine_index} of {dp}")
     ctx = zmq.Context()
     input_socket = ctx.socket(zmq.PULL)
     input_socket.connect(input_addr)

@@ -22,9 +22,17 @@ class LLMEngine:
     Args:
         config: engine settings.
         log_stats: log a throughput line every few seconds while stepping.
+
+    Raises:
+        ValueError: ``config.data_parallel_size > 1`` (several cores are served by ``pagedllm serve``).
     """
 
     def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+        if config.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size {config.data_parallel_size}: data parallelism runs several engine cores behind "
+                "`pagedllm serve --data-parallel-size N`; the offline LLM runs one (use tensor_parallel_size to split it)"
+            )
         self.config = config
         self.tokenizer = load_tokenizer(resolve_model(config.model))
         self.core = EngineCore(config)

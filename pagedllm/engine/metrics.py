@@ -1,4 +1,11 @@
-"""Prometheus metrics of a serving engine, named as vLLM's with the ``pagedllm:`` prefix."""
+"""Prometheus metrics of a serving engine, named as vLLM's with the ``pagedllm:`` prefix.
+
+As vLLM's, the scheduler gauges (running, waiting, KV cache usage) carry an ``engine`` label,
+the data-parallel core's index ("0" alone without data parallelism), so that one dashboard
+serves any number of cores (``sum(pagedllm:num_requests_running)``); a dead core's series are
+removed. Counters and histograms are the sums over every core: each core reports
+cumulative counts, and each core's increments are added.
+"""
 
 from __future__ import annotations
 
@@ -17,15 +24,45 @@ _E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 480.0, 960.0, 1920.0, 7680.0]
 
 
-class EngineMetrics:
-    """Owns a private registry (so several engines in one process do not collide)."""
+def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """Several cores' latest stats as one engine's: counts added, KV cache usage averaged
+    (every core has the same number of blocks, so the mean is the fraction of all blocks)."""
+    if len(stats) == 1:
+        return stats[0]
+    fields = [f for f in SchedulerStats.__struct_fields__ if f not in ("kv_cache_usage", "spec_accepted_per_position")]
+    total = SchedulerStats(**{f: sum(getattr(s, f) for s in stats) for f in fields})
+    total.kv_cache_usage = sum(s.kv_cache_usage for s in stats) / len(stats)
+    width = max(len(s.spec_accepted_per_position) for s in stats)
+    total.spec_accepted_per_position = [
+        sum(s.spec_accepted_per_position[i] for s in stats if i < len(s.spec_accepted_per_position))
+        for i in range(width)
+    ]
+    return total
 
-    def __init__(self) -> None:
+
+class EngineMetrics:
+    """Owns a private registry (so several engines in one process do not collide).
+
+    Args:
+        num_engines: the data-parallel cores (each gets its gauges' series from the start).
+    """
+
+    def __init__(self, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.running = Gauge("pagedllm:num_requests_running", "Requests in the running batch.", registry=r)
-        self.waiting = Gauge("pagedllm:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
-        self.kv_usage = Gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", registry=r)
+        self.running = Gauge(
+            "pagedllm:num_requests_running", "Requests in the running batch.", ["engine"], registry=r
+        )
+        self.waiting = Gauge(
+            "pagedllm:num_requests_waiting", "Requests waiting to be scheduled.", ["engine"], registry=r
+        )
+        self.kv_usage = Gauge(
+            "pagedllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", ["engine"], registry=r
+        )
+        self._gauges = (self.running, self.waiting, self.kv_usage)
+        for engine in range(num_engines):
+            for gauge in self._gauges:
+                gauge.labels(engine=str(engine))
         self.preemptions = Counter("pagedllm:num_preemptions", "Preemptions of running requests.", registry=r)
         self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prefill tokens computed.", registry=r)
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", registry=r)
@@ -51,33 +88,40 @@ class EngineMetrics:
         self.success = Counter(
             "pagedllm:request_success", "Finished requests, by finish reason.", ["finished_reason"], registry=r
         )
-        # The core reports cumulative counts; counters take the increments.
-        self._last = SchedulerStats()
+        # Each core reports cumulative counts; counters take the increments.
+        self._last = [SchedulerStats() for _ in range(num_engines)]
 
     def record_step(
         self,
+        engine: int,
         stats: SchedulerStats | None,
         num_prompt_tokens: int,
         num_generation_tokens: int,
         timings: list[TokenTiming],
     ) -> None:
-        """Apply one engine step: its scheduler stats, token counts and per-token timings."""
+        """Apply one step of core ``engine``: its scheduler stats, token counts and per-token timings."""
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generation_tokens)
         for t in timings:
             (self.ttft if t.is_first else self.itl).observe(t.latency)
         if stats is None:
             return
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        last = self._last
+        label = str(engine)
+        self.running.labels(engine=label).set(stats.num_running)
+        self.waiting.labels(engine=label).set(stats.num_waiting)
+        self.kv_usage.labels(engine=label).set(stats.kv_cache_usage)
+        last = self._last[engine]
         self.preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
         self.prefix_queries.inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
         self.prefix_hits.inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
         self.spec_draft_tokens.inc(max(stats.spec_num_draft_tokens - last.spec_num_draft_tokens, 0))
         self.spec_accepted_tokens.inc(max(stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens, 0))
-        self._last = stats
+        self._last[engine] = stats
+
+    def remove_engine(self, engine: int) -> None:
+        """Drop a dead core's gauge series (its counts stay in the counters)."""
+        for gauge in self._gauges:
+            gauge.remove(str(engine))
 
     def record_finished(self, output: RequestOutput, now: float) -> None:
         """Count a finished request (each of its samples) and its end-to-end latency."""

@@ -206,9 +206,11 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        # As vLLM: 503 once any engine core is dead, so that a supervisor replaces the server (a
+        # dead core is not restarted); with data parallelism the other cores serve meanwhile.
         if engine.is_healthy:
             return Response(status_code=200)
-        return error_response(http_error(503, f"engine core is dead: {engine.dead_error}"))
+        return error_response(http_error(503, engine.health_error()))
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -41,6 +41,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The server's own flags; the engine flags (model, dtype, KV cache, ...) are added by the caller."""
+    from pagedllm.entrypoints.cli import positive_int
+
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the model argument)")
@@ -52,23 +54,37 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-live-view", action="store_true",
                         help="record every engine step; serve the live view at /dashboard and a trace at /debug/trace")
     parser.add_argument("--live-view-steps", type=int, default=4096, help="engine steps the live view keeps")
+    parser.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
+                        help="engine-core processes, each a full replica with its own KV cache and its share of "
+                        "the cores; requests go to the least-loaded one, or to the one holding their prefix")
     parser.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                         help='format of the tool calls a model writes, read for tool_choice "auto"')
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the engine flags, read the way every other command reads them."""
+    """EngineConfig from the engine flags, read the way every other command reads them.
+
+    Raises:
+        ValueError: for a bad value, or a combination data parallelism refuses (the live view).
+    """
     from pagedllm.entrypoints.cli import engine_kwargs
 
     kwargs = engine_kwargs(args)
     kwargs |= dtype_settings(kwargs.pop("dtype"), kwargs.pop("kv_cache_dtype"), kwargs.pop("quantization"))
     kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])
-    live_view = getattr(args, "enable_live_view", False)  # serve's flags; other commands lack them
-    return EngineConfig(**kwargs, live_view=live_view, live_view_steps=getattr(args, "live_view_steps", 4096))
+    config = EngineConfig(  # getattr: serve's flags, which other commands lack
+        **kwargs, live_view=getattr(args, "enable_live_view", False),
+        live_view_steps=getattr(args, "live_view_steps", 4096), data_parallel_size=getattr(args, "data_parallel_size", 1),
+    )
+    if config.data_parallel_size > 1:
+        from pagedllm.engine.dp_client import check_data_parallel
+
+        check_data_parallel(config)
+    return config
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    """Start the engine core, serve until SIGINT/SIGTERM; exit with status 1 if the core dies.
+    """Start the engine core(s), serve until SIGINT/SIGTERM; exit with status 1 once every core has died.
 
     Raises:
         ValueError: for a bad flag value or an unknown model.
@@ -93,11 +109,12 @@ def run_serve(args: argparse.Namespace) -> None:
                            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_TIMEOUT_S),
             engine,
         )
-        engine.on_dead(server.exit_soon)
+        engine.on_dead(server.exit_soon)  # the last core: with data parallelism the others serve on
         logger.info(
-            "serving %s as %r on http://%s:%d; max_model_len %d; KV cache: %d blocks x %d tokens = %d tokens",
+            "serving %s as %r on http://%s:%d; max_model_len %d; KV cache: %d blocks x %d tokens = %d tokens%s",
             config.model, name, args.host, args.port, engine.max_model_len, engine.num_blocks, engine.block_size,
             engine.num_blocks * engine.block_size,
+            f" per engine core, {engine.num_engines} cores (pids {engine.client.pids})" if engine.num_engines > 1 else "",
         )
         server.run()
     finally:
