@@ -3,6 +3,7 @@ Gemma-3-270M GGUF (greedy decoding through the engine, chunked prefill, a prompt
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -15,10 +16,12 @@ from pagedllm.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 from pagedllm.worker.model_runner import ModelRunner
+from test_loader import prefill_logits
 
 BLOCK_SIZE = 4
 WINDOW = 5
@@ -103,6 +106,16 @@ class _Driver:
         for req, n in chunks:
             req.num_computed_tokens += n
         return self.model.compute_logits(self.model(torch.tensor(ids), torch.tensor(positions), self.kv, meta))
+
+
+def test_hf_checkpoint_directory_loads(tiny, tmp_path) -> None:
+    """A Gemma 3 checkpoint saved by transformers loads with the same config and logits."""
+    hf, model, config = tiny
+    hf.save_pretrained(tmp_path)
+    loaded, loaded_config = load_model(resolve_model(str(tmp_path)), torch.float32)
+    assert dataclasses.replace(loaded_config, name="", bos_token_id=None, eos_token_ids=[]) == config
+    ids = list(range(3, 40))
+    torch.testing.assert_close(prefill_logits(loaded, loaded_config, ids), _hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
 def test_groups_of_the_tiny_model(tiny) -> None:

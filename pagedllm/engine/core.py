@@ -18,6 +18,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.live_view.recorder import StepRecorder
+from pagedllm.distributed.sharding import check_tensor_parallel_size
 from pagedllm.executor.executor import create_executor
 from pagedllm.models.loader import load_config, load_tokenizer, resolve_model
 from pagedllm.spec_decode.proposer import Proposer
@@ -43,6 +44,8 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.config = config
         model_config = load_config(resolve_model(config.model))
+        # Before any rank starts: a size the model cannot split is the user's error, named.
+        check_tensor_parallel_size(model_config, config.tensor_parallel_size, config.quantization_config() is not None)
         kv = self.kv_config = create_kv_cache_config(config, model_config)
         self.num_blocks = kv.num_blocks
         self.max_model_len = kv.max_model_len

@@ -10,6 +10,9 @@ Differences from Llama, each as in transformers' ``modeling_gemma3``:
 - queries scaled by ``query_pre_attn_scalar ** -0.5``;
 - ``layer_types``: sliding-window layers attend to the last ``sliding_window`` positions
   and use their own RoPE base (``rope_local_theta``), the others are global.
+
+Tensor parallelism as in ``llama.py``; Gemma 3's one KV head is replicated on every rank,
+and the logits are soft-capped on rank 0 after the gather.
 """
 
 from __future__ import annotations
@@ -22,22 +25,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import SINGLE, TPGroup
+from pagedllm.distributed.sharding import ModelShard, shard_weights
 from pagedllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
 from pagedllm.models.weights import PACKED_MODULES_MAPPING, load_fused
 
 
 class Gemma3Attention(nn.Module):
-    """Grouped-query attention with q/k norms, RoPE and an optional sliding window."""
+    """Grouped-query attention with q/k norms, RoPE and an optional sliding window (the rank's heads)."""
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, shard: ModelShard, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = shard.num_heads * config.head_dim
+        self.kv_size = shard.num_kv_heads * config.head_dim
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         self.window = config.layer_window(layer)
         self.qkv_proj = nn.Linear(
@@ -65,35 +72,36 @@ class Gemma3Attention(nn.Module):
         out = paged_attention(
             qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, attn_metadata, self.scale, self.window
         )
-        return self.o_proj(out)
+        return self.tp.all_reduce(self.o_proj(out))
 
 
 class Gemma3MLP(nn.Module):
-    """``down(gelu_tanh(gate(x)) * up(x))``."""
+    """``down(gelu_tanh(gate(x)) * up(x))`` (the rank's gate rows, then its up rows)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: ModelShard, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        self.tp = tp
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * shard.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.tp.all_reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
 
 
 class Gemma3DecoderLayer(nn.Module):
     """x + post_attn_norm(attn(input_norm(x))), then x + post_ffw_norm(mlp(pre_ffw_norm(x)));
     the residual adds are fused into the input and pre-feedforward norms."""
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, shard: ModelShard, tp: TPGroup) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.is_sliding = config.layer_window(layer) > 0
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = Gemma3Attention(config, layer, dtype)
+        self.self_attn = Gemma3Attention(config, layer, dtype, shard, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = Gemma3MLP(config, dtype)
+        self.mlp = Gemma3MLP(config, dtype, shard, tp)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype)
 
     def forward(
@@ -121,11 +129,12 @@ class Gemma3ForCausalLM(nn.Module):
         config: hyper-parameters (``architecture`` "gemma3"), with ``layer_types``,
             ``sliding_window``, ``rope_local_theta`` and ``query_pre_attn_scalar``.
         dtype: dtype of weights and activations.
+        tp: the tensor-parallel group: the module holds rank ``tp.rank``'s shard.
     """
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = PACKED_MODULES_MAPPING
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         if config.attn_logit_softcapping:
             raise ValueError("attention logit softcapping (Gemma 2) is not supported")
@@ -133,15 +142,21 @@ class Gemma3ForCausalLM(nn.Module):
             raise ValueError("Gemma 3 ties its lm_head to the embeddings; this checkpoint has its own")
         self.config = config
         self.dtype = dtype
-        embedding = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.tp = tp
+        self.shard = shard = ModelShard.of(config, tp)
+        embedding = torch.empty(shard.vocab_rows, config.hidden_size, dtype=dtype)
         if not embedding.is_meta:
             nn.init.normal_(embedding)
-        self.embed_tokens = nn.Embedding.from_pretrained(embedding)
+        self.embed_tokens = (
+            nn.Embedding.from_pretrained(embedding)
+            if tp.size == 1
+            else VocabParallelEmbedding(embedding, shard.vocab_start, tp)
+        )
         # transformers multiplies by the scale cast to the weights' dtype (25.25 in bfloat16).
         self.register_buffer(
             "embed_scale", torch.tensor(config.hidden_size**0.5, device="cpu").to(dtype), persistent=False
         )
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, dtype) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, dtype, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None  # tied: quantize_model and the spec-decode code look for it
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, dtype)
@@ -171,12 +186,17 @@ class Gemma3ForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, hidden_size] -> [S, vocab_size] float32 logits (soft-capped if the config says so)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[S, hidden_size] -> [S, vocab_size] float32 logits (soft-capped if the config says so);
+        with tensor parallelism on rank 0 only, as :meth:`LlamaForCausalLM.compute_logits`."""
         if self.lm_head is None:
             logits = F.linear(hidden, self.embed_tokens.weight).float()
         else:
             logits = self.lm_head(hidden).float()
+        if self.tp.size > 1:
+            logits = gather_logits(logits, self.config.vocab_size, self.shard.vocab_padded, self.tp)
+            if logits is None:
+                return None
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -185,10 +205,11 @@ class Gemma3ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace all parameters with tensors named and valued as in transformers' Gemma3.
 
-        Fuses q/k/v and gate/up; every ``*norm.weight`` becomes ``1 + weight`` (added in
-        float32, then cast once). A missing or unexpected name raises.
+        Cuts each tensor to the rank's part as it is read, fuses q/k/v and gate/up; every
+        ``*norm.weight`` becomes ``1 + weight`` (added in float32, then cast once). A missing
+        or unexpected name raises.
         """
-        load_fused(self, self._renamed(weights), self.dtype)
+        load_fused(self, shard_weights(self._renamed(weights), self.config, self.tp), self.dtype)
 
     @staticmethod
     def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:

@@ -5,6 +5,11 @@ for some checkpoints, an untied lm_head (``tie_word_embeddings``).
 
 The projections are fused at load time: q/k/v into one ``qkv_proj``, gate/up into one
 ``gate_up_proj``, so a layer runs 4 matmuls instead of 7.
+
+Tensor parallelism (Megatron-LM): ``qkv_proj`` and ``gate_up_proj`` hold the rank's heads /
+features (column-parallel), ``o_proj`` and ``down_proj`` the matching inputs (row-parallel,
+each followed by one all-reduce), embedding and lm_head the rank's vocabulary rows
+(``distributed/sharding.py``).
 """
 
 from __future__ import annotations
@@ -17,28 +22,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import SINGLE, TPGroup
+from pagedllm.distributed.sharding import ModelShard, shard_weights
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
 from pagedllm.models.weights import PACKED_MODULES_MAPPING, load_fused
 
 
-
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention with RoPE, reading/writing the paged KV cache."""
+    """Grouped-query self-attention with RoPE, reading/writing the paged KV cache (the rank's heads)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: ModelShard, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
-        q_size = config.num_heads * config.head_dim
-        self.qk_size = q_size + config.num_kv_heads * config.head_dim
+        q_size = shard.num_heads * config.head_dim
+        self.qk_size = q_size + shard.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.qkv_proj = nn.Linear(
             config.hidden_size,
-            self.qk_size + config.num_kv_heads * config.head_dim,
+            self.qk_size + shard.num_kv_heads * config.head_dim,
             bias=config.attention_bias,
             dtype=dtype,
         )
@@ -61,34 +69,35 @@ class LlamaAttention(nn.Module):
         out = paged_attention(
             qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, attn_metadata, self.scale
         )
-        return self.o_proj(out)
+        return self.tp.all_reduce(self.o_proj(out))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (the rank's gate rows, then its up rows)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: ModelShard, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype
+            config.hidden_size, 2 * shard.intermediate_size, bias=False, dtype=dtype
         )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         # In place, in the gate half: no [T, intermediate] temporaries; down_proj reads strided rows.
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), the adds fused into the norms."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: ModelShard, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype)
+        self.self_attn = LlamaAttention(config, dtype, shard, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, shard, tp)
 
     def forward(
         self,
@@ -112,6 +121,8 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: hyper-parameters (``architecture`` "llama" or "qwen2").
         dtype: dtype of weights and activations (bfloat16 to serve, float32 for tests).
+        tp: the tensor-parallel group: the module holds rank ``tp.rank``'s shard (sizes
+            checked with ``sharding.check_tensor_parallel_size``).
 
     Parameters are randomly initialized; :meth:`load_weights` replaces them (the loader
     builds the module on the meta device to skip that initialization).
@@ -119,21 +130,27 @@ class LlamaForCausalLM(nn.Module):
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = PACKED_MODULES_MAPPING
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        embedding = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.tp = tp
+        self.shard = shard = ModelShard.of(config, tp)
+        embedding = torch.empty(shard.vocab_rows, config.hidden_size, dtype=dtype)
         if not embedding.is_meta:  # nn.Embedding's own normal_ on meta imports torch._dynamo: 1.5 s
             nn.init.normal_(embedding)
-        self.embed_tokens = nn.Embedding.from_pretrained(embedding)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.embed_tokens = (
+            nn.Embedding.from_pretrained(embedding)
+            if tp.size == 1
+            else VocabParallelEmbedding(embedding, shard.vocab_start, tp)
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, shard, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # Tied: the logits reuse embed_tokens.weight; there is no separate parameter.
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            else nn.Linear(config.hidden_size, shard.vocab_rows, bias=False, dtype=dtype)
         )
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, dtype
@@ -168,26 +185,30 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, hidden_size] -> [S, vocab_size] float32 logits."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[S, hidden_size] -> [S, vocab_size] float32 logits; with tensor parallelism every
+        rank calls it with the same rows, and only rank 0 gets the logits (the others None)."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()  # a quantized lm_head is a module of its own
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()  # a quantized lm_head is a module of its own
+        if self.tp.size == 1:
+            return logits
+        return gather_logits(logits, self.config.vocab_size, self.shard.vocab_padded, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace all parameters with checkpoint tensors named as in HF transformers.
 
-        Fuses q/k/v and gate/up and casts to the model's dtype. A missing or unexpected
-        name raises (ValueError for a fused projection's shard, else RuntimeError).
+        Each tensor is cut to the rank's part as it is read (whole tensors, as in the
+        checkpoint, go in), then q/k/v and gate/up fused and cast to the model's dtype. A
+        missing or unexpected name raises (ValueError for a fused projection's shard, else
+        RuntimeError).
         """
         tied = self.lm_head is None
-        load_fused(
-            self,
-            (
-                (name, tensor)
-                for name, tensor in ((n.removeprefix("model."), t) for n, t in weights)
-                # recomputed / tied to embed_tokens
-                if not (name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"))
-            ),
-            self.dtype,
+        wanted = (
+            (name, tensor)
+            for name, tensor in ((n.removeprefix("model."), t) for n, t in weights)
+            # recomputed / tied to embed_tokens
+            if not (name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"))
         )
+        load_fused(self, shard_weights(wanted, self.config, self.tp), self.dtype)

@@ -25,6 +25,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
+from pagedllm.distributed.sharding import check_tensor_parallel_size
 from pagedllm.kernels import ops
 from pagedllm.layers.linear import pack_linears
 from pagedllm.layers.quantization.config import QuantizationConfig
@@ -244,9 +245,15 @@ def load_model(
     A float32 model's (remaining) float linear layers are packed for the native GEMM where it
     builds (``layers/linear.py``).
 
+    With ``tp`` (a process that joined the group, ``init_tensor_parallel``), the model is rank
+    ``tp.rank``'s shard: each checkpoint tensor is cut to the rank's part as it is read, so a
+    rank holds its shard plus at most the tensors being read, and quantizes only its shard.
+    The returned config is the whole model's.
+
     Raises:
         ValueError: unsupported architecture (naming the supported ones) or checkpoint feature,
-            or an int4 group size that does not divide a layer's input dimension.
+            a tensor-parallel size the model does not split into (naming those it does), or an
+            int4 group size that does not divide a layer's (rank's) input dimension.
     """
     load_dtype = dtype if quantization is None else torch.float32  # quantize from exact weights
     with _serial_torch_ops() as num_threads:
@@ -258,11 +265,13 @@ def load_model(
         else:
             config = hf_config(resolved.path, resolved.name)
             weights = hf_weights(resolved.path)
+        if tp.size > 1:
+            check_tensor_parallel_size(config, tp.size, quantization is not None)
         with torch.device("meta"):  # no allocation nor random init: load_weights assigns real tensors
-            model = get_model_class(config.architecture)(config, load_dtype)
+            model = get_model_class(config.architecture)(config, load_dtype, tp)
         model.load_weights(weights)
         if quantization is not None:
-            linears = None if gguf is None else gguf_linears(gguf, config, quantization)
+            linears = None if gguf is None else gguf_linears(gguf, config, quantization, tp)
             quantize_model(model, quantization, dtype, linears, num_workers=num_threads)
         if dtype == torch.float32 and ops.available():
             pack_linears(model)  # what quantization left float (a float lm_head)

@@ -28,13 +28,18 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         ValueError: unsupported architecture, RoPE scaling, sliding window or MLP bias.
     """
     cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg) if cfg.get("model_type") == "gemma3" else cfg  # the multimodal wrapper
     arch = cfg.get("model_type", "<missing>")
+    arch = "gemma3" if arch == "gemma3_text" else arch
     check_architecture(arch)
-    # transformers >= 5 nests rope settings in rope_parameters; older files use rope_theta/rope_scaling.
+    # transformers >= 5 nests rope settings in rope_parameters (per layer kind for Gemma 3);
+    # older files use rope_theta/rope_scaling.
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"RoPE scaling {rope_type!r} is not supported")
+    kinds = rope if "full_attention" in rope else {"full_attention": rope}
+    for kind in kinds.values():
+        rope_type = kind.get("rope_type", kind.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"RoPE scaling {rope_type!r} is not supported")
     if cfg.get("use_sliding_window") or cfg.get("mlp_bias"):
         raise ValueError("sliding-window attention and MLP biases are not supported")
     eos = _ids(cfg.get("eos_token_id"))
@@ -42,6 +47,18 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
     if gen_path.exists():
         eos = _ids(json.loads(gen_path.read_text()).get("eos_token_id")) or eos
     hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    full = kinds["full_attention"]
+    gemma = {}
+    if arch == "gemma3":
+        local = kinds.get("sliding_attention", {})
+        gemma = dict(
+            layer_types=list(cfg["layer_types"]),
+            sliding_window=cfg.get("sliding_window"),
+            rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
     return ModelConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -51,14 +68,16 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=cfg.get("head_dim") or hidden // num_heads,
-        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_theta=float(cfg.get("rope_theta", full.get("rope_theta", 10000.0))),
         rms_norm_eps=float(cfg["rms_norm_eps"]),
         max_position_embeddings=cfg["max_position_embeddings"],
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Gemma 3 always ties its lm_head; its config.json may leave the field out.
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),  # Qwen2 always has q/k/v bias
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         name=name or model_dir.name,
+        **gemma,
     )
 
 

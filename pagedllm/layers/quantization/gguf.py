@@ -18,9 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import SINGLE, TPGroup
+from pagedllm.distributed.sharding import ModelShard, shard_tensor
 from pagedllm.layers.quantization.config import QuantizationConfig
 from pagedllm.layers.quantization.weights import Int4Weight, Int8Weight, QuantizedWeight
 from pagedllm.models.gguf_loader import GGUFFile, hf_name, hf_rows
@@ -95,12 +97,25 @@ def _layer_of(gguf_name: str, config: ModelConfig) -> tuple[str, int] | None:
     return ".".join(parts), 0
 
 
-def gguf_linears(f: GGUFFile, config: ModelConfig, quant: QuantizationConfig) -> GGUFLinears:
+def _rank_blocks(f: GGUFFile, name: str, config: ModelConfig, shard: ModelShard | None) -> torch.Tensor:
+    """Tensor ``name``'s blocks [rows, K / 32, bytes], rows in HF order, cut to the rank's part:
+    rows of a column-parallel layer, whole blocks along K of a row-parallel one."""
+    blocks = hf_rows(f.blocks(name), name, config)
+    split = None if shard is None else shard.split_of(hf_name(name, config.architecture))
+    return blocks if split is None else shard_tensor(blocks, split, GGML_QUANT_SIZES[f.tensors[name].qtype][0])
+
+
+def gguf_linears(f: GGUFFile, config: ModelConfig, quant: QuantizationConfig, tp: TPGroup = SINGLE) -> GGUFLinears:
     """Sort the file's linear weights into kept (unpacked from their blocks) and to requantize.
 
     A fused layer is kept only when all its tensors unpack to one layout (int8 or int4), as its
-    rows share one kernel.
+    rows share one kernel. With ``tp``, kept layers hold rank ``tp.rank``'s shard.
+
+    Raises:
+        ValueError: a row-parallel layer's rank columns that cut through blocks (a size
+            ``sharding.check_tensor_parallel_size`` rejects for quantized models).
     """
+    shard = None if tp.size == 1 else ModelShard.of(config, tp)
     shards: dict[str, dict[int, str]] = {}
     for gguf_name in f.tensors:
         where = _layer_of(gguf_name, config)
@@ -112,6 +127,6 @@ def gguf_linears(f: GGUFFile, config: ModelConfig, quant: QuantizationConfig) ->
         names = [by_index[i] for i in sorted(by_index)]
         types = out.sources[layer] = [f.tensors[n].qtype for n in names]
         if all(t in kept_types for t in types) and len({KEPT_LAYOUT[t] for t in types}) == 1:
-            parts = [kept_types[f.tensors[n].qtype](hf_rows(f.blocks(n), n, config)) for n in names]
+            parts = [kept_types[f.tensors[n].qtype](_rank_blocks(f, n, config, shard)) for n in names]
             out.kept[layer] = type(parts[0]).cat(parts)
     return out
