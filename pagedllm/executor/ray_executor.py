@@ -12,27 +12,28 @@ from __future__ import annotations
 import logging
 import math
 import os
+import site
 import socket
 from collections import defaultdict
 from types import ModuleType
 from typing import Any
 
 import msgspec
+import torch
 
 import pagedllm
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.distributed.cpu_budget import cpu_share
 from pagedllm.executor.executor import Executor
-from pagedllm.worker.worker import WorkerSpec
+from pagedllm.worker.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger("pagedllm")
 
 PLACEMENT_TIMEOUT_S = 60.0  # a group that cannot be placed by then is reported, not waited on
 ACTOR_START_TIMEOUT_S = 120.0  # actor processes up and pagedllm imported (before rank 0 blocks in the group)
 LOCAL_OBJECT_STORE_BYTES = 128 * 1024**2  # only start-up arguments pass through it
-# Passed to the actors when set here: they must import this pagedllm (see _actor_env) and bind
-# gloo to the interface the driver was told to use.
+# Forwarded to the actors when set here: gloo then binds the interface the user chose.
 _FORWARDED_ENV = ("GLOO_SOCKET_IFNAME",)
 
 
@@ -88,10 +89,6 @@ class _Rank:
 
     def run(self, spec: bytes) -> None:
         """Run the rank a msgpack-encoded ``WorkerSpec`` describes, until rank 0 says stop."""
-        import torch
-
-        from pagedllm.worker.worker import WorkerSpec, run_worker
-
         worker = msgspec.msgpack.decode(spec, type=WorkerSpec)
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s Worker rank {worker.rank}: %(message)s")
         torch.set_grad_enabled(False)
@@ -125,23 +122,41 @@ class RayExecutor(Executor):
 
     def _start_workers(self) -> str:
         try:
-            return self._place_and_start()
+            self._owns_cluster = _connect(self._ray)
+            bundle_cpu, hosts = self._place()
+            host_cpus = [sorted(os.sched_getaffinity(0))] + self._start_actors(bundle_cpu)
         except BaseException:
             self._release()
             raise
+        cpus = [cpu_share(index, count, host_cpus[rank]) for rank, (index, count) in enumerate(host_shares(hosts))]
+        for rank, node in enumerate(self.bundle_nodes):
+            logger.info(
+                "tensor-parallel rank %d: %s on Ray node %s (%s), cores %s (%g CPU reserved)",
+                rank, "driver" if rank == 0 else "actor", node[:8], hosts[rank], cpus[rank], bundle_cpu,
+            )
+        self._rank0_cpus = cpus[0]
+        init_method = f"tcp://{self._ray.util.get_node_ip_address()}:{_free_port()}"
+        self._runs = [
+            actor.run.remote(msgspec.msgpack.encode(WorkerSpec.of(self.config, self.kv, rank, init_method, cpus[rank])))
+            for rank, actor in enumerate(self._actors, start=1)
+        ]
+        return init_method
 
-    def _place_and_start(self) -> str:
-        ray = self._ray
+    def _place(self) -> tuple[float, list[str]]:
+        """Reserve one bundle per rank, bundle 0 on this (the driver's) node.
+
+        Returns:
+            The CPUs each bundle holds, and each rank's host address.
+        """
         from ray.util.placement_group import placement_group, placement_group_table
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self._owns_cluster = _connect(ray)
+        ray = self._ray
         n, strategy = self.config.tensor_parallel_size, self.config.ray_placement_strategy
         driver_node = ray.get_runtime_context().get_node_id()
         nodes = {node["NodeID"]: node for node in ray.nodes() if node["Alive"]}
-        cpus_by_node = [nodes[driver_node]["Resources"].get("CPU", 0.0)]
-        cpus_by_node += [node["Resources"].get("CPU", 0.0) for node_id, node in nodes.items() if node_id != driver_node]
-        bundle = {"CPU": bundle_cpus(strategy, cpus_by_node, n)}
+        node_cpus = [nodes[driver_node]["Resources"].get("CPU", 0.0)]
+        node_cpus += [node["Resources"].get("CPU", 0.0) for node_id, node in nodes.items() if node_id != driver_node]
+        bundle = {"CPU": bundle_cpus(strategy, node_cpus, n)}
         self._placement = placement_group(
             [bundle] * n, strategy=strategy, bundle_label_selector=[{"ray.io/node-id": driver_node}] + [{}] * (n - 1)
         )
@@ -153,36 +168,31 @@ class RayExecutor(Executor):
             )
         bundles_to_node = placement_group_table(self._placement)["bundles_to_node_id"]
         self.bundle_nodes = [bundles_to_node[rank] for rank in range(n)]
-        hosts = [nodes[node]["NodeManagerAddress"] for node in self.bundle_nodes]
+        return bundle["CPU"], [nodes[node]["NodeManagerAddress"] for node in self.bundle_nodes]
 
+    def _start_actors(self, bundle_cpu: float) -> list[list[int]]:
+        """Start an actor in each bundle but the driver's; wait until each runs and has imported
+        pagedllm (before rank 0 blocks in the group waiting for them).
+
+        Returns:
+            The cores each actor's host lets it use, by rank from 1.
+        """
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray = self._ray
         actor_class = ray.remote(_Rank)
         self._actors = [
             actor_class.options(
-                num_cpus=bundle["CPU"],
+                num_cpus=bundle_cpu,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement, placement_group_bundle_index=rank),
                 runtime_env={"env_vars": _actor_env()},
             ).remote()
-            for rank in range(1, n)
+            for rank in range(1, self.config.tensor_parallel_size)
         ]
-        try:  # the actors are up and import pagedllm before rank 0 blocks waiting for them in the group
-            host_cpus = [sorted(os.sched_getaffinity(0))]
-            host_cpus += ray.get([actor.host_cpus.remote() for actor in self._actors], timeout=ACTOR_START_TIMEOUT_S)
+        try:
+            return ray.get([actor.host_cpus.remote() for actor in self._actors], timeout=ACTOR_START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError as e:
-            raise RuntimeError(f"Ray actors for ranks 1..{n - 1} did not start within {ACTOR_START_TIMEOUT_S:.0f} s") from e
-        cpus = [cpu_share(index, count, host_cpus[rank]) for rank, (index, count) in enumerate(host_shares(hosts))]
-        for rank in range(n):
-            logger.info(
-                "tensor-parallel rank %d: %s on Ray node %s (%s), cores %s (%g CPU reserved)",
-                rank, "driver" if rank == 0 else "actor", self.bundle_nodes[rank][:8], hosts[rank], cpus[rank], bundle["CPU"],
-            )
-        self._rank0_cpus = cpus[0]
-
-        init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
-        self._runs = [
-            actor.run.remote(msgspec.msgpack.encode(WorkerSpec.of(self.config, self.kv, rank, init_method, cpus[rank])))
-            for rank, actor in enumerate(self._actors, start=1)
-        ]
-        return init_method
+            raise RuntimeError(f"Ray actors did not start within {ACTOR_START_TIMEOUT_S:.0f} s") from e
 
     def _workers_alive(self) -> bool:
         if not self._runs:
@@ -264,11 +274,16 @@ def _answers(address: str, timeout_s: float = 2.0) -> bool:
 
 
 def _actor_env() -> dict[str, str]:
-    """Environment for the actors: this process's pagedllm first on PYTHONPATH, so they run
-    the same code (a worktree or checkout, not whatever the cluster's Python has installed)."""
+    """Environment for the actors: a checkout's pagedllm (this process's) first on PYTHONPATH,
+    so they run the same code, not whatever the cluster's Python has installed; the path must
+    hold the same checkout on every node (shared or synced), as the model file must."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(pagedllm.__file__)))
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    return {"PYTHONPATH": path} | {name: os.environ[name] for name in _FORWARDED_ENV if name in os.environ}
+    if root in site.getsitepackages():  # installed, not a checkout: the nodes' own install
+        root = ""
+    env = {name: os.environ[name] for name in _FORWARDED_ENV if name in os.environ}
+    if path := os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p):
+        env["PYTHONPATH"] = path
+    return env
 
 
 def _free_port() -> int:
