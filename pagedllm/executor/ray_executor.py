@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import site
 import socket
+import threading
 from collections import defaultdict
 from types import ModuleType
 from typing import Any
@@ -90,7 +92,9 @@ class _Rank:
     def run(self, spec: bytes) -> None:
         """Run the rank a msgpack-encoded ``WorkerSpec`` describes, until rank 0 says stop."""
         worker = msgspec.msgpack.decode(spec, type=WorkerSpec)
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s Worker rank {worker.rank}: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, format=f"%(asctime)s %(levelname)s Worker rank {worker.rank}: %(message)s"
+        )
         torch.set_grad_enabled(False)
         run_worker(worker.engine_config(), worker.kv, worker.rank, worker.init_method, worker.cpus)
 
@@ -214,19 +218,21 @@ class RayExecutor(Executor):
         self._release()
 
     def _release(self) -> None:
-        """Kill the actors, remove the placement group and stop a cluster this executor started."""
+        """Kill the actors and free their bundles: stop the cluster this executor started (which
+        frees everything, and needs no answer from its GCS: a signal to the process group may
+        have stopped it already), else remove the placement group."""
         ray = self._ray
         for actor in self._actors:
             ray.kill(actor)  # an actor that returned from run still holds a process and its bundle
         self._actors, self._runs = [], []
-        if self._placement is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self._placement)
-            self._placement = None
         if self._owns_cluster:
             ray.shutdown()
             self._owns_cluster = False
+        elif self._placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._placement)
+        self._placement = None
 
 
 def _connect(ray: ModuleType) -> bool:
@@ -254,13 +260,22 @@ def _connect(ray: ModuleType) -> bool:
             raise RuntimeError(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}: no Ray cluster answers at {address}")
         logger.warning("Ray: the last cluster started on this host (%s) is gone", address)
         address = None
-    if address is not None:
-        ray.init(address=address)
-        logger.info("Ray: connected to the running cluster at %s", address)
-        return False
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES)
-    logger.info("Ray: no running cluster found, started a local one (%s)", ray.cluster_resources())
-    return True
+    # ray.init makes SIGTERM exit the process; keep the handler this process chose (the engine-core
+    # process ignores SIGTERM: its front end stops it, and then the executor releases the actors).
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        if address is not None:
+            ray.init(address=address)
+            logger.info("Ray: connected to the running cluster at %s", address)
+            return False
+        ray.init(
+            address="local", include_dashboard=False, log_to_driver=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES
+        )
+        logger.info("Ray: no running cluster found, started a local one (%s)", ray.cluster_resources())
+        return True
+    finally:
+        if sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, sigterm)
 
 
 def _answers(address: str, timeout_s: float = 2.0) -> bool:
