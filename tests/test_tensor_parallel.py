@@ -117,3 +117,15 @@ def test_default_model_at_three_ranks_equals_one() -> None:
 def test_a_size_that_does_not_divide_names_the_sizes_that_do() -> None:
     with pytest.raises(ValueError, match=r"sizes that work: 1, 3\b"):
         EngineCore(EngineConfig(model="smollm2", dtype=torch.float32, tensor_parallel_size=2))
+
+
+@pytest.mark.slow
+def test_qwen_coder_at_two_ranks_equals_one() -> None:
+    """Qwen2.5-Coder-0.5B (14 heads, 2 KV heads, q/k/v bias, 151936-token vocabulary) at 2 ranks."""
+    prompts = ["def quicksort(xs):", "SELECT * FROM users WHERE", "// A function that reverses a string", "import numpy as np"]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outs = {}
+    for size in (1, 2):
+        with LLM(model="qwen2.5-coder-0.5b-instruct", dtype="float32", kv_cache_memory="64MiB", tensor_parallel_size=size) as llm:
+            outs[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs[2] == outs[1]

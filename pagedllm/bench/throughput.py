@@ -56,6 +56,28 @@ def run_pagedllm(requests: list[BenchRequest], llm, label: str = "pagedllm") -> 
     return BenchResult(label, len(requests), elapsed, sum(len(p) for p in prompts), out_tokens, ttft)
 
 
+def collectives_report(llm, result: BenchResult) -> str | None:
+    """Rank 0's time and bytes in the tensor-parallel collectives over a run; None at one rank.
+
+    One broadcast per step (the step diff) gives the step count; bytes per token per layer
+    are the all-reduce payload over (prompt + output tokens) x layers.
+    """
+    tp = llm.engine.core.executor.runner.tp
+    if tp.size == 1:
+        return None
+    s, layers = tp.stats, llm.engine.core.model_config.num_layers
+    steps = max(s.calls.get("broadcast", 0), 1)
+    tokens = result.prompt_tokens + result.output_tokens
+    per_op = ", ".join(
+        f"{op} {s.calls[op]} calls {1000 * s.seconds[op] / steps:.2f} ms/step" for op in sorted(s.calls)
+    )
+    return (
+        f"[collectives, rank 0 of {tp.size}] {steps} steps; {per_op}; all-reduce payload "
+        f"{s.bytes.get('all_reduce', 0) / tokens / layers:.0f} B per token per layer; "
+        f"{100 * sum(s.seconds.values()) / result.elapsed_s:.1f}% of the run"
+    )
+
+
 def run_hf(args: argparse.Namespace, requests: list[BenchRequest]) -> BenchResult:
     """Transformers ``generate`` in static, left-padded batches, sorted by nothing (arrival order)."""
     import torch
@@ -110,18 +132,22 @@ def run(args: argparse.Namespace) -> None:
         kwargs["enable_prefix_caching"] = True
     llm = LLM(**kwargs)
     requests = make_requests(args, llm)
-    results = []
+    results, comm = [], None
     if args.backend == "pagedllm" or args.compare:
         label = "pagedllm, prefix caching on" if args.compare == "prefix-caching" else "pagedllm"
         results.append(run_pagedllm(requests, llm, label))
+        comm = collectives_report(llm, results[-1])
     if args.compare == "prefix-caching":
-        del llm
+        llm.shutdown()
         llm = LLM(**(kwargs | {"enable_prefix_caching": False}))
         results.append(run_pagedllm(requests, llm, "pagedllm, prefix caching off"))
+    llm.shutdown()
     if args.backend == "hf" or args.compare == "hf":
         results.append(run_hf(args, requests))
     for r in results:
         print(r.report())
+    if comm is not None:
+        print(comm)
     if len(results) == 2:
         ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
         print(f"output tokens/s, {results[0].backend} / {results[1].backend}: {ratio:.2f}x")

@@ -8,7 +8,8 @@ argument instead of reading globals, so a draft model in the same process stays 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -17,12 +18,28 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 _IDLE_WAIT = datetime.timedelta(days=3650)
 
 
+@dataclass
+class CommStats:
+    """This rank's totals per collective ("all_reduce", "gather", "broadcast"): calls,
+    seconds spent in them (waiting for peers included), payload bytes this rank passed in."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, op: str, start: float, nbytes: int) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        self.seconds[op] = self.seconds.get(op, 0.0) + time.perf_counter() - start
+        self.bytes[op] = self.bytes.get(op, 0) + nbytes
+
+
 @dataclass(frozen=True)
 class TPGroup:
     """One rank of a tensor-parallel group (size 1: no group, every collective a no-op)."""
 
     rank: int = 0
     size: int = 1
+    stats: CommStats = field(default_factory=CommStats, compare=False, repr=False)
 
     @property
     def is_driver(self) -> bool:
@@ -32,7 +49,9 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
         if self.size > 1:
+            start = time.perf_counter()
             dist.all_reduce(x)
+            self.stats.add("all_reduce", start, x.nbytes)
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -43,9 +62,11 @@ class TPGroup:
         """
         if self.size == 1:
             return x
+        start = time.perf_counter()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(x, parts, dst=0)
+        self.stats.add("gather", start, x.nbytes)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
@@ -53,6 +74,7 @@ class TPGroup:
         if self.size == 1:
             assert payload is not None
             return payload
+        start = time.perf_counter()
         length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
         dist.broadcast(length, src=0)
         if self.rank == 0:
@@ -61,6 +83,7 @@ class TPGroup:
             buf = torch.empty(int(length), dtype=torch.uint8)
         if len(buf):
             dist.broadcast(buf, src=0)
+        self.stats.add("broadcast", start, len(buf))
         return payload if self.rank == 0 else buf.numpy().tobytes()
 
 
