@@ -61,15 +61,17 @@ def load(case: Case, tp: TPGroup) -> tuple[torch.nn.Module, ModelConfig]:
 
 
 @torch.inference_mode()
-def run_steps(model: torch.nn.Module, config: ModelConfig, tp: TPGroup) -> torch.Tensor | None:
-    """Logits [tokens of all STEPS, vocab] of two requests through a paged KV cache holding
-    the rank's KV heads (rank 0; None on the others)."""
+def run_steps(
+    model: torch.nn.Module, config: ModelConfig, tp: TPGroup, kv_dtype: torch.dtype = torch.float32
+) -> torch.Tensor | None:
+    """Logits [tokens of all STEPS, vocab] of two requests through a paged KV cache (of
+    ``kv_dtype``) holding the rank's KV heads (rank 0; None on the others)."""
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in SEQ_LENS]
     groups = kv_cache_groups(config)
     per_request = -(-max(SEQ_LENS) // BLOCK_SIZE)
     num_blocks = len(SEQ_LENS) * len(groups) * per_request
-    kv_caches = allocate_kv_caches(KVCacheConfig.for_model(config, num_blocks, BLOCK_SIZE, torch.float32, tp.size))
+    kv_caches = allocate_kv_caches(KVCacheConfig.for_model(config, num_blocks, BLOCK_SIZE, kv_dtype, tp.size))
     # Blocks in reverse order: each request's table in each group is scattered over the pool.
     order = list(range(num_blocks))[::-1]
     tables = [

@@ -157,4 +157,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.silu_and_mul.argtypes = [ptr, i64, i64, i64]
     lib.write_kv_cache.argtypes = [c_int, ptr, ptr, i64, ptr, ptr, ptr, i64, i64]
     lib.argmax_rows.argtypes = [ptr, i64, i64, ptr]
+    lib.llama_decode.restype = c_int
+    # decoder, stream, cos_sin, slots, block_tables, max_blocks, seq_lens, B, out
+    lib.llama_decode.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr]
     return lib

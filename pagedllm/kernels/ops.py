@@ -21,6 +21,8 @@ W8A8_GROUP = 32  # input features per scale, of weights and activations (csrc/li
 Q4A8_GROUP_BYTES = 640  # per panel and group: 512 bytes of nibbles, d and m float16 [32] (csrc/linear.cpp Q4_BYTES)
 _CACHE_DTYPES = (torch.float32, torch.bfloat16)
 _DECODE_HEAD_DIMS = (64, 128, 256)
+_DECODE_MAX_GROUP = 8  # query heads per KV head (csrc/paged_attention.cpp kMaxGroup)
+LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8 = 0, 1, 2  # LinearDesc.kind
 
 
 def available() -> bool:
@@ -373,6 +375,116 @@ def linear_q4a8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     y = x.new_empty(m, out_features)
     lib.linear_q4a8(_ptr(x), x.stride(0), _ptr(packed), _ptr_or_none(bias), _ptr(y), m, out_features, k)
     return y
+
+
+class LinearDesc(ctypes.Structure):
+    """One packed linear layer for ``llama_decode`` (csrc/decoder.cpp's struct): kind
+    LINEAR_F32 (w: ``linear_pack_f32``'s panels), LINEAR_W8A8 (w, wscale, wsum128:
+    ``linear_pack_w8a8``'s) or LINEAR_Q4A8 (w: ``linear_pack_q4a8``'s); bias padded to panels."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("w", ctypes.c_void_p),
+        ("wscale", ctypes.c_void_p), ("wsum128", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+    ]
+
+
+class LayerDesc(ctypes.Structure):
+    """One decoder layer for ``llama_decode``: its two norms' weights, four linears, K/V cache."""
+
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", LinearDesc), ("o", LinearDesc),
+        ("gate_up", LinearDesc), ("down", LinearDesc), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+    ]
+
+
+class DecoderDesc(ctypes.Structure):
+    """A whole decoder for ``llama_decode``: sizes, the layers (an array of LayerDesc), the final norm."""
+
+    _fields_ = [
+        ("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+        ("block_size", ctypes.c_int64), ("cache_bf16", ctypes.c_int64), ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float), ("layers", ctypes.POINTER(LayerDesc)), ("final_norm", ctypes.c_void_p),
+    ]
+
+
+def linear_desc(
+    kind: int,
+    packed: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    bias: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+) -> LinearDesc:
+    """The LinearDesc of a packed layer: ``packed`` as ``linear_f32``, ``linear_w8a8`` or
+    ``linear_q4a8`` take it (by ``kind``), checked as they check it. The caller keeps the
+    tensors alive as long as the descriptor is used.
+
+    Raises:
+        ValueError: packed or bias do not fit [out_features, in_features], or an unknown kind.
+    """
+    groups = -(-in_features // W8A8_GROUP)
+    if kind == LINEAR_F32:
+        _check_packed(packed, torch.float32, out_features, in_features, bias)
+        w, wscale, wsum128 = packed, None, None
+    elif kind == LINEAR_W8A8:
+        w, wscale, wsum128 = packed
+        _check_packed(w, torch.int8, out_features, groups * W8A8_GROUP, bias)
+    elif kind == LINEAR_Q4A8:
+        _check_packed(packed, torch.uint8, out_features, groups * Q4A8_GROUP_BYTES // PANEL, bias)
+        w, wscale, wsum128 = packed, None, None
+    else:
+        raise ValueError(f"unknown linear kind {kind}")
+    return LinearDesc(
+        kind, out_features, in_features, _ptr(w), _ptr_or_none(wscale), _ptr_or_none(wsum128), _ptr_or_none(bias)
+    )
+
+
+def decode_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the native decode attention has a kernel for these head counts and size."""
+    return head_dim in _DECODE_HEAD_DIMS and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _DECODE_MAX_GROUP
+
+
+def llama_decode(
+    decoder: DecoderDesc,
+    stream: torch.Tensor,
+    cos_sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> torch.Tensor | None:
+    """Every layer of a Llama-family decoder and its final norm, for B decode tokens, in one
+    native call (csrc/decoder.cpp); None (nothing written) where it cannot run.
+
+    Args:
+        decoder: the model's weights, sizes and K/V caches (``models/llama_decode.py``).
+        stream: [B, hidden] float32, contiguous: the tokens' embeddings; on return the
+            residual stream (as the modules leave it).
+        cos_sin: [B, 2, 1, head_dim] float32, contiguous (``RotaryEmbedding.cos_sin`` rows).
+        slot_mapping: [B] int64; block_tables: [B, max_blocks] int64; seq_lens: [B] int64.
+
+    Returns:
+        [B, hidden] float32: the final norm's output.
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit the decoder.
+    """
+    lib = native_library()
+    if lib is None or not _on_cpu(stream, cos_sin):
+        return None
+    b, h, d = stream.shape[0], decoder.hidden, decoder.head_dim
+    if stream.shape != (b, h) or stream.dtype != torch.float32 or not stream.is_contiguous():
+        raise ValueError(f"stream: need contiguous float32 [B, {h}], got {stream.dtype} {list(stream.shape)}")
+    if cos_sin.shape != (b, 2, 1, d) or cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
+        raise ValueError(f"cos_sin: need contiguous float32 [{b}, 2, 1, {d}], got {cos_sin.dtype} {list(cos_sin.shape)}")
+    _check_index(slot_mapping, "slot_mapping", (b,))
+    _check_index(block_tables, "block_tables", (b, block_tables.shape[-1]))
+    _check_index(seq_lens, "seq_lens", (b,))
+    out = torch.empty_like(stream)
+    status = lib.llama_decode(
+        ctypes.byref(decoder), _ptr(stream), _ptr(cos_sin), _ptr(slot_mapping), _ptr(block_tables),
+        block_tables.shape[1], _ptr(seq_lens), b, _ptr(out),
+    )
+    return out if status == 0 else None
 
 
 def _require() -> ctypes.CDLL:

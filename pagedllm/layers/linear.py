@@ -42,6 +42,10 @@ class PackedLinear(nn.Module):
         """x: [T, in_features] float32 (rows may be strided) -> [T, out_features] float32."""
         return ops.linear_f32(x, self.packed_f32, self.bias, self.out_features)
 
+    def native_desc(self) -> ops.LinearDesc:
+        """This layer for the one-call decoder (``ops.llama_decode``)."""
+        return ops.linear_desc(ops.LINEAR_F32, self.packed_f32, self.bias, self.out_features, self.in_features)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 

@@ -29,6 +29,7 @@ from pagedllm.layers.attention import AttentionMetadata, KVCache, paged_attentio
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
+from pagedllm.models.llama_decode import NativeDecoder
 from pagedllm.models.weights import PACKED_MODULES_MAPPING, load_fused
 
 
@@ -156,6 +157,9 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, dtype
         )
         self.requires_grad_(False)  # inference only: no autograd bookkeeping even outside inference_mode
+        # Decode-only steps in one native call, built on the first such step (after loading
+        # and quantization have put the final layers in place); False: never (tests compare).
+        self.native_decoder: NativeDecoder | None | bool = None
 
     def forward(
         self,
@@ -177,6 +181,12 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             [T, hidden_size] final hidden states (after the last norm), in the model's dtype.
         """
+        if self.native_decoder is None:
+            self.native_decoder = NativeDecoder.of(self) or False
+        if self.native_decoder:
+            hidden = self.native_decoder(input_ids, positions, kv_caches, attn_metadata)
+            if hidden is not None:
+                return hidden
         cos, sin = self.rotary_emb(positions)
         x = self.embed_tokens(input_ids)
         residual = None

@@ -145,6 +145,11 @@ class W8A8Linear(QuantizedLinear):
         y = ops.linear_w8a8(x.float(), (self.packed, self.wscale, self.wsum128), self.padded_bias, self.out_features)
         return y.to(x.dtype)
 
+    def native_desc(self) -> ops.LinearDesc:
+        """This layer for the one-call decoder (``ops.llama_decode``)."""
+        packed = (self.packed, self.wscale, self.wsum128)
+        return ops.linear_desc(ops.LINEAR_W8A8, packed, self.padded_bias, self.out_features, self.in_features)
+
 
 class W4A8Linear(QuantizedLinear):
     """4-bit weights and int8 activations: llama.cpp's Q4_1 x Q8_1 dot product, on our native
@@ -178,6 +183,10 @@ class W4A8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
         return ops.linear_q4a8(x.float(), self.packed, self.padded_bias, self.out_features).to(x.dtype)
+
+    def native_desc(self) -> ops.LinearDesc:
+        """This layer for the one-call decoder (``ops.llama_decode``)."""
+        return ops.linear_desc(ops.LINEAR_Q4A8, self.packed, self.padded_bias, self.out_features, self.in_features)
 
 
 def make_linear(weight: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantizedLinear:

@@ -1,0 +1,87 @@
+"""The one-call decoder (``models/llama_decode.py``, ``csrc/decoder.cpp``): decode-only steps of
+llama and qwen2 models give the modules' logits bit for bit, on every ISA this CPU runs, for
+each packed linear kind and K/V cache dtype; other steps and models run the modules."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+import transformers
+from native_isa import ISAS, on_isa
+from tensor_parallel_ranks import STEPS, Case, load, run_steps
+from test_tensor_parallel_model import _llama, _randomize_vectors, _write_q4_gguf
+
+from pagedllm.distributed.parallel_state import SINGLE
+from pagedllm.kernels import ops
+from pagedllm.models.llama_decode import NativeDecoder
+
+DECODE_ONLY_STEPS = sum(all(b - a == 1 for _, a, b in step) for step in STEPS)
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+    """Head size 64 (the decode kernel's smallest): qwen2 with q/k/v bias and 3 query heads
+    per KV head; a 4-bit GGUF llama (its blocks kept by w4a8, as ``--dtype auto`` does)."""
+    root = tmp_path_factory.mktemp("native-decoder")
+    torch.manual_seed(0)
+    qwen2_config = transformers.Qwen2Config(
+        vocab_size=253, hidden_size=384, intermediate_size=192, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=256, rope_theta=1e6,
+        rms_norm_eps=1e-6,
+    )
+    qwen2 = transformers.Qwen2ForCausalLM(qwen2_config).eval()
+    _randomize_vectors(qwen2, qwen2_config.hidden_size)
+    qwen2.save_pretrained(root / "qwen2")
+    llama = _llama(
+        vocab_size=250, hidden_size=256, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )
+    _write_q4_gguf(root / "llama-q4.gguf", llama)
+    return {
+        "qwen2-float32": Case("qwen2-float32", str(root / "qwen2")),
+        "qwen2-w8a8": Case("qwen2-w8a8", str(root / "qwen2"), ("w8a8", 32, True)),
+        "llama-q4-w4a8": Case("llama-q4-w4a8", str(root / "llama-q4.gguf"), ("w4a8", 32, True, False)),
+    }
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qwen2-float32", "qwen2-w8a8", "llama-q4-w4a8"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_one_call_equals_the_modules(cases, isa: str, name: str, kv_dtype: torch.dtype, monkeypatch) -> None:
+    with on_isa(isa):
+        model, config = load(cases[name], SINGLE)
+        assert NativeDecoder.of(model) is not None
+        calls = []
+        llama_decode = ops.llama_decode
+        monkeypatch.setattr(ops, "llama_decode", lambda *a: calls.append(out := llama_decode(*a)) or out)
+        got = run_steps(model, config, SINGLE, kv_dtype)
+        assert len(calls) == DECODE_ONLY_STEPS > 0 and all(c is not None for c in calls)
+        model.native_decoder = False
+        expected = run_steps(model, config, SINGLE, kv_dtype)
+        assert len(calls) == DECODE_ONLY_STEPS
+    assert torch.equal(got, expected)
+
+
+def test_models_it_does_not_cover_run_the_modules(cases, monkeypatch) -> None:
+    """No native kernels (nn.Linear weights), or a dtype other than float32: no one-call decoder."""
+    monkeypatch.setattr(ops, "available", lambda: False)
+    model, _ = load(cases["qwen2-float32"], SINGLE)
+    assert NativeDecoder.of(model) is None
+    monkeypatch.undo()
+    if not ops.available():
+        pytest.skip("no native kernels here")
+    model, _ = load(cases["qwen2-float32"], SINGLE)
+    model.dtype = torch.bfloat16
+    assert NativeDecoder.of(model) is None
+
+
+def test_descriptor_refuses_a_packing_of_another_shape() -> None:
+    if not ops.available():
+        pytest.skip("no native kernels here")
+    packed = ops.linear_pack_f32(torch.randn(40, 64))
+    assert ops.linear_desc(ops.LINEAR_F32, packed, None, 40, 64).n == 40
+    with pytest.raises(ValueError, match="packed weight"):
+        ops.linear_desc(ops.LINEAR_F32, packed, None, 40, 96)
+    with pytest.raises(ValueError, match="unknown linear kind"):
+        ops.linear_desc(7, packed, None, 40, 64)
