@@ -178,10 +178,12 @@ def dtype_settings(
     GEMM speed at 1-8 rows on AVX-512), w8a8 for the other weights and the lm_head (int8
     weights and activations in groups of 32: SmolLM2 perplexity +0.16% against float32,
     1.4-3.6x the float32 GEMM's speed on AVX-512; docs/benchmarks.md), or float32. "auto" on
-    the PyTorch fallback (no native library): float32 throughout, K/V included: the fallback
-    would cast every gathered bfloat16 context each layer (1.3-1.6x slower decode attention),
-    and without AVX512-BF16 (Zen 3) PyTorch's bfloat16 GEMMs run 2-3x slower than float32 MKL
-    beyond a few rows (docs/benchmarks.md). Where ``quantization`` names a mode (even
+    the PyTorch fallback (no native library): float32 activations and K/V (a bfloat16 cache
+    would be cast back every layer: 1.3-1.6x slower decode attention; without AVX512-BF16
+    PyTorch's bfloat16 GEMMs run 2-3x slower than float32 MKL beyond a few rows), and the
+    linear layers, the lm_head included, as weight-only ``int8`` (GGUF 4-bit and Q8_0 blocks
+    kept as stored; PyTorch's packed int4 / int8 kernels): 2.6-4x float32's batch-1 decode,
+    perplexity +0.08% on SmolLM2 (docs/benchmarks.md, "PyTorch fallback"). Where ``quantization`` names a mode (even
     "none"), the linear layers are as that says. An explicit dtype: that dtype throughout.
     ``kv_cache_dtype`` other than "auto" overrides the K/V dtype.
 
@@ -198,7 +200,10 @@ def dtype_settings(
     from pagedllm.kernels import library  # builds the kernels on first use
 
     if auto and library.active_isa() is None:  # the PyTorch fallback: K/V in the model's dtype, never cast
-        return {"dtype": torch.float32, "kv_cache_dtype": kv, "quantization": quantization or "none"}
+        fallback: dict[str, object] = {"dtype": torch.float32, "kv_cache_dtype": kv, "quantization": quantization}
+        if quantization is None:  # weight-only int8, the GGUF's own blocks kept, the lm_head too
+            fallback |= {"quantization": "int8", "quantize_lm_head": True}
+        return fallback
     settings: dict[str, object] = {
         "dtype": parse_dtype(dtype),
         "kv_cache_dtype": kv or (torch.bfloat16 if auto else None),

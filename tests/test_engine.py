@@ -247,13 +247,17 @@ def test_dtype_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_dtype_settings_without_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto on the PyTorch fallback: float32 throughout, the K/V cache too (never cast);
-    explicit choices still win."""
+    """auto on the PyTorch fallback: float32 activations and K/V cache (never cast), weight-only
+    int8 linear layers and lm_head; explicit choices still win."""
     from pagedllm import config
     from pagedllm.kernels import library
 
     monkeypatch.setattr(library, "active_isa", lambda: None)
-    assert config.dtype_settings("auto") == {"dtype": torch.float32, "kv_cache_dtype": None, "quantization": "none"}
+    assert config.dtype_settings("auto") == {
+        "dtype": torch.float32, "kv_cache_dtype": None, "quantization": "int8", "quantize_lm_head": True
+    }
     assert config.dtype_settings("auto", "float32")["kv_cache_dtype"] == torch.float32
-    assert config.dtype_settings("auto", quantization="int8")["quantization"] == "int8"
+    assert config.dtype_settings("auto", quantization="none") == {
+        "dtype": torch.float32, "kv_cache_dtype": None, "quantization": "none"
+    }
     assert config.dtype_settings("float32")["dtype"] == torch.float32

@@ -58,7 +58,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--dtype", default="auto",
         help="auto (float32 activations around w4a8 linear layers where the GGUF stores 4-bit blocks, else w8a8, "
         "and a w8a8 lm_head on AVX-512 and AVX2 kernels; w8a8 ones on NEON; float32 ones on scalar kernels; a "
-        "bfloat16 K/V cache; without native kernels, float32 throughout) | float32 (exact) | bfloat16 | float16",
+        "bfloat16 K/V cache; without native kernels, float32 activations and K/V around weight-only int8 linear layers "
+        "and lm_head) | float32 (exact) | bfloat16 | float16",
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (as --dtype decides) | float32 | bfloat16 | float16")
     parser.add_argument(

@@ -26,7 +26,8 @@ class LLM:
         model: a .gguf path, an HF checkpoint directory, or an installed model alias.
         dtype: compute dtype: "auto" (float32 activations around w8a8 linear layers, the
             lm_head included, float32 ones on scalar kernels, and a bfloat16 K/V cache;
-            without native kernels float32 throughout, K/V included; see
+            without native kernels float32 activations and K/V around weight-only int8 linear
+            layers and lm_head; see
             ``config.dtype_settings``),
             "float32" (float32 only: exact, outputs independent of batching), "bfloat16" or
             "float16". ``kv_cache_dtype="float32"`` (or another dtype) overrides the K/V cache's.
