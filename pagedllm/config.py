@@ -202,7 +202,7 @@ def dtype_settings(
     if auto and library.active_isa() is None:  # the PyTorch fallback: K/V in the model's dtype, never cast
         fallback: dict[str, object] = {"dtype": torch.float32, "kv_cache_dtype": kv, "quantization": quantization}
         if quantization is None:  # weight-only int8, the GGUF's own blocks kept, the lm_head too
-            fallback |= {"quantization": "int8", "quantize_lm_head": True}
+            fallback |= {"quantization": auto_linears(), "quantize_lm_head": True}
         return fallback
     settings: dict[str, object] = {
         "dtype": parse_dtype(dtype),
@@ -217,21 +217,21 @@ def dtype_settings(
 
 
 # What ``--dtype auto`` runs the linear layers as, by the native kernels' ISA (None: no
-# library). Measured on AVX-512 and AVX2 (docs/benchmarks.md, "Small batches at the memory
-# roofline"); NEON's w4a8 awaits its numbers.
+# library: PyTorch's weight-only int8 kernels). Measured on AVX-512 and AVX2 (docs/benchmarks.md,
+# "Small batches at the memory roofline", "PyTorch fallback"); NEON's w4a8 awaits its numbers.
 _AUTO_LINEARS: dict[str | None, str] = {
-    "avx512": "w4a8", "avx2": "w4a8", "neon": "w8a8", "scalar": "float32", None: "float32"
+    "avx512": "w4a8", "avx2": "w4a8", "neon": "w8a8", "scalar": "float32", None: "int8"
 }
 
 
 def auto_linears() -> str:
-    """"w4a8", "w8a8" or "float32": the linear layers ``--dtype auto`` picks for the ISA this
-    process's kernels run (the integer GEMMs only where the library has them; w4a8's lm_head
-    is w8a8)."""
+    """"w4a8", "w8a8", "float32" or "int8": the linear layers ``--dtype auto`` picks for the ISA
+    this process's kernels run, "int8" (weight-only) without a library (the integer GEMMs only
+    where the library has them; w4a8's lm_head is w8a8)."""
     from pagedllm.kernels import library, ops  # builds the kernels on first use
 
     choice = _AUTO_LINEARS[library.active_isa()]
-    return choice if choice == "float32" or ops.linear_w8a8_available() else "float32"
+    return "float32" if choice in ("w4a8", "w8a8") and not ops.linear_w8a8_available() else choice
 
 
 def parse_memory(value: str | int | float) -> int:

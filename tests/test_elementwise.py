@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import ops
-from pagedllm.layers.activation import silu_and_mul
+from pagedllm.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from pagedllm.layers.attention import write_kv
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
@@ -53,6 +53,14 @@ def test_silu_and_mul(rows: int) -> None:
     gate, up = gate_up.chunk(2, -1)
     expected = F.silu(gate) * up
     torch.testing.assert_close(silu_and_mul(gate_up.clone()), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, 100])
+def test_gelu_tanh_and_mul(rows: int) -> None:
+    gate_up = torch.randn(rows, 2 * 40) * 10  # |gate| up to ~40: both tails of tanh
+    gate, up = gate_up.chunk(2, -1)
+    expected = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(gelu_tanh_and_mul(gate_up.clone()), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

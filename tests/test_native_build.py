@@ -190,7 +190,7 @@ def test_disable_native_builds_nothing(fresh: Path, monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize(
     ("isa", "w8a8", "linears"),
     [("avx512", True, "w4a8"), ("avx2", True, "w4a8"), ("neon", True, "w8a8"), ("scalar", True, "float32"),
-     (None, False, "float32"), ("avx2", False, "float32")],  # the table, and a library without the integer GEMMs
+     (None, False, "int8"), ("avx2", False, "float32")],  # the table, and a library without the integer GEMMs
 )
 def test_dtype_auto_by_isa(isa: str | None, w8a8: bool, linears: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(library, "active_isa", lambda: isa)

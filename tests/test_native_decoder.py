@@ -1,6 +1,7 @@
-"""The one-call decoder (``models/llama_decode.py``, ``csrc/decoder.cpp``): decode-only steps of
-llama and qwen2 models give the modules' logits bit for bit, on every ISA this CPU runs, for
-each packed linear kind and K/V cache dtype; other steps and models run the modules."""
+"""The one-call decoder (``models/native_decoder.py``, ``csrc/decoder.cpp``): decode-only steps
+of llama, qwen2 and gemma3 models (sliding windows, several KV cache groups) give the modules'
+logits bit for bit, on every ISA this CPU runs, for each packed linear kind and K/V cache
+dtype; other steps and models run the modules."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ import pytest
 import torch
 import transformers
 from native_isa import ISAS, on_isa
-from tensor_parallel_ranks import STEPS, Case, load, run_steps
-from test_tensor_parallel_model import _llama, _randomize_vectors, _write_q4_gguf
+from tensor_parallel_ranks import SEQ_LENS, STEPS, Case, load, run_steps
+from test_gemma3 import WINDOW, _our_config
+from test_tensor_parallel_model import _gemma3, _llama, _randomize_vectors, _write_q4_gguf
 
+from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE
 from pagedllm.kernels import ops
-from pagedllm.models.llama_decode import NativeDecoder
+from pagedllm.layers.quantization.config import QuantizationConfig
+from pagedllm.layers.quantization.model import quantize_model
+from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.native_decoder import NativeDecoder
 
 DECODE_ONLY_STEPS = sum(all(b - a == 1 for _, a, b in step) for step in STEPS)
 
@@ -22,7 +28,8 @@ DECODE_ONLY_STEPS = sum(all(b - a == 1 for _, a, b in step) for step in STEPS)
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     """Head size 64 (the decode kernel's smallest): qwen2 with q/k/v bias and 3 query heads
-    per KV head; a 4-bit GGUF llama (its blocks kept by w4a8, as ``--dtype auto`` does)."""
+    per KV head; a 4-bit GGUF llama (its blocks kept by w4a8, as ``--dtype auto`` does);
+    gemma3 with 6 query heads on 1 KV head, sliding windows shorter than the requests."""
     root = tmp_path_factory.mktemp("native-decoder")
     torch.manual_seed(0)
     qwen2_config = transformers.Qwen2Config(
@@ -38,23 +45,44 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
         num_key_value_heads=2, tie_word_embeddings=True,
     )
     _write_q4_gguf(root / "llama-q4.gguf", llama)
+    gemma = _gemma3()
+    torch.save((_our_config_of(gemma), gemma.state_dict()), root / "gemma3.pt")
     return {
         "qwen2-float32": Case("qwen2-float32", str(root / "qwen2")),
         "qwen2-w8a8": Case("qwen2-w8a8", str(root / "qwen2"), ("w8a8", 32, True)),
         "llama-q4-w4a8": Case("llama-q4-w4a8", str(root / "llama-q4.gguf"), ("w4a8", 32, True, False)),
+        "gemma3-float32": Case("gemma3-float32", state=str(root / "gemma3.pt")),
+        "gemma3-w8a8": Case("gemma3-w8a8", state=str(root / "gemma3.pt"), quant=("w8a8", 32, True)),
     }
 
 
+def _our_config_of(hf: torch.nn.Module) -> ModelConfig:
+    config = _our_config(hf.config)
+    assert 0 < config.sliding_window == WINDOW < max(SEQ_LENS)
+    return config
+
+
+def _load(case: Case) -> tuple[torch.nn.Module, ModelConfig]:
+    """``load``'s model, and a quantized Gemma 3 (``load`` packs its state as float32)."""
+    if not (case.state and case.quant):
+        return load(case, SINGLE)
+    config, state = torch.load(case.state, weights_only=False)
+    model = Gemma3ForCausalLM(config, torch.float32)
+    model.load_weights(state.items())
+    quantize_model(model, QuantizationConfig(*case.quant), torch.float32)
+    return model.eval(), config
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["qwen2-float32", "qwen2-w8a8", "llama-q4-w4a8"])
+@pytest.mark.parametrize("name", ["qwen2-float32", "qwen2-w8a8", "llama-q4-w4a8", "gemma3-float32", "gemma3-w8a8"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_one_call_equals_the_modules(cases, isa: str, name: str, kv_dtype: torch.dtype, monkeypatch) -> None:
     with on_isa(isa):
-        model, config = load(cases[name], SINGLE)
+        model, config = _load(cases[name])
         assert NativeDecoder.of(model) is not None
         calls = []
-        llama_decode = ops.llama_decode
-        monkeypatch.setattr(ops, "llama_decode", lambda *a: calls.append(out := llama_decode(*a)) or out)
+        decode_layers = ops.decode_layers
+        monkeypatch.setattr(ops, "decode_layers", lambda *a: calls.append(out := decode_layers(*a)) or out)
         got = run_steps(model, config, SINGLE, kv_dtype)
         assert len(calls) == DECODE_ONLY_STEPS > 0 and all(c is not None for c in calls)
         model.native_decoder = False

@@ -1,5 +1,5 @@
 // The float32 elementwise steps of a decoder layer, each fused into one pass over its rows:
-// residual add + RMSNorm, RoPE, SiLU-and-mul, and the K/V write through the slot mapping;
+// residual add + RMSNorm, RoPE, SiLU-and-mul (GELU-and-mul), and the K/V write through the slot mapping;
 // and greedy sampling's row-wise argmax.
 // In PyTorch each is 2-6 ops (a pass over memory and ~5-10 us of dispatch apiece): 30
 // layers x ~20 ops was most of a decode step's time outside the GEMMs and attention.
@@ -32,6 +32,17 @@ void write_kv(const float* k, const float* v, int64_t ld, T* k_cache, T* v_cache
   for (int64_t t = 0; t < n; ++t) {
     store_row(k_cache + slots[t] * width, k + t * ld, width);
     store_row(v_cache + slots[t] * width, v + t * ld, width);
+  }
+}
+
+// gate <- act(gate) * up over rows of [gate (I), up (I)], stride ld, in place.
+template <F32x16 (*Act)(F32x16)>
+void act_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I) {
+#pragma omp parallel for schedule(static) if (T >= kParallelRows)
+  for (int64_t t = 0; t < T; ++t) {
+    float* g = gate_up + t * ld;
+    for (int64_t i = 0; i < I; i += 16)
+      store_first(g + i, mul(Act(load_first(g + i, I - i)), load_first(g + I + i, I - i)), I - i);
   }
 }
 
@@ -86,14 +97,10 @@ void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int6
 
 // gate_up: T rows (stride ld) of [gate (I floats), up (I floats)]; gate <- silu(gate) * up,
 // in place (the down projection reads the gate half as strided rows).
-void silu_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T >= kParallelRows)
-  for (int64_t t = 0; t < T; ++t) {
-    float* g = gate_up + t * ld;
-    for (int64_t i = 0; i < I; i += 16)
-      store_first(g + i, mul(silu(load_first(g + i, I - i)), load_first(g + I + i, I - i)), I - i);
-  }
-}
+void silu_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I) { act_and_mul<silu>(gate_up, ld, T, I); }
+
+// The same with GELU's tanh approximation (Gemma 3's MLP): gate <- gelu_tanh(gate) * up.
+void gelu_tanh_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I) { act_and_mul<gelu_tanh>(gate_up, ld, T, I); }
 
 // This step's K and V (n rows of `width` = Hkv * D floats, row stride ld) into their cache
 // slots: k_cache[slots[t]] = k[t], likewise V, in the cache's dtype (float32, or bfloat16

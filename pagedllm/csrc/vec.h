@@ -70,6 +70,16 @@ inline F32x16 silu(F32x16 g) {
   return mul(g, select(lt(g, zero()), mul(r, e), r));  // g < 0: e / (1 + e)
 }
 
+// GELU, tanh approximation (Hendrycks & Gimpel 2016): 0.5 g (1 + tanh(u)) with
+// u = sqrt(2 / pi) (g + 0.044715 g^3), computed as g * sigmoid(2 u) (the same identity), the
+// sigmoid as in silu so nothing overflows.
+inline F32x16 gelu_tanh(F32x16 g) {
+  const F32x16 u2 = mul(set1(1.5957691216f), fma(mul(set1(0.044715f), mul(g, g)), g, g));  // 2 u
+  const F32x16 e = exp_nonpositive(sub(zero(), abs(u2)));
+  const F32x16 r = div(set1(1.f), add(set1(1.f), e));
+  return mul(g, select(lt(u2, zero()), mul(r, e), r));
+}
+
 // The first min(n, 16) values of p (lanes beyond are `fill`).
 inline F32x16 load_first(const float* p, int64_t n, float fill) { return select(mask_first(n), load_first(p, n), set1(fill)); }
 

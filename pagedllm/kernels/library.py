@@ -154,10 +154,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.linear_pack_q4a8.restype = lib.linear_q4a8.restype = c_int
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
     lib.rotary_inplace.argtypes = [ptr, i64, ptr, i64, i64, i64]
-    lib.silu_and_mul.argtypes = [ptr, i64, i64, i64]
+    lib.silu_and_mul.argtypes = lib.gelu_tanh_and_mul.argtypes = [ptr, i64, i64, i64]
     lib.write_kv_cache.argtypes = [c_int, ptr, ptr, i64, ptr, ptr, ptr, i64, i64]
     lib.argmax_rows.argtypes = [ptr, i64, i64, ptr]
-    lib.llama_decode.restype = c_int
-    # decoder, stream, cos_sin, slots, block_tables, max_blocks, seq_lens, B, out
-    lib.llama_decode.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr]
+    lib.decode_layers.restype = c_int
+    # decoder, stream, cos_sin[2], groups, seq_lens, B, out
+    lib.decode_layers.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr]
     return lib

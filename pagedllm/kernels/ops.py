@@ -212,12 +212,22 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> boo
 def silu_and_mul(gate_up: torch.Tensor) -> bool:
     """``gate = silu(gate) * up`` in place, gate_up: [T, 2 * I] float32 (gate first, rows at
     any stride); False (untouched) where the kernel cannot run."""
+    return _act_and_mul("silu_and_mul", gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> bool:
+    """``gate = gelu_tanh(gate) * up`` in place (GELU's tanh approximation), as
+    ``silu_and_mul``; False (untouched) where the kernel cannot run."""
+    return _act_and_mul("gelu_tanh_and_mul", gate_up)
+
+
+def _act_and_mul(kernel: str, gate_up: torch.Tensor) -> bool:
     lib = native_library()
     if lib is None or not _on_cpu(gate_up) or gate_up.dtype != torch.float32 or gate_up.stride(1) != 1:
         return False
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"silu_and_mul needs [T, 2 * I], got {list(gate_up.shape)}")
-    lib.silu_and_mul(_ptr(gate_up), gate_up.stride(0), gate_up.shape[0], gate_up.shape[1] // 2)
+        raise ValueError(f"{kernel} needs [T, 2 * I], got {list(gate_up.shape)}")
+    getattr(lib, kernel)(_ptr(gate_up), gate_up.stride(0), gate_up.shape[0], gate_up.shape[1] // 2)
     return True
 
 
@@ -378,7 +388,7 @@ def linear_q4a8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 class LinearDesc(ctypes.Structure):
-    """One packed linear layer for ``llama_decode`` (csrc/decoder.cpp's struct): kind
+    """One packed linear layer for ``decode_layers`` (csrc/decoder.cpp's struct): kind
     LINEAR_F32 (w: ``linear_pack_f32``'s panels), LINEAR_W8A8 (w, wscale, wsum128:
     ``linear_pack_w8a8``'s) or LINEAR_Q4A8 (w: ``linear_pack_q4a8``'s); bias padded to panels."""
 
@@ -389,23 +399,34 @@ class LinearDesc(ctypes.Structure):
 
 
 class LayerDesc(ctypes.Structure):
-    """One decoder layer for ``llama_decode``: its two norms' weights, four linears, K/V cache."""
+    """One decoder layer for ``decode_layers`` (csrc/decoder.cpp's struct): norm weights (the
+    out and q/k norms Gemma 3's, else null), four linears, K/V cache, window, KV cache group
+    (an index into the step's groups) and RoPE table (0 global, 1 local)."""
 
     _fields_ = [
-        ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", LinearDesc), ("o", LinearDesc),
-        ("gate_up", LinearDesc), ("down", LinearDesc), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("input_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("attn_out_norm", ctypes.c_void_p),
+        ("mlp_out_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+        ("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64),
+        ("group", ctypes.c_int64), ("rope", ctypes.c_int64),
     ]
 
 
 class DecoderDesc(ctypes.Structure):
-    """A whole decoder for ``llama_decode``: sizes, the layers (an array of LayerDesc), the final norm."""
+    """A whole decoder for ``decode_layers``: sizes, activation (gelu 1: GELU-tanh, 0: SiLU),
+    the number of KV cache groups, the layers (an array of LayerDesc), the final norm."""
 
     _fields_ = [
         ("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64),
         ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
-        ("block_size", ctypes.c_int64), ("cache_bf16", ctypes.c_int64), ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float), ("layers", ctypes.POINTER(LayerDesc)), ("final_norm", ctypes.c_void_p),
+        ("block_size", ctypes.c_int64), ("cache_bf16", ctypes.c_int64), ("gelu", ctypes.c_int64),
+        ("num_groups", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("layers", ctypes.POINTER(LayerDesc)), ("final_norm", ctypes.c_void_p),
     ]
+
+
+class _StepGroup(ctypes.Structure):
+    _fields_ = [("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int64)]
 
 
 def linear_desc(
@@ -441,26 +462,30 @@ def linear_desc(
 
 def decode_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether the native decode attention has a kernel for these head counts and size."""
-    return head_dim in _DECODE_HEAD_DIMS and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _DECODE_MAX_GROUP
+    group, rest = divmod(num_heads, num_kv_heads)
+    return head_dim in _DECODE_HEAD_DIMS and rest == 0 and group <= _DECODE_MAX_GROUP
 
 
-def llama_decode(
+def decode_layers(
     decoder: DecoderDesc,
     stream: torch.Tensor,
-    cos_sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    slot_mappings: list[torch.Tensor],
+    block_tables: list[torch.Tensor],
     seq_lens: torch.Tensor,
 ) -> torch.Tensor | None:
-    """Every layer of a Llama-family decoder and its final norm, for B decode tokens, in one
-    native call (csrc/decoder.cpp); None (nothing written) where it cannot run.
+    """Every layer of a decoder and its final norm, for B decode tokens, in one native call
+    (csrc/decoder.cpp); None (nothing written) where it cannot run.
 
     Args:
-        decoder: the model's weights, sizes and K/V caches (``models/llama_decode.py``).
-        stream: [B, hidden] float32, contiguous: the tokens' embeddings; on return the
-            residual stream (as the modules leave it).
-        cos_sin: [B, 2, 1, head_dim] float32, contiguous (``RotaryEmbedding.cos_sin`` rows).
-        slot_mapping: [B] int64; block_tables: [B, max_blocks] int64; seq_lens: [B] int64.
+        decoder: the model's weights, sizes and K/V caches (``models/native_decoder.py``).
+        stream: [B, hidden] float32, contiguous: the tokens' (scaled) embeddings; on return
+            the residual stream (as the modules leave it).
+        cos_sin: the global and the local RoPE table's rows, each [B, 2, 1, head_dim] float32,
+            contiguous (``RotaryEmbedding.cos_sin[positions]``; the same tensor twice without
+            sliding-window layers).
+        slot_mappings, block_tables: per KV cache group (``decoder.num_groups``), [B] and
+            [B, max_blocks] int64; seq_lens: [B] int64.
 
     Returns:
         [B, hidden] float32: the final norm's output.
@@ -469,21 +494,26 @@ def llama_decode(
         ValueError: shapes or dtypes that do not fit the decoder.
     """
     lib = native_library()
-    if lib is None or not _on_cpu(stream, cos_sin):
+    if lib is None or not _on_cpu(stream, *cos_sin):
         return None
     b, h, d = stream.shape[0], decoder.hidden, decoder.head_dim
     if stream.shape != (b, h) or stream.dtype != torch.float32 or not stream.is_contiguous():
         raise ValueError(f"stream: need contiguous float32 [B, {h}], got {stream.dtype} {list(stream.shape)}")
-    if cos_sin.shape != (b, 2, 1, d) or cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
-        raise ValueError(f"cos_sin: need contiguous float32 [{b}, 2, 1, {d}], got {cos_sin.dtype} {list(cos_sin.shape)}")
-    _check_index(slot_mapping, "slot_mapping", (b,))
-    _check_index(block_tables, "block_tables", (b, block_tables.shape[-1]))
+    for table in cos_sin:
+        if table.shape != (b, 2, 1, d) or table.dtype != torch.float32 or not table.is_contiguous():
+            got = f"{table.dtype} {list(table.shape)}"
+            raise ValueError(f"cos_sin: need contiguous float32 [{b}, 2, 1, {d}], got {got}")
+    if len(slot_mappings) != decoder.num_groups or len(block_tables) != decoder.num_groups:
+        raise ValueError(f"need {decoder.num_groups} KV cache groups, got {len(slot_mappings)}, {len(block_tables)}")
+    groups = (_StepGroup * decoder.num_groups)()
+    for group, slots, tables in zip(groups, slot_mappings, block_tables):
+        _check_index(slots, "slot_mapping", (b,))
+        _check_index(tables, "block_tables", (b, tables.shape[-1]))
+        group.slots, group.block_tables, group.max_blocks = _ptr(slots), _ptr(tables), tables.shape[1]
     _check_index(seq_lens, "seq_lens", (b,))
     out = torch.empty_like(stream)
-    status = lib.llama_decode(
-        ctypes.byref(decoder), _ptr(stream), _ptr(cos_sin), _ptr(slot_mapping), _ptr(block_tables),
-        block_tables.shape[1], _ptr(seq_lens), b, _ptr(out),
-    )
+    tables = (ctypes.c_void_p * 2)(_ptr(cos_sin[0]), _ptr(cos_sin[1]))
+    status = lib.decode_layers(ctypes.byref(decoder), _ptr(stream), tables, groups, _ptr(seq_lens), b, _ptr(out))
     return out if status == 0 else None
 
 

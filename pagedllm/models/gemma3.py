@@ -27,10 +27,12 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import ModelShard, shard_weights
+from pagedllm.layers.activation import gelu_tanh_and_mul
 from pagedllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
+from pagedllm.models.native_decoder import NativeDecoder
 from pagedllm.models.weights import PACKED_MODULES_MAPPING, load_fused
 
 
@@ -65,8 +67,9 @@ class Gemma3Attention(nn.Module):
         """x: [T, hidden]; cos, sin: [T, 1, head_dim] (this layer's RoPE base). Returns [T, hidden]."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q = self.q_norm(qkv[:, : self.q_size].reshape(t, self.num_heads, self.head_dim))[0]
-        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, -1, self.head_dim))[0]
+        # Dense heads: the native RMSNorm reads contiguous rows (as the one-call decoder's does).
+        q = self.q_norm(qkv[:, : self.q_size].reshape(t, self.num_heads, self.head_dim).contiguous())[0]
+        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, -1, self.head_dim).contiguous())[0]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         qk = apply_rotary(torch.cat([q, k], 1), cos, sin)  # one RoPE pass for q and k heads
         out = paged_attention(
@@ -85,13 +88,19 @@ class Gemma3MLP(nn.Module):
         self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
+        """x: [T, hidden] -> [T, hidden]; the activation in place in the gate half."""
+        return self.tp.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x))))
 
 
 class Gemma3DecoderLayer(nn.Module):
     """x + post_attn_norm(attn(input_norm(x))), then x + post_ffw_norm(mlp(pre_ffw_norm(x)));
     the residual adds are fused into the input and pre-feedforward norms."""
+
+    NATIVE_NORMS: ClassVar[dict[str, str]] = {
+        "input_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+        "mlp_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm",
+        "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+    }
 
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, shard: ModelShard, tp: TPGroup) -> None:
         super().__init__()
@@ -133,6 +142,7 @@ class Gemma3ForCausalLM(nn.Module):
     """
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = PACKED_MODULES_MAPPING
+    NATIVE_GELU: ClassVar[bool] = True  # GeGLU
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -167,6 +177,8 @@ class Gemma3ForCausalLM(nn.Module):
                 config.head_dim, config.max_position_embeddings, local_base, dtype
             )
         self.requires_grad_(False)
+        # Decode-only steps in one native call, as LlamaForCausalLM's.
+        self.native_decoder: NativeDecoder | None | bool = None
 
     def forward(
         self,
@@ -176,6 +188,15 @@ class Gemma3ForCausalLM(nn.Module):
         attn_metadata: list[AttentionMetadata],
     ) -> torch.Tensor:
         """Same contract as :meth:`LlamaForCausalLM.forward`: [T] ids/positions -> [T, hidden]."""
+        if self.native_decoder is None:
+            self.native_decoder = NativeDecoder.of(self) or False
+        if self.native_decoder and attn_metadata[0].num_decodes == input_ids.shape[0]:
+            tables = self.rotary_emb.cos_sin[positions]
+            local = tables if self.rotary_emb_local is None else self.rotary_emb_local.cos_sin[positions]
+            x = self.embed_tokens(input_ids) * self.embed_scale
+            hidden = self.native_decoder(x, (tables, local), kv_caches, attn_metadata)
+            if hidden is not None:
+                return hidden
         cos_sin = self.rotary_emb(positions)
         cos_sin_local = cos_sin if self.rotary_emb_local is None else self.rotary_emb_local(positions)
         x = self.embed_tokens(input_ids) * self.embed_scale

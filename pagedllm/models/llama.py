@@ -29,7 +29,7 @@ from pagedllm.layers.attention import AttentionMetadata, KVCache, paged_attentio
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
-from pagedllm.models.llama_decode import NativeDecoder
+from pagedllm.models.native_decoder import NativeDecoder
 from pagedllm.models.weights import PACKED_MODULES_MAPPING, load_fused
 
 
@@ -93,6 +93,8 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), the adds fused into the norms."""
 
+    NATIVE_NORMS: ClassVar[dict[str, str]] = {"input_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: ModelShard, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -130,6 +132,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = PACKED_MODULES_MAPPING
+    NATIVE_GELU: ClassVar[bool] = False  # SwiGLU
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -183,8 +186,9 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.native_decoder is None:
             self.native_decoder = NativeDecoder.of(self) or False
-        if self.native_decoder:
-            hidden = self.native_decoder(input_ids, positions, kv_caches, attn_metadata)
+        if self.native_decoder and attn_metadata[0].num_decodes == input_ids.shape[0]:
+            cos_sin = self.rotary_emb.cos_sin[positions]
+            hidden = self.native_decoder(self.embed_tokens(input_ids), (cos_sin, cos_sin), kv_caches, attn_metadata)
             if hidden is not None:
                 return hidden
         cos, sin = self.rotary_emb(positions)

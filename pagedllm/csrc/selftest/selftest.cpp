@@ -29,6 +29,7 @@ int linear_q4a8(const float*, int64_t, const uint8_t*, const float*, float*, int
 void add_rms_norm(const float*, float*, const float*, float*, int64_t, int64_t, float);
 void rotary_inplace(float*, int64_t, const float*, int64_t, int64_t, int64_t);
 void silu_and_mul(float*, int64_t, int64_t, int64_t);
+void gelu_tanh_and_mul(float*, int64_t, int64_t, int64_t);
 void write_kv_cache(int, const float*, const float*, int64_t, void*, void*, const int64_t*, int64_t, int64_t);
 void argmax_rows(const float*, int64_t, int64_t, int64_t*);
 }
@@ -216,6 +217,20 @@ void test_elementwise() {
       }
     silu_and_mul(g.data(), 2 * I, T, I);
     check("silu_and_mul", max_error(g, ref), 1e-5f);
+  }
+  {  // GELU (tanh approximation)-and-mul, gates up to |30|: both tails
+    const int64_t I = 37;
+    auto g = rng.normals(T * 2 * I);
+    for (float& v : g) v *= 10.f;
+    auto ref = g;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < I; ++i) {
+        const float v = g[t * 2 * I + i];
+        const float u = 0.7978845608f * (v + 0.044715f * v * v * v);
+        ref[t * 2 * I + i] = 0.5f * v * (1.f + std::tanh(u)) * g[t * 2 * I + I + i];
+      }
+    gelu_tanh_and_mul(g.data(), 2 * I, T, I);
+    check("gelu_tanh_and_mul", max_error(g, ref), 1e-4f);
   }
   {  // K/V cache write, float32 and bfloat16, width not a multiple of 16
     const int64_t width = 40, slots_n = 8;

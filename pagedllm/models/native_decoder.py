@@ -1,25 +1,26 @@
-"""Decode steps of a Llama-family model in one native call (``csrc/decoder.cpp``).
+"""Decode steps in one native call (``csrc/decoder.cpp``): Llama, SmolLM2, Qwen2 and Gemma 3.
 
-At batch 1 a decode step is about 300 small kernels: 4 GEMVs, 2 norms, RoPE, the K/V write,
-attention and SiLU-and-mul per layer. Called one at a time from the modules, the Python,
-ctypes and argument checks around each cost as much as the kernel itself; ``llama_decode``
-runs the same kernels in the same order from C++, so its outputs equal the modules' bit for
-bit, for one call per step. Steps with prefill tokens, and models it does not cover, run
-the modules.
+At batch 1 a decode step is about 300 small kernels: 4 GEMVs, the norms, RoPE, the K/V write,
+attention and the gated activation per layer. Called one at a time from the modules, the
+Python, ctypes and argument checks around each cost as much as the kernel itself;
+``ops.decode_layers`` runs the same kernels in the same order from C++, so its outputs equal
+the modules' bit for bit, for one call per step. Steps with prefill tokens, and models it
+does not cover, run the modules.
+
+A model opts in with two class attributes: its decoder layer's ``NATIVE_NORMS`` (which of
+its norm modules fills which ``ops.LayerDesc`` slot) and its own ``NATIVE_GELU`` (the MLP's
+activation: GELU-tanh, else SiLU).
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from pagedllm.kernels import ops
 from pagedllm.layers.attention import AttentionMetadata, KVCache
-
-if TYPE_CHECKING:
-    from pagedllm.models.llama import LlamaForCausalLM
 
 
 class NativeDecoder:
@@ -29,16 +30,18 @@ class NativeDecoder:
     ``model``), and into the K/V caches last passed to :meth:`__call__`.
     """
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
         config, shard = model.config, model.shard
         self.layers = (ops.LayerDesc * config.num_layers)()
         for desc, layer in zip(self.layers, model.layers, strict=True):
+            for slot, module in type(layer).NATIVE_NORMS.items():
+                setattr(desc, slot, layer.get_submodule(module).weight.data_ptr())
             attn, mlp = layer.self_attn, layer.mlp
-            desc.input_norm = layer.input_layernorm.weight.data_ptr()
-            desc.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             desc.qkv, desc.o = attn.qkv_proj.native_desc(), attn.o_proj.native_desc()
             desc.gate_up, desc.down = mlp.gate_up_proj.native_desc(), mlp.down_proj.native_desc()
+            desc.window = getattr(attn, "window", 0)
+            desc.rope = int(getattr(layer, "is_sliding", False))
         self.desc = ops.DecoderDesc(
             num_layers=config.num_layers,
             hidden=config.hidden_size,
@@ -46,15 +49,17 @@ class NativeDecoder:
             num_kv_heads=shard.num_kv_heads,
             head_dim=config.head_dim,
             intermediate=shard.intermediate_size,
+            gelu=int(type(model).NATIVE_GELU),
             eps=config.rms_norm_eps,
-            scale=config.head_dim**-0.5,
+            scale=model.layers[0].self_attn.scale,
             layers=ctypes.cast(self.layers, ctypes.POINTER(ops.LayerDesc)),
             final_norm=model.norm.weight.data_ptr(),
         )
         self.kv_caches: list[KVCache] | None = None
+        self.layer_groups: list[int] = []
 
     @staticmethod
-    def of(model: LlamaForCausalLM) -> NativeDecoder | None:
+    def of(model: nn.Module) -> NativeDecoder | None:
         """The model's one-call decoder, or None where it does not apply: no native kernels,
         tensor parallelism (an all-reduce sits inside each layer), a dtype other than float32,
         a linear layer not on our packed kernels, or heads the decode attention lacks."""
@@ -73,26 +78,34 @@ class NativeDecoder:
 
     def __call__(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        stream: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_caches: list[KVCache],
         attn_metadata: list[AttentionMetadata],
     ) -> torch.Tensor | None:
-        """``LlamaForCausalLM.forward`` for a step of decode tokens only (its arguments and
-        result); None, with nothing computed, for any other step."""
-        meta = attn_metadata[0]
-        if meta.num_decodes != input_ids.shape[0] or any(m is not meta for m in attn_metadata):
+        """The model's forward for a step of decode tokens only: ``stream`` [T, hidden] its
+        (scaled) embeddings, ``cos_sin`` the global and local RoPE tables' rows for its
+        positions ([T, 2, 1, head_dim] each); the final hidden states, or None, with nothing
+        computed, for any other step."""
+        # Layers of one KV cache group share one metadata object: number the groups by it.
+        numbering: dict[int, int] = {}
+        layer_groups = [numbering.setdefault(id(meta), len(numbering)) for meta in attn_metadata]
+        metas = list({id(meta): meta for meta in attn_metadata}.values())
+        if any(meta.num_decodes != stream.shape[0] for meta in metas):
             return None
         if kv_caches is not self.kv_caches and not self._bind(kv_caches):
             return None
-        model = self.model
-        return ops.llama_decode(
+        if layer_groups != self.layer_groups:
+            for desc, group in zip(self.layers, layer_groups, strict=True):
+                desc.group = group
+            self.layer_groups, self.desc.num_groups = layer_groups, len(metas)
+        return ops.decode_layers(
             self.desc,
-            model.embed_tokens(input_ids),
-            model.rotary_emb.cos_sin[positions],
-            meta.slot_mapping,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
+            stream,
+            cos_sin,
+            [meta.slot_mapping for meta in metas],
+            [meta.decode_block_tables for meta in metas],
+            metas[0].decode_seq_lens,
         )
 
     def _bind(self, kv_caches: list[KVCache]) -> bool:
