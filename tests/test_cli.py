@@ -86,6 +86,13 @@ def test_bad_flag_exits_2_before_loading(
     assert needle in capsys.readouterr().err
 
 
+def test_a_bad_sampling_value_names_the_flag_under_its_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--top-p", "0"])
+    err = capsys.readouterr().err
+    assert "usage: pagedllm generate" in err and "argument --top-p: top_p must be in (0, 1]" in err
+
+
 def test_generate_json_schema_from_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 

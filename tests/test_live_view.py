@@ -205,6 +205,9 @@ def test_routes_answer_404_when_the_live_view_is_off():
     for path in ("/dashboard", "/dashboard/events", "/debug/trace"):
         response = client.get(path)
         assert response.status_code == 404 and "--enable-live-view" in response.text
+        assert response.json()["error"] | {"message": ""} == {
+            "message": "", "type": "NotFoundError", "param": None, "code": 404
+        }
 
 
 def test_api_key_as_query_parameter_only_on_the_page_routes():

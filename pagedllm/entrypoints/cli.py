@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedllm import __version__
 from pagedllm.config import DEFAULT_MODEL
+from pagedllm.sampling_params import InvalidParamError
 
 
 class Parser(argparse.ArgumentParser):
@@ -229,14 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--json-schema", default=None, help="constrain each output to this JSON schema: a file path or JSON text"
     )
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, command_parser=gen)
 
     chat = sub.add_parser("chat", help="interactive chat that streams tokens")
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("-v", "--verbose", action="store_true", help="log at INFO (else warnings only)")
-    chat.set_defaults(func=cmd_chat, temperature=0.7, max_tokens=512)
+    chat.set_defaults(func=cmd_chat, temperature=0.7, max_tokens=512, command_parser=chat)
 
     from pagedllm.bench.cli import add_bench_parser
 
@@ -247,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve, positional_model=True)
     add_serve_args(serve)
-    serve.set_defaults(func=run_serve)
+    serve.set_defaults(func=run_serve, command_parser=serve)
     return parser
 
 
@@ -274,8 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         check_args(args)
-    except ValueError as e:
-        parser.error(str(e))  # exit 2, before a model is loaded
+    except ValueError as e:  # exit 2, before a model is loaded, with the command's usage and flag
+        flag = f"argument --{e.param.replace('_', '-')}: " if isinstance(e, InvalidParamError) else ""
+        getattr(args, "command_parser", parser).error(flag + str(e))
     # The chat REPL streams to stdout: log lines there would cut into the reply.
     quiet = args.command == "chat" and not args.verbose
     logging.basicConfig(

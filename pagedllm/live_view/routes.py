@@ -13,6 +13,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.live_view.trace import trace_events
 from pagedllm.live_view.view import LiveView
 
@@ -35,7 +36,7 @@ def live_view_router(view: LiveView | None) -> APIRouter:
     encoder = msgspec.json.Encoder()
 
     def off() -> JSONResponse:
-        return JSONResponse({"error": {"message": _OFF_MESSAGE, "type": "NotFoundError", "code": 404}}, 404)
+        return JSONResponse(OpenAIError(404, _OFF_MESSAGE, "NotFoundError").body(), 404)
 
     @router.get("/dashboard", response_model=None)
     async def dashboard() -> Response:
