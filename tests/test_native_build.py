@@ -26,7 +26,7 @@ EXPORTS = [
     "paged_decode_attention_bf16", "paged_decode_attention_f32", "paged_prefill_attention", "linear_w8a8_available",
     "linear_pack_f32", "linear_f32", "linear_pack_w8a8", "linear_w8a8",
     "linear_pack_q4a8", "linear_q4a8", "add_rms_norm", "rotary_inplace",
-    "silu_and_mul", "write_kv_cache", "argmax_rows", "llama_decode",
+    "silu_and_mul", "gelu_tanh_and_mul", "write_kv_cache", "argmax_rows", "decode_layers",
 ]
 
 
