@@ -43,7 +43,7 @@ class PackedLinear(nn.Module):
         return ops.linear_f32(x, self.packed_f32, self.bias, self.out_features)
 
     def native_desc(self) -> ops.LinearDesc:
-        """This layer for the one-call decoder (``ops.llama_decode``)."""
+        """This layer for the one-call decoder (``ops.decode_layers``)."""
         return ops.linear_desc(ops.LINEAR_F32, self.packed_f32, self.bias, self.out_features, self.in_features)
 
     def extra_repr(self) -> str:

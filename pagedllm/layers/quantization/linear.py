@@ -146,7 +146,7 @@ class W8A8Linear(QuantizedLinear):
         return y.to(x.dtype)
 
     def native_desc(self) -> ops.LinearDesc:
-        """This layer for the one-call decoder (``ops.llama_decode``)."""
+        """This layer for the one-call decoder (``ops.decode_layers``)."""
         packed = (self.packed, self.wscale, self.wsum128)
         return ops.linear_desc(ops.LINEAR_W8A8, packed, self.padded_bias, self.out_features, self.in_features)
 
@@ -185,7 +185,7 @@ class W4A8Linear(QuantizedLinear):
         return ops.linear_q4a8(x.float(), self.packed, self.padded_bias, self.out_features).to(x.dtype)
 
     def native_desc(self) -> ops.LinearDesc:
-        """This layer for the one-call decoder (``ops.llama_decode``)."""
+        """This layer for the one-call decoder (``ops.decode_layers``)."""
         return ops.linear_desc(ops.LINEAR_Q4A8, self.packed, self.padded_bias, self.out_features, self.in_features)
 
 
