@@ -257,6 +257,13 @@ BAD_REQUESTS = [
     ("/v1/completions", _completion(seed=2**70), 400, "seed"),
     ("/v1/completions", _completion(stop_token_ids=[-1]), 400, "stop_token_ids"),
     ("/v1/completions", _completion(n="two"), 400, "n"),
+    # Another JSON type is refused, not coerced: "3", true and 3.0 are not integers.
+    ("/v1/completions", _completion(max_tokens="3"), 400, "max_tokens"),
+    ("/v1/completions", _completion(max_tokens=True), 400, "max_tokens"),
+    ("/v1/completions", _completion(max_tokens=3.0), 400, "max_tokens"),
+    ("/v1/completions", _completion(stream="true"), 400, "stream"),
+    ("/v1/chat/completions", _chat(logprobs="true"), 400, "logprobs"),
+    ("/v1/chat/completions", _chat(temperature="0"), 400, "temperature"),
     # n is capped per request, not per prompt: 20 tiny prompts at n=256 would queue 5,120 sequences.
     ("/v1/completions", _completion(prompt=[[1]] * 20, n=256), 400, "20 x 256"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
@@ -290,7 +297,9 @@ def test_bad_request(http: httpx.Client, path: str, body: dict, status: int, nee
 def test_malformed_and_oversized_bodies(http: httpx.Client) -> None:
     headers = {"Content-Type": "application/json"}
     _check_error(http.post("/v1/completions", content=b'{"prompt": "hi",', headers=headers), 400, "JSON")
-    _check_error(http.post("/v1/completions", content=b"[1, 2]", headers=headers), 400, "")
+    _check_error(http.post("/v1/completions", content=b"[1, 2]", headers=headers), 400, "must be a JSON object")
+    text = {"Content-Type": "text/plain"}
+    _check_error(http.post("/v1/completions", content=b"hello", headers=text), 400, "must be a JSON object")
     _check_error(http.post("/v1/completions", json=_completion(prompt="x " * MAX_BODY)), 413, str(MAX_BODY))
     _check_error(http.get("/v1/nowhere"), 404, "")
 

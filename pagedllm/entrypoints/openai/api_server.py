@@ -161,6 +161,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_TAG.fullmatch(str(p))]
     param = ".".join(loc) or None
+    if param is None and kind == "model_attributes_type":  # not a JSON object: an array, text/plain
+        return "the request body must be a JSON object (Content-Type: application/json)", None
     if kind == "extra_forbidden":
         return f"unsupported field `{param}`: pagedllm does not implement it (see the README's field list)", param
     if kind == "finite_number":

@@ -28,9 +28,11 @@ class OpenAIBaseModel(BaseModel):
 
 
 class RequestModel(OpenAIBaseModel):
-    """A request body (or part of one): unknown fields and non-finite numbers fail validation."""
+    """A request body (or part of one): unknown fields, non-finite numbers and values of
+    another JSON type (``"3"``, ``true`` or ``3.0`` for an integer, ``"true"`` for a boolean)
+    fail validation; an integer is taken where a number is."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     def check(self) -> None:
         """Checks beyond each field's type, run before anything is tokenized or queued.
