@@ -11,6 +11,7 @@ import logging
 import shutil
 import stat
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,18 @@ def test_cpu_isa_forces_an_isa_and_rejects_others(fresh: Path, monkeypatch: pyte
         library.native_library("neon")
     with pytest.raises(ValueError, match="unknown ISA"), library.use_isa("sse9"):
         pass
+
+
+def test_first_calls_from_several_threads_build_and_log_once(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loader's thread pool asks for the library from every thread at once: one build."""
+    monkeypatch.setattr(library, "available_isas", lambda: ["avx512", "avx2", "scalar"])
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, "never")))
+    with caplog.at_level(logging.INFO, logger="pagedllm"), ThreadPoolExecutor(4) as pool:
+        assert set(pool.map(lambda _: library.active_isa(), range(8))) == {"avx512"}
+    assert caplog.text.count("native kernels: avx512") == 1
+    assert (fresh / "calls").read_text().count("-shared") == 1
 
 
 def test_disable_native_builds_nothing(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,8 +13,10 @@ import functools
 import logging
 import os
 import platform
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from pagedllm.kernels import build
 from pagedllm.kernels.isa import ALL_ISAS, cpu_flags, runnable_isas
@@ -24,6 +26,28 @@ logger = logging.getLogger("pagedllm")
 _RETRY = "delete the marker or set PAGEDLLM_REBUILD_NATIVE=1 to retry"
 _LOST = "decode/prefill attention, GEMM and fused elementwise ops run in PyTorch: several times slower"
 _forced_isa: str | None = None  # set by use_isa()
+_T = TypeVar("_T")
+
+
+def _once_per_argument(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """``functools.cache`` whose first call per argument runs once even when several threads
+    make it together (a loader's thread pool packing layers): one build, one log line. Hits
+    take no lock."""
+    results: dict[tuple, _T] = {}
+    lock = threading.Lock()
+
+    @functools.wraps(fn)
+    def cached(*args: object) -> _T:
+        try:
+            return results[args]
+        except KeyError:
+            with lock:
+                if args not in results:
+                    results[args] = fn(*args)
+                return results[args]
+
+    cached.cache_clear = results.clear  # type: ignore[attr-defined]
+    return cached
 
 
 def available_isas() -> list[str]:
@@ -93,7 +117,7 @@ def _check_runnable(isa: str, source: str) -> None:
         raise ValueError(f"{source}={isa!r} is {what}; this CPU runs: {', '.join(runnable)}")
 
 
-@functools.cache
+@_once_per_argument
 def _choose() -> str | None:
     """The first ISA, from the best (or ``PAGEDLLM_CPU_ISA``) down, whose library loads."""
     if _disabled():
@@ -116,7 +140,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
     return None if isinstance(result, build.BuildFailed) else result
 
 
-@functools.cache
+@_once_per_argument
 def _load_or_failure(isa: str) -> ctypes.CDLL | build.BuildFailed:
     """Load (building if needed) once per process; a failure is logged once."""
     try:
