@@ -111,5 +111,9 @@ def test_descriptor_refuses_a_packing_of_another_shape() -> None:
     assert ops.linear_desc(ops.LINEAR_F32, packed, None, 40, 64).n == 40
     with pytest.raises(ValueError, match="packed weight"):
         ops.linear_desc(ops.LINEAR_F32, packed, None, 40, 96)
+    w8a8 = ops.linear_pack_w8a8(torch.randn(40, 64))
+    assert ops.linear_desc(ops.LINEAR_W8A8, w8a8, None, 40, 64).kind == ops.LINEAR_W8A8
+    with pytest.raises(ValueError, match="w8a8 scales"):
+        ops.linear_desc(ops.LINEAR_W8A8, (w8a8[0], w8a8[1][:-1], w8a8[2]), None, 40, 64)
     with pytest.raises(ValueError, match="unknown linear kind"):
         ops.linear_desc(7, packed, None, 40, 64)

@@ -320,13 +320,7 @@ def linear_w8a8(
     x = _rows(x, torch.float32)
     m, k = x.shape
     codes, wscale, wsum128 = packed
-    _check_packed(codes, torch.int8, out_features, -(-k // W8A8_GROUP) * W8A8_GROUP, bias)
-    groups = -(-out_features // PANEL) * PANEL * -(-k // W8A8_GROUP)
-    if (wscale.dtype, wsum128.dtype, wscale.numel(), wsum128.numel()) != (torch.float32, torch.int32, groups, groups):
-        raise ValueError(
-            f"w8a8 scales: need {groups} float32 and int32, "
-            f"got {wscale.numel()} {wscale.dtype}, {wsum128.numel()} {wsum128.dtype}"
-        )
+    _check_w8a8(packed, out_features, k, bias)
     y = x.new_empty(m, out_features)
     status = lib.linear_w8a8(
         _ptr(x), x.stride(0), _ptr(codes), _ptr(wscale), _ptr(wsum128), _ptr_or_none(bias), _ptr(y), m, out_features, k
@@ -379,9 +373,7 @@ def linear_q4a8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     lib = _require()
     x = _rows(x, torch.float32)
     m, k = x.shape
-    groups = -(-k // W8A8_GROUP)
-    # The check counts elements per output column: one panel-group's bytes per 32 columns.
-    _check_packed(packed, torch.uint8, out_features, groups * Q4A8_GROUP_BYTES // PANEL, bias)
+    _check_q4a8(packed, out_features, k, bias)
     y = x.new_empty(m, out_features)
     lib.linear_q4a8(_ptr(x), x.stride(0), _ptr(packed), _ptr_or_none(bias), _ptr(y), m, out_features, k)
     return y
@@ -443,15 +435,14 @@ def linear_desc(
     Raises:
         ValueError: packed or bias do not fit [out_features, in_features], or an unknown kind.
     """
-    groups = -(-in_features // W8A8_GROUP)
     if kind == LINEAR_F32:
         _check_packed(packed, torch.float32, out_features, in_features, bias)
         w, wscale, wsum128 = packed, None, None
     elif kind == LINEAR_W8A8:
+        _check_w8a8(packed, out_features, in_features, bias)
         w, wscale, wsum128 = packed
-        _check_packed(w, torch.int8, out_features, groups * W8A8_GROUP, bias)
     elif kind == LINEAR_Q4A8:
-        _check_packed(packed, torch.uint8, out_features, groups * Q4A8_GROUP_BYTES // PANEL, bias)
+        _check_q4a8(packed, out_features, in_features, bias)
         w, wscale, wsum128 = packed, None, None
     else:
         raise ValueError(f"unknown linear kind {kind}")
@@ -557,6 +548,26 @@ def _check_packed(packed: torch.Tensor, dtype: torch.dtype, n: int, k: int, bias
         raise ValueError(f"packed weight: need {padded_n * k} contiguous {dtype}, got {packed.numel()} {packed.dtype}")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (padded_n,) or not bias.is_contiguous()):
         raise ValueError(f"bias: need float32 [{padded_n}] (whole panels), got {bias.dtype} {list(bias.shape)}")
+
+
+def _check_w8a8(
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n: int, k: int, bias: torch.Tensor | None
+) -> None:
+    """``linear_pack_w8a8``'s codes, scales and sums of an [n, k] weight, and a panel-padded bias."""
+    codes, wscale, wsum128 = packed
+    _check_packed(codes, torch.int8, n, -(-k // W8A8_GROUP) * W8A8_GROUP, bias)
+    groups = -(-n // PANEL) * PANEL * -(-k // W8A8_GROUP)
+    if (wscale.dtype, wsum128.dtype, wscale.numel(), wsum128.numel()) != (torch.float32, torch.int32, groups, groups):
+        raise ValueError(
+            f"w8a8 scales: need {groups} float32 and int32, "
+            f"got {wscale.numel()} {wscale.dtype}, {wsum128.numel()} {wsum128.dtype}"
+        )
+
+
+def _check_q4a8(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> None:
+    """``linear_pack_q4a8``'s panels of an [n, k] weight, and a panel-padded bias."""
+    # Counted in elements per output column: one panel-group's bytes per 32 columns.
+    _check_packed(packed, torch.uint8, n, -(-k // W8A8_GROUP) * Q4A8_GROUP_BYTES // PANEL, bias)
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, head_dim: int) -> None:
