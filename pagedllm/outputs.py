@@ -31,6 +31,24 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
         self.ranks.extend(other.ranks)
 
 
+class RequestError(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Why the engine ended one request with finish_reason "error".
+
+    ``param`` is set when the request's own input caused it (a constraint that no token can
+    satisfy, a grammar that fails while generating): the client's error, naming the field
+    (a 400 over HTTP). Without it the failure is the engine's (a 500).
+    """
+
+    message: str
+    param: str | None = None
+
+    @classmethod
+    def of(cls, error: Exception) -> RequestError:
+        """The client's error when ``error`` names a field (``InvalidParamError``), else the engine's."""
+        param = getattr(error, "param", None)
+        return cls(str(error), param) if param else cls(f"{type(error).__name__}: {error}")
+
+
 @dataclass
 class Logprob:
     """One token's log-probability, as in vLLM's ``Logprob``."""
@@ -57,6 +75,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     error: str | None = None  # with finish_reason "error": why the engine failed this sample
+    error_param: str | None = None  # with ``error``: the request field at fault, when it was the client's
 
     def finished(self) -> bool:
         return self.finish_reason is not None

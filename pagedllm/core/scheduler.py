@@ -25,6 +25,8 @@ import torch
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.outputs import RequestError
+from pagedllm.sampling_params import InvalidParamError
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger("pagedllm")
@@ -50,7 +52,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
-    failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, error): finished, blocks freed
+    failed: list[tuple[str, RequestError]] = field(default_factory=list)  # (request id, error): finished, blocks freed
 
     @property
     def is_empty(self) -> bool:
@@ -184,7 +186,10 @@ class Scheduler:
 
     def _fail(self, out: SchedulerOutput, request: Request, error: Exception) -> None:
         """Finish a request whose scheduling raised, free its blocks and report it in ``out.failed``."""
-        logger.exception("request %s failed while being scheduled", request.request_id)
+        if isinstance(error, InvalidParamError):  # the request's own input (its grammar): no traceback
+            logger.warning("request %s failed while being scheduled: %s", request.request_id, error)
+        else:
+            logger.exception("request %s failed while being scheduled", request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -192,7 +197,8 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.request is not request]
         request.status = RequestStatus.FINISHED_ERROR
         self._free(request)
-        out.failed.append((request.request_id, f"scheduling failed: {type(error).__name__}: {error}"))
+        out.failed.append((request.request_id, RequestError.of(error) if isinstance(error, InvalidParamError)
+                           else RequestError(f"scheduling failed: {type(error).__name__}: {error}")))
 
     def _num_drafts(self, request: Request, num_new: int, budget: int) -> int:
         """How many of the request's draft tokens to verify this step (they follow its last token)."""

@@ -7,6 +7,7 @@ end. The same object runs in process (offline ``LLM``) or inside the engine-core
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -17,6 +18,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.outputs import RequestError
 from pagedllm.live_view.recorder import StepRecorder
 from pagedllm.distributed.sharding import check_tensor_parallel_size
 from pagedllm.executor.executor import create_executor
@@ -29,6 +31,17 @@ logger = logging.getLogger("pagedllm")
 # A step loop with nothing to run but requests whose grammars compile waits this long at most
 # for one to finish, instead of spinning.
 _COMPILE_WAIT_S = 0.05
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_memory_bytes() -> int:
+    """This process's resident set size in bytes (Linux ``/proc``; 0 where it is unavailable)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 class EngineCore:
@@ -156,7 +169,8 @@ class EngineCore:
                         result.prompt_logprobs[i],
                         max(request.num_cached_tokens, 0),
                         # A token the grammar refused (it was sampled under its mask, so a bug).
-                        request.structured_output.error if request.structured_output is not None else None,
+                        RequestError(f"the grammar refused a sampled token: {request.structured_output.error}")
+                        if request.structured_output is not None and request.structured_output.error else None,
                     )
                 )
             if self.proposer is not None:
@@ -201,6 +215,7 @@ class EngineCore:
             prefix_cache_queries=self.kv_cache.prefix_queries,
             prefix_cache_hits=self.kv_cache.prefix_hits,
             num_batched_tokens=num_batched_tokens,
+            resident_memory_bytes=resident_memory_bytes(),
             spec_num_drafts=spec.num_drafts,
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,

@@ -22,6 +22,7 @@ from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.distributed.cpu_budget import cpu_share, pin_to
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestType
+from pagedllm.outputs import RequestError
 
 logger = logging.getLogger("pagedllm")
 
@@ -103,7 +104,7 @@ class EngineCoreProc:
             # The front end validated the request; whatever still fails ends that request
             # alone, never the loop that serves all the others.
             logger.exception("could not add request %s", request.request_id)
-            error = f"could not add the request: {type(e).__name__}: {e}"
+            error = RequestError(f"could not add the request: {type(e).__name__}: {e}")
             self._send(EngineCoreOutputs([EngineCoreOutput(request.request_id, [], "error", error=error)]))
 
     def _send(self, outputs: EngineCoreOutputs) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from pagedllm.live_view.records import StepRecord
-from pagedllm.outputs import TokenLogprobs
+from pagedllm.outputs import RequestError, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -29,7 +29,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int = 0
-    error: str | None = None  # with finish_reason "error": what failed, for logs and the client
+    error: RequestError | None = None  # with finish_reason "error": what failed, for logs and the client
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -40,6 +40,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_queries: int = 0  # cumulative, tokens
     prefix_cache_hits: int = 0  # cumulative, tokens
     num_batched_tokens: int = 0  # this step, less rejected speculative draft tokens
+    resident_memory_bytes: int = 0  # the core process's resident set size
     # Speculative decoding, cumulative (pagedllm.spec_decode.metrics.SpecDecodingStats).
     spec_num_drafts: int = 0  # verifications: request-steps with draft tokens
     spec_num_draft_tokens: int = 0

@@ -59,7 +59,11 @@ class EngineMetrics:
         self.kv_usage = Gauge(
             "pagedllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", ["engine"], registry=r
         )
-        self._gauges = (self.running, self.waiting, self.kv_usage)
+        self.resident_memory = Gauge(
+            "pagedllm:engine_core_resident_memory_bytes", "Resident memory of the engine core process, in bytes.",
+            ["engine"], registry=r,
+        )
+        self._gauges = (self.running, self.waiting, self.kv_usage, self.resident_memory)
         for engine in range(num_engines):
             for gauge in self._gauges:
                 gauge.labels(engine=str(engine))
@@ -110,6 +114,7 @@ class EngineMetrics:
         self.running.labels(engine=label).set(stats.num_running)
         self.waiting.labels(engine=label).set(stats.num_waiting)
         self.kv_usage.labels(engine=label).set(stats.kv_cache_usage)
+        self.resident_memory.labels(engine=label).set(stats.resident_memory_bytes)
         last = self._last[engine]
         self.preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
         self.prefix_queries.inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))

@@ -29,6 +29,7 @@ class SampleState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_param: str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_sent_tokens: int = 0
@@ -151,7 +152,8 @@ class OutputProcessor:
                         to_abort.append(out.request_id)
             if sample.finish_reason is None and out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-                sample.error = out.error
+                if out.error is not None:
+                    sample.error, sample.error_param = out.error.message, out.error.param
                 sample.final_delta = sample.detokenizer.flush()
             if sample.finish_reason is not None:
                 self._child_to_parent.pop(out.request_id, None)
@@ -211,7 +213,8 @@ class OutputProcessor:
                 tokens, logprobs, text = list(s.token_ids), s.logprobs, s.detokenizer.output_text
             outputs.append(
                 CompletionOutput(
-                    s.index, text, tokens, s.finish_reason, s.stop_reason, logprobs, s.cumulative_logprob, s.error
+                    s.index, text, tokens, s.finish_reason, s.stop_reason, logprobs, s.cumulative_logprob, s.error,
+                    s.error_param,
                 )
             )
         first_times = [s.first_token_time for s in state.samples if s.first_token_time is not None]

@@ -1,22 +1,28 @@
-"""Grammar compilation for the engine core: a background thread and a cache keyed by grammar."""
+"""Grammar compilation for the engine core: background threads and a cache keyed by grammar,
+bounded by bytes."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 
+from pagedllm.sampling_params import InvalidParamError
 from pagedllm.structured_output import backend
+from pagedllm.structured_output.grammar import grammar_text, short_error
 from pagedllm.structured_output.params import StructuredOutputsParams
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 logger = logging.getLogger("pagedllm")
 
-CACHE_SIZE = 256  # compiled grammars kept (initial-state matchers, a few hundred KB at most each)
+CACHE_SIZE = 256  # compiled grammars kept at most...
+CACHE_BYTES = 64 * 1024 * 1024  # ...and at most this much grammar text (a matcher's size follows its grammar's)
+COMPILE_THREADS = 2  # one slow grammar does not hold the others
 
 
 class StructuredOutputManager:
@@ -35,8 +41,10 @@ class StructuredOutputManager:
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
         self._compiler: backend.Compiler | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
+        self._executor = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pagedllm-grammar")
+        self._compiler_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future[llguidance.LLMatcher]] = OrderedDict()
+        self._cache_bytes = 0
 
     def request_state(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A new sequence's grammar state; compiles in the background unless cached.
@@ -47,10 +55,14 @@ class StructuredOutputManager:
         key = params.key
         compiled = self._cache.get(key)
         if compiled is None or (compiled.done() and compiled.exception() is not None):
-            compiled = self._executor.submit(self._compile, params)
+            compiled = self._executor.submit(self._compile, key)
+            if key in self._cache:
+                self._cache_bytes -= len(key[1])
             self._cache[key] = compiled
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._cache_bytes += len(key[1])
+            while len(self._cache) > CACHE_SIZE or (self._cache_bytes > CACHE_BYTES and len(self._cache) > 1):
+                old, _ = self._cache.popitem(last=False)
+                self._cache_bytes -= len(old[1])
         self._cache.move_to_end(key)
         return StructuredOutputRequest(compiled)
 
@@ -61,7 +73,17 @@ class StructuredOutputManager:
         if pending:
             concurrent.futures.wait(pending, timeout, concurrent.futures.FIRST_COMPLETED)
 
-    def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
-        if self._compiler is None:
-            self._compiler = backend.Compiler(self._load_tokenizer(), self._vocab_size, self._eos_token_ids)
-        return self._compiler.compile(backend.check(params))
+    def _compile(self, key: tuple[str, str]) -> llguidance.LLMatcher:
+        """A matcher for a constraint the front end has checked (in its grammar workers).
+
+        Raises:
+            InvalidParamError: it does not compile against this vocabulary (``param``
+                ``structured_outputs``; a short message).
+        """
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = backend.Compiler(self._load_tokenizer(), self._vocab_size, self._eos_token_ids)
+        try:
+            return self._compiler.compile(grammar_text(*key))
+        except ValueError as e:
+            raise InvalidParamError("structured_outputs", f"structured_outputs: {short_error(str(e))}") from None

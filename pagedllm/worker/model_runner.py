@@ -33,10 +33,12 @@ from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.rejection_sampler import RejectionSampler
 from pagedllm.layers.sampler import Sampler, compute_logprobs
 from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
-from pagedllm.outputs import TokenLogprobs
+from pagedllm.outputs import RequestError, TokenLogprobs
+from pagedllm.sampling_params import InvalidParamError
 from pagedllm.core.request import Request
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.structured_output.bitmask import fill_bitmask
+from pagedllm.structured_output.grammar import short_error
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 from pagedllm.worker.step_input import BlockTableMirror, StepInput, apply_updates
 
@@ -52,6 +54,15 @@ FAULT_ENV = "PAGEDLLM_TEST_FAULTS"
 _FATAL = (MemoryError, torch.OutOfMemoryError)
 
 
+def _constraint_field(request: Request) -> str:
+    """The first field of ``request`` that can leave no token to sample, for its error's ``param``."""
+    params = request.sampling_params
+    for name in ("allowed_token_ids", "bad_words", "structured_outputs", "logit_bias"):
+        if getattr(params, name):
+            return name
+    return "min_tokens" if params.min_tokens else "repetition_penalty"
+
+
 class InjectedFault(RuntimeError):
     """Raised by the fault-injection test hook."""
 
@@ -64,7 +75,7 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[TokenLogprobs | None]
     # Index of a request that failed alone -> why; it has no sampled tokens and must be finished.
-    errors: dict[int, str] = field(default_factory=dict)
+    errors: dict[int, RequestError] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -182,8 +193,8 @@ class ModelRunner:
             # A token id the embedding cannot look up would crash the next step for everyone.
             bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
             if bad:
-                errors[i] = f"sampled token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})"
-                logger.error("request %s: %s", sched.scheduled[i].request.request_id, errors[i])
+                errors[i] = RequestError(f"sampled token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+                logger.error("request %s: %s", sched.scheduled[i].request.request_id, errors[i].message)
                 sampled[i], logprobs[i] = [], None
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, errors)
 
@@ -248,8 +259,8 @@ class ModelRunner:
         if not all(finite):
             for j, (i, s) in enumerate(sample_rows):
                 if not finite[j]:
-                    errors[i] = f"the model produced non-finite logits for request {s.request.request_id}"
-                    logger.error("%s", errors[i])
+                    errors[i] = RequestError(f"the model produced non-finite logits for request {s.request.request_id}")
+                    logger.error("%s", errors[i].message)
             keep = [j for j, ok in enumerate(finite) if ok]
             logits, sample_rows = logits[keep], [sample_rows[j] for j in keep]
         if not sample_rows:
@@ -301,9 +312,12 @@ class ModelRunner:
         return results
 
     @staticmethod
-    def _failed(request: Request, stage: str, error: Exception) -> str:
+    def _failed(request: Request, stage: str, error: Exception) -> RequestError:
+        if isinstance(error, InvalidParamError):  # the request's own input: no traceback
+            logger.warning("request %s failed in %s: %s", request.request_id, stage, error)
+            return RequestError.of(error)
         logger.error("request %s failed in %s", request.request_id, stage, exc_info=error)
-        return f"{stage} failed: {type(error).__name__}: {error}"
+        return RequestError(f"{stage} failed: {type(error).__name__}: {error}")
 
     def _sample(
         self, logits: torch.Tensor, reqs: list[ScheduledRequest]
@@ -326,11 +340,15 @@ class ModelRunner:
         if constrained:
             grammars = [reqs[j].request.structured_output for j in constrained]
             meta = replace(meta, grammar_mask=(fill_bitmask(grammars, logits.shape[1]), constrained))
+            if any(g.matcher.is_error() for g in grammars):  # fails this batch; ``_isolated`` retries each alone
+                error = next(g.matcher.get_error() for g in grammars if g.matcher.is_error())
+                raise InvalidParamError("structured_outputs", f"the grammar failed while generating: {short_error(error)}")
         out = self.sampler(logits, meta)
         if out.unsamplable:  # fails this batch; ``_isolated`` retries each request alone
-            raise ValueError(
-                "no token can be sampled: allowed_token_ids, bad_words, min_tokens and penalties leave no token "
-                "with a finite logit"
+            raise InvalidParamError(
+                _constraint_field(reqs[0].request),
+                "no token can be sampled: the request's allowed_token_ids, bad_words, structured output, "
+                "min_tokens and penalties leave no token with a finite logit",
             )
         tokens = out.sampled_token_ids.tolist()
         results: list[tuple[list[int], TokenLogprobs | None]] = []

@@ -37,6 +37,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
         ValueError: for a bad value.
     """
     parse_memory(args.max_request_body_size)
+    grammar_limits(args)
+    if args.grammar_workers < 1:
+        raise ValueError(f"--grammar-workers must be at least 1, got {args.grammar_workers}")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +62,47 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "the cores; requests go to the least-loaded one, or to the one holding their prefix")
     parser.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                         help='format of the tool calls a model writes, read for tool_choice "auto"')
+    add_grammar_args(parser)
+
+
+_GRAMMAR_HELP = {
+    "max_bytes": "bytes of one schema, regex, grammar or choice list",
+    "max_rules": "rules of a grammar, subschemas of a schema",
+    "max_depth": "deepest rule chain, $ref chain or nesting",
+    "max_alternatives": "alternatives of one rule; anyOf/oneOf/enum entries",
+    "max_choices": "entries of a choice list",
+    "max_properties": "properties of one object schema",
+    "compile_timeout_s": "seconds one constraint may take to compile (isolated check)",
+}
+
+
+def _grammar_flag(field: str) -> str:
+    return "--grammar-compile-timeout" if field == "compile_timeout_s" else "--max-grammar-" + field[4:]
+
+
+def add_grammar_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``GrammarLimits`` field, plus the number of grammar worker processes."""
+    from pagedllm.structured_output.checker import DEFAULT_WORKERS
+    from pagedllm.structured_output.limits import GrammarLimits
+
+    group = parser.add_argument_group("structured outputs (a constraint beyond a limit gets a 400 naming its field)")
+    for field in GrammarLimits.__struct_fields__:
+        default = getattr(GrammarLimits(), field)
+        group.add_argument(_grammar_flag(field), dest=f"grammar_{field}", type=type(default), default=default,
+                           help=f"{_GRAMMAR_HELP[field]} (default {default})")
+    group.add_argument("--grammar-workers", type=int, default=DEFAULT_WORKERS,
+                       help="processes that compile-check constraints in isolation (default %(default)s)")
+
+
+def grammar_limits(args: argparse.Namespace):
+    """The ``GrammarLimits`` of the ``--max-grammar-*`` flags.
+
+    Raises:
+        ValueError: a limit that is not positive.
+    """
+    from pagedllm.structured_output.limits import GrammarLimits
+
+    return GrammarLimits(**{f: getattr(args, f"grammar_{f}") for f in GrammarLimits.__struct_fields__})
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -94,6 +138,9 @@ def run_serve(args: argparse.Namespace) -> None:
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.entrypoints.openai.api_server import ApiServer, build_app
 
+    from pagedllm.structured_output import checker
+
+    checker.configure(grammar_limits(args), args.grammar_workers)
     config = engine_config(args)
     max_body = parse_memory(args.max_request_body_size)
     name = args.served_model_name or args.model

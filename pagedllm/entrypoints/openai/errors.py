@@ -7,12 +7,15 @@ from pagedllm.outputs import RequestOutput
 
 
 def generation_error(out: RequestOutput) -> OpenAIError | None:
-    """A 500 InternalServerError if a sample of ``out`` finished with reason "error", else None.
+    """The error of a sample of ``out`` that finished with reason "error", else None.
 
-    The request was valid (validation answers 400 before anything runs); the engine failed it
-    alone and goes on serving the others, so this is the server's error, not the client's.
+    A 400 naming the field when the request's own input caused it while generating (its
+    constraints leave no token, its grammar fails); otherwise a 500 InternalServerError: the
+    request was valid and the engine failed it alone, going on serving the others.
     """
     for c in out.outputs:
+        if c.finish_reason == "error" and c.error_param is not None:
+            return OpenAIError(400, c.error or "invalid request", param=c.error_param)
         if c.finish_reason == "error":
             return OpenAIError(500, f"the engine failed this request: {c.error}", "InternalServerError")
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -55,6 +56,25 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, served_model_name)
         self.tool_parser = tool_parser
 
+    def _prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
+        """Validate and tokenize a request (blocking; 400 naming the field on invalid input)."""
+        self.check_request(req)
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+            if not 0 <= req.top_logprobs <= 20:
+                raise OpenAIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
+        # tool_choice "none" keeps the tools out of the prompt too.
+        token_ids = self.render(req.messages, req.add_generation_prompt, req.tools if req.tool_mode != "none" else None)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, len(token_ids), max_tokens, logprobs)
+        if (constraint := tool_constraint(req)) is not None:
+            params = msgspec.structs.replace(params, structured_outputs=constraint)
+        if req.tool_mode == "auto":  # call markers such as Qwen's <tool_call> are special tokens: the parser needs them
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
+        return self.prepare(random_id("chatcmpl"), token_ids, params, req.cache_salt)
+
     def render(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[ChatTool] | None = None
     ) -> list[int]:
@@ -73,26 +93,13 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         """A response, or the SSE lines of a stream.
 
+        Validation (grammar checks, the chat template, tokenizing) runs in a worker thread, so
+        a heavy request never holds the event loop that serves every other client.
+
         Raises:
             OpenAIError: 404 for another model, 400 for invalid input (before anything runs).
         """
-        self.check_request(req)
-        if req.top_logprobs is not None:
-            if not req.logprobs:
-                raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-            if not 0 <= req.top_logprobs <= 20:
-                raise OpenAIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
-        # tool_choice "none" keeps the tools out of the prompt too.
-        token_ids = self.render(req.messages, req.add_generation_prompt, req.tools if req.tool_mode != "none" else None)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, len(token_ids), max_tokens, logprobs)
-        if (constraint := tool_constraint(req)) is not None:
-            params = msgspec.structs.replace(params, structured_outputs=constraint)
-        if req.tool_mode == "auto":  # call markers such as Qwen's <tool_call> are special tokens: the parser needs them
-            params = msgspec.structs.replace(params, skip_special_tokens=False)
-        request_id = random_id("chatcmpl")
-        prepared = self.prepare(request_id, token_ids, params, req.cache_salt)
+        prepared = await asyncio.to_thread(self._prepare, req)
         if req.stream:
             return self._stream(req, prepared)
         (out,) = await gather_final([self.engine.generate(prepared)])
@@ -109,9 +116,9 @@ class OpenAIServingChat(OpenAIServing):
                 stop_reason=c.stop_reason,
             ))
         completion = sum(len(c.token_ids) for c in out.outputs)
-        usage = UsageInfo(prompt_tokens=len(token_ids), completion_tokens=completion,
-                          total_tokens=len(token_ids) + completion)
-        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
+        prompt = len(prepared.core_requests[0].prompt_token_ids)
+        usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return ChatCompletionResponse(id=prepared.request_id, model=self.served_model_name, choices=choices, usage=usage)
 
     def _message(self, req: ChatCompletionRequest, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
         """The assistant message of one output under the request's tool mode, and its finish

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 from collections.abc import AsyncIterator
 
@@ -40,9 +42,9 @@ class OpenAIServingCompletion(OpenAIServing):
         Raises:
             OpenAIError: 404 for another model, 400 for invalid input (before anything runs).
         """
-        self.check_request(req)
         request_id = random_id("cmpl")
-        prepared = [self._prepare(f"{request_id}-{i}", p, req) for i, p in enumerate(self._prompts(req))]
+        # Validation (grammar checks, tokenizing) in a worker thread: the event loop serves everyone.
+        prepared = await asyncio.to_thread(self._prepare_all, request_id, req)
         if req.stream:
             return self._stream(req, request_id, prepared)
         outputs = await gather_final([self.engine.generate(p) for p in prepared])
@@ -59,6 +61,11 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     # -- input -----------------------------------------------------------------------------
+    def _prepare_all(self, request_id: str, req: CompletionRequest) -> list[PreparedRequest]:
+        """Validate and tokenize every prompt (blocking; 400 naming the field on invalid input)."""
+        self.check_request(req)
+        return [self._prepare(f"{request_id}-{i}", p, req) for i, p in enumerate(self._prompts(req))]
+
     @staticmethod
     def _prompts(req: CompletionRequest) -> list[str | list[int]]:
         p = req.prompt
