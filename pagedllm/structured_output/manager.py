@@ -20,8 +20,10 @@ from pagedllm.structured_output.request import StructuredOutputRequest
 
 logger = logging.getLogger("pagedllm")
 
-CACHE_SIZE = 256  # compiled grammars kept at most...
-CACHE_BYTES = 64 * 1024 * 1024  # ...and at most this much grammar text (a matcher's size follows its grammar's)
+# Compiled grammars kept: at most this many (a matcher for a schema of a few hundred properties
+# holds about a megabyte)...
+CACHE_SIZE = 64
+CACHE_BYTES = 32 * 1024 * 1024  # ...and at most this much grammar text
 COMPILE_THREADS = 2  # one slow grammar does not hold the others
 
 
