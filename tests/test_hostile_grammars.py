@@ -190,3 +190,13 @@ def test_engine_core_memory_is_bounded_after_many_distinct_grammars(server: Serv
     # The stated bound: 150 MB over the core's RSS before them (the compiled-grammar cache holds
     # at most 64 matchers, about 1 MB each for these schemas; the 32 MiB KV pool; the allocator's slack).
     assert rss() - before < 150e6
+
+
+def test_many_tools_required_are_refused_as_tools(http: httpx.Client, canary: str) -> None:
+    """Each tool fits the limits; the constraint of "required" over all of them does not."""
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": many_properties(3)}} for i in range(1500)]
+    r = http.post("/v1/chat/completions", json=_chat(tools=tools, tool_choice="required"))
+    assert r.status_code == 400 and len(r.content) < 4096
+    assert r.json()["error"]["param"] == "tools"
+    again = http.post("/v1/chat/completions", json=CANARY)
+    assert again.json()["choices"][0]["message"]["content"] == canary

@@ -35,8 +35,9 @@ def check_tools(req: ChatCompletionRequest) -> None:
     Raises:
         InvalidParamError: ``tool_choice`` "required" or named without ``tools``, a named
             function not in ``tools``, two tools of one name, a tool choice that constrains
-            together with another structured output field, or parameters that are not a
-            JSON schema the grammar engine compiles (``tools.i.function.parameters``).
+            together with another structured output field, parameters that are not a
+            JSON schema the grammar engine compiles (``tools.i.function.parameters``), or
+            tools whose union is beyond the grammar limits (``tools``).
     """
     tools = req.tools or []
     names = [t.function.name for t in tools]
@@ -60,6 +61,10 @@ def check_tools(req: ChatCompletionRequest) -> None:
                 backend.check(StructuredOutputsParams(json=_parameters(tool)))
             except InvalidParamError as e:
                 raise InvalidParamError(f"tools.{i}.function.parameters", f"tools.{i}.function.parameters: {e}") from None
+        try:  # the tools together (each fits, but their union can be beyond the limits)
+            backend.check(tool_constraint(req))
+        except InvalidParamError as e:
+            raise InvalidParamError("tools", f"tools: {e}") from None
 
 
 def tool_constraint(req: ChatCompletionRequest) -> StructuredOutputsParams | None:
