@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import msgspec
 
+from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
@@ -15,19 +16,6 @@ _INT64 = 2**63  # msgpack carries signed 64-bit integers; anything wider cannot 
 MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 1024
 MAX_LOGIT_BIAS = 100.0
-
-
-class InvalidParamError(ValueError):
-    """A ValueError that names the request field at fault (the server's ``param``).
-
-    Args:
-        param: the field, dotted for nested values (``"messages.0.content"``).
-        message: what is wrong and what is allowed.
-    """
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def check_text(value: object, field: str) -> str:

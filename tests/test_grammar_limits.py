@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedllm.sampling_params import InvalidParamError
+from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output import StructuredOutputsParams
 from pagedllm.structured_output.checker import CACHE_BYTES, GrammarChecker
 from pagedllm.structured_output.limits import GrammarLimits, check_shape
@@ -134,7 +134,7 @@ def _busy_worker(c: GrammarChecker) -> int:
         for pid in c.worker_pids():
             try:
                 with open(f"/proc/{pid}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[12]) > 10:  # utime, clock ticks
+                    if int(f.read().rsplit(")", 1)[1].split()[11]) > 10:  # utime, clock ticks
                         return pid
             except OSError:
                 pass

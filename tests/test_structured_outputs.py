@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
-from pagedllm.sampling_params import InvalidParamError
+from pagedllm.errors import InvalidParamError
 from test_engine import pool_is_whole
 
 PERSON = {

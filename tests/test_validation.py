@@ -8,7 +8,8 @@ import math
 import pytest
 
 from pagedllm import LLM
-from pagedllm.sampling_params import InvalidParamError, SamplingParams, check_text
+from pagedllm.errors import InvalidParamError
+from pagedllm.sampling_params import SamplingParams, check_text
 
 FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
 INT_FIELDS = ["n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"]

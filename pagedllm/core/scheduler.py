@@ -26,7 +26,7 @@ import torch
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.outputs import RequestError
-from pagedllm.sampling_params import InvalidParamError
+from pagedllm.errors import InvalidParamError
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger("pagedllm")

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import msgspec
 
 from pagedllm.engine.messages import EngineCoreRequest
-from pagedllm.sampling_params import InvalidParamError, SamplingParams, check_text
+from pagedllm.errors import InvalidParamError
+from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.structured_output import backend
 
 PromptType = str | Sequence[int]

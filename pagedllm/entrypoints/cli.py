@@ -15,7 +15,7 @@ from typing import Any
 
 from pagedllm import __version__
 from pagedllm.config import DEFAULT_MODEL
-from pagedllm.sampling_params import InvalidParamError
+from pagedllm.errors import InvalidParamError
 
 
 class Parser(argparse.ArgumentParser):

@@ -14,7 +14,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.live_view.trace import write_trace
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import InvalidParamError, SamplingParams, check_text
+from pagedllm.errors import InvalidParamError
+from pagedllm.sampling_params import SamplingParams, check_text
 
 Message = dict[str, Any]
 

@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import msgspec
 
-from pagedllm.sampling_params import InvalidParamError
+from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output.grammar_worker import HEADER, frame
 from pagedllm.structured_output.limits import GrammarLimits, check_shape
 

@@ -9,7 +9,7 @@ import json
 
 import llguidance
 
-from pagedllm.sampling_params import InvalidParamError
+from pagedllm.errors import InvalidParamError
 
 # Compact JSON, no whitespace between tokens (as vLLM's disable_any_whitespace):
 # with free whitespace, small models loop on newlines until max_tokens. A schema's own

@@ -14,7 +14,7 @@ import sys
 
 import msgspec
 
-from pagedllm.sampling_params import InvalidParamError
+from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output.grammar import compile_check
 
 HEADER = struct.Struct("<I")

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from pagedllm.sampling_params import InvalidParamError
+from pagedllm.errors import InvalidParamError
 
 
 class GrammarLimits(msgspec.Struct, frozen=True, kw_only=True):

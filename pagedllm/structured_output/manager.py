@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 
-from pagedllm.sampling_params import InvalidParamError
+from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output import backend
 from pagedllm.structured_output.grammar import grammar_text, short_error
 from pagedllm.structured_output.params import StructuredOutputsParams

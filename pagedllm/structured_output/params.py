@@ -7,6 +7,8 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.errors import InvalidParamError
+
 # One of these must be set; ``json_object`` is any JSON object.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -44,7 +46,6 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         Raises:
             InvalidParamError: naming the field at fault.
         """
-        from pagedllm.sampling_params import InvalidParamError  # that module imports this one
 
         kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
@@ -77,7 +78,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         Raises:
             InvalidParamError: ``json`` text that is not JSON.
         """
-        from pagedllm.sampling_params import InvalidParamError
+        from pagedllm.errors import InvalidParamError
 
         kind = self.kind
         value = getattr(self, kind)

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from pagedllm.entrypoints.openai.tools import check_tools
-from pagedllm.sampling_params import InvalidParamError, check_text
+from pagedllm.errors import InvalidParamError
+from pagedllm.sampling_params import check_text
 
 
 def random_id(prefix: str) -> str:

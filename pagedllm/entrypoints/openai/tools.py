@@ -12,7 +12,7 @@ import json
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.sampling_params import InvalidParamError
+from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output import StructuredOutputsParams, backend
 
 if TYPE_CHECKING:
