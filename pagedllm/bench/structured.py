@@ -36,12 +36,13 @@ def _ms(seconds: list[float]) -> str:
 
 def bench_compile(tokenizer, vocab_size: int, eos: list[int], repeats: int) -> None:
     from pagedllm.structured_output import StructuredOutputsParams, backend
+    from pagedllm.structured_output.grammar import compile_check
     from pagedllm.structured_output.manager import StructuredOutputManager
 
     start = time.perf_counter()
     compiler = backend.Compiler(tokenizer, vocab_size, eos)
     print(f"llguidance tokenizer (once per engine): {(time.perf_counter() - start) * 1e3:.0f} ms")
-    checks, compiles = [], []
+    checks, in_process, compiles = [], [], []
     for i in range(repeats):
         # A distinct schema each time, so neither the front end's cache nor the core's hits.
         params = StructuredOutputsParams(json=SCHEMA | {"description": f"bench {i}"})
@@ -49,9 +50,13 @@ def bench_compile(tokenizer, vocab_size: int, eos: list[int], repeats: int) -> N
         grammar = backend.check(params)
         checks.append(time.perf_counter() - start)
         start = time.perf_counter()
+        compile_check(*StructuredOutputsParams(json=SCHEMA | {"description": f"in process {i}"}).key)
+        in_process.append(time.perf_counter() - start)
+        start = time.perf_counter()
         compiler.compile(grammar)
         compiles.append(time.perf_counter() - start)
-    print(f"front-end compile check of the schema: {_ms(checks)}")
+    print(f"front-end check of the schema (limits, then a grammar worker process): {_ms(checks)}")
+    print(f"the worker's compile check run in this process instead: {_ms(in_process)}")
     print(f"engine-core compile (matcher built): {_ms(compiles)}")
     manager = StructuredOutputManager(lambda: tokenizer, vocab_size, eos)
     params = StructuredOutputsParams(json=SCHEMA)
