@@ -183,6 +183,6 @@ def test_a_request_the_whole_cache_cannot_hold_fails_instead_of_blocking_the_que
             break
         failed.update(step(sched).failed)
     assert not sched.num_unfinished
-    assert set(failed) == {"huge", "grows"} and "do not fit in the KV cache (8 blocks" in failed["huge"]
+    assert set(failed) == {"huge", "grows"} and "do not fit in the KV cache (8 blocks" in failed["huge"].message
     assert small.status == RequestStatus.FINISHED_LENGTH and small.num_output_tokens == 8
     assert_pool_whole(sched)
