@@ -90,7 +90,7 @@ class LiveView:
         self.prefix_queries = 0  # prompt tokens of admitted requests (first admission)
         self.prefix_hits = 0
         self.version = 0  # one more with every change fed in
-        # Per version after the first kept: the blocks and requests whose rows it changed.
+        # One entry per version, the latest _CHANGE_LOG: the blocks and request rows it changed.
         self._changes: deque[tuple[set[int], set[str]]] = deque(maxlen=_CHANGE_LOG)
         self._headline: tuple[int, dict[str, Any]] | None = None  # (version, headline) of the last call
 
