@@ -87,6 +87,7 @@ def test_dashboard_needs_the_key(server: Server, browser: webdriver.Chrome) -> N
 def test_dashboard_shows_blocks_steps_and_requests_under_load(
     server: Server, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
+    browser.get_log("browser")  # drops the earlier pages' entries
     browser.get(f"{server.url}/dashboard?api_key={API_KEY}")
     wait = WebDriverWait(browser, WAIT_S, poll_frequency=0.2)
     wait.until(lambda d: _data(d, "frames") >= 2)  # the event stream is live
@@ -109,6 +110,8 @@ def test_dashboard_shows_blocks_steps_and_requests_under_load(
     # it up and click it again until one click lands between two frames.
     wait.until(lambda d: _click_finished_row(d))  # selects it: its row is marked, the map dims the others
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".row.selected"))
+    # No script error on any frame (network entries: the browser's own favicon request, refused without the key).
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"] == []
     for t in threads:
         t.join(WAIT_S)
     trace = httpx.get(f"{server.url}/debug/trace", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()

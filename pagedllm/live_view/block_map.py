@@ -23,17 +23,20 @@ class BlockMap:
         self.holders: list[dict[str, int]] = [{} for _ in range(num_blocks)]  # request id -> table index
         self.last_holder: list[tuple[str, int] | None] = [None] * num_blocks  # whose prefix a free block keeps
 
-    def apply(self, ops: Iterable[BlockOp]) -> None:
-        """Replay ``ops`` in order.
+    def apply(self, ops: Iterable[BlockOp]) -> set[int]:
+        """Replay ``ops`` in order; return the ids of the blocks they touched.
 
         Raises:
             IndexError: a block id outside the pool.
         """
+        touched: set[int] = set()
         for op in ops:
             kind = op.kind
             if kind == BlockOpKind.RESET:
+                touched.update(b for b, c in enumerate(self.cached) if c)
                 self.cached = [False] * self.num_blocks
                 continue
+            touched.update(op.block_ids)
             for i, b in enumerate(op.block_ids):
                 index = op.first_index + i
                 if kind == BlockOpKind.NEW:
@@ -52,6 +55,25 @@ class BlockMap:
                         self.last_holder[b] = (op.request_id, index)
                 elif kind == BlockOpKind.CACHED:
                     self.cached[b] = True
+        return touched
+
+    def cell(self, b: int) -> tuple[str | None, int, list[list[Any]] | None]:
+        """Block ``b`` for the page: its first holder (for a cached free block: its last holder;
+        None when free and uncached), that holder's table index (-1 with no holder), and, when
+        several requests hold it, their ``[request id, table index]`` pairs."""
+        holders = self.holders[b]
+        if holders:
+            rid, i = next(iter(holders.items()))
+            return rid, i, [[r, j] for r, j in holders.items()] if len(holders) > 1 else None
+        if self.cached[b] and self.last_holder[b] is not None:
+            rid, i = self.last_holder[b]
+            return rid, i, None
+        return None, -1, None
+
+    def rows(self, block_ids: Iterable[int]) -> list[list[Any]]:
+        """The given blocks as ``[id, ref, cached (0/1), group, holder, index, shared]``
+        (``cell``'s holder, index and shared pairs), in id order."""
+        return [[b, self.ref[b], int(self.cached[b]), self.group[b], *self.cell(b)] for b in sorted(block_ids)]
 
     def snapshot(self) -> dict[str, Any]:
         """The map for the page: per-block arrays and the holders of shared blocks.
@@ -64,15 +86,12 @@ class BlockMap:
         owner_index: dict[str, int] = {}
         owner, index = [-1] * self.num_blocks, [-1] * self.num_blocks
         shared: dict[str, list[list[Any]]] = {}
-        for b, holders in enumerate(self.holders):
-            if holders:
-                rid, i = next(iter(holders.items()))
-                if len(holders) > 1:
-                    shared[str(b)] = [[r, j] for r, j in holders.items()]
-            elif self.cached[b] and self.last_holder[b] is not None:
-                rid, i = self.last_holder[b]
-            else:
+        for b in range(self.num_blocks):
+            rid, i, pairs = self.cell(b)
+            if rid is None:
                 continue
+            if pairs is not None:
+                shared[str(b)] = pairs
             if rid not in owner_index:
                 owner_index[rid] = len(owners)
                 owners.append(rid)

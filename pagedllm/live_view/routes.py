@@ -7,6 +7,7 @@ browser needs no other request than the event stream (and no network beyond this
 from __future__ import annotations
 
 import asyncio
+import time
 from importlib import resources
 
 import msgspec
@@ -14,10 +15,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.live_view.frames import ViewerFrames
 from pagedllm.live_view.trace import trace_events
 from pagedllm.live_view.view import LiveView
 
-EVENT_INTERVAL_S = 0.4  # the page redraws on every event: 2.5 times a second
+FRAME_INTERVAL_S = 0.4  # the page redraws on every frame: at most 2.5 times a second per viewer
+HEARTBEAT_S = 1.0  # a frame at least this often while nothing changes (the waterfall's clock)
 _OFF_MESSAGE = "the live view is off: start the server with --enable-live-view"
 
 
@@ -30,8 +33,14 @@ def dashboard_html() -> str:
     return html.replace("/*DASHBOARD_CSS*/", css).replace("/*DASHBOARD_JS*/", js)
 
 
-def live_view_router(view: LiveView | None) -> APIRouter:
-    """``GET /dashboard``, ``GET /dashboard/events`` and ``GET /debug/trace``; 404 on each when ``view`` is None."""
+def live_view_router(
+    view: LiveView | None, frame_interval_s: float = FRAME_INTERVAL_S, heartbeat_s: float = HEARTBEAT_S
+) -> APIRouter:
+    """``GET /dashboard``, ``GET /dashboard/events`` and ``GET /debug/trace``; 404 on each when ``view`` is None.
+
+    Each event-stream viewer gets ``ViewerFrames``: a snapshot, then deltas, at most one frame
+    per ``frame_interval_s``, and one at least every ``heartbeat_s``.
+    """
     router = APIRouter()
     encoder = msgspec.json.Encoder()
 
@@ -48,9 +57,12 @@ def live_view_router(view: LiveView | None) -> APIRouter:
             return off()
 
         async def stream():
+            frames = ViewerFrames(view, frame_interval_s, heartbeat_s)
             while not await request.is_disconnected():
-                yield b"data: " + encoder.encode(view.snapshot()) + b"\n\n"
-                await asyncio.sleep(EVENT_INTERVAL_S)
+                frame = frames.poll(time.monotonic())
+                if frame is not None:
+                    yield b"data: " + encoder.encode(frame) + b"\n\n"
+                await asyncio.sleep(frames.wait_s(time.monotonic()))
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

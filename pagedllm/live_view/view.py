@@ -17,6 +17,7 @@ DEFAULT_STEPS = 4096  # ring buffer length: the last few thousand steps
 DEFAULT_REQUESTS = 512  # request timelines kept (finished ones are dropped oldest first)
 _MAX_SEGMENTS = 256  # per request; later steps extend the last segment
 _RATE_WINDOW_S = 5.0  # tokens/s are averaged over the steps of this many seconds
+_CHANGE_LOG = 1024  # versions whose changes are kept for viewers' deltas (an older viewer gets a snapshot)
 
 
 @dataclass
@@ -88,6 +89,10 @@ class LiveView:
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens of admitted requests (first admission)
         self.prefix_hits = 0
+        self.version = 0  # one more with every change fed in
+        # One entry per version, the latest _CHANGE_LOG: the blocks and request rows it changed.
+        self._changes: deque[tuple[set[int], set[str]]] = deque(maxlen=_CHANGE_LOG)
+        self._headline: tuple[int, dict[str, Any]] | None = None  # (version, headline) of the last call
 
     @classmethod
     def for_engine(cls, config: EngineConfig, kv: KVCacheConfig) -> LiveView:
@@ -101,23 +106,33 @@ class LiveView:
         for r in requests:
             self.requests[r.request_id] = RequestTimeline(r.request_id, r.arrival_time, len(r.prompt_token_ids))
         self._trim_requests()
+        self._changed(set(), {r.request_id for r in requests})
 
     def on_finish(self, request_ids: list[str], reason: str, now: float) -> None:
         """Finish requests the front end ended (abort, stop string): the core reports nothing for them."""
+        finished = set()
         for rid in request_ids:
             timeline = self.requests.get(rid)
             if timeline is not None and timeline.finished is None:
                 timeline.finished, timeline.finish_reason = now, reason
+                finished.add(rid)
+        if finished:
+            self._changed(set(), finished)
 
     def on_outputs(self, out: EngineCoreOutputs) -> None:
         """Apply one message from the core: its step record (if any) and its new tokens."""
         record = out.step
+        blocks: set[int] = set()
+        requests: set[str] = set()
         if record is not None:
-            self._on_step(record)
+            blocks = self._on_step(record)
+            requests.update(e.request_id for e in record.scheduled)
+            requests.update(record.preempted)
         num_output = 0
         for o in out.outputs:
             timeline = self.requests.get(o.request_id)
             num_output += len(o.new_token_ids)
+            requests.add(o.request_id)
             if timeline is None:
                 continue
             if o.new_token_ids:
@@ -129,9 +144,12 @@ class LiveView:
                 timeline.finished, timeline.finish_reason = out.timestamp, o.finish_reason
         if record is not None and record.scheduled:
             self.output_tokens.append(num_output)
+        if record is not None or requests:
+            self._changed(blocks, requests)
 
-    def _on_step(self, record: StepRecord) -> None:
-        self.blocks.apply(record.ops)
+    def _on_step(self, record: StepRecord) -> set[int]:
+        """Apply a step record; return the blocks its operations touched."""
+        blocks = self.blocks.apply(record.ops)
         record.ops = []  # applied; the ring keeps the step's shape only
         for rid in record.preempted:
             self.num_preemptions += 1
@@ -139,7 +157,7 @@ class LiveView:
             if timeline is not None:
                 timeline.preemptions.append(record.start)
         if not record.scheduled:
-            return  # an idle moment (aborts): blocks only, no step to show
+            return blocks  # an idle moment (aborts): blocks only, no step to show
         self.steps.append(record)
         for entry in record.scheduled:
             timeline = self.requests.get(entry.request_id)
@@ -151,6 +169,11 @@ class LiveView:
                 self.prefix_queries += timeline.num_prompt_tokens
                 self.prefix_hits += max(entry.cached, 0)
             timeline.add_step(record, "prefill" if entry.prefill else "decode")
+        return blocks
+
+    def _changed(self, blocks: set[int], requests: set[str]) -> None:
+        self.version += 1
+        self._changes.append((blocks, requests))
 
     def _trim_requests(self) -> None:
         excess = len(self.requests) - self.max_requests
@@ -160,8 +183,27 @@ class LiveView:
             del self.requests[rid]
 
     # -- reading -------------------------------------------------------------------------
+    def changes_since(self, version: int) -> tuple[set[int], set[str]] | None:
+        """The blocks and requests whose rows changed after ``version``; None when the changes
+        kept no longer reach back that far (the caller needs a snapshot)."""
+        behind = self.version - version
+        if behind > len(self._changes):
+            return None
+        blocks: set[int] = set()
+        requests: set[str] = set()
+        for i in range(len(self._changes) - behind, len(self._changes)):
+            b, r = self._changes[i]
+            blocks |= b
+            requests |= r
+        return blocks, requests
+
     def headline(self) -> dict[str, Any]:
         """Queue lengths, KV usage, prefix hit rate, tokens/s in and out, preemptions."""
+        if self._headline is None or self._headline[0] != self.version:
+            self._headline = (self.version, self._compute_headline())
+        return self._headline[1]
+
+    def _compute_headline(self) -> dict[str, Any]:
         last = self.steps[-1] if self.steps else None
         prefill = output = 0
         span = 0.0
@@ -186,29 +228,45 @@ class LiveView:
             "steps": last.index + 1 if last else 0,
         }
 
-    def snapshot(self, num_steps: int = 300, num_requests: int = 40) -> dict[str, Any]:
-        """What the page draws: the last ``num_steps`` steps, recent requests, the block map.
-
-        Steps are ``[index, start, end, prefill, decode, draft, preempted, running, waiting]``.
-        Requests: every unfinished one, then the most recently arrived, ``num_requests`` in all.
-        """
-        steps = [
+    def step_rows(self, after: int = -1, num_steps: int = 300) -> list[list[Any]]:
+        """The last ``num_steps`` steps with an index above ``after``, oldest first, each
+        ``[index, start, end, prefill, decode, draft, preempted, running, waiting]``."""
+        records = []
+        for r in reversed(self.steps):
+            if r.index <= after or len(records) == num_steps:
+                break
+            records.append(r)
+        return [
             [r.index, r.start, r.end, sum(e.prefill for e in r.scheduled), sum(e.decode for e in r.scheduled),
              sum(e.draft for e in r.scheduled), len(r.preempted), r.num_running, r.num_waiting]
-            for r in list(self.steps)[-num_steps:]
+            for r in reversed(records)
         ]
+
+    def shown_requests(self, num_requests: int = 40) -> list[RequestTimeline]:
+        """The requests the page lists: every unfinished one, then the most recently arrived,
+        ``num_requests`` in all, in order of arrival."""
         recent = list(self.requests.values())[::-1]
         shown = [t for t in recent if t.finished is None][:num_requests]
         shown += [t for t in recent if t.finished is not None][: num_requests - len(shown)]
         shown.sort(key=lambda t: t.arrival)
+        return shown
+
+    def config_json(self) -> dict[str, Any]:
+        """The pool's and the scheduler's fixed sizes, for the page."""
         return {
+            "num_blocks": self.blocks.num_blocks, "block_size": self.block_size,
+            "group_windows": self.group_windows, "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
+
+    def snapshot(self, num_steps: int = 300, num_requests: int = 40) -> dict[str, Any]:
+        """What the page draws: the last ``num_steps`` steps (``step_rows``), the requests of
+        ``shown_requests``, the block map (``BlockMap.snapshot``), as of ``version``."""
+        return {
+            "version": self.version,
             "now": time.monotonic(),
-            "config": {
-                "num_blocks": self.blocks.num_blocks, "block_size": self.block_size,
-                "group_windows": self.group_windows, "max_num_batched_tokens": self.max_num_batched_tokens,
-            },
+            "config": self.config_json(),
             "headline": self.headline(),
-            "steps": steps,
-            "requests": [t.to_json() for t in shown],
+            "steps": self.step_rows(num_steps=num_steps),
+            "requests": [t.to_json() for t in self.shown_requests(num_requests)],
             "blocks": self.blocks.snapshot(),
         }

@@ -30,6 +30,14 @@ def api_key(text: str) -> str:
     return text
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite duration in seconds, above 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+    return value
+
+
 def check_serve_args(args: argparse.Namespace) -> None:
     """The server flags that argparse types cannot check, before any model is loaded.
 
@@ -52,6 +60,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", type=api_key, default=None,
                         help="require `Authorization: Bearer KEY` on every route but /health, /metrics, /version")
     parser.add_argument("--max-request-body-size", default="16MiB", help="larger request bodies get 413")
+    # vLLM has no flags for these (its keep-alive is the VLLM_HTTP_TIMEOUT_KEEP_ALIVE variable): uvicorn's names.
+    parser.add_argument("--timeout-keep-alive", type=positive_seconds, default=5.0,
+                        help="close a connection that sends nothing this many seconds after connecting or after a response")
+    parser.add_argument("--timeout-request-head", type=positive_seconds, default=10.0,
+                        help="close a connection whose next request head (request line and headers) is not complete "
+                        "this many seconds after connecting or after a response")
+    parser.add_argument("--limit-concurrency", type=positive_int, default=512,
+                        help="most connections open at once (live-view viewers and idle keep-alive connections count): "
+                        "a request that arrives while more are open is answered 503 at once")
     parser.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     parser.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
     parser.add_argument("--enable-live-view", action="store_true",
@@ -137,6 +154,7 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.entrypoints.openai.api_server import ApiServer, build_app
+    from pagedllm.entrypoints.openai.connections import http_protocol
 
     from pagedllm.structured_output import checker
 
@@ -152,8 +170,13 @@ def run_serve(args: argparse.Namespace) -> None:
     try:
         app = build_app(engine, name, args.api_key, max_body, args.tool_call_parser)
         server = ApiServer(
-            uvicorn.Config(app, host=args.host, port=args.port, access_log=not args.disable_access_log,
-                           timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_TIMEOUT_S),
+            uvicorn.Config(
+                app, host=args.host, port=args.port, access_log=not args.disable_access_log,
+                timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_TIMEOUT_S, http=http_protocol(args.timeout_request_head),
+                timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]  # uvicorn takes a float here too
+                # uvicorn answers 503 once the open connections, this one included, reach its limit.
+                limit_concurrency=args.limit_concurrency + 1,
+            ),
             engine,
         )
         engine.on_dead(server.exit_soon)  # the last core: with data parallelism the others serve on

@@ -1,8 +1,9 @@
-// pagedllm live view: draws each snapshot from /dashboard/events (see pagedllm/live_view/view.py).
+// pagedllm live view: keeps the state /dashboard/events sends (a snapshot, then deltas: see
+// pagedllm/live_view/frames.py) and draws it on every frame.
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
-  const state = { snap: null, selected: null, frames: 0, mapCells: [] };
+  const state = { snap: null, owners: new Map(), selected: null, frames: 0, mapCells: [] };
   const css = getComputedStyle(document.documentElement);
   const color = (name) => css.getPropertyValue(name).trim();
 
@@ -197,11 +198,39 @@
     document.body.dataset.frames = ++state.frames;
   }
 
+  // -- frames: a snapshot starts the state, each delta updates it -------------------------
+  function load(snap) {
+    state.owners = new Map(snap.blocks.owners.map((id, i) => [id, i]));  // request id -> index in owners
+    return snap;
+  }
+
+  function applyDelta(snap, d) {
+    snap.version = d.version; snap.now = d.now; snap.headline = d.headline;
+    if (d.steps.length) snap.steps = snap.steps.concat(d.steps).slice(-snap.num_steps);
+    const rows = new Map(snap.requests.map((r) => [r.id, r]));
+    for (const r of d.requests) rows.set(r.id, r);
+    snap.requests = (d.order ?? snap.requests.map((r) => r.id)).map((id) => rows.get(id));
+    const bl = snap.blocks;
+    for (const [b, ref, cached, group, holder, index, shared] of d.blocks) {
+      bl.ref[b] = ref; bl.cached[b] = cached; bl.group[b] = group; bl.index[b] = index;
+      let owner = -1;
+      if (holder !== null) {
+        owner = state.owners.get(holder);
+        if (owner === undefined) { owner = bl.owners.length; bl.owners.push(holder); state.owners.set(holder, owner); }
+      }
+      bl.owner[b] = owner;
+      if (shared) bl.shared[b] = shared; else delete bl.shared[b];
+    }
+    return snap;
+  }
+
   // The API key, if the page was opened with ?api_key=..., goes along to the event stream.
   const source = new EventSource(`/dashboard/events${window.location.search}`);
   source.onmessage = (ev) => {
     $("status").textContent = "live"; $("status").className = "status live";
-    draw(JSON.parse(ev.data));
+    const frame = JSON.parse(ev.data);
+    if (frame.kind === "full") draw(load(frame));
+    else if (state.snap) draw(applyDelta(state.snap, frame));  // a stream (re)starts with a snapshot
   };
   source.onerror = () => { $("status").textContent = "reconnecting…"; $("status").className = "status lost"; };
   window.addEventListener("resize", () => state.snap && draw(state.snap));
