@@ -25,8 +25,7 @@ HYBRID = (KVCacheGroup((0,), 0), KVCacheGroup((1,), 8))  # one global group, one
 
 def make_engine(groups, num_blocks=20, budget=24):
     kv = KVCacheManager(num_blocks, BS, True, groups)
-    recorder = StepRecorder()
-    kv.recorder = recorder
+    recorder = StepRecorder(kv)
     return Scheduler(kv, 6, budget, 256), recorder
 
 
@@ -178,7 +177,7 @@ def live_view_app(view, api_key=None, **router_kwargs):
     from fastapi import FastAPI
 
     from pagedllm.entrypoints.openai.api_server import BearerAuthMiddleware
-    from pagedllm.live_view.routes import live_view_router
+    from pagedllm.entrypoints.openai.live_view_routes import live_view_router
 
     app = FastAPI()
     app.include_router(live_view_router(view, **router_kwargs))

@@ -23,7 +23,7 @@ from pagedllm.entrypoints.cli import add_engine_args, engine_kwargs
 from pagedllm.layers.rejection_sampler import RejectionSampler
 from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.outputs import TokenLogprobs
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.spec_decode.ngram_proposer import NgramProposer, find_ngram_drafts
 
 EOS = 2

@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import TYPE_CHECKING
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_groups import KVCacheGroup
+from pagedllm.core.kv_events import BlockOp, BlockOpKind
 from pagedllm.core.request import Request
-from pagedllm.live_view.records import BlockOpKind
-
-if TYPE_CHECKING:
-    from pagedllm.live_view.recorder import StepRecorder
 
 NULL_BLOCK_ID = 0  # table entry of a released sliding-window block; attention never reads it
 _GLOBAL = (KVCacheGroup((), 0),)
@@ -79,7 +75,8 @@ class KVCacheManager:
         self.num_hashed_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up, for the hit-rate metric
         self.prefix_hits = 0  # of those, tokens found in the cache
-        self.recorder: StepRecorder | None = None  # the live view's, when it is on
+        # Block events since a consumer last drained them; None: nobody asked (nothing recorded).
+        self.events: list[BlockOp] | None = None
 
     @property
     def usage(self) -> float:
@@ -143,23 +140,23 @@ class KVCacheManager:
         reusable = sum(1 for hits in computed for b in hits if b is not None and b.ref_cnt == 0)
         if sum(needed) > self.pool.num_free_blocks - reusable:
             return False
-        recorder = self.recorder
+        events = self.events
         # Every group's hits leave the free queue before any group takes new blocks from it:
         # a free cached block one group is about to reuse must not be handed to another.
         for g in range(len(self.groups)):
             if computed[g]:
                 hits = [b for b in computed[g] if b is not None]
                 self.pool.touch(hits)
-                if recorder is not None and hits:  # the None entries lead: the hits are the tail
+                if events is not None and hits:  # the None entries lead: the hits are the tail
                     first = len(tables[g]) + len(computed[g]) - len(hits)
-                    recorder.block_op(BlockOpKind.HIT, rid, g, first, [b.block_id for b in hits])
+                    events.append(BlockOp(BlockOpKind.HIT, rid, g, first, [b.block_id for b in hits]))
                 tables[g].extend(computed[g])
                 ids[g].extend(NULL_BLOCK_ID if b is None else b.block_id for b in computed[g])
         for g in range(len(self.groups)):
             if needed[g]:
                 new_blocks = self.pool.get_new_blocks(needed[g])
-                if recorder is not None:
-                    recorder.block_op(BlockOpKind.NEW, rid, g, len(tables[g]), [b.block_id for b in new_blocks])
+                if events is not None:
+                    events.append(BlockOp(BlockOpKind.NEW, rid, g, len(tables[g]), [b.block_id for b in new_blocks]))
                 tables[g].extend(new_blocks)
                 ids[g].extend(b.block_id for b in new_blocks)
         if self.enable_caching:
@@ -173,7 +170,7 @@ class KVCacheManager:
         self.req_block_ids.pop(request.request_id, None)
         self.num_hashed_blocks.pop(request.request_id, None)
         for g, blocks in enumerate(tables):
-            if self.recorder is not None:
+            if self.events is not None:
                 self._record_free(request.request_id, g, 0, blocks)
             self.pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
@@ -191,7 +188,7 @@ class KVCacheManager:
         for g, (blocks, ids) in enumerate(zip(tables, self.req_block_ids[request.request_id])):
             tail = blocks[keep:]
             del blocks[keep:], ids[keep:]
-            if self.recorder is not None:
+            if self.events is not None:
                 self._record_free(request.request_id, g, keep, tail)
             self.pool.free_blocks(b for b in reversed(tail) if b is not None)
 
@@ -205,15 +202,15 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         done = self.pool.reset_prefix_cache()
-        if done and self.recorder is not None:
-            self.recorder.block_op(BlockOpKind.RESET, "", 0, 0, [])
+        if done and self.events is not None:
+            self.events.append(BlockOp(BlockOpKind.RESET, "", 0, 0, []))
         return done
 
     def _record_free(self, request_id: str, group: int, first_index: int, blocks: list[KVCacheBlock | None]) -> None:
         """Note the release of ``blocks`` (table indices from ``first_index``; released entries lead)."""
         held = [b.block_id for b in blocks if b is not None]
         if held:
-            self.recorder.block_op(BlockOpKind.FREE, request_id, group, first_index + len(blocks) - len(held), held)
+            self.events.append(BlockOp(BlockOpKind.FREE, request_id, group, first_index + len(blocks) - len(held), held))
 
     def _cached_run(self, hashes: list[bytes], group: int, start: int, end: int) -> int:
         """Index of the first block in ``hashes[start:end]`` not cached in ``group``; ``end`` if none."""
@@ -237,9 +234,9 @@ class KVCacheManager:
                 break  # everything before was released already
             skipped.append(blocks[i])
             blocks[i], ids[i] = None, NULL_BLOCK_ID
-        if self.recorder is not None and skipped:
-            self.recorder.block_op(
-                BlockOpKind.FREE, request_id, g, first - len(skipped), [b.block_id for b in reversed(skipped)]
+        if self.events is not None and skipped:
+            self.events.append(
+                BlockOp(BlockOpKind.FREE, request_id, g, first - len(skipped), [b.block_id for b in reversed(skipped)])
             )
         self.pool.free_blocks(reversed(skipped))
 
@@ -256,14 +253,14 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_hashes(request)
-        recorder = self.recorder
+        events = self.events
         for g, blocks in enumerate(tables):
             entered = []
             for i in range(start, num_full):
                 block = blocks[i]
                 if block is not None and self.pool.cache_block(block, _group_key(request.block_hashes[i], g)):
-                    if recorder is not None:
+                    if events is not None:
                         entered.append(block.block_id)
             if entered:  # CACHED names blocks; their positions are known from NEW/HIT already
-                recorder.block_op(BlockOpKind.CACHED, request.request_id, g, start, entered)
+                events.append(BlockOp(BlockOpKind.CACHED, request.request_id, g, start, entered))
         self.num_hashed_blocks[request.request_id] = num_full

@@ -27,7 +27,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.outputs import RequestError
 from pagedllm.errors import InvalidParamError
-from pagedllm.spec_decode.metrics import SpecDecodingStats
+from pagedllm.core.spec_decode_stats import SpecDecodingStats
 
 logger = logging.getLogger("pagedllm")
 

@@ -74,8 +74,7 @@ class EngineCore:
         )
         self.executor = create_executor(config, kv)
         self.model_config = self.executor.model_config
-        self.recorder = StepRecorder() if config.live_view else None
-        self.kv_cache.recorder = self.recorder
+        self.recorder = StepRecorder(self.kv_cache) if config.live_view else None
         self.proposer = self._build_proposer()
         self.structured = StructuredOutputManager(
             lambda: load_tokenizer(resolve_model(config.model)), model_config.vocab_size, model_config.eos_token_ids

@@ -7,7 +7,7 @@ import logging
 import time
 
 from pagedllm.engine.messages import SchedulerStats
-from pagedllm.spec_decode.metrics import acceptance_rate, mean_acceptance_length
+from pagedllm.core.spec_decode_stats import acceptance_rate, mean_acceptance_length
 
 logger = logging.getLogger("pagedllm")
 

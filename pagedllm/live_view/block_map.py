@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from pagedllm.live_view.records import BlockOp, BlockOpKind
+from pagedllm.core.kv_events import BlockOp, BlockOpKind
 
 
 class BlockMap:

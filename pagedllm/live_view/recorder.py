@@ -1,29 +1,32 @@
 """The engine-core side of the live view: block operations as they happen, one record per step.
 
-Only built when the live view is on; the KV cache manager calls ``block_op`` where it
-allocates, shares, caches and frees blocks, and ``EngineCore.step`` brackets each step.
+Only built when the live view is on; it turns on the KV cache manager's block events (what
+the manager allocates, shares, caches and frees) and takes them into each record, and
+``EngineCore.step`` brackets each step.
 """
 
 from __future__ import annotations
 
 import time
 
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
-from pagedllm.live_view.records import BlockOp, BlockOpKind, ScheduledEntry, StepRecord
+from pagedllm.live_view.records import ScheduledEntry, StepRecord
 
 
 class StepRecorder:
-    """Collects block operations between records and assembles ``StepRecord``s."""
+    """Assembles ``StepRecord``s, each with the block events of ``kv_cache`` since the last one.
 
-    def __init__(self) -> None:
-        self._ops: list[BlockOp] = []
+    Args:
+        kv_cache: the manager whose block events this recorder turns on and drains.
+    """
+
+    def __init__(self, kv_cache: KVCacheManager) -> None:
+        self._kv_cache = kv_cache
+        kv_cache.events = []
         self._index = 0
         self._start = 0.0
         self._running: set[str] = set()
-
-    def block_op(self, kind: BlockOpKind, request_id: str, group: int, first_index: int, block_ids: list[int]) -> None:
-        """Note blocks ``block_ids`` at table indices ``first_index...`` of a request's table in ``group``."""
-        self._ops.append(BlockOp(kind, request_id, group, first_index, block_ids))
 
     def begin(self, scheduler: Scheduler) -> None:
         """Call before ``schedule()``: the step's start time and who was running already."""
@@ -63,12 +66,12 @@ class StepRecorder:
             self._start if entries else end,
             end,
             entries,
-            self._ops,
+            self._kv_cache.events,
             [r.request_id for r in out.preempted] if out is not None else [],
             len(scheduler.running),
             len(scheduler.waiting),
             kv_usage,
         )
-        self._ops = []
+        self._kv_cache.events = []
         self._index += 1
         return record

@@ -5,13 +5,15 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.live_view.block_map import BlockMap
 from pagedllm.live_view.records import StepRecord
+
+if TYPE_CHECKING:  # the view reads the engine's messages; it never builds them
+    from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 
 DEFAULT_STEPS = 4096  # ring buffer length: the last few thousand steps
 DEFAULT_REQUESTS = 512  # request timelines kept (finished ones are dropped oldest first)

@@ -41,7 +41,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
-from pagedllm.live_view.routes import live_view_router
+from pagedllm.entrypoints.openai.live_view_routes import live_view_router
 
 logger = logging.getLogger("pagedllm")
 

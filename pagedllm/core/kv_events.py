@@ -1,0 +1,36 @@
+"""Block events of the KV cache manager: what happened to which blocks of which request's table.
+
+The manager appends them to ``KVCacheManager.events`` when a consumer (the live view's step
+recorder) has asked for them, and the consumer drains that list; the manager knows nothing of
+who reads them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class BlockOpKind(enum.IntEnum):
+    """What happened to the blocks of one ``BlockOp``."""
+
+    NEW = 0  # taken from the free queue: reference count 1, any cached hash evicted
+    HIT = 1  # prefix-cache hit: one more reference (a free block leaves the queue)
+    FREE = 2  # one reference dropped; at zero the block is free (cached if it keeps a hash)
+    CACHED = 3  # the block, now full, is entered in the prefix cache under a hash
+    RESET = 4  # every cached hash is dropped (reset_prefix_cache); no blocks listed
+
+
+class BlockOp(msgspec.Struct, array_like=True, frozen=True):
+    """Blocks of one request's table in one KV cache group, at consecutive table positions.
+
+    ``block_ids[i]`` sits at table index ``first_index + i``, so it holds token positions
+    ``[(first_index + i) * block_size, (first_index + i + 1) * block_size)``.
+    """
+
+    kind: int  # BlockOpKind
+    request_id: str
+    group: int
+    first_index: int
+    block_ids: list[int]
