@@ -48,10 +48,6 @@ class ModelConfig:
             return self.sliding_window
         return 0
 
-    @property
-    def has_sliding_window(self) -> bool:
-        return any(self.layer_window(i) for i in range(self.num_layers))
-
 
 @dataclass
 class EngineConfig:

@@ -232,11 +232,3 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
-
-    @property
-    def needs_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
