@@ -1,11 +1,11 @@
 """Incremental detokenization of one request's output, with stop-string matching.
 
-Text is produced with the prefix-offset/read-offset technique (as in vLLM and HF TGI): each
-step decodes only a short window of recent token ids, ``ids[prefix_offset:]``, and emits what
-it adds to the decode of ``ids[prefix_offset:read_offset]``. Decoding a window (rather than one
-token alone) keeps context-dependent decoders right: sentencepiece decoders drop the leading
-space of the first token they see, and a byte-level BPE token may carry half a UTF-8
-character. Each step therefore costs O(window), not O(output length).
+Text is produced by ``tokenizers``' ``DecodeStream`` (one native call per token): it decodes a
+short window of recent ids and emits what the newest token adds, holding back bytes that do
+not yet form a whole UTF-8 character. Decoding a window (rather than one token alone) keeps
+context-dependent decoders right: sentencepiece decoders drop the leading space of the first
+token they see, and a byte-level BPE token may carry half a UTF-8 character. Each step costs
+O(window), not O(output length).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import re
 from typing import TYPE_CHECKING
+
+from tokenizers.decoders import DecodeStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,6 +55,9 @@ class IncrementalDetokenizer:
     ) -> None:
         """Prepare to detokenize the output of a request with these prompt ids and params.
 
+        Args:
+            tokenizer: a fast (``tokenizers``-backed) transformers tokenizer.
+
         Raises:
             ValueError: if ``params`` has stop strings but ``detokenize`` is off.
         """
@@ -75,10 +80,9 @@ class IncrementalDetokenizer:
             # The prompt ends inside a character: output bytes completing it would rewrite the
             # context's text, so decode the output on its own instead.
             context, context_text = [], ""
-        self._ids = list(context)  # context ids, then every output id
-        self._prefix_offset = 0
-        self._read_offset = len(context)
-        self._prefix_text = context_text  # decode of ids[prefix_offset:read_offset]
+        self._backend = tokenizer.backend_tokenizer
+        self._stream = DecodeStream(context, skip_special_tokens=params.skip_special_tokens)
+        self._pending: list[int] = []  # output ids since the stream last emitted text
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Append output tokens and extend ``output_text``.
@@ -105,9 +109,8 @@ class IncrementalDetokenizer:
             if skipped and j == len(new_token_ids) - 1:
                 self.token_texts.append("")
                 break
-            self._ids.append(token_id)
             old_len = len(self.output_text)
-            delta = self._decode_step()
+            delta = self._decode_step(token_id)
             self.token_texts.append(delta)
             self.output_text += delta
             matching = self.params.stop and self.num_output_tokens >= self.params.min_tokens
@@ -134,10 +137,9 @@ class IncrementalDetokenizer:
         Tokens held back for ending inside a character stay out: the text ends on the last
         complete character (their text shares stay ""). The stop-string tail is released.
         """
-        if not self._finished and self._read_offset < len(self._ids):
+        if not self._finished and self._pending:
             # Whatever completes before the unfinished character still counts.
-            new_text = self._decode(self._ids[self._prefix_offset :]).rstrip(_REPLACEMENT_CHAR)
-            self.output_text += new_text[len(self._prefix_text) :]
+            self.output_text += self._decode(self._pending).rstrip(_REPLACEMENT_CHAR)
         self._finished = True
         return self.get_delta()
 
@@ -150,16 +152,14 @@ class IncrementalDetokenizer:
             clean_up_tokenization_spaces=False,
         )
 
-    def _decode_step(self) -> str:
-        """Decode the window after one token was appended; return the new text, maybe ""."""
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        # Not longer: the token decoded to nothing (e.g. a skipped special token); keep the
-        # window so the next token is still decoded in context.
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+    def _decode_step(self, token_id: int) -> str:
+        """The text ``token_id`` adds after the tokens before it: "" while it ends inside a
+        character or decodes to nothing (a skipped special token)."""
+        delta = self._stream.step(self._backend, token_id)
+        if not delta:
+            self._pending.append(token_id)
             return ""
-        delta = new_text[len(self._prefix_text) :]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        self._pending.clear()
         return delta
 
     def _match_stop(self, old_len: int) -> str | None:
