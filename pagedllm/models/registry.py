@@ -7,10 +7,14 @@ from torch import nn
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 
-# Qwen2 is Llama with q/k/v biases: the same class, driven by ModelConfig.attention_bias.
+# Qwen2 (q/k/v biases), Qwen3 (q/k head norms), Mistral and Phi-3 (sliding windows; Phi-3's
+# fused checkpoint tensors) are Llama's class, driven by ModelConfig (see llama.py).
 _MODELS: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
 }
 
