@@ -1,6 +1,7 @@
 """Qwen3, Mistral and Phi-3 against transformers: tiny random checkpoints built from
 transformers' own classes, saved with ``save_pretrained`` next to SmolLM2's tokenizer, served
-by ``LLM`` in float32 (chunked prefill, prefix caching) and compared with ``generate``."""
+by ``LLM`` in float32 (chunked prefill, prefix caching) and compared with ``generate``; Qwen3
+and Phi-3 also as GGUF files written the way llama.cpp's converter does."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import json
 import math
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 import transformers
+from test_loader import prefill_logits, write_gguf
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.models.loader import load_config, load_tokenizer, resolve_model
+from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
 
 MAX_TOKENS = 16
 WINDOW = 12  # Mistral's: shorter than every prompt
@@ -45,7 +48,7 @@ HF_CLASSES = {
 }
 
 
-def _randomize_vectors(model: torch.nn.Module, hidden: int) -> None:
+def _randomize_vectors(model: torch.nn.Module) -> None:
     """transformers unit-inits the norms (q/k norms included): make them count."""
     with torch.no_grad():
         for p in model.parameters():
@@ -64,7 +67,7 @@ def _checkpoint(arch: str, path: Path, tokenizer_dir: Path, config=None) -> tran
     """A random ``arch`` model saved to ``path`` with the tokenizer files; the HF model."""
     torch.manual_seed(0)
     hf = HF_CLASSES[arch](config or CONFIGS[arch]()).eval()
-    _randomize_vectors(hf, hf.config.hidden_size)
+    _randomize_vectors(hf)
     hf.save_pretrained(path)
     for f in tokenizer_dir.iterdir():
         (path / f.name).write_bytes(f.read_bytes())
@@ -152,3 +155,50 @@ def test_phi3_features_it_does_not_compute_are_refused(changes, message, tmp_pat
     _edit_config(tmp_path, **changes)
     with pytest.raises(ValueError, match=message):
         load_config(resolve_model(str(tmp_path)))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_gguf_as_llama_cpp_writes_it_matches_transformers(arch: str, tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Qwen3's q/k norms under llama.cpp's names; Phi-3's ``attn_qkv`` and ``ffn_up`` (gate and
+    up) fused as stored, with its sliding window in the metadata."""
+    config = CONFIGS[arch]()
+    if arch == "phi3":
+        config.sliding_window = WINDOW
+    hf = _checkpoint(arch, tmp_path / "hf", tokenizer_dir, config)
+    tokens = [f"t{i}" for i in range(250)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|end|>", "x", "y"]
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf, tokens)
+    model, ours = load_model(resolve_model(str(path)), torch.float32)
+    assert (ours.architecture, ours.head_dim, ours.qk_norm) == (arch, 64 if arch == "qwen3" else 32, arch == "qwen3")
+    assert [ours.layer_window(i) for i in range(2)] == ([WINDOW] * 2 if arch == "phi3" else [0, 0])
+    # Qwen3 also stops on <|im_end|> and <|endoftext|>, Phi-3 on <|end|>.
+    assert ours.eos_token_ids == ([2, 252, 250] if arch == "qwen3" else [2, 253, 250])
+    ids = PROMPTS[2]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(model, ours, ids), expected, atol=1e-4, rtol=0)
+
+
+def test_phi3_gguf_4bit_fused_tensors_are_kept_as_stored(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """w4a8 keeps Phi-3's fused Q4_1 ``attn_qkv`` / ``ffn_up`` as one layer each at one rank."""
+    from test_tensor_parallel_model import _write_q4_gguf
+
+    from pagedllm.layers.quantization.config import QuantizationConfig
+    from pagedllm.layers.quantization.gguf import gguf_linears
+    from pagedllm.models.gguf_loader import GGUFFile, gguf_config
+
+    hf = _checkpoint("phi3", tmp_path / "hf", tokenizer_dir)
+    path = tmp_path / "q4.gguf"
+    _write_q4_gguf(path, hf)
+    f = GGUFFile(path)
+    linears = gguf_linears(f, gguf_config(f), QuantizationConfig("w4a8", 32, True, False))
+    assert linears.sources["layers.0.self_attn.qkv_proj"] == [gguf.GGMLQuantizationType.Q4_1]
+    assert {"layers.0.self_attn.qkv_proj", "layers.1.mlp.gate_up_proj"} <= set(linears.kept)
+    # Against the same blocks dequantized to float32: only w4a8's int8 activations differ
+    # (about 4% of the mean logit on this model, as on a llama of its shape; rows out of
+    # place would be of the logits' own size).
+    exact, config = load_model(resolve_model(str(path)), torch.float32)
+    model, _ = load_model(resolve_model(str(path)), torch.float32, QuantizationConfig("w4a8", 32, True, False))
+    expected = prefill_logits(exact, config, PROMPTS[1])
+    got = prefill_logits(model, config, PROMPTS[1])
+    assert (got - expected).abs().mean() < 0.08 * expected.abs().mean()

@@ -20,6 +20,11 @@ _MODELS: dict[str, type[nn.Module]] = {
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
+# Architectures whose sliding window, when the checkpoint sets one, applies to every layer
+# (transformers' Mistral and Phi-3, llama.cpp's Phi-3; Qwen2/Qwen3 switch theirs on with
+# ``use_sliding_window``, which the loaders refuse).
+WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "phi3"})
+
 
 def check_architecture(arch: str) -> None:
     """Raise ValueError if ``arch`` has no model class."""

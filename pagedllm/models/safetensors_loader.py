@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.config import ModelConfig
-from pagedllm.models.registry import check_architecture
+from pagedllm.models.registry import WINDOW_ON_EVERY_LAYER, check_architecture
 
 
 def _ids(value: Any) -> list[int]:
@@ -19,11 +19,6 @@ def _ids(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
-
-
-# Architectures whose ``sliding_window`` (when not null) applies to every layer, as in
-# transformers (Qwen2/Qwen3 instead switch theirs on with ``use_sliding_window``).
-_WINDOW_ON_EVERY_LAYER = {"mistral", "phi3"}
 
 
 def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
@@ -57,7 +52,7 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
     hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
     full = kinds["full_attention"]
     extra: dict[str, Any] = {}
-    if arch in _WINDOW_ON_EVERY_LAYER and cfg.get("sliding_window"):
+    if arch in WINDOW_ON_EVERY_LAYER and cfg.get("sliding_window"):
         extra = dict(
             layer_types=["sliding_attention"] * cfg["num_hidden_layers"], sliding_window=int(cfg["sliding_window"])
         )
