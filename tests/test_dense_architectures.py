@@ -180,9 +180,11 @@ def test_gguf_as_llama_cpp_writes_it_matches_transformers(arch: str, tmp_path: P
 
 
 def test_phi3_gguf_4bit_fused_tensors_are_kept_as_stored(tmp_path: Path, tokenizer_dir: Path) -> None:
-    """w4a8 keeps Phi-3's fused Q4_1 ``attn_qkv`` / ``ffn_up`` as one layer each at one rank."""
+    """w4a8 keeps Phi-3's fused Q4_1 ``attn_qkv`` / ``ffn_up`` as one layer each at one rank;
+    split over ranks (rows not one span), they are left to requantize, the others kept."""
     from test_tensor_parallel_model import _write_q4_gguf
 
+    from pagedllm.distributed.parallel_state import TPGroup
     from pagedllm.layers.quantization.config import QuantizationConfig
     from pagedllm.layers.quantization.gguf import gguf_linears
     from pagedllm.models.gguf_loader import GGUFFile, gguf_config
@@ -194,6 +196,9 @@ def test_phi3_gguf_4bit_fused_tensors_are_kept_as_stored(tmp_path: Path, tokeniz
     linears = gguf_linears(f, gguf_config(f), QuantizationConfig("w4a8", 32, True, False))
     assert linears.sources["layers.0.self_attn.qkv_proj"] == [gguf.GGMLQuantizationType.Q4_1]
     assert {"layers.0.self_attn.qkv_proj", "layers.1.mlp.gate_up_proj"} <= set(linears.kept)
+    rank1 = gguf_linears(f, gguf_config(f), QuantizationConfig("w4a8", 32, True, False), TPGroup(1, 2))
+    assert not any(name.endswith(("qkv_proj", "gate_up_proj")) for name in rank1.kept)
+    assert rank1.kept["layers.0.self_attn.o_proj"].q.shape == (128, 64)  # the rank's 64 of 128 columns
     # Against the same blocks dequantized to float32: only w4a8's int8 activations differ
     # (about 4% of the mean logit on this model, as on a llama of its shape; rows out of
     # place would be of the logits' own size).
