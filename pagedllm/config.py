@@ -16,7 +16,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer, read from GGUF metadata or config.json."""
 
-    architecture: str  # registry key: "llama" | "qwen2"
+    architecture: str  # registry key: "llama" | "qwen2" | "qwen3" | "mistral" | "phi3" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,12 +29,14 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # qwen3: RMSNorm (weight [head_dim]) over each query and key head before RoPE
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
-    # Gemma 3: per-layer attention kind ("sliding_attention" | "full_attention"; empty: all
-    # full), the window (keys within the last ``sliding_window`` positions, query included),
-    # the sliding layers' own RoPE base, and the query scaling (scale = scalar ** -0.5).
+    # Per-layer attention kind ("sliding_attention" | "full_attention"; empty: all full) and
+    # the window (keys within the last ``sliding_window`` positions, query included): Gemma 3
+    # mixes both kinds, Mistral and Phi-3 with a window set slide on every layer. Gemma 3's
+    # sliding layers' own RoPE base, and its query scaling (scale = scalar ** -0.5).
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
     rope_local_theta: float | None = None

@@ -55,6 +55,8 @@ _GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # qwen3
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3, fused as stored
 }
 _GGUF_TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -68,9 +70,15 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, hf: torch.nn.Module, tokens: list[str] | None = None) -> None:
-    """Save an HF llama/qwen2 model as an F32 GGUF the way llama.cpp's converter would."""
+    """Save an HF llama/qwen2/qwen3/phi3 model as an F32 GGUF the way llama.cpp's converter would."""
     c = hf.config
     writer = gguf.GGUFWriter(path, c.model_type)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if head_dim != c.hidden_size // c.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if c.model_type == "phi3" and c.sliding_window:
+        writer.add_sliding_window(c.sliding_window)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)

@@ -1,5 +1,5 @@
 """The one-call decoder (``models/native_decoder.py``, ``csrc/decoder.cpp``): decode-only steps
-of llama, qwen2 and gemma3 models (sliding windows, several KV cache groups) give the modules'
+of llama, qwen2, qwen3 and gemma3 models (sliding windows, several KV cache groups) give the modules'
 logits bit for bit, on every ISA this CPU runs, for each packed linear kind and K/V cache
 dtype; other steps and models run the modules."""
 
@@ -28,7 +28,7 @@ DECODE_ONLY_STEPS = sum(all(b - a == 1 for _, a, b in step) for step in STEPS)
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     """Head size 64 (the decode kernel's smallest): qwen2 with q/k/v bias and 3 query heads
-    per KV head; a 4-bit GGUF llama (its blocks kept by w4a8, as ``--dtype auto`` does);
+    per KV head; qwen3 with q/k head norms and head_dim 64 of hidden 128 / 4 heads; a 4-bit GGUF llama (its blocks kept by w4a8, as ``--dtype auto`` does);
     gemma3 with 6 query heads on 1 KV head, sliding windows shorter than the requests."""
     root = tmp_path_factory.mktemp("native-decoder")
     torch.manual_seed(0)
@@ -40,6 +40,14 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     qwen2 = transformers.Qwen2ForCausalLM(qwen2_config).eval()
     _randomize_vectors(qwen2, qwen2_config.hidden_size)
     qwen2.save_pretrained(root / "qwen2")
+    qwen3_config = transformers.Qwen3Config(
+        vocab_size=251, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, max_position_embeddings=256,
+        rope_theta=1e6, rms_norm_eps=1e-6,
+    )
+    qwen3 = transformers.Qwen3ForCausalLM(qwen3_config).eval()
+    _randomize_vectors(qwen3, qwen3_config.hidden_size)
+    qwen3.save_pretrained(root / "qwen3")
     llama = _llama(
         vocab_size=250, hidden_size=256, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True,
@@ -50,6 +58,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     return {
         "qwen2-float32": Case("qwen2-float32", str(root / "qwen2")),
         "qwen2-w8a8": Case("qwen2-w8a8", str(root / "qwen2"), ("w8a8", 32, True)),
+        "qwen3-float32": Case("qwen3-float32", str(root / "qwen3")),
         "llama-q4-w4a8": Case("llama-q4-w4a8", str(root / "llama-q4.gguf"), ("w4a8", 32, True, False)),
         "gemma3-float32": Case("gemma3-float32", state=str(root / "gemma3.pt")),
         "gemma3-w8a8": Case("gemma3-w8a8", state=str(root / "gemma3.pt"), quant=("w8a8", 32, True)),
@@ -74,7 +83,9 @@ def _load(case: Case) -> tuple[torch.nn.Module, ModelConfig]:
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["qwen2-float32", "qwen2-w8a8", "llama-q4-w4a8", "gemma3-float32", "gemma3-w8a8"])
+@pytest.mark.parametrize(
+    "name", ["qwen2-float32", "qwen2-w8a8", "qwen3-float32", "llama-q4-w4a8", "gemma3-float32", "gemma3-w8a8"]
+)
 @pytest.mark.parametrize("isa", ISAS)
 def test_one_call_equals_the_modules(cases, isa: str, name: str, kv_dtype: torch.dtype, monkeypatch) -> None:
     with on_isa(isa):

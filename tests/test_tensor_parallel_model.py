@@ -91,8 +91,10 @@ def _write_q4_gguf(path: Path, hf: torch.nn.Module) -> None:
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     """Tiny checkpoints: llama (tied, 12 heads / 6 KV: split at 2 and 3), qwen2 (untied, q/k/v
-    bias, 6 heads / 2 KV), gemma3 (1 KV head, replicated; sliding windows; soft-capped logits),
-    and a 4-bit GGUF llama. Vocabularies that do not divide by the sizes (padded gathers)."""
+    bias, 6 heads / 2 KV), qwen3 (q/k head norms, replicated; head_dim 64 of hidden 384 / 4
+    heads), phi3 (fused q/k/v and gate/up in the checkpoint; a window on every layer), gemma3
+    (1 KV head, replicated; sliding windows; soft-capped logits), and a 4-bit GGUF llama.
+    Vocabularies that do not divide by the sizes (padded gathers)."""
     root = tmp_path_factory.mktemp("tp")
     torch.manual_seed(0)
     common = {"hidden_size": 384, "intermediate_size": 192, "num_hidden_layers": 2}
@@ -111,9 +113,26 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     small = {**common, "hidden_size": 256}
     llama_q4 = _llama(vocab_size=250, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **small)
     _write_q4_gguf(root / "llama-q4.gguf", llama_q4)
+    # After the others: their random weights stay as they were.
+    qwen3_config = transformers.Qwen3Config(
+        vocab_size=247, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
+        max_position_embeddings=256, rms_norm_eps=1e-6, **common,
+    )
+    qwen3 = transformers.Qwen3ForCausalLM(qwen3_config).eval()
+    _randomize_vectors(qwen3, qwen3_config.hidden_size)
+    qwen3.save_pretrained(root / "qwen3")
+    phi3_config = transformers.Phi3Config(
+        vocab_size=251, num_attention_heads=6, num_key_value_heads=2, sliding_window=5, pad_token_id=0,
+        max_position_embeddings=256, rms_norm_eps=1e-6, **common,
+    )
+    phi3 = transformers.Phi3ForCausalLM(phi3_config).eval()
+    _randomize_vectors(phi3, phi3_config.hidden_size)
+    phi3.save_pretrained(root / "phi3")
     return {
         "llama": Case("llama", str(root / "llama")),
         "qwen2": Case("qwen2", str(root / "qwen2")),
+        "qwen3": Case("qwen3", str(root / "qwen3")),
+        "phi3": Case("phi3", str(root / "phi3")),
         "gemma3": Case("gemma3", state=str(root / "gemma3.pt")),
         # --dtype auto's settings: 4-bit blocks kept as w4a8, the rest and the lm_head w8a8.
         "llama-q4-w4a8": Case("llama-q4-w4a8", str(root / "llama-q4.gguf"), ("w4a8", 32, True, False)),
@@ -121,7 +140,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     }
 
 
-FLOAT_RUNS = [("llama", 2), ("llama", 3), ("qwen2", 2), ("gemma3", 2), ("gemma3", 3)]
+FLOAT_RUNS = [("llama", 2), ("llama", 3), ("qwen2", 2), ("qwen3", 2), ("phi3", 2), ("gemma3", 2), ("gemma3", 3)]
 QUANT_RUNS = [("llama-q4-w4a8", 2), ("qwen2-w8a8", 2)]
 
 

@@ -5,7 +5,7 @@ Differences from Llama, each as in transformers' ``modeling_gemma3``:
 - RMSNorm multiplies by ``1 + weight``: :meth:`Gemma3ForCausalLM.load_weights` takes
   transformers' weights and stores ``1 + weight`` once, so the norms are plain RMSNorms;
 - four norms per block: before and after attention, before and after the MLP;
-- RMSNorm over each query and key head before RoPE;
+- RMSNorm over each query and key head before RoPE (Llama's attention with ``qk_norm``, as Qwen3's);
 - GELU-tanh gated MLP;
 - queries scaled by ``query_pre_attn_scalar ** -0.5``;
 - ``layer_types``: sliding-window layers attend to the last ``sliding_window`` positions
@@ -28,54 +28,13 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import ModelShard, shard_weights
 from pagedllm.layers.activation import gelu_tanh_and_mul
-from pagedllm.layers.attention import AttentionMetadata, KVCache, paged_attention
+from pagedllm.layers.attention import AttentionMetadata, KVCache
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
+from pagedllm.models.llama import LlamaAttention
 from pagedllm.models.native_decoder import NativeDecoder
 from pagedllm.models.weights import PACKED_MODULES_MAPPING, load_fused
-
-
-class Gemma3Attention(nn.Module):
-    """Grouped-query attention with q/k norms, RoPE and an optional sliding window (the rank's heads)."""
-
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, shard: ModelShard, tp: TPGroup) -> None:
-        super().__init__()
-        self.tp = tp
-        self.num_heads = shard.num_heads
-        self.num_kv_heads = shard.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = shard.num_heads * config.head_dim
-        self.kv_size = shard.num_kv_heads * config.head_dim
-        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
-        self.window = config.layer_window(layer)
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """x: [T, hidden]; cos, sin: [T, 1, head_dim] (this layer's RoPE base). Returns [T, hidden]."""
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        # Dense heads: the native RMSNorm reads contiguous rows (as the one-call decoder's does).
-        q = self.q_norm(qkv[:, : self.q_size].reshape(t, self.num_heads, self.head_dim).contiguous())[0]
-        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, -1, self.head_dim).contiguous())[0]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(torch.cat([q, k], 1), cos, sin)  # one RoPE pass for q and k heads
-        out = paged_attention(
-            qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, attn_metadata, self.scale, self.window
-        )
-        return self.tp.all_reduce(self.o_proj(out))
 
 
 class Gemma3MLP(nn.Module):
@@ -107,7 +66,7 @@ class Gemma3DecoderLayer(nn.Module):
         eps = config.rms_norm_eps
         self.is_sliding = config.layer_window(layer) > 0
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = Gemma3Attention(config, layer, dtype, shard, tp)
+        self.self_attn = LlamaAttention(config, layer, dtype, shard, tp, qk_norm=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = Gemma3MLP(config, dtype, shard, tp)

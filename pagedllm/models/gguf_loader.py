@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize as gguf_dequantize
 
 from pagedllm.config import ModelConfig
-from pagedllm.models.registry import check_architecture
+from pagedllm.models.registry import WINDOW_ON_EVERY_LAYER, check_architecture
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B",
@@ -224,11 +224,18 @@ _DEQUANTIZE = {
     GGMLQuantizationType.Q5_0: _q5_0,
 }
 
-# llama.cpp's converter permutes the q/k rows of these architectures (not qwen2's).
+# llama.cpp's converter permutes the q/k rows of these architectures (not qwen2's, qwen3's
+# nor phi3's). It writes Mistral checkpoints as "llama" files (no sliding window, as
+# llama.cpp runs them).
 _PERMUTED_QK = {"llama"}
 # Qwen2 chat models end a turn with <|im_end|> and a document with <|endoftext|>; HF's
 # generation_config stops on both, while the GGUF names only one eos id.
-_EXTRA_EOS = {"qwen2": ("<|im_end|>", "<|endoftext|>"), "gemma3": ("<end_of_turn>",)}
+_EXTRA_EOS = {
+    "qwen2": ("<|im_end|>", "<|endoftext|>"),
+    "qwen3": ("<|im_end|>", "<|endoftext|>"),
+    "phi3": ("<|end|>", "<|endoftext|>"),
+    "gemma3": ("<end_of_turn>",),
+}
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_LAYER = {
     "attn_norm": "input_layernorm",
@@ -243,7 +250,10 @@ _PER_LAYER = {
 }
 # Gemma 3 norms around attention and MLP: its ffn_norm is the pre-MLP norm, not Llama's
 # post-attention one (which is the norm *after* attention here).
+# Qwen3's q/k head norms; Phi-3's fused q/k/v and gate/up, split by the model's load_weights.
 _PER_LAYER_ARCH = {
+    "qwen3": {**_PER_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "phi3": {**_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "gemma3": {
         **_PER_LAYER,
         "ffn_norm": "pre_feedforward_layernorm",
@@ -268,7 +278,8 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
     """ModelConfig from the ``{arch}.*`` and ``tokenizer.ggml.*`` metadata.
 
     Raises:
-        ValueError: unsupported architecture, partial rotary or RoPE scaling.
+        ValueError: unsupported architecture, partial rotary or RoPE scaling (Phi-3's
+            LongRoPE factors included).
     """
     md = f.metadata
     arch = md.get("general.architecture", "<missing>")
@@ -283,6 +294,8 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
         raise ValueError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
     if get("rope.scaling.type", "none") != "none":
         raise ValueError(f"RoPE scaling {get('rope.scaling.type')!r} is not supported")
+    if "rope_factors_long.weight" in f.tensors:
+        raise ValueError("RoPE scaling 'longrope' (rope_factors_long) is not supported")
     eos = [int(md[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
     extra = _EXTRA_EOS.get(arch)
     if extra and isinstance(md.get("tokenizer.ggml.tokens"), StringArray):
@@ -290,6 +303,9 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
         eos += [found[t] for t in extra if t in found]
     bos = md.get("tokenizer.ggml.bos_token_id")
     extra_fields: dict[str, Any] = {}
+    window = int(get("attention.sliding_window", 0))
+    if arch in WINDOW_ON_EVERY_LAYER and window > 0:
+        extra_fields = {"layer_types": ["sliding_attention"] * int(get("block_count")), "sliding_window": window}
     if arch == "gemma3":
         num_layers = int(get("block_count"))
         extra_fields = {
@@ -317,6 +333,7 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings="output.weight" not in f.tensors,
         attention_bias="blk.0.attn_q.bias" in f.tensors,
+        qk_norm=arch == "qwen3",
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=list(dict.fromkeys(eos)),
         name=name or str(md.get("general.name", "")),

@@ -1,7 +1,14 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) over flattened tokens and a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral, Phi-3) over flattened
+tokens and a paged KV cache.
 
-Qwen2 is the same network with a bias on the q/k/v projections (``attention_bias``) and,
-for some checkpoints, an untied lm_head (``tie_word_embeddings``).
+The variants are the same network driven by ``ModelConfig``:
+- Qwen2: a bias on the q/k/v projections (``attention_bias``) and, for some checkpoints, an
+  untied lm_head (``tie_word_embeddings``);
+- Qwen3: no bias, an RMSNorm over each query and key head before RoPE (``qk_norm``), and a
+  ``head_dim`` that need not be hidden / heads;
+- Mistral, Phi-3: a sliding window on every layer when the checkpoint sets one
+  (``layer_types``, ``sliding_window``); Phi-3 checkpoints store q/k/v and gate/up fused,
+  split by :meth:`LlamaForCausalLM.load_weights` (``weights.unfuse``).
 
 The projections are fused at load time: q/k/v into one ``qkv_proj``, gate/up into one
 ``gate_up_proj``, so a layer runs 4 matmuls instead of 7.
@@ -30,28 +37,41 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
 from pagedllm.models.native_decoder import NativeDecoder
-from pagedllm.models.weights import PACKED_MODULES_MAPPING, load_fused
+from pagedllm.models.weights import PACKED_MODULES_MAPPING, load_fused, unfuse
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention with RoPE, reading/writing the paged KV cache (the rank's heads)."""
+    """Grouped-query self-attention with RoPE, reading/writing the paged KV cache (the rank's heads).
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: ModelShard, tp: TPGroup) -> None:
+    Args:
+        layer: the layer's index, for its window (``config.layer_window``; 0: full attention).
+        qk_norm: an RMSNorm over each query and key head before RoPE (``q_norm``, ``k_norm``,
+            weights [head_dim]); else both are None.
+
+    Queries are scaled by ``config.query_pre_attn_scalar ** -0.5``, or ``head_dim ** -0.5``.
+    """
+
+    def __init__(
+        self, config: ModelConfig, layer: int, dtype: torch.dtype, shard: ModelShard, tp: TPGroup, qk_norm: bool
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.num_heads = shard.num_heads
         self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
-        q_size = shard.num_heads * config.head_dim
-        self.qk_size = q_size + shard.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.q_size = shard.num_heads * config.head_dim
+        self.qk_size = self.q_size + shard.num_kv_heads * config.head_dim
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.window = config.layer_window(layer)
         self.qkv_proj = nn.Linear(
             config.hidden_size,
             self.qk_size + shard.num_kv_heads * config.head_dim,
             bias=config.attention_bias,
             dtype=dtype,
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
 
     def forward(
         self,
@@ -61,14 +81,21 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """x: [T, hidden]; cos, sin: [T, 1, head_dim]. Returns [T, hidden]."""
+        """x: [T, hidden]; cos, sin: [T, 1, head_dim] (this layer's RoPE base). Returns [T, hidden]."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is None:
+            qk = qkv[:, : self.qk_size].view(t, -1, self.head_dim)
+        else:
+            # Dense heads: the native RMSNorm reads contiguous rows (as the one-call decoder's does).
+            q = self.q_norm(qkv[:, : self.q_size].reshape(t, self.num_heads, self.head_dim).contiguous())[0]
+            k = self.k_norm(qkv[:, self.q_size : self.qk_size].reshape(t, -1, self.head_dim).contiguous())[0]
+            qk = torch.cat([q, k], 1)
         # q and k heads side by side: one RoPE pass rotates both.
-        qk = apply_rotary(qkv[:, : self.qk_size].view(t, -1, self.head_dim), cos, sin)
+        qk = apply_rotary(qk, cos, sin)
         v = qkv[:, self.qk_size :].view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(
-            qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, attn_metadata, self.scale
+            qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, attn_metadata, self.scale, self.window
         )
         return self.tp.all_reduce(self.o_proj(out))
 
@@ -93,12 +120,15 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), the adds fused into the norms."""
 
-    NATIVE_NORMS: ClassVar[dict[str, str]] = {"input_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    NATIVE_NORMS: ClassVar[dict[str, str]] = {
+        "input_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+        "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",  # None without qk_norm
+    }
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: ModelShard, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, shard: ModelShard, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype, shard, tp)
+        self.self_attn = LlamaAttention(config, layer, dtype, shard, tp, config.qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype, shard, tp)
 
@@ -122,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
     """The whole decoder plus the lm_head.
 
     Args:
-        config: hyper-parameters (``architecture`` "llama" or "qwen2").
+        config: hyper-parameters (``architecture`` "llama", "qwen2", "qwen3", "mistral" or "phi3").
         dtype: dtype of weights and activations (bfloat16 to serve, float32 for tests).
         tp: the tensor-parallel group: the module holds rank ``tp.rank``'s shard (sizes
             checked with ``sharding.check_tensor_parallel_size``).
@@ -148,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
             if tp.size == 1
             else VocabParallelEmbedding(embedding, shard.vocab_start, tp)
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, shard, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # Tied: the logits reuse embed_tokens.weight; there is no separate parameter.
         self.lm_head = (
@@ -213,7 +243,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace all parameters with checkpoint tensors named as in HF transformers.
 
-        Each tensor is cut to the rank's part as it is read (whole tensors, as in the
+        Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` tensors are split into their projections
+        first; each tensor is cut to the rank's part as it is read (whole tensors, as in the
         checkpoint, go in), then q/k/v and gate/up fused and cast to the model's dtype. A
         missing or unexpected name raises (ValueError for a fused projection's shard, else
         RuntimeError).
@@ -221,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         tied = self.lm_head is None
         wanted = (
             (name, tensor)
-            for name, tensor in ((n.removeprefix("model."), t) for n, t in weights)
+            for name, tensor in unfuse(((n.removeprefix("model."), t) for n, t in weights), self.config)
             # recomputed / tied to embed_tokens
             if not (name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"))
         )

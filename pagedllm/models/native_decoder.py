@@ -1,4 +1,5 @@
-"""Decode steps in one native call (``csrc/decoder.cpp``): Llama, SmolLM2, Qwen2 and Gemma 3.
+"""Decode steps in one native call (``csrc/decoder.cpp``): the Llama family (Llama, SmolLM2,
+Qwen2, Qwen3, Mistral, Phi-3) and Gemma 3.
 
 At batch 1 a decode step is about 300 small kernels: 4 GEMVs, the norms, RoPE, the K/V write,
 attention and the gated activation per layer. Called one at a time from the modules, the
@@ -8,7 +9,8 @@ the modules' bit for bit, for one call per step. Steps with prefill tokens, and 
 does not cover, run the modules.
 
 A model opts in with two class attributes: its decoder layer's ``NATIVE_NORMS`` (which of
-its norm modules fills which ``ops.LayerDesc`` slot) and its own ``NATIVE_GELU`` (the MLP's
+its norm modules fills which ``ops.LayerDesc`` slot; a module that is None, as Llama's
+q/k norms without ``qk_norm``, leaves the slot null) and its own ``NATIVE_GELU`` (the MLP's
 activation: GELU-tanh, else SiLU).
 """
 
@@ -35,8 +37,11 @@ class NativeDecoder:
         config, shard = model.config, model.shard
         self.layers = (ops.LayerDesc * config.num_layers)()
         for desc, layer in zip(self.layers, model.layers, strict=True):
-            for slot, module in type(layer).NATIVE_NORMS.items():
-                setattr(desc, slot, layer.get_submodule(module).weight.data_ptr())
+            for slot, path in type(layer).NATIVE_NORMS.items():
+                parent, _, name = path.rpartition(".")
+                norm = getattr(layer.get_submodule(parent), name)
+                if norm is not None:
+                    setattr(desc, slot, norm.weight.data_ptr())
             attn, mlp = layer.self_attn, layer.mlp
             desc.qkv, desc.o = attn.qkv_proj.native_desc(), attn.o_proj.native_desc()
             desc.gate_up, desc.down = mlp.gate_up_proj.native_desc(), mlp.down_proj.native_desc()

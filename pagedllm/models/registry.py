@@ -7,14 +7,23 @@ from torch import nn
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 
-# Qwen2 is Llama with q/k/v biases: the same class, driven by ModelConfig.attention_bias.
+# Qwen2 (q/k/v biases), Qwen3 (q/k head norms), Mistral and Phi-3 (sliding windows; Phi-3's
+# fused checkpoint tensors) are Llama's class, driven by ModelConfig (see llama.py).
 _MODELS: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+# Architectures whose sliding window, when the checkpoint sets one, applies to every layer
+# (transformers' Mistral and Phi-3, llama.cpp's Phi-3; Qwen2/Qwen3 switch theirs on with
+# ``use_sliding_window``, which the loaders refuse).
+WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "phi3"})
 
 
 def check_architecture(arch: str) -> None:

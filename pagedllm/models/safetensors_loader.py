@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.config import ModelConfig
-from pagedllm.models.registry import check_architecture
+from pagedllm.models.registry import WINDOW_ON_EVERY_LAYER, check_architecture
 
 
 def _ids(value: Any) -> list[int]:
@@ -25,7 +25,8 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
     """ModelConfig from ``config.json`` (eos ids from ``generation_config.json`` when present).
 
     Raises:
-        ValueError: unsupported architecture, RoPE scaling, sliding window or MLP bias.
+        ValueError: unsupported architecture, RoPE scaling (Phi-3's LongRoPE included),
+            partial rotary embeddings, Qwen's ``use_sliding_window`` or an MLP bias.
     """
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg = cfg.get("text_config", cfg) if cfg.get("model_type") == "gemma3" else cfg  # the multimodal wrapper
@@ -40,6 +41,8 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         rope_type = kind.get("rope_type", kind.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"RoPE scaling {rope_type!r} is not supported")
+        if float(kind.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     if cfg.get("use_sliding_window") or cfg.get("mlp_bias"):
         raise ValueError("sliding-window attention and MLP biases are not supported")
     eos = _ids(cfg.get("eos_token_id"))
@@ -48,10 +51,14 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         eos = _ids(json.loads(gen_path.read_text()).get("eos_token_id")) or eos
     hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
     full = kinds["full_attention"]
-    gemma = {}
+    extra: dict[str, Any] = {}
+    if arch in WINDOW_ON_EVERY_LAYER and cfg.get("sliding_window"):
+        extra = dict(
+            layer_types=["sliding_attention"] * cfg["num_hidden_layers"], sliding_window=int(cfg["sliding_window"])
+        )
     if arch == "gemma3":
         local = kinds.get("sliding_attention", {})
-        gemma = dict(
+        extra = dict(
             layer_types=list(cfg["layer_types"]),
             sliding_window=cfg.get("sliding_window"),
             rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
@@ -74,10 +81,11 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         # Gemma 3 always ties its lm_head; its config.json may leave the field out.
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),  # Qwen2 always has q/k/v bias
+        qk_norm=arch == "qwen3",
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         name=name or model_dir.name,
-        **gemma,
+        **extra,
     )
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
+
+from pagedllm.config import ModelConfig
 
 # HF projection name -> (our fused projection, index of its rows in it)
 STACKED = {
@@ -22,6 +24,35 @@ PACKED_MODULES_MAPPING: dict[str, list[str]] = {
     fused: [proj for proj, (target, _) in sorted(STACKED.items(), key=lambda kv: kv[1]) if target == fused]
     for fused in NUM_SHARDS
 }
+
+
+def unfuse(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors with fused projections (Phi-3's) split into HF's separate ones.
+
+    A ``*.qkv_proj.weight`` of rows [q (heads x head_dim); k; v (kv heads x head_dim each)]
+    becomes ``q_proj`` / ``k_proj`` / ``v_proj``, a ``*.gate_up_proj.weight`` of rows [gate;
+    up] (``intermediate_size`` each) ``gate_proj`` / ``up_proj``, as views; trailing dims ride
+    along and other tensors pass through. The whole model's sizes: split before sharding.
+
+    Raises:
+        ValueError: a fused tensor whose rows do not add up to its parts'.
+    """
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    splits = {
+        "qkv_proj": (("q_proj", "k_proj", "v_proj"), (q, kv, kv)),
+        "gate_up_proj": (("gate_proj", "up_proj"), (config.intermediate_size,) * 2),
+    }
+    for name, tensor in weights:
+        module, _, param = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf not in splits:
+            yield name, tensor
+            continue
+        names, sizes = splits[leaf]
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"{name} has {tensor.shape[0]} rows, expected {' + '.join(map(str, sizes))}")
+        for part, piece in zip(names, tensor.split(sizes), strict=True):
+            yield f"{parent}.{part}.{param}", piece
 
 
 def load_fused(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:

@@ -27,6 +27,7 @@ from pagedllm.layers.quantization.config import QuantizationConfig
 from pagedllm.layers.quantization.weights import Int4Weight, Int8Weight, QuantizedWeight
 from pagedllm.models.gguf_loader import GGUFFile, hf_name, hf_rows
 from pagedllm.models.registry import get_model_class
+from pagedllm.models.weights import NUM_SHARDS
 
 Q = GGMLQuantizationType
 
@@ -109,7 +110,9 @@ def gguf_linears(f: GGUFFile, config: ModelConfig, quant: QuantizationConfig, tp
     """Sort the file's linear weights into kept (unpacked from their blocks) and to requantize.
 
     A fused layer is kept only when all its tensors unpack to one layout (int8 or int4), as its
-    rows share one kernel. With ``tp``, kept layers hold rank ``tp.rank``'s shard.
+    rows share one kernel. With ``tp``, kept layers hold rank ``tp.rank``'s shard; a tensor
+    the file stores fused (Phi-3's ``attn_qkv``, ``ffn_up``), whose rank rows are not one
+    span, is then requantized from the float weights the model's loader split and cut.
 
     Raises:
         ValueError: a row-parallel layer's rank columns that cut through blocks (a size
@@ -126,6 +129,9 @@ def gguf_linears(f: GGUFFile, config: ModelConfig, quant: QuantizationConfig, tp
     for layer, by_index in shards.items():
         names = [by_index[i] for i in sorted(by_index)]
         types = out.sources[layer] = [f.tensors[n].qtype for n in names]
+        fused_in_file = any(hf_name(n, config.architecture).split(".")[-2] in NUM_SHARDS for n in names)
+        if shard is not None and fused_in_file:
+            continue
         if all(t in kept_types for t in types) and len({KEPT_LAYOUT[t] for t in types}) == 1:
             parts = [kept_types[f.tensors[n].qtype](_rank_blocks(f, n, config, shard)) for n in names]
             out.kept[layer] = type(parts[0]).cat(parts)

@@ -1,0 +1,209 @@
+"""Qwen3, Mistral and Phi-3 against transformers: tiny random checkpoints built from
+transformers' own classes, saved with ``save_pretrained`` next to SmolLM2's tokenizer, served
+by ``LLM`` in float32 (chunked prefill, prefix caching) and compared with ``generate``; Qwen3
+and Phi-3 also as GGUF files written the way llama.cpp's converter does."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+import transformers
+from test_loader import prefill_logits, write_gguf
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
+
+MAX_TOKENS = 16
+WINDOW = 12  # Mistral's: shorter than every prompt
+# Prompts as token ids (the tiny vocabulary is SmolLM2's first 256 ids): a short one, two
+# longer than Mistral's window that share their first 24 tokens, prefilled in 16-token chunks.
+_GEN = torch.Generator().manual_seed(7)
+_SHARED = torch.randint(3, 256, (24,), generator=_GEN).tolist()
+PROMPTS = [
+    torch.randint(3, 256, (5,), generator=_GEN).tolist(),
+    _SHARED + torch.randint(3, 256, (9,), generator=_GEN).tolist(),
+    _SHARED + torch.randint(3, 256, (17,), generator=_GEN).tolist(),
+]
+# hidden 128 with 4 heads: Qwen3's head_dim 64 is not hidden / heads (and runs the native
+# decode kernel, whose smallest head is 64); Mistral and Phi-3 have 32 (the PyTorch fallback).
+COMMON = dict(
+    vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+)
+CONFIGS = {
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=64, rope_theta=1e6),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=WINDOW, rope_theta=1e4),
+    "phi3": lambda: transformers.Phi3Config(**COMMON, sliding_window=None, pad_token_id=0),
+}
+HF_CLASSES = {
+    "qwen3": transformers.Qwen3ForCausalLM,
+    "mistral": transformers.MistralForCausalLM,
+    "phi3": transformers.Phi3ForCausalLM,
+}
+
+
+def _randomize_vectors(model: torch.nn.Module) -> None:
+    """transformers unit-inits the norms (q/k norms included): make them count."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(1.0, 0.2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(resolve_model("smollm2")).save_pretrained(path)
+    return path
+
+
+def _checkpoint(arch: str, path: Path, tokenizer_dir: Path, config=None) -> transformers.PreTrainedModel:
+    """A random ``arch`` model saved to ``path`` with the tokenizer files; the HF model."""
+    torch.manual_seed(0)
+    hf = HF_CLASSES[arch](config or CONFIGS[arch]()).eval()
+    _randomize_vectors(hf)
+    hf.save_pretrained(path)
+    for f in tokenizer_dir.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
+    """(architecture, HF model, checkpoint directory)."""
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, _checkpoint(request.param, path, tokenizer_dir), path
+
+
+def test_config_from_checkpoint(tiny) -> None:
+    arch, hf, path = tiny
+    config = load_config(resolve_model(str(path)))
+    assert config.architecture == arch
+    assert config.head_dim == (64 if arch == "qwen3" else 32)
+    assert config.qk_norm == (arch == "qwen3") and not config.attention_bias
+    assert config.tie_word_embeddings is False
+    windows = [config.layer_window(i) for i in range(config.num_layers)]
+    assert windows == ([WINDOW, WINDOW] if arch == "mistral" else [0, 0])
+
+
+def _assert_greedy_matches(hf: torch.nn.Module, prompt: list[int], ours) -> None:
+    """Our greedy tokens equal ``generate``'s until the first near-tie, logprobs close."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        ref = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+        )
+    ref_tokens = ref.sequences[0, len(prompt) :].tolist()
+    ref_logprobs = [step[0].float().log_softmax(-1) for step in ref.logits]
+    assert len(set(ref_tokens)) > 1  # weights large enough that the tokens vary
+    for i, (a, b) in enumerate(zip(ours.token_ids, ref_tokens, strict=True)):
+        if a != b:  # allowed only at a near-tie, and then the rest may differ
+            top2 = ref_logprobs[i].topk(2).values
+            assert (top2[0] - top2[1]).item() < 1e-3, f"diverged at {i}"
+            return
+        assert math.isclose(ours.logprobs[i][a].logprob, ref_logprobs[i][a].item(), abs_tol=1e-3), i
+
+
+def test_greedy_matches_transformers_with_chunks_and_prefix_hits(tiny) -> None:
+    """16-token chunks; the third prompt hits the second's cached blocks, and all three again
+    hit whole prompts: the same tokens each time."""
+    arch, hf, path = tiny
+    llm = LLM(
+        model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, block_size=8,
+        max_num_batched_tokens=16, enable_prefix_caching=True,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
+    first = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    hits = llm.engine.core.kv_cache.prefix_hits
+    first += llm.generate(PROMPTS[2:], params, use_tqdm=False)
+    assert llm.engine.core.kv_cache.prefix_hits - hits >= 16  # the shared 24 tokens' full blocks
+    for prompt, out in zip(PROMPTS, first, strict=True):
+        _assert_greedy_matches(hf, prompt, out.outputs[0])
+    again = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    pool = llm.engine.core.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    llm.shutdown()
+
+
+def _edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+         "partial rotary"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 16,
+                              "long_factor": [2.0] * 16, "original_max_position_embeddings": 128}},
+         "'longrope' is not supported"),
+    ],
+)
+def test_phi3_features_it_does_not_compute_are_refused(changes, message, tmp_path, tokenizer_dir) -> None:
+    _checkpoint("phi3", tmp_path, tokenizer_dir)
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_config(resolve_model(str(tmp_path)))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_gguf_as_llama_cpp_writes_it_matches_transformers(arch: str, tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Qwen3's q/k norms under llama.cpp's names; Phi-3's ``attn_qkv`` and ``ffn_up`` (gate and
+    up) fused as stored, with its sliding window in the metadata."""
+    config = CONFIGS[arch]()
+    if arch == "phi3":
+        config.sliding_window = WINDOW
+    hf = _checkpoint(arch, tmp_path / "hf", tokenizer_dir, config)
+    tokens = [f"t{i}" for i in range(250)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|end|>", "x", "y"]
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf, tokens)
+    model, ours = load_model(resolve_model(str(path)), torch.float32)
+    assert (ours.architecture, ours.head_dim, ours.qk_norm) == (arch, 64 if arch == "qwen3" else 32, arch == "qwen3")
+    assert [ours.layer_window(i) for i in range(2)] == ([WINDOW] * 2 if arch == "phi3" else [0, 0])
+    # Qwen3 also stops on <|im_end|> and <|endoftext|>, Phi-3 on <|end|>.
+    assert ours.eos_token_ids == ([2, 252, 250] if arch == "qwen3" else [2, 253, 250])
+    ids = PROMPTS[2]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(model, ours, ids), expected, atol=1e-4, rtol=0)
+
+
+def test_phi3_gguf_4bit_fused_tensors_are_kept_as_stored(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """w4a8 keeps Phi-3's fused Q4_1 ``attn_qkv`` / ``ffn_up`` as one layer each at one rank;
+    split over ranks (rows not one span), they are left to requantize, the others kept."""
+    from test_tensor_parallel_model import _write_q4_gguf
+
+    from pagedllm.distributed.parallel_state import TPGroup
+    from pagedllm.layers.quantization.config import QuantizationConfig
+    from pagedllm.layers.quantization.gguf import gguf_linears
+    from pagedllm.models.gguf_loader import GGUFFile, gguf_config
+
+    hf = _checkpoint("phi3", tmp_path / "hf", tokenizer_dir)
+    path = tmp_path / "q4.gguf"
+    _write_q4_gguf(path, hf)
+    f = GGUFFile(path)
+    linears = gguf_linears(f, gguf_config(f), QuantizationConfig("w4a8", 32, True, False))
+    assert linears.sources["layers.0.self_attn.qkv_proj"] == [gguf.GGMLQuantizationType.Q4_1]
+    assert {"layers.0.self_attn.qkv_proj", "layers.1.mlp.gate_up_proj"} <= set(linears.kept)
+    rank1 = gguf_linears(f, gguf_config(f), QuantizationConfig("w4a8", 32, True, False), TPGroup(1, 2))
+    assert not any(name.endswith(("qkv_proj", "gate_up_proj")) for name in rank1.kept)
+    assert rank1.kept["layers.0.self_attn.o_proj"].q.shape == (128, 64)  # the rank's 64 of 128 columns
+    # Against the same blocks dequantized to float32: only w4a8's int8 activations differ
+    # (about 4% of the mean logit on this model, as on a llama of its shape; rows out of
+    # place would be of the logits' own size).
+    exact, config = load_model(resolve_model(str(path)), torch.float32)
+    model, _ = load_model(resolve_model(str(path)), torch.float32, QuantizationConfig("w4a8", 32, True, False))
+    expected = prefill_logits(exact, config, PROMPTS[1])
+    got = prefill_logits(model, config, PROMPTS[1])
+    assert (got - expected).abs().mean() < 0.08 * expected.abs().mean()
