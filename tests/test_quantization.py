@@ -348,12 +348,12 @@ def test_group_size_not_dividing_the_model_raises() -> None:
 def test_cli_flags_reach_the_engine_config() -> None:
     import argparse
 
-    from pagedllm.entrypoints.cli import add_engine_args, engine_kwargs
+    from pagedllm.engine.arg_utils import EngineArgs
 
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     args = parser.parse_args(["--quantization", "int4", "--quantization-group-size", "64", "--quantize-lm-head"])
-    kwargs = engine_kwargs(args)
+    kwargs = EngineArgs.from_cli_args(args).kwargs()
     assert (kwargs["quantization"], kwargs["quantization_group_size"], kwargs["quantize_lm_head"]) == ("int4", 64, True)
 
 

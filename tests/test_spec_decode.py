@@ -19,7 +19,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.entrypoints.cli import add_engine_args, engine_kwargs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.rejection_sampler import RejectionSampler
 from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.outputs import TokenLogprobs
@@ -67,9 +67,9 @@ def test_cli_flag_reaches_the_engine_kwargs() -> None:
     import argparse
 
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
-    config = EngineConfig(speculative_config=engine_kwargs(args)["speculative_config"])
+    config = EngineConfig(speculative_config=EngineArgs.from_cli_args(args).kwargs()["speculative_config"])
     assert config.speculative_config.num_speculative_tokens == 2
 
 

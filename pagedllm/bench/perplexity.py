@@ -108,10 +108,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM
-    from pagedllm.entrypoints.cli import engine_kwargs
+    from pagedllm.engine.arg_utils import EngineArgs
 
     text = args.file.read_text(encoding="utf-8")
-    kwargs = engine_kwargs(args)
+    kwargs = EngineArgs.from_cli_args(args).kwargs()
     modes = [args.quantization, *(m.strip() for m in args.compare.split(",") if m.strip())]
     results: list[PerplexityResult] = []
     token_ids: list[int] = []

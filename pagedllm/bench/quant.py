@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from pagedllm import LLM
-    from pagedllm.entrypoints.cli import engine_kwargs
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.layers.quantization.config import QuantizationConfig
     from pagedllm.models.loader import resolve_model
 
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> None:
     if unknown:
         raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
     # No prefix caching: each run must prefill its prompts for the 1-token runs to cancel it.
-    kwargs = engine_kwargs(args) | {"enable_prefix_caching": False}
+    kwargs = EngineArgs.from_cli_args(args).kwargs() | {"enable_prefix_caching": False}
     gen = torch.Generator().manual_seed(args.seed)
     results: list[QuantBenchResult] = []
     prompts: list[list[int]] = []

@@ -35,7 +35,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # gaps between chunks that carried tokens
 
 
-def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name the server serves")
     parser.add_argument("--tokenizer", default=None, help="model whose tokenizer builds prompts (default: --model)")
@@ -58,7 +58,7 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-json", default=None, help="write the metrics here")
 
 
-def run_bench_serve(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
     """Build the requests, run them against the server, print (and maybe save) the metrics."""
     from pagedllm.models.loader import load_tokenizer, resolve_model
 

@@ -128,9 +128,9 @@ def _row(r: SpecBenchResult) -> str:
 
 def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM
-    from pagedllm.entrypoints.cli import engine_kwargs
+    from pagedllm.engine.arg_utils import EngineArgs
 
-    kwargs = engine_kwargs(args)
+    kwargs = EngineArgs.from_cli_args(args).kwargs()
     spec_config = kwargs.pop("speculative_config") or args.default_spec_config
     off = LLM(**kwargs)
     tokenizer = off.get_tokenizer()

@@ -101,9 +101,9 @@ def bench_masks(tokenizer, vocab_size: int, eos: list[int], batch_sizes: list[in
 
 def bench_throughput(args: argparse.Namespace) -> None:
     from pagedllm import LLM, SamplingParams, StructuredOutputsParams
-    from pagedllm.entrypoints.cli import engine_kwargs
+    from pagedllm.engine.arg_utils import EngineArgs
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**EngineArgs.from_cli_args(args).kwargs())
     prompts = [
         [{"role": "user", "content": f"List eight people of team {i} as JSON, with name, age, city, role, active."}]
         for i in range(args.num_prompts)

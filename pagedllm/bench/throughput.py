@@ -125,9 +125,9 @@ def make_requests(args: argparse.Namespace, llm) -> list[BenchRequest]:
 
 def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM
-    from pagedllm.entrypoints.cli import engine_kwargs
+    from pagedllm.engine.arg_utils import EngineArgs
 
-    kwargs = engine_kwargs(args) | {"trace": args.trace}
+    kwargs = EngineArgs.from_cli_args(args).kwargs() | {"trace": args.trace}
     if args.compare == "prefix-caching":
         kwargs["enable_prefix_caching"] = True
     llm = LLM(**kwargs)

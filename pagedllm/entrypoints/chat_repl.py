@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 def run_repl(args: argparse.Namespace) -> None:
     """Read a user turn, stream the assistant's reply, repeat; /reset clears, /exit or EOF ends."""
     from pagedllm import LLM
-    from pagedllm.entrypoints.cli import engine_kwargs, sampling_params
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.cli import sampling_params
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**EngineArgs.from_cli_args(args).kwargs())
     engine, params = llm.engine, sampling_params(args)
     history: list[dict[str, str]] = []
     if args.system:

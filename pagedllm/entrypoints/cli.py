@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 from typing import Any
 
 from pagedllm import __version__
-from pagedllm.config import DEFAULT_MODEL
+from pagedllm.engine.arg_utils import EngineArgs, finite_float, positive_int
 from pagedllm.errors import InvalidParamError
 
 
@@ -31,104 +30,6 @@ class Parser(argparse.ArgumentParser):
         if kwargs.get("help") is None and kwargs.get("action") not in ("help", "version"):
             kwargs["help"] = "(default: %(default)s)"
         return super().add_argument(*args, **kwargs)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def finite_float(text: str) -> float:
-    """argparse type: a finite float (NaN and infinities are refused)."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    """Flags shared by every command that builds an engine (vLLM's names)."""
-    if positional_model:
-        parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model path or alias")
-    else:
-        parser.add_argument("--model", default=DEFAULT_MODEL, help=".gguf path, HF directory, or installed alias")
-    parser.add_argument(
-        "--dtype", default="auto",
-        help="auto (float32 activations around w4a8 linear layers where the GGUF stores 4-bit blocks, else w8a8, "
-        "and a w8a8 lm_head on AVX-512 and AVX2 kernels; w8a8 ones on NEON; float32 ones on scalar kernels; a "
-        "bfloat16 K/V cache; without native kernels, float32 activations and K/V around weight-only int8 linear layers "
-        "and lm_head) | float32 (exact) | bfloat16 | float16",
-    )
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (as --dtype decides) | float32 | bfloat16 | float16")
-    parser.add_argument(
-        "--max-model-len", type=positive_int, default=None,
-        help="longest request (prompt + output) in tokens; None: the model's context, at most 8192",
-    )
-    parser.add_argument("--max-num-seqs", type=positive_int, default=128, help="most requests running at once")
-    parser.add_argument(
-        "--max-num-batched-tokens", type=positive_int, default=2048, help="token budget of one engine step"
-    )
-    parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 2GiB or 512MiB")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block: 8 | 16 | 32 | 64 | 128")
-    parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-        help="reuse cached KV blocks of shared prefixes",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the engine's random sampling")
-    parser.add_argument(
-        "--speculative-config", default=None,
-        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
-    )
-    parser.add_argument(
-        "--quantization", default=None,
-        help="quantization of the linear layers: none | int8 (per channel) | int4 (group-wise), weight-only; "
-        "w8a8 (int8 weights and activations in groups of 32); w4a8 (4-bit weights, GGUF Q4_0/Q4_1 kept, "
-        "int8 activations in groups of 32, the lm_head w8a8); default: as --dtype decides",
-    )
-    parser.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size for weights requantized from float: 32 | 64 | 128")
-    parser.add_argument(
-        "--quantize-lm-head", action="store_true",
-        help="quantize the lm_head too (tied embeddings: the lookup stays float)",
-    )
-    parser.add_argument(
-        "--tensor-parallel-size", "-tp", type=positive_int, default=1,
-        help="ranks splitting the model (Megatron-LM style, torch.distributed gloo); each pins its share of the cores",
-    )
-    parser.add_argument(
-        "--distributed-executor-backend", choices=("uni", "mp", "ray"), default=None,
-        help="where the tensor-parallel ranks run: mp (local processes, default above one rank) | ray (actors of a "
-        "Ray cluster: pip install 'pagedllm[ray]') | uni (this process, one rank)",
-    )
-    parser.add_argument(
-        "--ray-placement-strategy", choices=("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"), default="STRICT_PACK",
-        help="Ray placement group strategy for the ranks (one bundle each)",
-    )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """``LLM(**kwargs)`` from the engine flags."""
-    return dict(
-        model=args.model,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        seed=args.seed,
-        speculative_config=args.speculative_config,
-        quantization=args.quantization,
-        quantization_group_size=args.quantization_group_size,
-        quantize_lm_head=args.quantize_lm_head,
-        tensor_parallel_size=args.tensor_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
-        ray_placement_strategy=args.ray_placement_strategy,
-    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -192,7 +93,7 @@ def sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> None:
     from pagedllm import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**EngineArgs.from_cli_args(args).kwargs())
     params = sampling_params(args)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
@@ -222,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
@@ -233,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate, command_parser=gen)
 
     chat = sub.add_parser("chat", help="interactive chat that streams tokens")
-    add_engine_args(chat)
+    EngineArgs.add_cli_args(chat)
     add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("-v", "--verbose", action="store_true", help="log at INFO (else warnings only)")
@@ -246,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(serve, positional_model=True)
+    EngineArgs.add_cli_args(serve, positional_model=True)
     add_serve_args(serve)
     serve.set_defaults(func=run_serve, command_parser=serve)
     return parser

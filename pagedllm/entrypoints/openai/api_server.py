@@ -319,7 +319,8 @@ class ApiServer(uvicorn.Server):
 
 def main() -> None:
     """``python -m pagedllm.entrypoints.openai.api_server [MODEL] [flags]``: same flags as ``pagedllm serve``."""
-    from pagedllm.entrypoints.cli import Parser, add_engine_args, check_args
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.cli import Parser, check_args
     from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
 
     # The same parser class and checks as ``pagedllm serve``: --help shows the defaults, and a
@@ -327,7 +328,7 @@ def main() -> None:
     parser = Parser(prog="pagedllm serve", description="OpenAI-compatible HTTP server")
     parser.add_argument("--version", action="version", version=f"%(prog)s {pagedllm.__version__}",
                         help="print the version and exit")
-    add_engine_args(parser, positional_model=True)
+    EngineArgs.add_cli_args(parser, positional_model=True)
     add_serve_args(parser)
     args = parser.parse_args()
     try:

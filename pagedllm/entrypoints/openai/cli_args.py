@@ -52,7 +52,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The server's own flags; the engine flags (model, dtype, KV cache, ...) are added by the caller."""
-    from pagedllm.entrypoints.cli import positive_int
+    from pagedllm.engine.arg_utils import positive_int
 
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=port_number, default=8000)
@@ -106,6 +106,7 @@ def add_grammar_args(parser: argparse.ArgumentParser) -> None:
     for field in GrammarLimits.__struct_fields__:
         default = getattr(GrammarLimits(), field)
         group.add_argument(_grammar_flag(field), dest=f"grammar_{field}", type=type(default), default=default,
+                           metavar="SECONDS" if field == "compile_timeout_s" else "N",
                            help=f"{_GRAMMAR_HELP[field]} (default {default})")
     group.add_argument("--grammar-workers", type=int, default=DEFAULT_WORKERS,
                        help="processes that compile-check constraints in isolation (default %(default)s)")
@@ -128,9 +129,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     Raises:
         ValueError: for a bad value, or a combination data parallelism refuses (the live view).
     """
-    from pagedllm.entrypoints.cli import engine_kwargs
+    from pagedllm.engine.arg_utils import EngineArgs
 
-    kwargs = engine_kwargs(args)
+    kwargs = EngineArgs.from_cli_args(args).kwargs()
     kwargs |= dtype_settings(kwargs.pop("dtype"), kwargs.pop("kv_cache_dtype"), kwargs.pop("quantization"))
     kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])
     config = EngineConfig(  # getattr: serve's flags, which other commands lack

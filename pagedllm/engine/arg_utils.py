@@ -1,0 +1,107 @@
+"""``EngineArgs``: the engine's settings as command-line flags (vLLM's names), declared once for
+every command that builds an engine (generate, chat, serve, every bench)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.config import DEFAULT_MODEL
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (NaN and infinities are refused)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass
+class EngineArgs:
+    """The ``LLM(...)`` keyword arguments a command line sets; each field is one flag
+    (``--max-num-seqs`` for ``max_num_seqs``) with its default, help and argparse type."""
+
+    model: str = _flag(DEFAULT_MODEL, ".gguf path, HF directory, or installed alias")
+    dtype: str = _flag(
+        "auto",
+        "auto (float32 activations around w4a8 linear layers where the GGUF stores 4-bit blocks, else w8a8, "
+        "and a w8a8 lm_head on AVX-512 and AVX2 kernels; w8a8 ones on NEON; float32 ones on scalar kernels; a "
+        "bfloat16 K/V cache; without native kernels, float32 activations and K/V around weight-only int8 linear layers "
+        "and lm_head) | float32 (exact) | bfloat16 | float16",
+    )
+    kv_cache_dtype: str = _flag("auto", "auto (as --dtype decides) | float32 | bfloat16 | float16")
+    max_model_len: int | None = _flag(
+        None, "longest request (prompt + output) in tokens; None: the model's context, at most 8192", type=positive_int
+    )
+    max_num_seqs: int = _flag(128, "most requests running at once", type=positive_int)
+    max_num_batched_tokens: int = _flag(2048, "token budget of one engine step", type=positive_int)
+    kv_cache_memory: str = _flag("2GiB", "KV cache budget, e.g. 2GiB or 512MiB")
+    block_size: int = _flag(16, "tokens per KV block: 8 | 16 | 32 | 64 | 128", type=int)
+    enable_prefix_caching: bool = _flag(
+        True, "reuse cached KV blocks of shared prefixes", action=argparse.BooleanOptionalAction
+    )
+    seed: int = _flag(0, "seed of the engine's random sampling", type=int)
+    speculative_config: str | None = _flag(
+        None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
+    )
+    quantization: str | None = _flag(
+        None,
+        "quantization of the linear layers: none | int8 (per channel) | int4 (group-wise), weight-only; "
+        "w8a8 (int8 weights and activations in groups of 32); w4a8 (4-bit weights, GGUF Q4_0/Q4_1 kept, "
+        "int8 activations in groups of 32, the lm_head w8a8); default: as --dtype decides",
+    )
+    quantization_group_size: int = _flag(32, "int4 group size for weights requantized from float: 32 | 64 | 128", type=int)
+    quantize_lm_head: bool = _flag(False, "quantize the lm_head too (tied embeddings: the lookup stays float)",
+                                   action="store_true")
+    tensor_parallel_size: int = _flag(
+        1, "ranks splitting the model (Megatron-LM style, torch.distributed gloo); each pins its share of the cores",
+        type=positive_int, short="-tp",
+    )
+    distributed_executor_backend: str | None = _flag(
+        None,
+        "where the tensor-parallel ranks run: mp (local processes, default above one rank) | ray (actors of a "
+        "Ray cluster: pip install 'pagedllm[ray]') | uni (this process, one rank)",
+        choices=("uni", "mp", "ray"),
+    )
+    ray_placement_strategy: str = _flag(
+        "STRICT_PACK", "Ray placement group strategy for the ranks (one bundle each)",
+        choices=("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
+    )
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+        """Add one flag per field; ``positional_model``: the model is an optional positional (serve)."""
+        for f in dataclasses.fields(cls):
+            spec = dict(f.metadata)
+            names = [f"--{f.name.replace('_', '-')}"]
+            if short := spec.pop("short", None):
+                names.append(short)
+            if f.name == "model" and positional_model:
+                parser.add_argument("model", nargs="?", default=f.default, help="model path or alias")
+                continue
+            parser.add_argument(*names, default=f.default, **spec)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The fields' values from parsed flags."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def kwargs(self) -> dict[str, Any]:
+        """``LLM(**kwargs)``."""
+        return dataclasses.asdict(self)
