@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.layers.quantization.config import QuantizationConfig
+from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.speculative_config import SpeculativeConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"

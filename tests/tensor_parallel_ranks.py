@@ -18,7 +18,7 @@ from pagedllm.core.kv_cache_groups import kv_cache_groups
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup, destroy_tensor_parallel, init_tensor_parallel
 from pagedllm.kernels import ops
 from pagedllm.layers.linear import pack_linears
-from pagedllm.layers.quantization.config import QuantizationConfig
+from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata

@@ -185,7 +185,7 @@ def test_phi3_gguf_4bit_fused_tensors_are_kept_as_stored(tmp_path: Path, tokeniz
     from test_tensor_parallel_model import _write_q4_gguf
 
     from pagedllm.distributed.parallel_state import TPGroup
-    from pagedllm.layers.quantization.config import QuantizationConfig
+    from pagedllm.quantization_config import QuantizationConfig
     from pagedllm.models.gguf_linears import gguf_linears
     from pagedllm.models.gguf_loader import GGUFFile, gguf_config
 

@@ -17,7 +17,7 @@ from test_tensor_parallel_model import _gemma3, _llama, _randomize_vectors, _wri
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE
 from pagedllm.kernels import ops
-from pagedllm.layers.quantization.config import QuantizationConfig
+from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.layers.quantization.model import quantize_model
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.native_decoder import NativeDecoder

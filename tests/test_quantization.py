@@ -20,7 +20,7 @@ from pagedllm.bench.perplexity import DEFAULT_TEXT, perplexity, sliding_windows
 from pagedllm.config import EngineConfig, auto_linears
 from pagedllm.kernels import ops
 from pagedllm.layers.linear import PackedLinear
-from pagedllm.layers.quantization.config import QuantizationConfig
+from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.layers.quantization.gguf import unpack_q4_0, unpack_q4_1, unpack_q8_0
 from pagedllm.models.gguf_linears import gguf_linears
 from pagedllm.layers.quantization.linear import (

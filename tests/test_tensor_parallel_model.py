@@ -21,7 +21,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.distributed.sharding import ModelShard, check_tensor_parallel_size
 from pagedllm.kernels import ops
-from pagedllm.layers.quantization.config import QuantizationConfig
+from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.models.gguf_linears import gguf_linears
 from pagedllm.models.gguf_loader import GGUFFile, gguf_config
 from pagedllm.models.loader import load_model, resolve_model

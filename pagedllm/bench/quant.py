@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> None:
 
     from pagedllm import LLM
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.layers.quantization.config import QuantizationConfig
+    from pagedllm.quantization_config import QuantizationConfig
     from pagedllm.models.loader import resolve_model
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

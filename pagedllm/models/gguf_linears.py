@@ -12,7 +12,7 @@ from gguf import GGML_QUANT_SIZES
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import ModelShard, shard_tensor
-from pagedllm.layers.quantization.config import QuantizationConfig
+from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.layers.quantization.gguf import KEPT, KEPT_LAYOUT, GGUFLinears
 from pagedllm.models.gguf_loader import GGUFFile, hf_name, hf_rows
 from pagedllm.models.registry import get_model_class

@@ -28,7 +28,7 @@ from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import check_tensor_parallel_size
 from pagedllm.kernels import ops
 from pagedllm.layers.linear import pack_linears
-from pagedllm.layers.quantization.config import QuantizationConfig
+from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.models.gguf_linears import gguf_linears
 from pagedllm.layers.quantization.model import quantize_model
 from pagedllm.models.gguf_loader import GGUFFile, gguf_config, gguf_weights

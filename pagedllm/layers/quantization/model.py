@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedllm.layers.quantization.config import GROUP_SIZES, QuantizationConfig
+from pagedllm.quantization_config import GROUP_SIZES, QuantizationConfig
 from pagedllm.layers.quantization.gguf import KEPT_LAYOUT, GGUFLinears
 from pagedllm.layers.quantization.linear import QuantizedLinear, W4A8Linear, W8A8Linear, make_linear
 from pagedllm.layers.quantization.weights import Int4Weight, QuantizedWeight, quantize_int4, quantize_int8, quantize_q4a8
