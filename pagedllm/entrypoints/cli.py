@@ -273,16 +273,16 @@ def check_args(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Before anything slow: checking the flags picks the native kernels, which the first run
+    # on a machine compiles for minutes, and says so.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         check_args(args)
     except ValueError as e:  # exit 2, before a model is loaded, with the command's usage and flag
         flag = f"argument --{e.param.replace('_', '-')}: " if isinstance(e, InvalidParamError) else ""
         getattr(args, "command_parser", parser).error(flag + str(e))
-    # The chat REPL streams to stdout: log lines there would cut into the reply.
-    quiet = args.command == "chat" and not args.verbose
-    logging.basicConfig(
-        level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    if args.command == "chat" and not args.verbose:  # the REPL streams: log lines would cut into replies
+        logging.getLogger().setLevel(logging.WARNING)
     try:
         args.func(args)
     except ValueError as e:
