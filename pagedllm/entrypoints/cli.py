@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: generate, chat, serve, bench.
+"""The ``pagedllm`` command: generate, chat, serve, bench, env.
 
 Every flag is checked (engine settings and sampling values) before a model is loaded: a bad
 value is a usage error, exit status 2, within a second or two.
@@ -242,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from pagedllm.entrypoints.env import add_env_parser
+
+    add_env_parser(sub)
 
     from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
 
