@@ -1,9 +1,9 @@
 """Build the native kernels (``pagedllm/csrc``) for one ISA variant, cache them, remember failures.
 
 One plain shared library per variant from every ``csrc/*.cpp``, no torch headers; the
-translation units compile in parallel. ``compile_library`` is the one recipe: the wheel's
-build (``setup.py``) ships its output as ``pagedllm/kernels/prebuilt/kernels-<isa>.so``,
-which ``load`` takes first; otherwise (an editable install, a CPU no shipped variant serves)
+translation units compile in parallel. ``cached_build`` is the one recipe: the wheel's build
+(``setup.py``) ships its output as ``pagedllm/kernels/prebuilt/kernels-<isa>.so``, which
+``load`` takes first; otherwise (an editable install, a CPU no shipped variant serves)
 ``load`` compiles just in time into ``$PAGEDLLM_CACHE`` (default ``~/.cache/pagedllm``) as
 ``kernels-<isa>-<key>.so``, the key hashing the variant, its flags, the compiler (path and
 version) and every csrc source and header, so a cache shared between machines never hands
@@ -93,8 +93,10 @@ def prebuilt_path(isa: str) -> Path:
 def library_path(isa: str) -> Path:
     """The library ``load`` takes for ``isa``: the wheel's, else where it is (or would be)
     cached for these sources, flags and compiler."""
-    if prebuilt_path(isa).exists():
-        return prebuilt_path(isa)
+    return prebuilt_path(isa) if prebuilt_path(isa).exists() else _cache_path(isa)
+
+
+def _cache_path(isa: str) -> Path:
     digest = hashlib.sha256(repr((isa, isa_flags(isa), _VARIANTS, compiler())).encode())
     for source in sorted([*CSRC.glob("*.cpp"), *CSRC.rglob("*.h")]):
         digest.update(source.name.encode() + source.read_bytes())
@@ -107,12 +109,24 @@ def load(isa: str) -> ctypes.CDLL:
 
     Raises:
         BuildFailed: the compiler failed now (the ``.failed`` marker is written) or did before
-            (its marker is there and ``PAGEDLLM_REBUILD_NATIVE`` is not 1), or it timed out.
+            (its marker is there and ``PAGEDLLM_REBUILD_NATIVE`` is not 1), it timed out, or
+            the library does not load.
         ValueError: for an unknown ISA name.
     """
-    path = library_path(isa)
-    if path.parent == PREBUILT:
-        return _open(path, None)
+    if prebuilt_path(isa).exists():
+        return _open(prebuilt_path(isa), None)
+    path = cached_build(isa)
+    return _open(path, path.with_suffix(".failed"))
+
+
+def cached_build(isa: str) -> Path:
+    """The path of ``isa``'s library in the cache, compiled first where it is not there yet
+    (by this process, or by another one this one waits for). Nothing is loaded.
+
+    Raises:
+        BuildFailed, ValueError: as ``load``.
+    """
+    path = _cache_path(isa)
     marker = path.with_suffix(".failed")
     if marker.exists() and os.environ.get("PAGEDLLM_REBUILD_NATIVE") != "1":
         raise BuildFailed(marker.read_text().splitlines(), marker, cached=True)
@@ -124,10 +138,10 @@ def load(isa: str) -> ctypes.CDLL:
             if not path.exists():  # else another process built it while this one waited
                 _build_into_cache(isa, path, marker)
     marker.unlink(missing_ok=True)  # a retry (PAGEDLLM_REBUILD_NATIVE=1) that succeeded
-    return _open(path, marker)
+    return path
 
 
-def compile_library(isa: str, out: Path, work: Path) -> None:
+def _compile_library(isa: str, out: Path, work: Path) -> None:
     """Compile every translation unit with ``isa``'s flags (one process per core) in the
     folder ``work``, then link ``out``.
 
@@ -175,7 +189,7 @@ def _build_into_cache(isa: str, path: Path, marker: Path) -> None:
     started = time.monotonic()
     try:
         out = work / path.name
-        compile_library(isa, out, work)
+        _compile_library(isa, out, work)
         os.replace(out, path)  # atomic: a process that does not take the lock never loads a half-written file
     except subprocess.TimeoutExpired as e:  # a busy machine, not a broken build: no marker
         raise BuildFailed([f"the compiler ran past {e.timeout:.0f} s"], None) from None
