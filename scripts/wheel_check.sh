@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The wheel as a user gets it. Builds the sdist and, from it, the wheel (python -m build),
-# checks that the sdist carries the kernels' sources and the wheel every kernel variant of
+# repairs its platform tag (auditwheel), checks that the sdist carries the kernels' sources and the wheel every kernel variant of
 # this architecture, installs the wheel into a fresh virtual environment where no C++
 # compiler can be reached (CXX=/bin/false, PATH holding only that venv), and checks there
 # that the best variant this CPU runs is loaded from the wheel with nothing compiled, and
@@ -13,6 +13,10 @@ cd "$(dirname "$0")/.."
 rm -rf dist
 python -m build --sdist --wheel --outdir dist . >dist.log 2>&1 || { cat dist.log >&2; exit 1; }
 rm dist.log
+# The platform tag repaired for the oldest glibc the libraries allow (manylinux), libgomp
+# vendored into pagedllm.libs/, as auditwheel does for any wheel with native code.
+auditwheel repair -w dist "$(ls dist/pagedllm-*-linux_*.whl)" >dist.log 2>&1 || { cat dist.log >&2; exit 1; }
+rm dist.log dist/pagedllm-*-linux_*.whl
 wheel=$(ls dist/pagedllm-*.whl)
 sdist=$(ls dist/pagedllm-*.tar.gz)
 echo "== built $wheel and $sdist"
