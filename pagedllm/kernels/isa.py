@@ -9,7 +9,9 @@ reports the features those macros stand for (``pagedllm_requires()``, ``csrc/abi
 
 Features are read from ``/proc/cpuinfo``. Linux lists AVX, AVX-512 and their extensions
 there only when the kernel enables their register state (XCR0), so a CPU whose OS does not
-save the AVX-512 registers is offered the AVX2 variant.
+save the AVX-512 registers is offered the AVX2 variant. (PyTorch's detector,
+``torch.backends.cpu.get_cpu_capability()``, tells only AVX2 from AVX-512 in 2.13, not
+VNNI or BF16, and importing torch here would slow the wheel's build.)
 """
 
 from __future__ import annotations
