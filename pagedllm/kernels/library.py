@@ -4,8 +4,9 @@ The best variant the CPU executes (``available_isas()``), or ``PAGEDLLM_CPU_ISA`
 one; if it fails to build or load, the next one down (avx512_bf16 -> avx512_vnni -> avx512
 -> avx2 -> scalar, neon_dotprod -> neon -> scalar), so one file that does not compile never
 costs every kernel. A library is used only once it matches ``pagedllm_abi.h`` (``abi.bind``)
-and every CPU feature it reports needing (``pagedllm_requires()``) is this CPU's. ``PAGEDLLM_DISABLE_NATIVE=1``:
-no library, PyTorch everywhere. Only ``kernels.ops`` calls into the library.
+and every CPU feature it reports needing (``pagedllm_requires()``) is this CPU's.
+``PAGEDLLM_DISABLE_NATIVE=1``: no library, PyTorch everywhere. Only ``kernels.ops`` calls
+into the library.
 """
 
 from __future__ import annotations
