@@ -44,7 +44,8 @@ class BuildPyWithKernels(build_py):
         wanted = os.environ.get("PAGEDLLM_WHEEL_ISAS")
         variants = wanted.split(",") if wanted else isa.architecture_isas(platform.machine())
         target = Path(self.build_lib) / "pagedllm" / "kernels" / "prebuilt"
-        target.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)  # a reused build folder keeps another build's variants
+        target.mkdir(parents=True)
         for variant in variants:
             print(f"pagedllm: the {variant} kernels ({' '.join(isa.isa_flags(variant))})", flush=True)
             try:
