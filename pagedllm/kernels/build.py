@@ -46,8 +46,8 @@ PREBUILT = Path(__file__).resolve().parent / "prebuilt"
 _VARIANTS = {"paged_attention.cpp": [["-DPAGED_ATTENTION_BF16=1"], ["-DPAGED_ATTENTION_BF16=0"]]}
 _COMPILE_TIMEOUT_S = 600
 _MAX_ERROR_LINES = 10
-# Compiler time of one variant's build, summed over its translation units (the longest, the
-# decode attention, is about a third); the notice divides it by the cores that share it.
+# About the compiler's CPU time for one variant, all translation units together (see
+# docs/benchmarks.md, issue 21); the build notice divides it by the cores the build can use.
 _BUILD_CPU_SECONDS = 120
 
 
