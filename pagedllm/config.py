@@ -218,7 +218,8 @@ def dtype_settings(
 # library: PyTorch's weight-only int8 kernels). Measured on AVX-512 and AVX2 (docs/benchmarks.md,
 # "Small batches at the memory roofline", "PyTorch fallback"); NEON's w4a8 awaits its numbers.
 _AUTO_LINEARS: dict[str | None, str] = {
-    "avx512": "w4a8", "avx2": "w4a8", "neon": "w8a8", "scalar": "float32", None: "int8"
+    "avx512_bf16": "w4a8", "avx512_vnni": "w4a8", "avx512": "w4a8", "avx2": "w4a8",
+    "neon_dotprod": "w8a8", "neon": "w8a8", "scalar": "float32", None: "int8",
 }
 
 

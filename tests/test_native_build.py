@@ -8,6 +8,7 @@ otherwise links a stub library exporting the kernels' names: no real build.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import stat
 from collections.abc import Iterator
@@ -18,40 +19,39 @@ import pytest
 import torch
 
 from pagedllm import config
-from pagedllm.kernels import build, library, ops
-from pagedllm.kernels.isa import ALL_ISAS, isa_flags, runnable_isas
+from pagedllm.kernels import abi, build, library, ops
+from pagedllm.kernels.isa import ALL_ISAS, isa_flags, required_features, runnable_isas
 
 SAPPHIRE_RAPIDS = frozenset("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16".split())
 ZEN3 = frozenset("avx2 fma f16c bmi2".split())
-EXPORTS = [
-    "paged_decode_attention_bf16", "paged_decode_attention_f32", "paged_prefill_attention", "linear_w8a8_available",
-    "linear_pack_f32", "linear_f32", "linear_pack_w8a8", "linear_w8a8",
-    "linear_pack_q4a8", "linear_q4a8", "add_rms_norm", "rotary_inplace",
-    "silu_and_mul", "gelu_tanh_and_mul", "write_kv_cache", "argmax_rows", "decode_layers",
-]
 
 
 def test_runnable_isas() -> None:
-    assert runnable_isas(SAPPHIRE_RAPIDS, "x86_64") == ["avx512", "avx2", "scalar"]
+    assert runnable_isas(SAPPHIRE_RAPIDS, "x86_64") == ["avx512_bf16", "avx512_vnni", "avx512", "avx2", "scalar"]
+    assert runnable_isas(SAPPHIRE_RAPIDS - {"avx512_bf16"}, "x86_64") == ["avx512_vnni", "avx512", "avx2", "scalar"]
     assert runnable_isas(ZEN3, "x86_64") == ["avx2", "scalar"]
     assert runnable_isas(frozenset({"avx2", "fma"}), "x86_64") == ["scalar"]  # no f16c
-    assert runnable_isas(frozenset({"asimd", "asimddp"}), "aarch64") == ["neon", "scalar"]
+    assert runnable_isas(frozenset({"asimd", "asimddp"}), "aarch64") == ["neon_dotprod", "neon", "scalar"]
+    assert runnable_isas(frozenset({"asimd"}), "aarch64") == ["neon", "scalar"]
     assert runnable_isas(frozenset(), "arm64") == ["scalar"]
+    assert runnable_isas(SAPPHIRE_RAPIDS, "riscv64") == ["scalar"]
 
 
-def test_flags_per_isa() -> None:
+def test_flags_per_isa_are_fixed() -> None:
     common = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++20"]
     # avx2 is exactly an AMD Zen 3's, whatever the build machine has.
-    assert isa_flags("avx2", SAPPHIRE_RAPIDS) == [*common, "-mavx2", "-mfma", "-mf16c"]
-    assert isa_flags("scalar", SAPPHIRE_RAPIDS) == [*common, "-DPAGEDLLM_VEC_SCALAR"]
-    avx512 = isa_flags("avx512", SAPPHIRE_RAPIDS)
-    assert {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"} <= set(avx512)
-    assert "-mavx512vnni" not in isa_flags("avx512", SAPPHIRE_RAPIDS - {"avx512_vnni"})
-    assert isa_flags("neon", frozenset({"asimd", "asimddp"}))[-1] == "-march=armv8.2-a+dotprod"
-    assert isa_flags("neon", frozenset({"asimd"}))[-1] == "-march=armv8-a"
-    assert not any("native" in flag for isa in ALL_ISAS for flag in isa_flags(isa, SAPPHIRE_RAPIDS))
-    with pytest.raises(ValueError, match="unknown ISA 'sse'; valid: avx512, avx2, neon, scalar"):
-        isa_flags("sse", SAPPHIRE_RAPIDS)
+    assert isa_flags("avx2") == [*common, "-mavx2", "-mfma", "-mf16c"]
+    assert isa_flags("scalar") == [*common, "-DPAGEDLLM_VEC_SCALAR"]
+    avx512 = {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"}
+    assert avx512 <= set(isa_flags("avx512")) and not {"-mavx512vnni", "-mavx512bf16"} & set(isa_flags("avx512"))
+    assert avx512 | {"-mavx512vnni"} <= set(isa_flags("avx512_vnni")) and "-mavx512bf16" not in isa_flags("avx512_vnni")
+    assert avx512 | {"-mavx512vnni", "-mavx512bf16"} <= set(isa_flags("avx512_bf16"))
+    assert isa_flags("neon_dotprod")[-1] == "-march=armv8.2-a+dotprod"
+    assert isa_flags("neon")[-1] == "-march=armv8-a"
+    assert required_features("avx512_bf16") == SAPPHIRE_RAPIDS
+    assert not any("native" in flag for isa in ALL_ISAS for flag in isa_flags(isa))
+    with pytest.raises(ValueError, match="unknown ISA 'sse'; valid: avx512_bf16, avx512_vnni, avx512, avx2, neon"):
+        isa_flags("sse")
 
 
 @pytest.fixture
@@ -70,20 +70,36 @@ def _forget_libraries() -> None:
     library._load_or_failure.cache_clear()
 
 
-def fake_compiler(tmp_path: Path, fail_on: str, version: str = "fake c++ 1.0") -> Path:
+def fake_compiler(
+    tmp_path: Path, fail_on: str, version: str = "fake c++ 1.0", requires: str = "", delay: float = 0
+) -> Path:
     """A compiler that logs each compile or link to ``calls``, fails on arguments containing
     ``fail_on`` with one gcc-style error line, and otherwise links a stub of the kernels'
-    exports with the real gcc."""
+    exports with the real gcc, whose ``pagedllm_requires()`` says ``requires``; each compile
+    takes ``delay`` seconds."""
     if shutil.which("gcc") is None:
         pytest.skip("no gcc to link the stub library")
-    stub = tmp_path / "stub.c"
-    stub.write_text("".join(f"int {name}(void) {{ return 0; }}\n" for name in EXPORTS))
+    stub = tmp_path / "stub.c"  # every export but the two pagedllm_abi.h needs right
+    names = [name for name in abi.FUNCTIONS if not name.startswith("pagedllm_")]
+    stub.write_text("".join(f"int {name}(void) {{ return 0; }}\n" for name in names))
+    described = tmp_path / "described.c"
+    described.write_text(f"""#include "{abi.HEADER}"
+static const int dims[] = PAGEDLLM_HEAD_DIMS;
+const PagedllmLimits* pagedllm_limits(void) {{
+  static PagedllmLimits l = {{PAGEDLLM_MAX_GROUP, sizeof dims / sizeof dims[0], {{0}}, PAGEDLLM_MAX_PREFILL_BLOCK,
+                             PAGEDLLM_PANEL, PAGEDLLM_QUANT_GROUP, PAGEDLLM_Q4A8_GROUP_BYTES}};
+  for (unsigned i = 0; i < sizeof dims / sizeof dims[0]; ++i) l.head_dims[i] = dims[i];
+  return &l;
+}}
+const char* pagedllm_requires(void) {{ return "{requires}"; }}
+""")
     script = tmp_path / f"cxx{len(list(tmp_path.glob('cxx*')))}"
     script.write_text(f"""#!/bin/sh
 if [ "$1" = --version ]; then echo "{version}"; exit 0; fi
 echo "$*" >> {tmp_path}/calls
+sleep {delay}
 case "$*" in *"{fail_on}"*) echo "kernel.cpp:3:7: error: '__m512' was not declared in this scope" >&2; exit 1;; esac
-case "$*" in *-shared*) while [ "$1" != -o ]; do shift; done; exec gcc -shared -fPIC -o "$2" {stub};; esac
+case "$*" in *-shared*) while [ "$1" != -o ]; do shift; done; exec gcc -shared -fPIC -o "$2" {stub} {described};; esac
 """)
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return script
@@ -94,14 +110,10 @@ def _calls(tmp_path: Path) -> int:
     return len(calls.read_text().splitlines()) if calls.exists() else 0
 
 
-def test_cache_key_differs_by_isa_flags_and_compiler(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(build, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
-    paths = {isa: build.library_path(isa) for isa in ("avx512", "avx2", "scalar")}
-    assert len(set(paths.values())) == 3
+def test_cache_key_differs_by_isa_and_compiler(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = {isa: build.library_path(isa) for isa in ALL_ISAS}
+    assert len(set(paths.values())) == len(ALL_ISAS)
     assert all(p.name.startswith(f"kernels-{isa}-") and p.suffix == ".so" for isa, p in paths.items())
-    monkeypatch.setattr(build, "cpu_flags", lambda: SAPPHIRE_RAPIDS - {"avx512_bf16"})
-    assert build.library_path("avx512") != paths["avx512"]  # other flags
-    assert build.library_path("avx2") == paths["avx2"]  # the same flags
     monkeypatch.setenv("CXX", str(fake_compiler(fresh, "never", "fake c++ 1.0")))
     one = build.library_path("avx2")
     monkeypatch.setenv("CXX", str(fake_compiler(fresh, "never", "fake c++ 2.0")))
@@ -112,7 +124,6 @@ def test_a_failed_build_leaves_a_marker_falls_back_and_is_not_retried(
     fresh: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(library, "available_isas", lambda: ["avx512", "avx2", "scalar"])
-    monkeypatch.setattr(build, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
     monkeypatch.setenv("CXX", str(fake_compiler(fresh, "-mavx512f")))
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         assert library.native_library() is not None
@@ -202,8 +213,9 @@ def test_disable_native_builds_nothing(fresh: Path, monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize(
     ("isa", "w8a8", "linears"),
-    [("avx512", True, "w4a8"), ("avx2", True, "w4a8"), ("neon", True, "w8a8"), ("scalar", True, "float32"),
-     (None, False, "int8"), ("avx2", False, "float32")],  # the table, and a library without the integer GEMMs
+    # the table, and a library without the integer GEMMs
+    [("avx512_bf16", True, "w4a8"), ("avx512", True, "w4a8"), ("avx2", True, "w4a8"), ("neon_dotprod", True, "w8a8"),
+     ("neon", True, "w8a8"), ("scalar", True, "float32"), (None, False, "int8"), ("avx2", False, "float32")],
 )
 def test_dtype_auto_by_isa(isa: str | None, w8a8: bool, linears: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(library, "active_isa", lambda: isa)
@@ -234,3 +246,100 @@ def test_w8a8_is_bit_identical_on_every_isa() -> None:
     first = next(iter(outputs.values()))
     for isa, y in outputs.items():
         assert torch.equal(y, first), isa
+
+
+def test_processes_building_at_once_build_once(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each caller holds its own lock file description, as separate processes do: the first
+    builds, the others wait on the lock and load its library; no build folder is left."""
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, "never", delay=0.5)))
+    with ThreadPoolExecutor(3) as pool:
+        libraries = list(pool.map(lambda _: build.load("scalar"), range(3)))
+    assert len(libraries) == 3 and (fresh / "calls").read_text().count("-shared") == 1
+    assert not list((fresh / "cache").glob("build-*"))
+
+
+def test_a_build_removes_the_folders_of_dead_builders(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    cache = fresh / "cache"
+    orphan, alive = cache / f"build-{dead.stdout.strip()}-x1", cache / f"build-{os.getpid()}-x2"
+    for folder in (orphan, alive):
+        folder.mkdir(parents=True)
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, "never")))
+    build.load("scalar")
+    assert not orphan.exists() and alive.exists()
+
+
+def test_a_failed_build_leaves_no_build_folder(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, "-O3")))
+    with pytest.raises(build.BuildFailed):
+        build.load("scalar")
+    assert not list((fresh / "cache").glob("build-*"))
+
+
+def test_the_build_notice_comes_before_the_build(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, "-O3")))
+    with caplog.at_level(logging.INFO, logger="pagedllm"), pytest.raises(build.BuildFailed):
+        build.load("scalar")
+    assert caplog.records[0].getMessage().startswith("building the scalar native kernels: first use")
+    assert " s (longer on a busy machine)" in caplog.records[0].getMessage()
+
+
+def test_a_shipped_library_is_loaded_without_compiling(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    prebuilt = fresh / "prebuilt"
+    prebuilt.mkdir()
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, "never")))
+    build.load("scalar")
+    shutil.copy(build.library_path("scalar"), prebuilt / "kernels-avx2.so")
+    calls = _calls(fresh)
+    monkeypatch.setattr(build, "PREBUILT", prebuilt)
+    monkeypatch.setattr(library, "available_isas", lambda: ["avx2", "scalar"])
+    assert library.active_isa() == "avx2" and build.library_path("avx2") == prebuilt / "kernels-avx2.so"
+    assert _calls(fresh) == calls
+
+
+def test_a_library_needing_what_the_cpu_lacks_is_skipped(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, "never", requires="avx2 amx_tile")))
+    monkeypatch.setattr(library, "available_isas", lambda: ["avx2", "scalar"])
+    monkeypatch.setattr(library, "cpu_flags", lambda: ZEN3)
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        assert library.active_isa() is None
+    assert "needs amx_tile, which this CPU lacks" in caplog.text
+
+
+def test_a_library_from_another_header_is_skipped(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, "never")))
+    monkeypatch.setattr(abi, "FUNCTIONS", {**abi.FUNCTIONS, "kernel_of_the_future": (None, [])})
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        assert library.native_library("scalar") is None
+    assert "lacks kernel_of_the_future" in caplog.text
+
+
+def test_every_isa_has_a_dtype_auto_choice() -> None:
+    assert set(ALL_ISAS) | {None} == set(config._AUTO_LINEARS)
+
+
+def test_the_first_line_of_a_first_run_is_the_build_notice(tmp_path: Path) -> None:
+    """``pagedllm generate`` with an empty kernel cache: logging is on before the flags are
+    checked (which picks the kernels), so the build notice comes first, not minutes of
+    silence. The fake compiler fails, then the model path does: nothing slow runs."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PAGEDLLM_CACHE": str(tmp_path / "cache"), "CXX": str(fake_compiler(tmp_path, "-O3"))}
+    for name in ("PAGEDLLM_CPU_ISA", "PAGEDLLM_DISABLE_NATIVE", "PAGEDLLM_REBUILD_NATIVE"):
+        env.pop(name, None)
+    command = ["generate", "--prompt", "hi", "--model", str(tmp_path / "none.gguf")]
+    done = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", *command], capture_output=True, text=True, env=env, timeout=300
+    )
+    first = (done.stdout + done.stderr).splitlines()[0]
+    assert "building the" in first and "native kernels: first use" in first, first

@@ -13,89 +13,33 @@
 #include <algorithm>
 #include <vector>
 
-extern "C" {
-int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const int32_t* wsum128,
-                const float* bias, float* y, int64_t M, int64_t N, int64_t K);
-int linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
-                int64_t K);
-void linear_f32(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t M, int64_t N,
-                int64_t K);
-void add_rms_norm(const float* x, float* residual, const float* weight, float* out, int64_t T, int64_t H, float eps);
-void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int64_t heads, int64_t D);
-void silu_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I);
-void gelu_tanh_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I);
-void write_kv_cache(int cache_bf16, const float* k, const float* v, int64_t ld, void* k_cache, void* v_cache,
-                    const int64_t* slots, int64_t n, int64_t width);
-int paged_decode_attention_bf16(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
-                                int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq,
-                                int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window);
-int paged_decode_attention_f32(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
-                               int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq,
-                               int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window);
-
-// One packed linear layer (kernels/ops.py LinearDesc): kind 0 float32 panels (w), 1 w8a8 (w
-// int8 panels, wscale, wsum128), 2 w4a8 (w uint8 panels); bias null or padded to panels.
-struct LinearDesc {
-  int64_t kind, n, k;
-  const void* w;
-  const float* wscale;
-  const int32_t* wsum128;
-  const float* bias;
-};
-
-// One layer. Norm weights are [hidden] ([head_dim] for q_norm, k_norm); those marked
-// "or null" are Gemma 3's and absent in Llama-family layers.
-struct LayerDesc {
-  const float* input_norm;     // before attention, the residual add fused in
-  const float* mlp_norm;       // before the MLP, the residual add fused in
-  const float* attn_out_norm;  // on o_proj's output, or null
-  const float* mlp_out_norm;   // on down_proj's output, or null
-  const float* q_norm;         // on each query head before RoPE, or null
-  const float* k_norm;         // on each key head before RoPE, or null
-  LinearDesc qkv, o, gate_up, down;
-  void* k_cache;  // [blocks, block_size, Hkv, D], float32 or bfloat16 (DecoderDesc::cache_bf16)
-  void* v_cache;
-  int64_t window;  // attend to the last `window` keys; 0: all
-  int64_t group;   // its KV cache group: which StepGroup holds its slots and block tables
-  int64_t rope;    // which cos/sin table: 0 global, 1 local (Gemma 3's sliding layers)
-};
-
-struct DecoderDesc {
-  int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, cache_bf16;
-  int64_t gelu;        // 0: SiLU-and-mul, 1: GELU (tanh)-and-mul
-  int64_t num_groups;  // KV cache groups: the StepGroups passed
-  float eps, scale;
-  const LayerDesc* layers;
-  const float* final_norm;
-};
-
-// One KV cache group's view of the step: slots [B], block tables [B, max_blocks], int64.
-struct StepGroup {
-  const int64_t* slots;
-  const int64_t* block_tables;
-  int64_t max_blocks;
-};
-}
+#include "head_dims.h"
+#include "pagedllm_abi.h"
 
 namespace {
 
-constexpr int64_t kMaxGroup = 8;  // paged_attention.cpp's: query heads per KV head
-
 void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t M) {
-  if (l.kind == 0) linear_f32(x, ldx, static_cast<const float*>(l.w), l.bias, y, M, l.n, l.k);
-  else if (l.kind == 1) linear_w8a8(x, ldx, static_cast<const int8_t*>(l.w), l.wscale, l.wsum128, l.bias, y, M, l.n, l.k);
-  else linear_q4a8(x, ldx, static_cast<const uint8_t*>(l.w), l.bias, y, M, l.n, l.k);
+  switch (l.kind) {
+    case PAGEDLLM_LINEAR_F32:
+      linear_f32(x, ldx, static_cast<const float*>(l.w), l.bias, y, M, l.n, l.k);
+      break;
+    case PAGEDLLM_LINEAR_W8A8:
+      linear_w8a8(x, ldx, static_cast<const int8_t*>(l.w), l.wscale, l.wsum128, l.bias, y, M, l.n, l.k);
+      break;
+    default:
+      linear_q4a8(x, ldx, static_cast<const uint8_t*>(l.w), l.bias, y, M, l.n, l.k);
+  }
 }
 
 // Everything the kernels below could refuse, checked before anything is written.
 bool supported(const DecoderDesc* m) {
   const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
-  if ((D != 64 && D != 128 && D != 256) || Hkv <= 0 || Hq % Hkv || Hq / Hkv > kMaxGroup) return false;
+  if (!head_dims::supported(D) || Hkv <= 0 || Hq % Hkv || Hq / Hkv > PAGEDLLM_MAX_GROUP) return false;
   for (int64_t i = 0; i < m->num_layers; ++i) {
     const LayerDesc& layer = m->layers[i];
     if (layer.group < 0 || layer.group >= m->num_groups || layer.rope < 0 || layer.rope > 1) return false;
     for (const LinearDesc* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-      if (l->kind < 0 || l->kind > 2) return false;
+      if (l->kind < PAGEDLLM_LINEAR_F32 || l->kind > PAGEDLLM_LINEAR_Q4A8) return false;
   }
   return true;
 }

@@ -8,6 +8,7 @@
 
 #include <cmath>
 
+#include "pagedllm_abi.h"
 #include "vec.h"
 
 using namespace vec;

@@ -23,16 +23,18 @@
 #include <utility>
 #include <vector>
 
+#include "pagedllm_abi.h"
 #include "vec.h"
 
 using namespace vec;
 
 namespace {
 
-constexpr int64_t NB = 32;  // output columns per panel
-constexpr int64_t QG = 32;  // k per quantization group, of weights and of activations alike
+constexpr int64_t NB = PAGEDLLM_PANEL;  // output columns per panel
+constexpr int64_t QG = PAGEDLLM_QUANT_GROUP;  // k per quantization group, of weights and of activations alike
 constexpr int64_t Q4_NIBBLES = QG / 4 * 64;       // bytes of codes per panel and group
 constexpr int64_t Q4_BYTES = Q4_NIBBLES + 4 * NB;  // + d and m, float16 per column
+static_assert(Q4_BYTES == PAGEDLLM_Q4A8_GROUP_BYTES, "pagedllm_abi.h declares another w4a8 layout");
 
 template <int R>
 inline void store(F32x16 (&acc)[R][2], float* y, int64_t ldy, int64_t ncols) {
@@ -171,7 +173,7 @@ void for_panels(int64_t N, const float* bias, F f) {
 
 extern "C" {
 
-int linear_w8a8_available() { return 1; }
+int linear_w8a8_available(void) { return 1; }
 
 // w: [N, K] float32 -> float32 panels [ceil(N/32)][K][32], zero padded.
 void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {

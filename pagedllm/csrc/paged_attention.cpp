@@ -18,13 +18,14 @@
 // 16 values at a time). Written on the vector layer (vec.h): one source for every ISA.
 #include <cstdint>
 
+#include "head_dims.h"
+#include "pagedllm_abi.h"
 #include "vec.h"
 
 using namespace vec;
 
 namespace {
 
-constexpr int kMaxGroup = 8;  // query heads per KV head handled by this kernel
 constexpr int kTile = 16;     // keys scored together: one per lane
 
 // A row of D values as D/16 float32 vectors.
@@ -168,7 +169,7 @@ int dispatch_group(int64_t group, const float* q, const T* kc, const T* vc, cons
     decode_attention<T, D, G>(q, kc, vc, bt, mb, sl, out, B, Hkv, BS, scale, window);
     return 0;
   }
-  if constexpr (G < kMaxGroup) return dispatch_group<T, D, G + 1>(group, q, kc, vc, bt, mb, sl, out, B, Hkv, BS, scale, window);
+  if constexpr (G < PAGEDLLM_MAX_GROUP) return dispatch_group<T, D, G + 1>(group, q, kc, vc, bt, mb, sl, out, B, Hkv, BS, scale, window);
   return -1;
 }
 
@@ -181,12 +182,7 @@ int dispatch(const void* q, const void* kc, const void* vc, const int64_t* bt, i
     return fn(Hq / Hkv, static_cast<const float*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc), bt, mb, sl,
               static_cast<float*>(out), B, Hkv, BS, scale, window);
   };
-  switch (D) {
-    case 64: return args(dispatch_group<T, 64>);
-    case 128: return args(dispatch_group<T, 128>);
-    case 256: return args(dispatch_group<T, 256>);
-    default: return -1;
-  }
+  return head_dims::with(D, [&](auto d) { return args(dispatch_group<T, decltype(d)::value>); });
 }
 
 }  // namespace
@@ -201,10 +197,9 @@ using CacheT = uint16_t;
 using CacheT = float;
 #endif
 
-extern "C" int PAGED_ATTENTION_ENTRY(const void* q, const void* k_cache, const void* v_cache,
-                                     const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
-                                     void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                                     float scale, int64_t window) {
+int PAGED_ATTENTION_ENTRY(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                          int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq, int64_t Hkv,
+                          int64_t D, int64_t BS, float scale, int64_t window) {
   return dispatch<CacheT>(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv, D, BS, scale,
                           window);
 }

@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "head_dims.h"
+#include "pagedllm_abi.h"
 #include "vec.h"
 
 using namespace vec;
@@ -22,7 +24,7 @@ using namespace vec;
 namespace {
 
 constexpr int kLanes = 16;
-constexpr int kMaxBlock = 64;
+constexpr int kMaxBlock = PAGEDLLM_MAX_PREFILL_BLOCK;
 // Independent FMA chains that hide the FMA latency (4 cycles at 2 per cycle): eight F32x16
 // where they fit in registers (AVX-512), else four (each already 2-4 registers).
 constexpr int kChains = kF32Regs >= 32 ? 8 : 4;
@@ -141,12 +143,10 @@ int dispatch(const float* q, int64_t ldq, const void* kc, const void* vc, const 
   if (Hq % Hkv || BS > kMaxBlock) return -1;
   const T* k = static_cast<const T*>(kc);
   const T* v = static_cast<const T*>(vc);
-  switch (D) {
-    case 64: prefill_attention<T, 64>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window); return 0;
-    case 128: prefill_attention<T, 128>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window); return 0;
-    case 256: prefill_attention<T, 256>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window); return 0;
-    default: return -1;
-  }
+  return head_dims::with(D, [&](auto d) {
+    prefill_attention<T, decltype(d)::value>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
+    return 0;
+  });
 }
 
 }  // namespace
@@ -157,11 +157,10 @@ int dispatch(const float* q, int64_t ldq, const void* kc, const void* vc, const 
 // after this step; the queries are its last n positions). out: [rows, Hq * D] float32, only
 // the requests' rows written. window > 0: a query at p sees keys p - window + 1 .. p.
 // Returns -1 (nothing written) for an unsupported shape.
-extern "C" int paged_prefill_attention(int cache_bf16, const float* q, int64_t ldq, const void* k_cache,
-                                       const void* v_cache, const int64_t* block_tables, int64_t max_blocks,
-                                       const int64_t* query_starts, const int64_t* query_lens, const int64_t* seq_lens,
-                                       float* out, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                                       float scale, int64_t window) {
+int paged_prefill_attention(int cache_bf16, const float* q, int64_t ldq, const void* k_cache, const void* v_cache,
+                            const int64_t* block_tables, int64_t max_blocks, const int64_t* query_starts,
+                            const int64_t* query_lens, const int64_t* seq_lens, float* out, int64_t R, int64_t Hq,
+                            int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window) {
   if (cache_bf16)
     return dispatch<uint16_t>(q, ldq, k_cache, v_cache, block_tables, max_blocks, query_starts, query_lens, seq_lens,
                               out, R, Hq, Hkv, D, BS, scale, window);

@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: generate, chat, serve, bench.
+"""The ``pagedllm`` command: generate, chat, serve, bench, env.
 
 Every flag is checked (engine settings and sampling values) before a model is loaded: a bad
 value is a usage error, exit status 2, within a second or two.
@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    from pagedllm.entrypoints.env import add_env_parser
+
+    add_env_parser(sub)
+
     from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -174,16 +178,16 @@ def check_args(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Before anything slow: checking the flags picks the native kernels, which the first run
+    # on a machine compiles for minutes, and says so.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         check_args(args)
     except ValueError as e:  # exit 2, before a model is loaded, with the command's usage and flag
         flag = f"argument --{e.param.replace('_', '-')}: " if isinstance(e, InvalidParamError) else ""
         getattr(args, "command_parser", parser).error(flag + str(e))
-    # The chat REPL streams to stdout: log lines there would cut into the reply.
-    quiet = args.command == "chat" and not args.verbose
-    logging.basicConfig(
-        level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    if args.command == "chat" and not args.verbose:  # the REPL streams: log lines would cut into replies
+        logging.getLogger().setLevel(logging.WARNING)
     try:
         args.func(args)
     except ValueError as e:

@@ -1,10 +1,18 @@
-"""Build the native kernels (``pagedllm/csrc``) for one ISA, cache them, remember failures.
+"""Build the native kernels (``pagedllm/csrc``) for one ISA variant, cache them, remember failures.
 
-One plain shared library per ISA from every ``csrc/*.cpp``, no torch headers; the
-translation units compile in parallel (about 35 s on two cores, once). Libraries live in
-``$PAGEDLLM_CACHE`` (default ``~/.cache/pagedllm``) as ``kernels-<isa>-<key>.so``, the key
-hashing the ISA, its flags, the compiler (path and version) and every csrc source and
-header, so a cache shared between machines never hands one a library built for another.
+One plain shared library per variant from every ``csrc/*.cpp``, no torch headers; the
+translation units compile in parallel. ``cached_build`` is the one recipe: the wheel's build
+(``setup.py``) ships its output as ``pagedllm/kernels/prebuilt/kernels-<isa>.so``, which
+``load`` takes first; otherwise (an editable install, a CPU no shipped variant serves)
+``load`` compiles just in time into ``$PAGEDLLM_CACHE`` (default ``~/.cache/pagedllm``) as
+``kernels-<isa>-<key>.so``, the key hashing the variant, its flags, the compiler (path and
+version) and every csrc source and header, so a cache shared between machines never hands
+one a library built for another.
+
+One process builds a given library: the others wait on a file lock beside it
+(``kernels-<isa>-<key>.lock``) and load what it built. The objects go to a folder
+``build-<pid>-*`` in the cache, removed when the build ends; one left by a process that died
+is removed by the next build.
 
 A failed build leaves ``kernels-<isa>-<key>.failed`` beside it, holding the compiler's
 error lines: later processes skip that ISA at once instead of compiling again. Delete the
@@ -14,6 +22,7 @@ marker, or set ``PAGEDLLM_REBUILD_NATIVE=1``, to try again.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -21,18 +30,25 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
-from pagedllm.kernels.isa import cpu_flags, isa_flags
+from pagedllm.kernels.isa import isa_flags
 
 logger = logging.getLogger("pagedllm")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
+PREBUILT = Path(__file__).resolve().parent / "prebuilt"
 # Sources built more than once, with these defines: the decode attention once per cache dtype.
 _VARIANTS = {"paged_attention.cpp": [["-DPAGED_ATTENTION_BF16=1"], ["-DPAGED_ATTENTION_BF16=0"]]}
 _COMPILE_TIMEOUT_S = 600
 _MAX_ERROR_LINES = 10
+# About the compiler's CPU time for one variant, all translation units together (see
+# docs/benchmarks.md, issue 21); the build notice divides it by the cores the build can use.
+_BUILD_CPU_SECONDS = 120
 
 
 class BuildFailed(Exception):
@@ -69,58 +85,75 @@ def _identify(cxx: str) -> tuple[str, str]:
     return path, next(iter(done.stdout.splitlines()), "")
 
 
+def prebuilt_path(isa: str) -> Path:
+    """Where an installed wheel holds ``isa``'s library (present only there)."""
+    return PREBUILT / f"kernels-{isa}.so"
+
+
 def library_path(isa: str) -> Path:
-    """Where ``isa``'s library is (or would be) cached for these sources, flags and compiler."""
-    digest = hashlib.sha256(repr((isa, isa_flags(isa, cpu_flags()), _VARIANTS, compiler())).encode())
+    """The library ``load`` takes for ``isa``: the wheel's, else where it is (or would be)
+    cached for these sources, flags and compiler."""
+    return prebuilt_path(isa) if prebuilt_path(isa).exists() else _cache_path(isa)
+
+
+def _cache_path(isa: str) -> Path:
+    digest = hashlib.sha256(repr((isa, isa_flags(isa), _VARIANTS, compiler())).encode())
     for source in sorted([*CSRC.glob("*.cpp"), *CSRC.rglob("*.h")]):
         digest.update(source.name.encode() + source.read_bytes())
     return cache_dir() / f"kernels-{isa}-{digest.hexdigest()[:16]}.so"
 
 
 def load(isa: str) -> ctypes.CDLL:
-    """``isa``'s library, built first if not cached (logged: it takes a while).
+    """``isa``'s library: the wheel's, else the cached one, built first if missing (logged
+    before it starts: it takes minutes). Concurrent processes build it once.
 
     Raises:
         BuildFailed: the compiler failed now (the ``.failed`` marker is written) or did before
-            (its marker is there and ``PAGEDLLM_REBUILD_NATIVE`` is not 1), or it timed out.
+            (its marker is there and ``PAGEDLLM_REBUILD_NATIVE`` is not 1), it timed out, or
+            the library does not load.
         ValueError: for an unknown ISA name.
     """
-    path = library_path(isa)
+    if prebuilt_path(isa).exists():
+        return _open(prebuilt_path(isa), None)
+    path = cached_build(isa)
+    return _open(path, path.with_suffix(".failed"))
+
+
+def cached_build(isa: str) -> Path:
+    """The path of ``isa``'s library in the cache, compiled first where it is not there yet
+    (by this process, or by another one this one waits for). Nothing is loaded.
+
+    Raises:
+        BuildFailed, ValueError: as ``load``.
+    """
+    path = _cache_path(isa)
     marker = path.with_suffix(".failed")
     if marker.exists() and os.environ.get("PAGEDLLM_REBUILD_NATIVE") != "1":
         raise BuildFailed(marker.read_text().splitlines(), marker, cached=True)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        logger.info("building the %s native kernels (first use on this machine, about a minute)", isa)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            out = Path(tmp) / path.name
-            try:
-                _build(isa, Path(tmp), out)
-            except subprocess.TimeoutExpired as e:  # a busy machine, not a broken build: no marker
-                raise BuildFailed([f"the compiler ran past {e.timeout:.0f} s"], None) from None
-            except BuildFailed as e:
-                _write_atomically(marker, "\n".join(e.errors) + "\n")
-                raise BuildFailed(e.errors, marker) from None
-            os.replace(out, path)  # atomic: concurrent processes never load a half-written file
+        with _exclusive(path.with_suffix(".lock"), isa):
+            if marker.exists() and os.environ.get("PAGEDLLM_REBUILD_NATIVE") != "1":  # the lock holder's failure
+                raise BuildFailed(marker.read_text().splitlines(), marker, cached=True)
+            if not path.exists():  # else another process built it while this one waited
+                _build_into_cache(isa, path, marker)
     marker.unlink(missing_ok=True)  # a retry (PAGEDLLM_REBUILD_NATIVE=1) that succeeded
-    try:
-        return ctypes.CDLL(str(path))
-    except OSError as e:  # built but not loadable here (a missing runtime library)
-        _write_atomically(marker, f"{e}\n")
-        raise BuildFailed([str(e)], marker) from None
+    return path
 
 
-def _build(isa: str, tmp: Path, out: Path) -> None:
-    """Compile every translation unit at once (one process per core), then link ``out``.
+def _compile_library(isa: str, out: Path, work: Path) -> None:
+    """Compile every translation unit with ``isa``'s flags (one process per core) in the
+    folder ``work``, then link ``out``.
 
     Raises:
-        BuildFailed: the compiler is missing or failed (its error lines; no marker yet);
+        BuildFailed: the compiler is missing or failed (its error lines; no marker);
         subprocess.TimeoutExpired: it ran past the limit.
+        ValueError: for an unknown ISA name.
     """
     cxx, _ = compiler()
-    flags = isa_flags(isa, cpu_flags())
-    units = [(src, defines) for src in sorted(CSRC.glob("*.cpp")) for defines in _VARIANTS.get(src.name, [[]])]
-    objects = [tmp / f"{i}_{src.stem}.o" for i, (src, _) in enumerate(units)]
+    flags = isa_flags(isa)
+    units = _units()
+    objects = [work / f"{i}_{src.stem}.o" for i, (src, _) in enumerate(units)]
     commands = [[cxx, *flags, *defines, "-c", str(src), "-o", str(obj)] for (src, defines), obj in zip(units, objects)]
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         failures = [e for e in pool.map(_run, commands) if e]
@@ -132,6 +165,89 @@ def _build(isa: str, tmp: Path, out: Path) -> None:
     errors = _run([cxx, *link_flags, "-shared", "-o", str(out), *map(str, objects)])
     if errors:
         raise BuildFailed(errors, None)
+
+
+def expected_build_seconds() -> float:
+    """About how long one variant's build takes on this machine when it has the cores to itself."""
+    return _BUILD_CPU_SECONDS / min(os.cpu_count() or 1, len(_units()))
+
+
+def _units() -> list[tuple[Path, list[str]]]:
+    """Every translation unit to compile: (source, its extra defines)."""
+    return [(src, defines) for src in sorted(CSRC.glob("*.cpp")) for defines in _VARIANTS.get(src.name, [[]])]
+
+
+def _build_into_cache(isa: str, path: Path, marker: Path) -> None:
+    """Build ``path`` in a fresh ``build-<pid>-*`` folder of the cache, removed in any case;
+    a failure writes ``marker``. The caller holds the library's lock."""
+    _remove_orphans(path.parent)
+    logger.info(
+        "building the %s native kernels: first use of this version on this machine, about %.0f s "
+        "(longer on a busy machine); they are cached in %s", isa, expected_build_seconds(), path.parent,
+    )
+    work = Path(tempfile.mkdtemp(prefix=f"build-{os.getpid()}-", dir=path.parent))
+    started = time.monotonic()
+    try:
+        out = work / path.name
+        _compile_library(isa, out, work)
+        os.replace(out, path)  # atomic: a process that does not take the lock never loads a half-written file
+    except subprocess.TimeoutExpired as e:  # a busy machine, not a broken build: no marker
+        raise BuildFailed([f"the compiler ran past {e.timeout:.0f} s"], None) from None
+    except BuildFailed as e:
+        _write_atomically(marker, "\n".join(e.errors) + "\n")
+        raise BuildFailed(e.errors, marker) from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    logger.info("built the %s native kernels in %.0f s", isa, time.monotonic() - started)
+
+
+@contextmanager
+def _exclusive(lock: Path, isa: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock`` (created if missing) for the block; waiting,
+    if another process holds it, is logged. The kernel drops it when its holder dies."""
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process building the %s native kernels (%s)", isa, lock)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _remove_orphans(cache: Path) -> None:
+    """Remove the build folders of processes that are gone (killed mid-build)."""
+    for folder in cache.glob("build-*-*"):
+        pid = folder.name.split("-")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _open(path: Path, marker: Path | None) -> ctypes.CDLL:
+    """Load a built library; one that does not load (a missing runtime library) is recorded
+    in ``marker`` where there is one.
+
+    Raises:
+        BuildFailed: it does not load.
+    """
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        if marker is not None:
+            _write_atomically(marker, f"{e}\n")
+        raise BuildFailed([str(e)], marker) from None
 
 
 def _run(command: list[str]) -> list[str]:

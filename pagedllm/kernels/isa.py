@@ -1,8 +1,17 @@
-"""Which instruction sets this CPU runs, and the compiler flags that build the kernels for each.
+"""The kernel variants: what each one needs from the CPU, the compiler flags that build it, and
+which of them this CPU runs.
 
-The kernels (``pagedllm/csrc``) pick their vector code from the compiler's predefined
-macros (``csrc/vec.h``), so an ISA is only a set of flags: never ``-march=native``, which
-would build for whatever the build machine has and load on no other.
+A variant is named by the instruction sets it needs and built with fixed flags, whatever the
+build machine has (never ``-march=native``), so one name is one machine code everywhere: a
+wheel built on one machine serves every CPU its variants' requirements fit. The kernels pick
+their vector code from the compiler's predefined macros (``csrc/vec.h``), and each library
+reports the features those macros stand for (``pagedllm_requires()``, ``csrc/abi.cpp``).
+
+Features are read from ``/proc/cpuinfo``. Linux lists AVX, AVX-512 and their extensions
+there only when the kernel enables their register state (XCR0), so a CPU whose OS does not
+save the AVX-512 registers is offered the AVX2 variant. (PyTorch's detector,
+``torch.backends.cpu.get_cpu_capability()``, tells only AVX2 from AVX-512 in 2.13, not
+VNNI or BF16, and importing torch here would slow the wheel's build.)
 """
 
 from __future__ import annotations
@@ -11,22 +20,62 @@ import functools
 import platform
 from pathlib import Path
 
-# Best first, per architecture: a build that fails falls back to the next.
-X86_ISAS = ("avx512", "avx2", "scalar")
-ARM_ISAS = ("neon", "scalar")
-ALL_ISAS = ("avx512", "avx2", "neon", "scalar")
+# Best first, per architecture: a variant that fails to build or load falls back to the next.
+X86_ISAS = ("avx512_bf16", "avx512_vnni", "avx512", "avx2", "scalar")
+ARM_ISAS = ("neon_dotprod", "neon", "scalar")
+ALL_ISAS = ("avx512_bf16", "avx512_vnni", "avx512", "avx2", "neon_dotprod", "neon", "scalar")
 
-# The cpuinfo flags an ISA's build needs, every one of them, to run here.
-_REQUIRED = {
-    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2"},
-    "avx2": {"avx2", "fma", "f16c"},
-    "neon": {"asimd"},
-    "scalar": set(),
+# Per x86 variant, the compiler's -m options; each one's /proc/cpuinfo flag is its name, but
+# for the two below, which Linux spells with an underscore.
+_AVX2 = ("avx2", "fma", "f16c")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+_X86_OPTIONS = {
+    "avx2": _AVX2,
+    "avx512": _AVX512,
+    "avx512_vnni": (*_AVX512, "avx512vnni"),
+    "avx512_bf16": (*_AVX512, "avx512vnni", "avx512bf16"),
 }
+_CPUINFO_NAME = {"avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16"}
+_ARM_MARCH = {"neon_dotprod": ("armv8.2-a+dotprod", {"asimd", "asimddp"}), "neon": ("armv8-a", {"asimd"})}
 COMMON_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++20")
-# avx2 is exactly what an AMD Zen 3 runs, so an AVX-512 host can build and test it too.
-_AVX2 = ("-mavx2", "-mfma", "-mf16c")
-_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+
+
+def required_features(isa: str) -> frozenset[str]:
+    """The /proc/cpuinfo flags a CPU needs, every one, to run ``isa``'s library (what that
+    library's ``pagedllm_requires()`` reports).
+
+    Raises:
+        ValueError: for a name not in ``ALL_ISAS``.
+    """
+    if isa in _X86_OPTIONS:
+        return frozenset(_CPUINFO_NAME.get(option, option) for option in _X86_OPTIONS[isa])
+    if isa in _ARM_MARCH:
+        return frozenset(_ARM_MARCH[isa][1])
+    if isa == "scalar":
+        return frozenset()
+    raise ValueError(f"unknown ISA {isa!r}; valid: {', '.join(ALL_ISAS)}")
+
+
+def isa_flags(isa: str) -> list[str]:
+    """The compiler flags that build ``isa``'s library: the common ones, then the variant's.
+
+    Raises:
+        ValueError: for a name not in ``ALL_ISAS``.
+    """
+    if isa in _X86_OPTIONS:
+        return [*COMMON_FLAGS, *(f"-m{option}" for option in _X86_OPTIONS[isa])]
+    if isa in _ARM_MARCH:
+        return [*COMMON_FLAGS, f"-march={_ARM_MARCH[isa][0]}"]
+    if isa == "scalar":  # NEON is aarch64's baseline: vec.h would pick it without the define
+        return [*COMMON_FLAGS, "-DPAGEDLLM_VEC_SCALAR"]
+    raise ValueError(f"unknown ISA {isa!r}; valid: {', '.join(ALL_ISAS)}")
+
+
+def architecture_isas(machine: str) -> tuple[str, ...]:
+    """The variants built for architecture ``machine`` (``platform.machine()``), best first."""
+    if is_arm(machine):
+        return ARM_ISAS
+    return X86_ISAS if machine.lower() in ("x86_64", "amd64") else ("scalar",)
 
 
 @functools.cache
@@ -53,25 +102,6 @@ def is_arm(machine: str) -> bool:
 
 
 def runnable_isas(flags: frozenset[str], machine: str) -> list[str]:
-    """The ISAs a CPU of architecture ``machine`` (``platform.machine()``) with these cpuinfo
-    ``flags`` executes, best first (``scalar`` always)."""
-    return [isa for isa in (ARM_ISAS if is_arm(machine) else X86_ISAS) if _REQUIRED[isa] <= flags]
-
-
-def isa_flags(isa: str, flags: frozenset[str]) -> list[str]:
-    """Compiler flags for ``isa`` on a CPU with cpuinfo ``flags``: the common ones, then the
-    ISA's (optional extensions the CPU has, e.g. AVX512-VNNI, are enabled too).
-
-    Raises:
-        ValueError: for a name not in ``ALL_ISAS``.
-    """
-    if isa == "avx512":
-        extra = [f"-m{ext}" for ext in ("avx512vnni", "avx512bf16") if ext.replace("avx512", "avx512_") in flags]
-        return [*COMMON_FLAGS, *_AVX512, *extra]
-    if isa == "avx2":
-        return [*COMMON_FLAGS, *_AVX2]
-    if isa == "neon":
-        return [*COMMON_FLAGS, "-march=armv8.2-a+dotprod" if "asimddp" in flags else "-march=armv8-a"]
-    if isa == "scalar":  # NEON is aarch64's baseline: vec.h would pick it without the define
-        return [*COMMON_FLAGS, "-DPAGEDLLM_VEC_SCALAR"]
-    raise ValueError(f"unknown ISA {isa!r}; valid: {', '.join(ALL_ISAS)}")
+    """The variants a CPU of architecture ``machine`` (``platform.machine()``) with these
+    cpuinfo ``flags`` executes, best first (``scalar`` always)."""
+    return [isa for isa in architecture_isas(machine) if required_features(isa) <= flags]

@@ -1,9 +1,12 @@
-"""Which ISA's kernel library this process runs, chosen once at run time.
+"""Which ISA variant's kernel library this process runs, chosen once at run time.
 
-The best ISA the CPU executes (``available_isas()``), or ``PAGEDLLM_CPU_ISA`` to force
-one; if its build fails, the next one down (avx512 -> avx2 -> scalar, neon -> scalar), so
-one file that does not compile never costs every kernel. ``PAGEDLLM_DISABLE_NATIVE=1``:
-no library, PyTorch everywhere. Only ``kernels.ops`` calls into the library.
+The best variant the CPU executes (``available_isas()``), or ``PAGEDLLM_CPU_ISA`` to force
+one; if it fails to build or load, the next one down (avx512_bf16 -> avx512_vnni -> avx512
+-> avx2 -> scalar, neon_dotprod -> neon -> scalar), so one file that does not compile never
+costs every kernel. A library is used only once it matches ``pagedllm_abi.h`` (``abi.bind``)
+and every CPU feature it reports needing (``pagedllm_requires()``) is this CPU's.
+``PAGEDLLM_DISABLE_NATIVE=1``: no library, PyTorch everywhere. Only ``kernels.ops`` calls
+into the library.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from pagedllm.kernels import build
+from pagedllm.kernels import abi, build
 from pagedllm.kernels.isa import ALL_ISAS, cpu_flags, runnable_isas
 
 logger = logging.getLogger("pagedllm")
@@ -121,6 +124,7 @@ def _check_runnable(isa: str, source: str) -> None:
 def _choose() -> str | None:
     """The first ISA, from the best (or ``PAGEDLLM_CPU_ISA``) down, whose library loads."""
     if _disabled():
+        logger.info("no native kernels: PAGEDLLM_DISABLE_NATIVE=1; %s", _LOST)
         return None
     candidates = available_isas()
     forced = os.environ.get("PAGEDLLM_CPU_ISA")
@@ -129,7 +133,9 @@ def _choose() -> str | None:
         candidates = candidates[candidates.index(forced) :]
     for isa in candidates:
         if _load(isa) is not None:
-            logger.info("native kernels: %s (%s)", isa, build.library_path(isa))
+            path = build.library_path(isa)
+            how = "shipped in the wheel" if path.parent == build.PREBUILT else "built on this machine"
+            logger.info("native kernels: %s, %s (%s)", isa, how, path)
             return isa
     logger.warning("no native kernels: %s", _LOST)
     return None
@@ -144,7 +150,14 @@ def _load(isa: str) -> ctypes.CDLL | None:
 def _load_or_failure(isa: str) -> ctypes.CDLL | build.BuildFailed:
     """Load (building if needed) once per process; a failure is logged once."""
     try:
-        return _declare(build.load(isa))
+        lib = abi.bind(build.load(isa))
+        missing = set(lib.pagedllm_requires().decode().split()) - cpu_flags()
+        if missing:
+            raise abi.ABIMismatch(f"{build.library_path(isa)} needs {', '.join(sorted(missing))}, which this CPU lacks")
+        return lib
+    except abi.ABIMismatch as e:  # a stale or foreign file: never call into it
+        logger.warning("%s native kernels skipped: %s", isa, e)
+        return build.BuildFailed([str(e)], None)
     except build.BuildFailed as e:
         if e.cached:
             logger.warning("%s native kernels skipped: their build failed before (%s; %s)", isa, e.marker, _RETRY)
@@ -152,36 +165,3 @@ def _load_or_failure(isa: str) -> ctypes.CDLL | build.BuildFailed:
             where = f"recorded in {e.marker}; {_RETRY}" if e.marker else "rerun to retry"
             logger.warning("%s native kernels failed to build:\n  %s\n(%s)", isa, "\n  ".join(e.errors), where)
         return e
-
-
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Give every exported function its C signature (the ABI of pagedllm/csrc)."""
-    ptr, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    for fn in (lib.paged_decode_attention_bf16, lib.paged_decode_attention_f32):
-        fn.restype = c_int
-        # q, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, B, Hq, Hkv, D, BS, scale, window
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
-    lib.paged_prefill_attention.restype = c_int
-    # cache_bf16, q, ldq, k_cache, v_cache, block_tables, max_blocks, query_starts, query_lens, seq_lens, out,
-    # R, Hq, Hkv, D, BS, scale, window
-    lib.paged_prefill_attention.argtypes = [
-        c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64
-    ]
-    lib.linear_w8a8_available.restype = c_int
-    lib.linear_pack_f32.argtypes = [ptr, ptr, i64, i64]
-    lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
-    lib.linear_pack_w8a8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]
-    lib.linear_w8a8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
-    lib.linear_pack_w8a8.restype = lib.linear_w8a8.restype = c_int
-    lib.linear_pack_q4a8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]
-    lib.linear_q4a8.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
-    lib.linear_pack_q4a8.restype = lib.linear_q4a8.restype = c_int
-    lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
-    lib.rotary_inplace.argtypes = [ptr, i64, ptr, i64, i64, i64]
-    lib.silu_and_mul.argtypes = lib.gelu_tanh_and_mul.argtypes = [ptr, i64, i64, i64]
-    lib.write_kv_cache.argtypes = [c_int, ptr, ptr, i64, ptr, ptr, ptr, i64, i64]
-    lib.argmax_rows.argtypes = [ptr, i64, i64, ptr]
-    lib.decode_layers.restype = c_int
-    # decoder, stream, cos_sin[2], groups, seq_lens, B, out
-    lib.decode_layers.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr]
-    return lib

@@ -11,18 +11,23 @@ The library is ``library.native_library()``: this process's ISA, or ``use_isa``'
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
+from pagedllm.kernels import abi
 from pagedllm.kernels.library import native_library
 
-PANEL = 32  # output columns per packed panel (csrc/linear.cpp NB)
-W8A8_GROUP = 32  # input features per scale, of weights and activations (csrc/linear.cpp QG)
-Q4A8_GROUP_BYTES = 640  # per panel and group: 512 bytes of nibbles, d and m float16 [32] (csrc/linear.cpp Q4_BYTES)
+PANEL = abi.CONSTANTS["PAGEDLLM_PANEL"]  # output columns per packed panel
+W8A8_GROUP = abi.CONSTANTS["PAGEDLLM_QUANT_GROUP"]  # input features per scale, of weights and activations
+Q4A8_GROUP_BYTES = abi.CONSTANTS["PAGEDLLM_Q4A8_GROUP_BYTES"]  # per panel and group of a w4a8 weight
 _CACHE_DTYPES = (torch.float32, torch.bfloat16)
-_DECODE_HEAD_DIMS = (64, 128, 256)
-_DECODE_MAX_GROUP = 8  # query heads per KV head (csrc/paged_attention.cpp kMaxGroup)
-LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8 = 0, 1, 2  # LinearDesc.kind
+LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8 = (abi.CONSTANTS[f"PAGEDLLM_LINEAR_{k}"] for k in ("F32", "W8A8", "Q4A8"))
+# The structs passed to decode_layers (pagedllm_abi.h documents each field): LinearDesc is one
+# packed linear layer (``linear_desc``), LayerDesc one decoder layer, DecoderDesc the model.
+LinearDesc, LayerDesc, DecoderDesc, _StepGroup = (
+    abi.STRUCTS[name] for name in ("LinearDesc", "LayerDesc", "DecoderDesc", "StepGroup")
+)
 
 
 def available() -> bool:
@@ -63,7 +68,7 @@ def paged_decode_attention(
     if lib is None or not _on_cpu(q, k_cache, v_cache) or k_cache.dtype not in _CACHE_DTYPES:
         return None
     b, hq, d = q.shape
-    if d not in _DECODE_HEAD_DIMS:
+    if d not in _head_dims(lib):
         return None
     _check_cache(k_cache, v_cache, hq, d)
     _check_index(block_tables, "block_tables", (b, block_tables.shape[-1]))
@@ -379,48 +384,6 @@ def linear_q4a8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
-class LinearDesc(ctypes.Structure):
-    """One packed linear layer for ``decode_layers`` (csrc/decoder.cpp's struct): kind
-    LINEAR_F32 (w: ``linear_pack_f32``'s panels), LINEAR_W8A8 (w, wscale, wsum128:
-    ``linear_pack_w8a8``'s) or LINEAR_Q4A8 (w: ``linear_pack_q4a8``'s); bias padded to panels."""
-
-    _fields_ = [
-        ("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("w", ctypes.c_void_p),
-        ("wscale", ctypes.c_void_p), ("wsum128", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-    ]
-
-
-class LayerDesc(ctypes.Structure):
-    """One decoder layer for ``decode_layers`` (csrc/decoder.cpp's struct): norm weights (the
-    out and q/k norms Gemma 3's, else null), four linears, K/V cache, window, KV cache group
-    (an index into the step's groups) and RoPE table (0 global, 1 local)."""
-
-    _fields_ = [
-        ("input_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("attn_out_norm", ctypes.c_void_p),
-        ("mlp_out_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-        ("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
-        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64),
-        ("group", ctypes.c_int64), ("rope", ctypes.c_int64),
-    ]
-
-
-class DecoderDesc(ctypes.Structure):
-    """A whole decoder for ``decode_layers``: sizes, activation (gelu 1: GELU-tanh, 0: SiLU),
-    the number of KV cache groups, the layers (an array of LayerDesc), the final norm."""
-
-    _fields_ = [
-        ("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64),
-        ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
-        ("block_size", ctypes.c_int64), ("cache_bf16", ctypes.c_int64), ("gelu", ctypes.c_int64),
-        ("num_groups", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("layers", ctypes.POINTER(LayerDesc)), ("final_norm", ctypes.c_void_p),
-    ]
-
-
-class _StepGroup(ctypes.Structure):
-    _fields_ = [("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int64)]
-
-
 def linear_desc(
     kind: int,
     packed: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -452,9 +415,20 @@ def linear_desc(
 
 
 def decode_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the native decode attention has a kernel for these head counts and size."""
+    """Whether the native decode attention has a kernel for these head counts and size (False
+    without a library)."""
+    lib = native_library()
+    if lib is None:
+        return False
     group, rest = divmod(num_heads, num_kv_heads)
-    return head_dim in _DECODE_HEAD_DIMS and rest == 0 and group <= _DECODE_MAX_GROUP
+    return head_dim in _head_dims(lib) and rest == 0 and group <= lib.pagedllm_limits().contents.max_group
+
+
+@functools.cache
+def _head_dims(lib: ctypes.CDLL) -> tuple[int, ...]:
+    """The head sizes ``lib``'s attention kernels take (its ``pagedllm_limits()``)."""
+    limits = lib.pagedllm_limits().contents
+    return tuple(limits.head_dims[: limits.num_head_dims])
 
 
 def decode_layers(

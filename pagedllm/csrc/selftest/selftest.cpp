@@ -11,28 +11,7 @@
 #include <utility>
 #include <vector>
 
-extern "C" {
-int paged_decode_attention_f32(const void*, const void*, const void*, const int64_t*, int64_t, const int64_t*, void*,
-                               int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t);
-int paged_decode_attention_bf16(const void*, const void*, const void*, const int64_t*, int64_t, const int64_t*, void*,
-                                int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t);
-int paged_prefill_attention(int, const float*, int64_t, const void*, const void*, const int64_t*, int64_t,
-                            const int64_t*, const int64_t*, const int64_t*, float*, int64_t, int64_t, int64_t, int64_t,
-                            int64_t, float, int64_t);
-void linear_pack_f32(const float*, float*, int64_t, int64_t);
-void linear_f32(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t);
-int linear_pack_w8a8(const float*, int8_t*, float*, int32_t*, int64_t, int64_t);
-int linear_w8a8(const float*, int64_t, const int8_t*, const float*, const int32_t*, const float*, float*, int64_t,
-                int64_t, int64_t);
-int linear_pack_q4a8(const uint8_t*, const uint16_t*, const uint16_t*, uint8_t*, int64_t, int64_t);
-int linear_q4a8(const float*, int64_t, const uint8_t*, const float*, float*, int64_t, int64_t, int64_t);
-void add_rms_norm(const float*, float*, const float*, float*, int64_t, int64_t, float);
-void rotary_inplace(float*, int64_t, const float*, int64_t, int64_t, int64_t);
-void silu_and_mul(float*, int64_t, int64_t, int64_t);
-void gelu_tanh_and_mul(float*, int64_t, int64_t, int64_t);
-void write_kv_cache(int, const float*, const float*, int64_t, void*, void*, const int64_t*, int64_t, int64_t);
-void argmax_rows(const float*, int64_t, int64_t, int64_t*);
-}
+#include "../pagedllm_abi.h"
 
 namespace {
 

@@ -1,0 +1,176 @@
+/* The C interface of the native kernels: every function the library exports, every struct
+ * passed across it and every limit, declared here and nowhere else. Each csrc/ translation
+ * unit and the self-test include this file; pagedllm/kernels/abi.py binds Python to the
+ * library by reading it. It is therefore written in the small subset of C that abi.py's
+ * parser accepts (its docstring lists it): integer and brace-list #defines, typedef'd structs
+ * with one type per declaration, and prototypes with named parameters, one per line or not.
+ *
+ * Layouts: tensors are row-major; "bf16" caches hold bfloat16 as uint16_t; every int64_t
+ * array is contiguous. Functions returning int return 0 on success and -1 (nothing written)
+ * for a shape or kind they do not cover.
+ */
+#pragma once
+
+#include <stdint.h>
+
+/* Query heads per KV head the decode attention is instantiated for (1 .. this). */
+#define PAGEDLLM_MAX_GROUP 8
+/* Head sizes the decode and prefill attention are instantiated for. */
+#define PAGEDLLM_HEAD_DIMS {64, 128, 256}
+/* Room for PAGEDLLM_HEAD_DIMS in PagedllmLimits. */
+#define PAGEDLLM_MAX_HEAD_DIMS 8
+/* The largest KV block size (tokens) the prefill attention takes. */
+#define PAGEDLLM_MAX_PREFILL_BLOCK 64
+/* Output columns per packed GEMM panel. */
+#define PAGEDLLM_PANEL 32
+/* Input features per quantization group, of int8 weights and activations alike. */
+#define PAGEDLLM_QUANT_GROUP 32
+/* Bytes per panel and group of a w4a8 weight: 512 of nibbles, then d and m float16 [32]. */
+#define PAGEDLLM_Q4A8_GROUP_BYTES 640
+/* LinearDesc.kind */
+#define PAGEDLLM_LINEAR_F32 0
+#define PAGEDLLM_LINEAR_W8A8 1
+#define PAGEDLLM_LINEAR_Q4A8 2
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The limits above as this library was compiled with them (pagedllm_limits()). */
+typedef struct PagedllmLimits {
+  int64_t max_group;
+  int64_t num_head_dims;
+  int64_t head_dims[PAGEDLLM_MAX_HEAD_DIMS];
+  int64_t max_prefill_block;
+  int64_t panel;
+  int64_t quant_group;
+  int64_t q4a8_group_bytes;
+} PagedllmLimits;
+
+/* One packed linear layer: kind PAGEDLLM_LINEAR_F32 (w: linear_pack_f32's panels),
+ * PAGEDLLM_LINEAR_W8A8 (w, wscale, wsum128: linear_pack_w8a8's) or PAGEDLLM_LINEAR_Q4A8 (w:
+ * linear_pack_q4a8's); bias null or float32 padded to whole panels. */
+typedef struct LinearDesc {
+  int64_t kind;
+  int64_t n;
+  int64_t k;
+  const void* w;
+  const float* wscale;
+  const int32_t* wsum128;
+  const float* bias;
+} LinearDesc;
+
+/* One decoder layer. Norm weights are [hidden] ([head_dim] for q_norm, k_norm); those marked
+ * "or null" are Gemma 3's and absent in Llama-family layers. */
+typedef struct LayerDesc {
+  const float* input_norm;    /* before attention, the residual add fused in */
+  const float* mlp_norm;      /* before the MLP, the residual add fused in */
+  const float* attn_out_norm; /* on o_proj's output, or null */
+  const float* mlp_out_norm;  /* on down_proj's output, or null */
+  const float* q_norm;        /* on each query head before RoPE, or null */
+  const float* k_norm;        /* on each key head before RoPE, or null */
+  LinearDesc qkv;
+  LinearDesc o;
+  LinearDesc gate_up;
+  LinearDesc down;
+  void* k_cache; /* [blocks, block_size, Hkv, D], float32 or bf16 (DecoderDesc.cache_bf16) */
+  void* v_cache;
+  int64_t window; /* attend to the last `window` keys; 0: all */
+  int64_t group;  /* its KV cache group: which StepGroup holds its slots and block tables */
+  int64_t rope;   /* which cos/sin table: 0 global, 1 local (Gemma 3's sliding layers) */
+} LayerDesc;
+
+/* A whole decoder: sizes, activation, KV cache groups, layers and final norm. */
+typedef struct DecoderDesc {
+  int64_t num_layers;
+  int64_t hidden;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t intermediate;
+  int64_t block_size;
+  int64_t cache_bf16;
+  int64_t gelu;       /* 0: SiLU-and-mul, 1: GELU (tanh)-and-mul */
+  int64_t num_groups; /* KV cache groups: the StepGroups passed */
+  float eps;
+  float scale;
+  const LayerDesc* layers; /* [num_layers] */
+  const float* final_norm;
+} DecoderDesc;
+
+/* One KV cache group's view of a step: slots [B], block tables [B, max_blocks]. */
+typedef struct StepGroup {
+  const int64_t* slots;
+  const int64_t* block_tables;
+  int64_t max_blocks;
+} StepGroup;
+
+/* --- what this library is (abi.cpp) --- */
+
+/* The limits this library was compiled with. */
+const PagedllmLimits* pagedllm_limits(void);
+/* The CPU features (Linux /proc/cpuinfo names, space separated) this library's machine code
+ * uses, read from the compiler's target macros: a CPU lacking one of them cannot load it. */
+const char* pagedllm_requires(void);
+
+/* --- decode and prefill attention (paged_attention.cpp, prefill_attention.cpp) --- */
+
+/* q, out [B, Hq, D] float32; caches [blocks, BS, Hkv, D] float32 (_f32) or bf16 (_bf16);
+ * block_tables [B, max_blocks]; seq_lens [B]; window > 0: only the last `window` keys. */
+int paged_decode_attention_bf16(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                                int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq,
+                                int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window);
+int paged_decode_attention_f32(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                               int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq,
+                               int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window);
+/* q: rows of Hq * D float32 at stride ldq; per request r < R its block table, first query
+ * row, query count and keys after this step; out [rows, Hq * D], only requests' rows written;
+ * window > 0: a query at p sees keys p - window + 1 .. p. */
+int paged_prefill_attention(int cache_bf16, const float* q, int64_t ldq, const void* k_cache, const void* v_cache,
+                            const int64_t* block_tables, int64_t max_blocks, const int64_t* query_starts,
+                            const int64_t* query_lens, const int64_t* seq_lens, float* out, int64_t R, int64_t Hq,
+                            int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window);
+
+/* --- GEMMs on packed weights (linear.cpp): y [M, N] = x [M, K] (row stride ldx) w.T + bias --- */
+
+/* Always 1: the w8a8 GEMM is in every build (kept for libraries that could lack it). */
+int linear_w8a8_available(void);
+/* w [N, K] float32 -> panels [ceil(N/32)][K][32], zero padded. */
+void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K);
+void linear_f32(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t M, int64_t N,
+                int64_t K);
+/* w [N, K] -> int8 codes symmetric per group of 32 k, their scales and code sums * 128. */
+int linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N, int64_t K);
+int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const int32_t* wsum128,
+                const float* bias, float* y, int64_t M, int64_t N, int64_t K);
+/* q [N, K] 4-bit codes (uint8), d and m [N, ceil(K/32)] float16 -> w4a8 panels. */
+int linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K);
+int linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
+                int64_t K);
+
+/* --- fused elementwise ops (elementwise.cpp) --- */
+
+/* residual [T, H] += x (x may be null); out = RMSNorm(residual) * weight. */
+void add_rms_norm(const float* x, float* residual, const float* weight, float* out, int64_t T, int64_t H, float eps);
+/* RoPE in place on T rows (stride ldx) of `heads` heads of D; cos_sin [T, 2, D]. */
+void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int64_t heads, int64_t D);
+/* gate_up: T rows (stride ld) of [gate I, up I]; gate <- act(gate) * up in place. */
+void silu_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I);
+void gelu_tanh_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I);
+/* k_cache[slots[t]] = k[t], v likewise (n rows of `width` floats, stride ld), converted. */
+void write_kv_cache(int cache_bf16, const float* k, const float* v, int64_t ld, void* k_cache, void* v_cache,
+                    const int64_t* slots, int64_t n, int64_t width);
+/* out[r] = the first index of the largest of x[r, 0..n). */
+void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
+
+/* --- a whole decoder step (decoder.cpp) --- */
+
+/* stream [B, hidden]: embeddings in, residual stream out; cos_sin: two [B, 2, D] tables
+ * (global, local); groups: one per KV cache group; seq_lens [B]; out [B, hidden]: the final
+ * norm's output. */
+int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_sin, const StepGroup* groups,
+                  const int64_t* seq_lens, int64_t B, float* out);
+
+#ifdef __cplusplus
+}
+#endif

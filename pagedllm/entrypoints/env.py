@@ -1,0 +1,121 @@
+"""``pagedllm env``: what a bug report needs about this machine and install, one ``key: value``
+per line (vLLM's ``collect-env`` is the model).
+
+Nothing is compiled unless ``--load`` asks: the kernel variant shown as chosen is the one a
+run would take (the best this CPU executes whose library is shipped or cached, else the best
+it would build); ``--load`` loads it, building it first where needed, and reports the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from pathlib import Path
+
+
+def add_env_parser(sub: argparse._SubParsersAction) -> None:
+    env = sub.add_parser("env", help="print the machine, install and kernel facts a bug report needs")
+    env.add_argument(
+        "--load", action="store_true", help="load the kernels (compiling them first if needed) and report that"
+    )
+    env.set_defaults(func=run)
+
+
+def report(load: bool = False) -> list[tuple[str, str]]:
+    """(key, value) pairs: versions, CPU, threads, the kernel variants, caches, compiler."""
+    import torch
+
+    import pagedllm
+    from pagedllm.kernels import build, isa, library
+
+    machine = platform.machine()
+    flags = isa.cpu_flags()
+    variants = isa.architecture_isas(machine)
+    runnable = library.available_isas()
+    used = sorted(set().union(*(isa.required_features(v) for v in variants)))
+    compiler_path, compiler_version = build.compiler()
+    rows = [
+        ("pagedllm", f"{pagedllm.__version__} ({Path(pagedllm.__file__).parent})"),
+        ("python", f"{sys.version.split()[0]} ({sys.executable})"),
+        ("torch", f"{torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"),
+        ("os", platform.platform()),
+        ("cpu", f"{_cpu_model()} ({machine})"),
+        ("cpu features needed (-x = missing)", " ".join(f if f in flags else f"-{f}" for f in used) or "none"),
+        ("cpu cores", f"{os.cpu_count()}, this process may run on {len(os.sched_getaffinity(0))}: "
+                      f"{_ranges(sorted(os.sched_getaffinity(0)))}"),
+        ("torch threads", str(torch.get_num_threads())),
+    ]
+    rows += [(name, os.environ[name]) for name in sorted(os.environ) if name.startswith(("PAGEDLLM_", "OMP_", "GOMP_"))]
+    for variant in variants:
+        rows.append((f"kernels {variant}", _variant_state(variant, variant in runnable)))
+    rows.append(("kernels chosen", _chosen(runnable, load)))
+    rows += [
+        ("pagedllm cache (kernels, models)", str(build.cache_dir())),
+        ("huggingface cache", os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))),
+        ("c++ compiler", f"{compiler_path} ({compiler_version})" if compiler_version else f"none ({compiler_path})"),
+    ]
+    return rows
+
+
+def run(args: argparse.Namespace) -> None:
+    rows = report(load=args.load)
+    width = max(len(key) for key, _ in rows)
+    for key, value in rows:
+        print(f"{key + ':':<{width + 1}} {value}")
+
+
+def _variant_state(variant: str, runs: bool) -> str:
+    from pagedllm.kernels import build
+
+    path = build.library_path(variant)
+    if path.parent == build.PREBUILT:
+        state = f"shipped ({path})"
+    elif path.exists():
+        state = f"built ({path})"
+    elif path.with_suffix(".failed").exists():
+        state = f"failed to build ({path.with_suffix('.failed')})"
+    else:
+        state = "not built"
+    return state + ("" if runs else "; this CPU cannot run it")
+
+
+def _chosen(runnable: list[str], load: bool) -> str:
+    from pagedllm.kernels import build, library
+
+    if os.environ.get("PAGEDLLM_DISABLE_NATIVE") == "1":
+        return "none: PAGEDLLM_DISABLE_NATIVE=1"
+    if load:
+        active = library.active_isa()
+        return f"{active} ({build.library_path(active)})" if active else "none: no variant builds or loads (see above)"
+    forced = os.environ.get("PAGEDLLM_CPU_ISA")
+    candidates = runnable[runnable.index(forced):] if forced in runnable else runnable
+    for variant in candidates:
+        if build.library_path(variant).exists():
+            return f"{variant}, without compiling (--load to load it)"
+    for variant in candidates:
+        if not build.library_path(variant).with_suffix(".failed").exists():
+            return f"{variant}, compiled on first use (--load to do it now)"
+    return "none: every variant failed to build before"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    spans: list[list[int]] = []
+    for cpu in cpus:
+        if spans and cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

@@ -1,0 +1,28 @@
+"""``pagedllm env`` reports the machine, the install and the kernel variants without compiling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedllm.entrypoints.cli import main
+from pagedllm.kernels import library
+
+
+def test_env_reports_without_compiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-c++")
+    for name in ("PAGEDLLM_CPU_ISA", "PAGEDLLM_DISABLE_NATIVE"):
+        monkeypatch.delenv(name, raising=False)
+    main(["env"])
+    rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    rows = {key: value.strip() for key, value in rows.items()}
+    assert {"pagedllm", "torch", "cpu", "cpu cores", "kernels chosen", "c++ compiler"} <= set(rows)
+    best = library.available_isas()[0]
+    assert rows[f"kernels {best}"] == "not built" or rows[f"kernels {best}"].startswith("shipped")
+    assert rows["kernels chosen"].startswith(f"{best}, ")
+    assert rows["c++ compiler"].startswith("none")
+    assert not list(tmp_path.iterdir())  # nothing built, no failure recorded
