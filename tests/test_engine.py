@@ -227,7 +227,7 @@ def test_dtype_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto on AVX-512 kernels: float32 activations around w4a8 layers (the file's 4-bit blocks
     only; the rest and the lm_head w8a8), a bfloat16 K/V cache; an explicit quantization mode
     or dtype wins."""
-    from pagedllm.config import dtype_settings
+    from pagedllm.platforms.cpu import dtype_settings
     from pagedllm.kernels import library, ops
 
     monkeypatch.setattr(library, "active_isa", lambda: "avx512")
@@ -249,15 +249,15 @@ def test_dtype_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_dtype_settings_without_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto on the PyTorch fallback: float32 activations and K/V cache (never cast), weight-only
     int8 linear layers and lm_head; explicit choices still win."""
-    from pagedllm import config
     from pagedllm.kernels import library
+    from pagedllm.platforms import cpu
 
     monkeypatch.setattr(library, "active_isa", lambda: None)
-    assert config.dtype_settings("auto") == {
+    assert cpu.dtype_settings("auto") == {
         "dtype": torch.float32, "kv_cache_dtype": None, "quantization": "int8", "quantize_lm_head": True
     }
-    assert config.dtype_settings("auto", "float32")["kv_cache_dtype"] == torch.float32
-    assert config.dtype_settings("auto", quantization="none") == {
+    assert cpu.dtype_settings("auto", "float32")["kv_cache_dtype"] == torch.float32
+    assert cpu.dtype_settings("auto", quantization="none") == {
         "dtype": torch.float32, "kv_cache_dtype": None, "quantization": "none"
     }
-    assert config.dtype_settings("float32")["dtype"] == torch.float32
+    assert cpu.dtype_settings("float32")["dtype"] == torch.float32

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm import config
+from pagedllm.platforms import cpu
 from pagedllm.kernels import abi, build, library, ops
 from pagedllm.kernels.isa import ALL_ISAS, isa_flags, required_features, runnable_isas
 
@@ -220,9 +220,9 @@ def test_disable_native_builds_nothing(fresh: Path, monkeypatch: pytest.MonkeyPa
 def test_dtype_auto_by_isa(isa: str | None, w8a8: bool, linears: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(library, "active_isa", lambda: isa)
     monkeypatch.setattr(ops, "linear_w8a8_available", lambda: w8a8)
-    assert config.auto_linears() == linears
+    assert cpu.auto_linears() == linears
     expected = "none" if linears == "float32" else linears
-    assert config.dtype_settings("auto")["quantization"] == expected
+    assert cpu.dtype_settings("auto")["quantization"] == expected
 
 
 def test_w8a8_is_bit_identical_on_every_isa() -> None:
@@ -324,7 +324,7 @@ def test_a_library_from_another_header_is_skipped(
 
 
 def test_every_isa_has_a_dtype_auto_choice() -> None:
-    assert set(ALL_ISAS) | {None} == set(config._AUTO_LINEARS)
+    assert set(ALL_ISAS) | {None} == set(cpu._AUTO_LINEARS)
 
 
 def test_the_first_line_of_a_first_run_is_the_build_notice(tmp_path: Path) -> None:

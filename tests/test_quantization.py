@@ -17,7 +17,8 @@ from test_loader import prefill_logits, write_gguf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.perplexity import DEFAULT_TEXT, perplexity, sliding_windows
-from pagedllm.config import EngineConfig, auto_linears
+from pagedllm.config import EngineConfig
+from pagedllm.platforms.cpu import auto_linears
 from pagedllm.kernels import ops
 from pagedllm.layers.linear import PackedLinear
 from pagedllm.quantization_config import QuantizationConfig

@@ -9,7 +9,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedllm.config import DEFAULT_MODEL, EngineConfig, dtype_settings, parse_memory
+from pagedllm.config import DEFAULT_MODEL, EngineConfig, parse_memory
+from pagedllm.platforms.cpu import dtype_settings
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.live_view.trace import write_trace
@@ -29,7 +30,7 @@ class LLM:
             lm_head included, float32 ones on scalar kernels, and a bfloat16 K/V cache;
             without native kernels float32 activations and K/V around weight-only int8 linear
             layers and lm_head; see
-            ``config.dtype_settings``),
+            ``platforms.cpu.dtype_settings``),
             "float32" (float32 only: exact, outputs independent of batching), "bfloat16" or
             "float16". ``kv_cache_dtype="float32"`` (or another dtype) overrides the K/V cache's.
         max_model_len: longest prompt + output; default the model's context, at most 8192.

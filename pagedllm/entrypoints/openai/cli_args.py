@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from pagedllm.config import EngineConfig, dtype_settings, parse_memory
+from pagedllm.config import EngineConfig, parse_memory
+from pagedllm.platforms.cpu import dtype_settings
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pagedllm")

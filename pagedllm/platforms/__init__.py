@@ -1,0 +1,1 @@
+"""Per-platform policy (today the CPU): what ``auto`` settings mean on this machine."""
