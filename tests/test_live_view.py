@@ -111,14 +111,8 @@ def test_step_entries_count_every_scheduled_token():
 def feed_view(max_steps=4096):
     """A LiveView fed as the front end feeds it: arrivals, then every record with its outputs."""
     view = LiveView(20, BS, [0], 24, max_steps=max_steps)
-    seen = set()
-    for record, sched in scripted_run(GLOBAL, 4):
-        for rid, r in sched.requests.items():
-            if rid not in seen:
-                seen.add(rid)
-                view.on_arrival([EngineCoreRequest(rid, r.prompt_token_ids, r.sampling_params, [EOS], r.arrival_time)])
-        outputs = [EngineCoreOutput(e.request_id, [7] if e.decode or e.prefill else []) for e in record.scheduled]
-        view.on_outputs(EngineCoreOutputs(outputs, timestamp=record.end, step=record))
+    for _ in fed_steps(view, stops=False):
+        pass
     return view
 
 
@@ -264,8 +258,9 @@ def drawn(state):
             "requests": state["requests"], "blocks": cells}
 
 
-def fed_steps(view):
-    """Feed ``view`` as the front end does (``feed_view``), yielding after each change."""
+def fed_steps(view, stops=True):
+    """Feed ``view`` as the front end does, yielding after each change; ``stops``: now and then a
+    stop string found by the front end finishes a request."""
     seen = set()
     for record, sched in scripted_run(GLOBAL, 4):
         for rid, r in sched.requests.items():
@@ -274,7 +269,7 @@ def fed_steps(view):
                 view.on_arrival([EngineCoreRequest(rid, r.prompt_token_ids, r.sampling_params, [EOS], r.arrival_time)])
         outputs = [EngineCoreOutput(e.request_id, [7] if e.decode or e.prefill else []) for e in record.scheduled]
         view.on_outputs(EngineCoreOutputs(outputs, timestamp=record.end, step=record))
-        for e in record.scheduled[:1]:  # a stop string found by the front end, now and then
+        for e in record.scheduled[:1] if stops else ():
             if record.index % 9 == 8:
                 view.on_finish([e.request_id], "stop", record.end)
         yield
