@@ -125,7 +125,7 @@ class OpenAIServingChat(OpenAIServing):
             calls = required_calls(text)  # None: cut off, returned as text
             content = None if calls is not None else text
         elif mode == "auto":
-            content, parsed = self.tool_parser().extract(text)
+            content, parsed = self.tool_parser(_tool_names(req)).extract(text)
             calls = [(c.name, c.arguments) for c in parsed] or None
             if calls is None:
                 content = text
@@ -152,7 +152,7 @@ class OpenAIServingChat(OpenAIServing):
         tool_streams: dict[int, ToolStream] = {}
         if mode != "none":
             name = req.tool_choice.function.name if mode == "named" else None
-            tool_streams = {i: ToolStream(mode, self.tool_parser(), name) for i in range(req.n)}
+            tool_streams = {i: ToolStream(mode, self.tool_parser(_tool_names(req)), name) for i in range(req.n)}
         try:
             async for out in self.engine.generate(prepared, stream=True):
                 if (error := generation_error(out)) is not None:
@@ -203,6 +203,11 @@ class OpenAIServingChat(OpenAIServing):
             content.append(TokenLogprob(token=token, logprob=chosen.logprob, bytes=_bytes(token, chosen),
                                         top_logprobs=top))
         return ChatLogprobs(content=content)
+
+
+def _tool_names(req: ChatCompletionRequest) -> list[str]:
+    """The functions "auto" may call: those the request declares."""
+    return [t.function.name for t in req.tools or []]
 
 
 def _bytes(token: str, logprob: Logprob) -> list[int]:
