@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 def run_repl(args: argparse.Namespace) -> None:
     """Read a user turn, stream the assistant's reply, repeat; /reset clears, /exit or EOF ends."""
     from pagedllm import LLM
+    from pagedllm.entrypoints.chat_template import chat_prompt
     from pagedllm.entrypoints.cli import engine_kwargs, sampling_params
 
     llm = LLM(**engine_kwargs(args))
@@ -43,7 +44,7 @@ def run_repl(args: argparse.Namespace) -> None:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        prompt = engine.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        _, prompt = chat_prompt(engine.tokenizer, history)  # what the user typed is text, markup and all
         turn += 1
         try:
             engine.add_request(f"chat-{turn}", prompt, params, stream=True)

@@ -9,6 +9,7 @@ import msgspec
 
 from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
 from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.entrypoints.chat_template import chat_prompt
 from pagedllm.entrypoints.openai.errors import generation_error
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -58,17 +59,15 @@ class OpenAIServingChat(OpenAIServing):
     def render(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[ChatTool] | None = None
     ) -> list[int]:
-        """Token ids of a conversation (and the tools offered) under the model's chat template
-        (400 if the template refuses it); a template without tool support ignores ``tools``."""
+        """Token ids of a conversation (and the tools offered) under the model's chat template,
+        the messages' contents as text (``chat_template.chat_prompt``); 400 if the template
+        refuses it. A template without tool support ignores ``tools``."""
         kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(
-                template_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
+            _, token_ids = chat_prompt(self.tokenizer, template_messages(messages), add_generation_prompt, **kwargs)
         except Exception as e:  # jinja raises its own errors for conversations a template rejects
             raise OpenAIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        # The template already wrote any special tokens the model expects.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return token_ids
 
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         """A response, or the SSE lines of a stream.
