@@ -24,6 +24,10 @@ _REQUIRED = {
     "scalar": set(),
 }
 COMMON_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++20")
+# scalar at -O2: at -O3 GCC also unrolls with growth the plain 16-lane loops of each of the
+# decode attention's 24 instantiations, which made paged_attention.cpp (built once per cache
+# dtype) the longest wait of a first test run, for kernels no faster.
+_SCALAR = ("-O2", *COMMON_FLAGS[1:], "-DPAGEDLLM_VEC_SCALAR")
 # avx2 is exactly what an AMD Zen 3 runs, so an AVX-512 host can build and test it too.
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
@@ -73,5 +77,5 @@ def isa_flags(isa: str, flags: frozenset[str]) -> list[str]:
     if isa == "neon":
         return [*COMMON_FLAGS, "-march=armv8.2-a+dotprod" if "asimddp" in flags else "-march=armv8-a"]
     if isa == "scalar":  # NEON is aarch64's baseline: vec.h would pick it without the define
-        return [*COMMON_FLAGS, "-DPAGEDLLM_VEC_SCALAR"]
+        return list(_SCALAR)
     raise ValueError(f"unknown ISA {isa!r}; valid: {', '.join(ALL_ISAS)}")
