@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ from pagedllm.entrypoints.chat_repl import stream_reply
 from pagedllm.entrypoints.cli import build_parser, main
 
 SMALL = ["--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--dtype", "float32"]
+ROOT = Path(__file__).resolve().parents[1]  # the tree under test, wherever pytest was started from
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -110,7 +112,9 @@ def test_generate_json_schema_from_file(tmp_path, capsys: pytest.CaptureFixture[
 
 
 def test_stream_reply_interrupted_aborts_and_frees_blocks(capsys: pytest.CaptureFixture[str]) -> None:
-    """Ctrl-C (SIGINT) while a reply streams: the loop ends after the current step, the request is aborted."""
+    """Ctrl-C (SIGINT) while a reply streams: the loop ends after the current step, the request is
+    aborted, and the process's own SIGINT handler is back (SIG_IGN in a background job)."""
+    before = signal.getsignal(signal.SIGINT)
     llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=1024)
     engine = llm.engine
     step: Callable[[], list] = engine.step
@@ -133,25 +137,33 @@ def test_stream_reply_interrupted_aborts_and_frees_blocks(capsys: pytest.Capture
     pool = engine.core.kv_cache.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert "[interrupted]" in capsys.readouterr().err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert signal.getsignal(signal.SIGINT) is before  # restored
 
 
 # -- the REPL in a terminal ------------------------------------------------------------------
 class Tmux:
-    """One detached tmux session running a command; its screen read by polling capture-pane."""
+    """One detached tmux session running a command; its screen read by polling capture-pane.
+
+    The session runs on a tmux server of its own (its own socket, no configuration file), started
+    by this process: the command gets this process's environment, not that of a tmux server the
+    user may already run.
+    """
 
     def __init__(self, command: str) -> None:
         self.name = f"pagedllm-test-{uuid.uuid4().hex[:8]}"
         # The shell stays after the command so its exit status can be read from the screen.
         shell = f"{command}; echo EXIT=$?; sleep 600"
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "200", "-y", "50", shell], check=True)
+        self._tmux("new-session", "-d", "-s", self.name, "-x", "200", "-y", "50", shell)
+
+    def _tmux(self, *args: str, check: bool = True) -> str:
+        return subprocess.run(["tmux", "-L", self.name, "-f", os.devnull, *args],
+                              capture_output=True, text=True, check=check).stdout
 
     def screen(self) -> str:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.name, "-S", "-1000"],
-                              capture_output=True, text=True, check=True).stdout
+        return self._tmux("capture-pane", "-p", "-t", self.name, "-S", "-1000")
 
     def send(self, *keys: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+        self._tmux("send-keys", "-t", self.name, *keys)
 
     def wait_for(self, predicate: Callable[[str], bool], what: str, timeout: float = 180.0) -> str:
         deadline = time.monotonic() + timeout
@@ -165,7 +177,7 @@ class Tmux:
         raise AssertionError(f"timed out waiting for {what}; screen:\n{self.screen()}")
 
     def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+        self._tmux("kill-server", check=False)
 
 
 def _prompts(screen: str) -> int:
@@ -177,7 +189,7 @@ def _prompts(screen: str) -> int:
 def test_chat_ctrl_c_stops_reply_then_exits_0(exit_key: str) -> None:
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "chat", *SMALL, "--temperature", "0",
            "--max-tokens", "600", "--ignore-eos"]
-    tmux = Tmux(f"cd {shlex.quote(os.getcwd())} && {shlex.join(cmd)}")
+    tmux = Tmux(f"cd {shlex.quote(str(ROOT))} && {shlex.join(cmd)}")
     try:
         tmux.wait_for(lambda s: _prompts(s) == 1, "the first prompt")
         tmux.send("Tell me a very long story about a dragon.", "Enter")

@@ -230,6 +230,29 @@ def test_tool_choice_auto_and_none_leave_plain_text_as_content(client: openai.Op
         assert content == choice.message.content and not calls
 
 
+@pytest.mark.parametrize(("call", "is_call"), [
+    ('{"name": "get_time", "arguments": {"zone": "UTC"}}', True),
+    ('{"name": "rm_rf", "arguments": {}}', False),  # not a declared function
+    ('{"name": "get_time", "arguments": "UTC"}', False),  # arguments not an object
+    ('{"name": "get_time", "arguments": {"zone": ' + "[" * 130 + "]" * 130 + "}}", False),  # nested too deeply
+], ids=["declared", "undeclared", "string-arguments", "deep"])
+def test_auto_reports_only_declared_calls_with_object_arguments(client: openai.OpenAI, call: str, is_call: bool) -> None:
+    """The output is forced by a regex; "auto" reads a call out of it only where it is one."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=300,
+                  extra_body={"guided_regex": re.escape(call)})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    content, calls, finish = _streamed_calls(client, **kwargs)
+    if is_call:
+        assert choice.finish_reason == finish == "tool_calls" and choice.message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("get_time", {"zone": "UTC"})]
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    else:
+        assert choice.finish_reason == finish == "stop" and not choice.message.tool_calls and not calls
+        assert choice.message.content == content == call
+
+
 def test_tool_result_conversation_continues(client: openai.OpenAI) -> None:
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}

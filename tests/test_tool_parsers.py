@@ -1,10 +1,22 @@
-"""Tool-call parsers: calls read out of text whole and in deltas, the two in agreement."""
+"""Tool-call parsers: calls read out of text whole and in deltas, the two in agreement; only
+declared functions with object arguments are calls; text nested at any depth is content, read
+in linear time; a stream that fails mid-way still ends with an error event and [DONE]."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
 import pytest
 
+from pagedllm.entrypoints.openai.model_json import MAX_DEPTH, loads, nesting_depth
+from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, guard_sse
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedToolCall
+from pagedllm.entrypoints.openai.tool_stream import ToolStream
+from pagedllm.entrypoints.openai.tools import required_calls
+
+NAMES = ["get_weather", "f"]
 
 WEATHER = ParsedToolCall("get_weather", '{"city": "Paris"}')
 TEXTS = [
@@ -22,6 +34,15 @@ TEXTS = [
     # JSON that is not (only) a call stays content, tags inside it still parsed.
     ('{"name": "Ada", "age": 36}', '{"name": "Ada", "age": 36}', []),
     ('{"a": 1} <tool_call>{"name": "f", "arguments": {}}</tool_call>', '{"a": 1} ', [ParsedToolCall("f", "{}")]),
+    # Only a declared function with an object for arguments is a call; anything else stays content.
+    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": NaN}</tool_call>', '<tool_call>{"name": "f", "arguments": NaN}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": "x"}</tool_call>', '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', []),
+    ('{"name": "rm_rf", "arguments": {}}', '{"name": "rm_rf", "arguments": {}}', []),
+    ('{"name": "f", "arguments": [1]}', '{"name": "f", "arguments": [1]}', []),
+    ('{"name": "f"}', None, [ParsedToolCall("f", "{}")]),
+    ('<tool_call>{"name": "f", "arguments": {"a": "</tool_call"}}</tool_call>x', "x",
+     [ParsedToolCall("f", '{"a": "</tool_call"}')]),
 ]
 
 
@@ -29,11 +50,81 @@ TEXTS = [
 @pytest.mark.parametrize("step", [1, 3, 7, 1000])
 def test_hermes_whole_and_streamed_agree(text: str, content: str | None, calls: list, step: int) -> None:
     parser = TOOL_PARSERS["hermes"]
-    assert parser().extract(text) == (content, calls)
-    streaming, streamed, got = parser(), "", []
+    assert parser(NAMES).extract(text) == (content, calls)
+    streaming, streamed, got = parser(NAMES), "", []
     for i in range(0, len(text), step):
         piece, more = streaming.feed(text[i : i + step])
         streamed += piece
         got += more
     piece, more = streaming.finish()
     assert (streamed + piece or None, got + more) == (content, calls)
+
+
+def _streamed(text: str, step: int) -> tuple[str, list[ParsedToolCall]]:
+    parser, content, calls = TOOL_PARSERS["hermes"](NAMES), "", []
+    for i in range(0, len(text), step):
+        piece, more = parser.feed(text[i : i + step])
+        content += piece
+        calls += more
+    piece, more = parser.finish()
+    return content + piece, calls + more
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("text", [
+    "[" * DEEP,
+    "[" * DEEP + "]" * DEEP,
+    '{"name": "f", "arguments": {"a": ' + "[" * DEEP + "]" * DEEP + "}}",
+    '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * DEEP + "]" * DEEP + "}}</tool_call>",
+    "<tool_call>" + "{" * DEEP,
+], ids=["open", "closed", "bare-call", "tagged-call", "unclosed-tag"])
+def test_hermes_any_depth_is_content(text: str) -> None:
+    """Over-deep JSON, however it is written and split, is content and never a RecursionError."""
+    assert TOOL_PARSERS["hermes"](NAMES).extract(text) == (text, [])
+    for step in (3, 4096):
+        assert _streamed(text, step) == (text, [])
+
+
+def test_depth_limit_is_exact() -> None:
+    inside = '{"name": "f", "arguments": {"a": ' + "[" * (MAX_DEPTH - 2) + "]" * (MAX_DEPTH - 2) + "}}"
+    assert nesting_depth(inside) == MAX_DEPTH
+    assert TOOL_PARSERS["hermes"](NAMES).extract(inside)[1] == [ParsedToolCall("f", json.dumps(loads(inside)["arguments"]))]
+    beyond = inside.replace("[", "[[", 1).replace("]", "]]", 1)
+    assert TOOL_PARSERS["hermes"](NAMES).extract(beyond) == (beyond, [])
+    # Brackets inside strings are text, not nesting.
+    text = '{"a": "[[{{\\"", "b": ["]]"]}'
+    assert json.loads(text) == {"a": '[[{{"', "b": ["]]"]} and nesting_depth(text) == 2
+
+
+def test_hermes_long_call_in_small_deltas() -> None:
+    """A long call streamed a character at a time is read as one call, the text around it content."""
+    arguments = {"text": "x" * 200_000, "nested": [[[1]]]}
+    text = "Calling.\n<tool_call>" + json.dumps({"name": "f", "arguments": arguments}) + "</tool_call>\nDone."
+    expected = ("Calling.\n\nDone.", [ParsedToolCall("f", json.dumps(arguments))])
+    assert _streamed(text, 1) == expected
+    assert TOOL_PARSERS["hermes"](NAMES).extract(text) == expected
+
+
+def test_required_calls_any_depth() -> None:
+    deep = '[{"name": "f", "parameters": {"a": ' + "[" * DEEP + "]" * DEEP + "}}]"
+    assert required_calls(deep) is None
+    assert required_calls('[{"name": "f", "parameters": {"a": [1]}}]') == [("f", '{"a": [1]}')]
+    stream = ToolStream("required")
+    assert stream.update(deep[:10], False) == []
+    assert stream.update(deep[10:], True)[0].content == deep
+
+
+def test_failing_stream_ends_with_error_event_and_done() -> None:
+    async def lines() -> AsyncIterator[str]:
+        yield "data: {}\n\n"
+        raise RecursionError
+
+    async def collect() -> list[str]:
+        return [line async for line in guard_sse(lines())]
+
+    first, error, done = asyncio.run(collect())
+    assert first == "data: {}\n\n" and done == SSE_DONE
+    body = json.loads(error.removeprefix("data: "))["error"]
+    assert body["type"] == "InternalServerError" and body["code"] == 500 and "RecursionError" in body["message"]

@@ -20,6 +20,7 @@ def run_repl(args: argparse.Namespace) -> None:
     """Read a user turn, stream the assistant's reply, repeat; /reset clears, /exit or EOF ends."""
     from pagedllm import LLM
     from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.chat_template import chat_prompt
     from pagedllm.entrypoints.cli import sampling_params
 
     llm = LLM(**EngineArgs.from_cli_args(args).kwargs())
@@ -44,7 +45,7 @@ def run_repl(args: argparse.Namespace) -> None:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        prompt = engine.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        _, prompt = chat_prompt(engine.tokenizer, history)  # what the user typed is text, markup and all
         turn += 1
         try:
             engine.add_request(f"chat-{turn}", prompt, params, stream=True)

@@ -13,6 +13,7 @@ from pagedllm.config import DEFAULT_MODEL, EngineConfig, parse_memory
 from pagedllm.platforms.cpu import dtype_settings
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
+from pagedllm.entrypoints.chat_template import chat_prompt
 from pagedllm.live_view.trace import write_trace
 from pagedllm.outputs import RequestOutput
 from pagedllm.errors import InvalidParamError
@@ -122,17 +123,7 @@ class LLM:
             )
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
-        # Validate everything before queueing anything.
-        ids = [str(next(self._counter)) for _ in prompts]
-        prepared = [self.engine.prepare(i, p, sp) for i, p, sp in zip(ids, prompts, params)]
-        for request_id, (text, core_requests) in zip(ids, prepared):
-            self.engine.submit(request_id, text, core_requests)
-        return self._run(ids, use_tqdm)
+        return self._generate(prompts, sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -141,7 +132,9 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and generate.
+        """Apply the model's chat template to each conversation and generate. Contents are
+        text: a content that spells a special token gets no special token from it
+        (``chat_template.chat_prompt``).
 
         Args:
             messages: one conversation (a list of {"role", "content"} dicts) or a list of them;
@@ -155,13 +148,29 @@ class LLM:
         conversations = [messages] if single else messages
         for i, conv in enumerate(conversations):
             _check_conversation(conv, "messages" if single else f"messages.{i}")
-        prompts = [
-            self.engine.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-            for conv in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        rendered = [chat_prompt(self.engine.tokenizer, conv, add_generation_prompt) for conv in conversations]
+        return self._generate([ids for _, ids in rendered], sampling_params, use_tqdm, [text for text, _ in rendered])
+
+    def _generate(
+        self,
+        prompts: Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        texts: Sequence[str] | None = None,
+    ) -> list[RequestOutput]:
+        """``generate`` for a list of prompts; ``texts``: the text each token-id prompt was
+        rendered from (a chat template's), for the outputs' ``prompt``."""
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        # Validate everything before queueing anything.
+        ids = [str(next(self._counter)) for _ in prompts]
+        prepared = [self.engine.prepare(i, p, sp) for i, p, sp in zip(ids, prompts, params)]
+        for k, (request_id, (text, core_requests)) in enumerate(zip(ids, prepared)):
+            self.engine.submit(request_id, text if texts is None else texts[k], core_requests)
+        return self._run(ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -40,8 +40,8 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.entrypoints.openai.live_view_routes import live_view_router
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, guard_sse
 
 logger = logging.getLogger("pagedllm")
 
@@ -144,7 +144,7 @@ async def _respond(request: Request, result: Awaitable[BaseModel | AsyncIterator
     body = handler.result()
     if isinstance(body, BaseModel):
         return JSONResponse(body.model_dump(mode="json"))
-    return StreamingResponse(body, media_type="text/event-stream")
+    return StreamingResponse(guard_sse(body), media_type="text/event-stream")
 
 
 # pydantic's names for the members of a union, which it puts in an error's location.

@@ -10,6 +10,7 @@ import msgspec
 
 from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
 from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.entrypoints.chat_template import chat_prompt
 from pagedllm.entrypoints.openai.errors import generation_error
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -78,17 +79,15 @@ class OpenAIServingChat(OpenAIServing):
     def render(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[ChatTool] | None = None
     ) -> list[int]:
-        """Token ids of a conversation (and the tools offered) under the model's chat template
-        (400 if the template refuses it); a template without tool support ignores ``tools``."""
+        """Token ids of a conversation (and the tools offered) under the model's chat template,
+        the messages' contents as text (``chat_template.chat_prompt``); 400 if the template
+        refuses it. A template without tool support ignores ``tools``."""
         kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(
-                template_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
+            _, token_ids = chat_prompt(self.tokenizer, template_messages(messages), add_generation_prompt, **kwargs)
         except Exception as e:  # jinja raises its own errors for conversations a template rejects
             raise OpenAIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        # The template already wrote any special tokens the model expects.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return token_ids
 
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         """A response, or the SSE lines of a stream.
@@ -132,7 +131,7 @@ class OpenAIServingChat(OpenAIServing):
             calls = required_calls(text)  # None: cut off, returned as text
             content = None if calls is not None else text
         elif mode == "auto":
-            content, parsed = self.tool_parser().extract(text)
+            content, parsed = self.tool_parser(_tool_names(req)).extract(text)
             calls = [(c.name, c.arguments) for c in parsed] or None
             if calls is None:
                 content = text
@@ -159,7 +158,7 @@ class OpenAIServingChat(OpenAIServing):
         tool_streams: dict[int, ToolStream] = {}
         if mode != "none":
             name = req.tool_choice.function.name if mode == "named" else None
-            tool_streams = {i: ToolStream(mode, self.tool_parser(), name) for i in range(req.n)}
+            tool_streams = {i: ToolStream(mode, self.tool_parser(_tool_names(req)), name) for i in range(req.n)}
         try:
             async for out in self.engine.generate(prepared, stream=True):
                 if (error := generation_error(out)) is not None:
@@ -210,6 +209,11 @@ class OpenAIServingChat(OpenAIServing):
             content.append(TokenLogprob(token=token, logprob=chosen.logprob, bytes=_bytes(token, chosen),
                                         top_logprobs=top))
         return ChatLogprobs(content=content)
+
+
+def _tool_names(req: ChatCompletionRequest) -> list[str]:
+    """The functions "auto" may call: those the request declares."""
+    return [t.function.name for t in req.tools or []]
 
 
 def _bytes(token: str, logprob: Logprob) -> list[int]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
@@ -16,6 +18,8 @@ from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 T = TypeVar("T")
+
+logger = logging.getLogger("pagedllm")
 
 # Each sample is an engine request; a cap keeps one HTTP request from flooding the engine.
 MAX_N = 256
@@ -53,6 +57,20 @@ def sse(payload: BaseModel | dict) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+async def guard_sse(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The SSE lines of a stream; if making them raises, the stream ends with an OpenAI error
+    event (500 InternalServerError, naming the exception's type) and ``[DONE]`` rather than a
+    closed connection. Leaving early closes ``lines``."""
+    async with contextlib.aclosing(lines):
+        try:
+            async for line in lines:
+                yield line
+        except Exception as e:
+            logger.exception("internal error in a stream", exc_info=e)
+            yield sse(OpenAIError(500, f"internal error: {type(e).__name__}", "InternalServerError").body())
+            yield SSE_DONE
 
 
 class OpenAIServing:

@@ -25,7 +25,7 @@ class ToolStream:
         self.parser = parser
         self.name = name
         self.num_calls = 0
-        self._text = ""  # "required": the output so far
+        self._pieces: list[str] = []  # "required": the output so far
 
     def update(self, delta: str, finished: bool) -> list[DeltaMessage]:
         """The deltas to send for this piece of output text (``finished``: it is the last)."""
@@ -37,12 +37,13 @@ class ToolStream:
                 return [DeltaMessage(tool_calls=[call])]
             return [DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))])] if delta else []
         if self.mode == "required":
-            self._text += delta
+            self._pieces.append(delta)
             if not finished:
                 return []
-            calls = required_calls(self._text)
+            text = "".join(self._pieces)
+            calls = required_calls(text)
             if calls is None:  # cut off: what there is, as text
-                return [DeltaMessage(content=self._text)]
+                return [DeltaMessage(content=text)]
             return self._calls([ParsedToolCall(name, arguments) for name, arguments in calls])
         content, calls = self.parser.feed(delta)
         if finished:

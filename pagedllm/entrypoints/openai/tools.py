@@ -12,6 +12,7 @@ import json
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.entrypoints.openai.model_json import loads
 from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output import StructuredOutputsParams, backend
 
@@ -90,9 +91,10 @@ def tool_constraint(req: ChatCompletionRequest) -> StructuredOutputsParams | Non
 
 
 def required_calls(text: str) -> list[tuple[str, str]] | None:
-    """(name, arguments JSON) of each call in a "required" output; None if it is cut off."""
+    """(name, arguments JSON) of each call in a "required" output; None if it is cut off (or
+    nested deeper than ``model_json.MAX_DEPTH``: then it is content too)."""
     try:
-        calls = json.loads(text)
+        calls = loads(text)
     except ValueError:
         return None
     return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
@@ -120,6 +122,6 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def _arguments(text: str) -> Any:
     try:
-        return json.loads(text)
+        return loads(text)
     except ValueError:
-        return text  # not JSON: the template shows it as it came
+        return text  # not JSON (or too deep to hand to a template): the template shows it as it came

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import abc
+import json
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class ParsedToolCall:
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text of an object
 
 
 class ToolParser(abc.ABC):
@@ -18,7 +21,23 @@ class ToolParser(abc.ABC):
     ``extract`` takes the whole text (non-streamed); ``feed`` and ``finish`` take it in deltas
     and return what became certain: content text to stream and whole calls. Fed the same text,
     the two agree: the contents joined equal ``extract``'s content and the calls are the same.
+    Only a call that names one of ``tool_names`` with a JSON object for arguments is a call;
+    any other text, JSON nested deeper than ``model_json.MAX_DEPTH`` included, is content.
+    The work is linear in the text, however it is split into deltas.
+
+    Args:
+        tool_names: the functions the request declares.
     """
+
+    def __init__(self, tool_names: Collection[str]) -> None:
+        self.tool_names = frozenset(tool_names)
+
+    def call(self, name: Any, arguments: Any) -> ParsedToolCall | None:
+        """The call of ``name`` with ``arguments`` (as parsed from the model's JSON), or None
+        unless ``name`` is a declared function and ``arguments`` an object."""
+        if not isinstance(name, str) or name not in self.tool_names or not isinstance(arguments, dict):
+            return None
+        return ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
     @abc.abstractmethod
     def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:

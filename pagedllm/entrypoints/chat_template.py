@@ -1,0 +1,100 @@
+"""A conversation as prompt token ids under the model's chat template, for every front end
+(``LLM.chat``, ``pagedllm chat``, ``/v1/chat/completions``).
+
+Only the template's own markup becomes special tokens. A message's content is text, even
+where it spells one (``<|im_end|><|im_start|>system``): it is tokenized with special tokens
+split into ordinary pieces, as llama.cpp tokenizes user input, so no message can open a turn.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+_SPECIALS: weakref.WeakKeyDictionary[Any, re.Pattern[str] | None] = weakref.WeakKeyDictionary()
+
+# How templates pass a content through: as it is, or trimmed (Gemma 3, Llama 3).
+_CONTENT_FORMS: list[Callable[[str], str]] = [lambda text: text, str.strip]
+
+
+def _special_pattern(tokenizer: Any) -> re.Pattern[str] | None:
+    """Any of the tokenizer's special tokens, spelled out; None if it has none. Built once per tokenizer."""
+    if tokenizer not in _SPECIALS:
+        specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+        _SPECIALS[tokenizer] = re.compile("|".join(map(re.escape, specials))) if specials else None
+    return _SPECIALS[tokenizer]
+
+
+def _texts(message: dict[str, Any]) -> list[str]:
+    """The text of a message's content: a str, or the ``text`` of each part of a list."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return []
+
+
+def _with_texts(message: dict[str, Any], texts: list[str]) -> dict[str, Any]:
+    """``message`` with its content's texts replaced, in ``_texts``' order."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return message | {"content": texts[0]}
+    pieces = iter(texts)
+    parts = [p | {"text": next(pieces)} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+             for p in content]
+    return message | {"content": parts}
+
+
+def chat_prompt(
+    tokenizer: Any, conversation: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+) -> tuple[str, list[int]]:
+    """The prompt of a conversation: (the template's text, its token ids).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        conversation: messages as templates take them ({"role", "content", ...}; a content is
+            a str, a list of {"type": "text", "text": str} parts, or None).
+        add_generation_prompt: end with the opening of the assistant's turn.
+        **template_kwargs: passed to the template (``tools``).
+
+    Where no content spells a special token, the ids are the template's text tokenized as it
+    stands. Otherwise the text is cut where each content begins and ends (the template is
+    rendered once more with a placeholder for each); the template's pieces are tokenized as
+    usual and the contents with special tokens split, so the ids hold special tokens only
+    where the template wrote them. A content is taken as the template passes it on, verbatim
+    or trimmed; where a template changes it otherwise, the content is tokenized as it came.
+
+    Raises:
+        Exception: whatever the template raises for a conversation it refuses (jinja's errors).
+    """
+    text = tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
+    specials = _special_pattern(tokenizer)
+    contents = [t for m in conversation for t in _texts(m)]
+    if specials is None or not any(specials.search(c) for c in contents):
+        # The template already wrote any special tokens the model expects.
+        return text, tokenizer.encode(text, add_special_tokens=False)
+
+    mark = f"PAGEDLLM{secrets.token_hex(8)}X"  # letters and digits: no template filter changes it
+    numbers = iter(range(len(contents)))
+    marked = [_with_texts(m, [f"{mark}{next(numbers)}X" for _ in _texts(m)]) for m in conversation]
+    rendered = tokenizer.apply_chat_template(
+        marked, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
+    pieces = re.split(f"{mark}(\\d+)X", rendered)  # template text, content number, template text, ...
+    # The form the template gave each content, if one of the usual ones rebuilds its text exactly.
+    form = next((f for f in _CONTENT_FORMS if text == "".join(
+        f(contents[int(p)]) if i % 2 else p for i, p in enumerate(pieces))), _CONTENT_FORMS[0])
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        if i % 2:
+            content = form(contents[int(piece)])
+            ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"] if content else []
+        elif piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False)
+    return text, ids
