@@ -24,7 +24,7 @@ from pagedllm.engine.messages import SchedulerStats
 from pagedllm.engine.metrics import EngineMetrics, sum_stats
 from pagedllm.entrypoints.cli import build_parser, check_args
 from pagedllm.entrypoints.openai.cli_args import engine_config
-from tests.test_server import MODEL, Server, _start_server, _stop, _wait_idle
+from tests.utils import MODEL, Server, start_server, stop_server, wait_idle
 
 SMALL = ("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 PROMPTS = [f"Fact number {i} about the ocean:" for i in range(8)]
@@ -124,9 +124,9 @@ def _core_pids(server: Server) -> list[int]:
 
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start_server(tmp_path_factory.mktemp("dp"), *SMALL, "--data-parallel-size", "2")
+    s = start_server(tmp_path_factory.mktemp("dp"), *SMALL, "--data-parallel-size", "2")
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def test_64_concurrent_requests_complete(dp_server: Server, http: httpx.Client) 
 
     for r in asyncio.run(run()):
         assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 4, r
-    _wait_idle(http)
+    wait_idle(http)
     assert http.post("/reset_prefix_cache").json() == {"success": True}  # on both cores
 
 
@@ -183,7 +183,7 @@ def test_greedy_equals_one_core(dp_server: Server) -> None:
 
 def test_dead_core_fails_only_its_requests(dp_server: Server, http: httpx.Client) -> None:
     """Last in this module: it kills core 1."""
-    _wait_idle(http)
+    wait_idle(http)
     pids = _core_pids(dp_server)
     started = asyncio.Event()
     num_started = 0

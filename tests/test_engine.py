@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.utils import pool_is_whole
 
 PROMPTS = [
     "The capital of France is",
@@ -22,11 +23,6 @@ CHAT = [
     [{"role": "user", "content": "Write a haiku about autumn."}],
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, logprobs=1)
-
-
-def pool_is_whole(llm: LLM) -> bool:
-    pool = llm.engine.core.kv_cache.pool
-    return pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.outputs import RequestOutput
+from tests.utils import pool_is_whole
 
 PROMPTS = [
     "The capital of France is",
@@ -24,11 +25,6 @@ PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=12, logprobs=2),
     SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12),
 ]
-
-
-def pool_is_whole(llm: LLM) -> bool:
-    pool = llm.engine.core.kv_cache.pool
-    return pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
 
 @pytest.fixture(scope="module")

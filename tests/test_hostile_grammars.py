@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.test_grammar_limits import lark_chain, many_properties, nested_arrays, ref_chain
-from tests.test_server import MODEL, Server, _start_server, _stop
+from tests.utils import MODEL, Server, start_server, stop_server
 
 CANARY = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0}
 
@@ -25,9 +25,9 @@ CANARY = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colou
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # A small KV pool, wholly touched by the first requests, so that memory growth is the grammars'.
-    s = _start_server(tmp_path_factory.mktemp("hostile"), "--max-request-body-size", "20MiB", "--kv-cache-memory", "32MiB")
+    s = start_server(tmp_path_factory.mktemp("hostile"), "--max-request-body-size", "20MiB", "--kv-cache-memory", "32MiB")
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +98,11 @@ def test_no_token_left_streamed_ends_with_an_error_event(http: httpx.Client) -> 
 @pytest.fixture(scope="module")
 def loose_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """Limits raised so that a 10,000-property schema reaches a grammar worker and compiles for seconds."""
-    s = _start_server(tmp_path_factory.mktemp("loose"), "--max-request-body-size", "20MiB",
+    s = start_server(tmp_path_factory.mktemp("loose"), "--max-request-body-size", "20MiB",
                       "--max-grammar-properties", "100000", "--max-grammar-rules", "100000",
                       "--max-grammar-bytes", "10000000", "--grammar-compile-timeout", "600")
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 def _grammar_workers(server_pid: int) -> list[int]:

@@ -354,7 +354,7 @@ def test_event_stream_over_a_socket_while_a_stalled_viewer_reads_nothing():
     import httpx
     import uvicorn
 
-    from tests.test_server import _free_port
+    from tests.utils import free_port
 
     view = LiveView(2000, BS, [0], 24)
     app = live_view_app(view, frame_interval_s=0.05, heartbeat_s=0.2)
@@ -365,7 +365,7 @@ def test_event_stream_over_a_socket_while_a_stalled_viewer_reads_nothing():
             await asyncio.sleep(0.01)
         return {"version": view.version}
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import Server, _start_server, _stop
+from tests.utils import Server, start_server, stop_server
 
 API_KEY = "live-key"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -38,12 +38,12 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # 24 MiB of bfloat16 K/V is 68 blocks of 16 tokens: 16 requests of up to ~280 tokens do not
     # fit, so some are preempted.
-    s = _start_server(
+    s = start_server(
         tmp_path_factory.mktemp("live"), "--enable-live-view", "--api-key", API_KEY, "--kv-cache-memory", "24MiB",
         "--max-model-len", "512", "--max-num-batched-tokens", "256", "--disable-log-stats",
     )
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 @pytest.fixture(scope="module")

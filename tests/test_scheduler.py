@@ -4,6 +4,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
+from tests.utils import assert_pool_whole
 
 EOS = 2
 
@@ -25,12 +26,6 @@ def step(sched, token=7):
     sampled = [[token] if s.samples else [] for s in out.scheduled]
     sched.update_from_output(out, sampled)
     return out
-
-
-def assert_pool_whole(sched):
-    pool = sched.kv_cache.pool
-    assert pool.num_free_blocks == pool.num_blocks
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
 
 
 def test_budget_and_max_num_seqs_respected():

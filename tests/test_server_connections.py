@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.test_server import MODEL, Server, _start_server, _stop
+from tests.utils import MODEL, Server, start_server, stop_server
 
 KEEP_ALIVE_S = 1.0
 HEAD_S = 2.0
@@ -27,10 +27,10 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start_server(tmp_path_factory.mktemp("connections"), "--timeout-keep-alive", str(KEEP_ALIVE_S),
+    s = start_server(tmp_path_factory.mktemp("connections"), "--timeout-keep-alive", str(KEEP_ALIVE_S),
                       "--timeout-request-head", str(HEAD_S), "--limit-concurrency", str(LIMIT))
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 def _connect(server: Server) -> socket.socket:

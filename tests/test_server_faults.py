@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.test_server import MODEL, Server, _start_server, _stop, _wait_idle
+from tests.utils import MODEL, Server, start_server, stop_server, wait_idle
 
 PROMPTS = [f"Fact number {i} about the ocean:" for i in range(8)]
 EMOJI_CHAT = [{"role": "user", "content": "Reply with three emoji that describe happiness."}]
@@ -22,9 +22,9 @@ EMOJI_CHAT = [{"role": "user", "content": "Reply with three emoji that describe 
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLLM_TEST_FAULTS", "1")  # inherited by the server and its engine core
-        s = _start_server(tmp_path_factory.mktemp("server"))
+        s = start_server(tmp_path_factory.mktemp("server"))
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_failing_request_alone_gets_500(server: Server, http: httpx.Client, faul
     _check_internal_error(r.json()["error"])
     assert http.get("/health").status_code == 200
     assert _greedy(http, PROMPTS[0]) == before[PROMPTS[0]]
-    _wait_idle(http)  # no running request, no block in use
+    wait_idle(http)  # no running request, no block in use
     assert server.proc.poll() is None
 
 
@@ -76,7 +76,7 @@ def test_failing_stream_ends_with_error_event(http: httpx.Client, path: str) -> 
     assert events[-1] == "[DONE]"
     _check_internal_error(events[-2]["error"])
     assert http.get("/health").status_code == 200
-    _wait_idle(http)
+    wait_idle(http)
 
 
 @pytest.mark.parametrize("max_tokens", [2, 4, 5])

@@ -25,6 +25,7 @@ from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.spec_decode.ngram_proposer import NgramProposer, find_ngram_drafts
+from tests.utils import assert_pool_whole, pool_is_whole
 
 EOS = 2
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
@@ -263,11 +264,6 @@ def spec_step(sched: Scheduler, num_accepted: int = 0, token: int = 7):
     return out
 
 
-def assert_pool_whole(sched: Scheduler) -> None:
-    pool = sched.kv_cache.pool
-    assert pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
-
-
 def test_drafts_are_scheduled_then_rolled_back() -> None:
     sched = make_scheduler()
     req = make_request("a", 6)
@@ -459,11 +455,6 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tiny_draft")
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
-
-
-def pool_is_whole(llm: LLM) -> bool:
-    pool = llm.engine.core.kv_cache.pool
-    return pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
 
 SPEC_CONFIGS = {

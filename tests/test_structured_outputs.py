@@ -12,7 +12,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.errors import InvalidParamError
-from test_engine import pool_is_whole
+from tests.utils import pool_is_whole
 
 PERSON = {
     "type": "object",

@@ -18,15 +18,15 @@ from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel
 
 from tests.structured_models import MODELS
-from tests.test_server import MODEL, Server, _start_server, _stop
+from tests.utils import MODEL, Server, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # float32: outputs independent of batching and prefix-cache hits, so streamed == non-streamed.
-    s = _start_server(tmp_path_factory.mktemp("structured"), "--dtype", "float32")
+    s = start_server(tmp_path_factory.mktemp("structured"), "--dtype", "float32")
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.test_server import Server, _start_server, _stop
+from tests.utils import Server, start_server, stop_server
 from tests.test_structured_server import _streamed_calls
 
 pytestmark = [
@@ -30,10 +30,10 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris right now?
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    server: Server = _start_server(tmp_path_factory.mktemp("qwen-tools"), "--dtype", "float32",
+    server: Server = start_server(tmp_path_factory.mktemp("qwen-tools"), "--dtype", "float32",
                                    "--tool-call-parser", "hermes", model=QWEN)
     yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
-    _stop(server)
+    stop_server(server)
 
 
 def test_auto_calls_the_tool_when_asked(client: openai.OpenAI) -> None:

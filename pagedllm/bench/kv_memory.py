@@ -44,9 +44,9 @@ def simulate(args: argparse.Namespace, release: bool) -> dict[str, float]:
     return {
         "blocks": num_blocks,
         "peak_blocks_per_request": peak_held,
-        "mib_per_request": peak_held * block_bytes / 2**20,
+        "mib_per_request": peak_held * kv.bytes_per_block / 2**20,
         "decode_blocks_per_request": decode_held,
-        "decode_mib_per_request": decode_held * block_bytes / 2**20,
+        "decode_mib_per_request": decode_held * kv.bytes_per_block / 2**20,
         "fit": num_blocks // max(peak_held, 1),
         "peak_running": peak_running,
         "preemptions": sched.num_preemptions,

@@ -163,7 +163,7 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: for a value out of its range (the message names the flag's setting).
     """
-    if hasattr(args, "max_num_seqs"):
+    if hasattr(args, "kv_cache_dtype"):  # a command with the engine flags (EngineArgs)
         from pagedllm.entrypoints.openai.cli_args import engine_config
 
         engine_config(args)

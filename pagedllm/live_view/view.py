@@ -7,7 +7,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.live_view.block_map import BlockMap
 from pagedllm.live_view.records import StepRecord
