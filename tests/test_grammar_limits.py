@@ -182,7 +182,7 @@ def test_the_result_cache_is_bounded_by_bytes(checker: GrammarChecker) -> None:
     schema = many_properties(200)
     for i in range(60):
         checker.check("json", json.dumps(schema | {"description": f"{i}" + "x" * 100_000}))
-    assert checker._cache_bytes <= CACHE_BYTES
+    assert checker._cache.num_bytes <= CACHE_BYTES
 
 
 # -- property tests: whatever the shape, an answer and never a crash ----------------------------
@@ -218,3 +218,18 @@ def test_deep_and_wide_inputs_get_an_answer(checker: GrammarChecker, depth: int,
         assert checker.check(*StructuredOutputsParams(**fields).key)
     except InvalidParamError as e:
         assert e.param in ("grammar", "json") and len(str(e)) < 400
+
+
+def test_bounded_cache_evicts_least_recently_used_by_count_and_bytes() -> None:
+    from pagedllm.structured_output.cache import BoundedCache
+
+    cache: BoundedCache[str, int] = BoundedCache(max_entries=3, max_bytes=10)
+    for key in "abc":
+        cache.put(key, ord(key), 2)
+    assert cache.get("a") == ord("a")  # now the most recent: "b" is the oldest
+    cache.put("d", 0, 2)
+    assert cache.get("b") is None and len(cache) == 3 and cache.num_bytes == 6
+    cache.put("e", 0, 9)  # over the bytes: every older entry goes, the newest stays
+    assert len(cache) == 1 and cache.num_bytes == 9 and cache.get("e") == 0
+    cache.put("e", 1, 4)  # a replaced entry's bytes are given back
+    assert cache.num_bytes == 4 and cache.get("e") == 1

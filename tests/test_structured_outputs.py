@@ -141,9 +141,9 @@ def test_compile_cache_and_prefix_caching(llm):
     core = llm.engine.core
     prompt = "<|im_start|>system\nYou answer with one JSON object describing a person, nothing else.<|im_end|>\n" + CHAT
     first = llm.generate(prompt, json_params(temperature=0), use_tqdm=False)[0]
-    compiled = dict(core.structured._cache)
+    compiled = dict(core.structured._cache.items())
     second = llm.generate(prompt, json_params(temperature=0), use_tqdm=False)[0]
-    assert core.structured._cache == compiled  # the same schema: compiled once, reused
+    assert dict(core.structured._cache.items()) == compiled  # the same schema: compiled once, reused
     assert second.num_cached_tokens >= 16  # a prefix-cache hit leaves the grammar state right
     assert second.outputs[0].text == first.outputs[0].text
     assert_person(second.outputs[0].text)

@@ -17,11 +17,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 
 import msgspec
 
 from pagedllm.errors import InvalidParamError
+from pagedllm.structured_output.cache import BoundedCache
 from pagedllm.structured_output.grammar_worker import HEADER, frame
 from pagedllm.structured_output.limits import GrammarLimits, check_shape
 
@@ -97,8 +97,8 @@ class GrammarChecker:
             self._workers.put(None)  # started when first taken
         self._lock = threading.Lock()
         self._live: set[_Worker] = set()  # started and not yet stopped, idle or busy
-        self._cache: OrderedDict[tuple[str, str], str | InvalidParamError] = OrderedDict()
-        self._cache_bytes = 0
+        # Results, sized as constraint text + grammar text; no bound on their number.
+        self._cache: BoundedCache[tuple[str, str], str | InvalidParamError] = BoundedCache(1 << 62, CACHE_BYTES)
 
     def check(self, kind: str, text: str) -> str:
         """The grammar text of a constraint (``StructuredOutputsParams.key``) that compiles.
@@ -110,7 +110,6 @@ class GrammarChecker:
         key = (kind, text)
         with self._lock:
             if (hit := self._cache.get(key)) is not None:
-                self._cache.move_to_end(key)
                 if isinstance(hit, InvalidParamError):
                     raise InvalidParamError(hit.param, str(hit))
                 return hit
@@ -174,13 +173,7 @@ class GrammarChecker:
         if size > CACHE_BYTES // 4:
             return
         with self._lock:
-            if key in self._cache:
-                return
-            self._cache[key] = result
-            self._cache_bytes += size
-            while self._cache_bytes > CACHE_BYTES:
-                (kind, text), old = self._cache.popitem(last=False)
-                self._cache_bytes -= len(text) + (len(old) if isinstance(old, str) else 0)
+            self._cache.put(key, result, size)
 
 
 _default: GrammarChecker | None = None

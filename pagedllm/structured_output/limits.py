@@ -139,7 +139,7 @@ def _check_grammar(text: str, limits: GrammarLimits) -> None:
         if not stripped or stripped.startswith("%"):
             continue
         match = _LARK_RULE.match(stripped) or _GBNF_RULE.match(stripped)
-        if match and not line[:1].isspace() or match and current is None:
+        if match and (current is None or not line[:1].isspace()):
             current = match.group(1)
             if current not in bodies:
                 order.append(current)

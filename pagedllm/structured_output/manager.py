@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -14,6 +13,7 @@ import llguidance
 
 from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output import backend
+from pagedllm.structured_output.cache import BoundedCache
 from pagedllm.structured_output.grammar import grammar_text, short_error
 from pagedllm.structured_output.params import StructuredOutputsParams
 from pagedllm.structured_output.request import StructuredOutputRequest
@@ -45,8 +45,8 @@ class StructuredOutputManager:
         self._compiler: backend.Compiler | None = None
         self._executor = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pagedllm-grammar")
         self._compiler_lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], Future[llguidance.LLMatcher]] = OrderedDict()
-        self._cache_bytes = 0
+        # Sized by the constraint's text (a matcher's size follows its grammar's).
+        self._cache: BoundedCache[tuple[str, str], Future[llguidance.LLMatcher]] = BoundedCache(CACHE_SIZE, CACHE_BYTES)
 
     def request_state(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A new sequence's grammar state; compiles in the background unless cached.
@@ -58,14 +58,7 @@ class StructuredOutputManager:
         compiled = self._cache.get(key)
         if compiled is None or (compiled.done() and compiled.exception() is not None):
             compiled = self._executor.submit(self._compile, key)
-            if key in self._cache:
-                self._cache_bytes -= len(key[1])
-            self._cache[key] = compiled
-            self._cache_bytes += len(key[1])
-            while len(self._cache) > CACHE_SIZE or (self._cache_bytes > CACHE_BYTES and len(self._cache) > 1):
-                old, _ = self._cache.popitem(last=False)
-                self._cache_bytes -= len(old[1])
-        self._cache.move_to_end(key)
+            self._cache.put(key, compiled, len(key[1]))
         return StructuredOutputRequest(compiled)
 
     def wait(self, states: list[StructuredOutputRequest], timeout: float) -> None:
