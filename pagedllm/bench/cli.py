@@ -13,6 +13,8 @@ _BENCHES = (
     ("perplexity", "sliding-window perplexity of a text (prompt logprobs)", "perplexity", True),
     ("quant", "decode tokens/s of fp32, bf16, int8 and int4 weights side by side (--modes overrides --dtype, "
      "--quantization and --quantize-lm-head)", "quant", True),
+    ("long-context", "prefill tok/s, TTFT and decode tok/s at batch 1 and 8 as the context grows, per KV dtype",
+     "long_context", True),
     ("kv-memory", "KV blocks held per long request, sliding-window release on vs off", "kv_memory", False),
     ("roofline", "this CPU's float32 FLOP/s, int8 OP/s and memory bandwidth, measured", "roofline", False),
     ("serve", "load-test an OpenAI-compatible server", "serve", False),

@@ -1,0 +1,122 @@
+"""``pagedllm bench long-context``: prefill, time to first token and decode speed as context grows.
+
+For each KV cache dtype (``--kv-cache-dtypes``, default the engine's ``--kv-cache-dtype``)
+one engine is built with ``max_model_len`` = the longest context + ``--output-len``, and at
+each context length L of ``--context-lens``:
+- prefill: one prompt of L random token ids and ``max_tokens=1``; TTFT is the request's
+  first-token time minus its arrival time, and prefill tokens/s is L / TTFT;
+- decode at each batch size b of ``--batch-sizes``: b prompts of L tokens each, run once with
+  ``max_tokens=1`` (prefill only, time T1) and once with ``max_tokens=N`` (time TN); decode
+  tokens/s is b (N - 1) / (TN - T1), so the prefill cost cancels out. Prefix caching is off
+  so both runs compute the same prompts.
+A (L, b) whose K/V does not fit the pool (``--kv-cache-memory``) is reported as skipped, not
+run (it would preempt and measure recomputation instead). Medians over ``--repeats``, after one
+short warm-up request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--context-lens", default="1024,4096,8192,16384", help="comma-separated prompt lengths, tokens")
+    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated decode batch sizes")
+    parser.add_argument("--output-len", type=int, default=32, help="tokens decoded per request in the decode runs")
+    parser.add_argument(
+        "--kv-cache-dtypes", default=None,
+        help="comma-separated KV cache dtypes to compare (default: the --kv-cache-dtype flag's value)",
+    )
+    parser.add_argument("--repeats", type=int, default=1)
+
+
+@dataclass
+class LongContextRow:
+    kv_dtype: str
+    context: int
+    prefill_tok_s: float
+    ttft_s: float
+    decode_tok_s: dict[int, float | None]  # batch size -> tokens/s, None where the pool cannot hold it
+
+    def report(self) -> str:
+        decode = ", ".join(
+            f"b={b}: {'skipped (pool too small)' if r is None else f'{r:.1f} tok/s'}" for b, r in self.decode_tok_s.items()
+        )
+        return (
+            f"[kv {self.kv_dtype}] context {self.context:6d}: prefill {self.prefill_tok_s:8.1f} tok/s, "
+            f"TTFT {self.ttft_s:7.3f} s; decode {decode}"
+        )
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _prompts(llm, count: int, length: int, seed: int) -> list[list[int]]:
+    from pagedllm.bench.datasets import random_requests
+
+    tokenizer = llm.get_tokenizer()
+    vocab, special = llm.engine.core.model_config.vocab_size, set(tokenizer.all_special_ids)
+    return [r.prompt_token_ids for r in random_requests(count, (length, length), (1, 1), vocab, special, seed)]
+
+
+def _seconds(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, outputs
+
+
+def _measure(llm, kv_dtype: str, context: int, args: argparse.Namespace) -> LongContextRow:
+    kv = llm.engine.core.kv_config
+    capacity = kv.num_blocks * kv.block_size
+    ttfts = []
+    for i in range(args.repeats):
+        _, outputs = _seconds(llm, _prompts(llm, 1, context, args.seed + i), 1)
+        ttfts.append(outputs[0].metrics["first_token_time"] - outputs[0].metrics["arrival_time"])
+    ttft = statistics.median(ttfts)
+    decode: dict[int, float | None] = {}
+    for b in _ints(args.batch_sizes):
+        if b * (context + args.output_len + kv.block_size) > capacity:
+            decode[b] = None
+            continue
+        rates = []
+        for i in range(args.repeats):
+            prompts = _prompts(llm, b, context, args.seed + 1000 * b + i)
+            t1, _ = _seconds(llm, prompts, 1)
+            tn, _ = _seconds(llm, prompts, args.output_len)
+            rates.append(b * (args.output_len - 1) / max(tn - t1, 1e-9))
+        decode[b] = statistics.median(rates)
+    return LongContextRow(kv_dtype, context, context / ttft, ttft, decode)
+
+
+def run(args: argparse.Namespace) -> None:
+    from pagedllm import LLM
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    contexts = _ints(args.context_lens)
+    base = EngineArgs.from_cli_args(args).kwargs()
+    dtypes = args.kv_cache_dtypes.split(",") if args.kv_cache_dtypes else [base.get("kv_cache_dtype", "auto")]
+    for kv_dtype in dtypes:
+        kwargs = base | {
+            "kv_cache_dtype": kv_dtype,
+            "max_model_len": max(contexts) + args.output_len,
+            "enable_prefix_caching": False,
+        }
+        llm = LLM(**kwargs)
+        kv = llm.engine.core.kv_config
+        print(
+            f"[kv {kv_dtype}] {kv.num_blocks} blocks of {kv.block_size} tokens "
+            f"({kv.num_blocks * kv.block_size} token slots, {kv.bytes_per_block} bytes per block)"
+        )
+        try:
+            _seconds(llm, _prompts(llm, 1, 64, args.seed), 2)  # warm: threads, packing, first allocations
+            for context in contexts:
+                print(_measure(llm, kv_dtype, context, args).report(), flush=True)
+        finally:
+            llm.shutdown()
