@@ -1,20 +1,30 @@
-"""``pagedllm bench roofline``: what this CPU can do, measured, to set the engine's figures against.
+"""``pagedllm bench roofline``: what this CPU can do, in theory and measured, and how close the kernels come.
 
-Three ceilings, each the best of ``--repeats`` runs at the process's thread count:
-- float32 FLOP/s: our packed float32 GEMM (``linear_f32``) on a compute-bound shape, and
-  PyTorch's ``torch.mm`` (oneDNN/MKL) on the same shape for comparison;
-- int8 OP/s: our w8a8 GEMM (``linear_w8a8``: two ops per multiply-add, the on-the-fly
-  activation quantization included);
+Ceilings, each the best of ``--repeats`` runs at the process's thread count:
+- the clock: a dependent chain of integer adds on every thread at once (``probe_add_chain``,
+  one add per cycle), so it is the clock all the threads sustain together;
+- theoretical peaks: physical cores x that clock x multiply-adds per cycle per core for the
+  loaded kernels' ISA x 2 ops (``_macs_per_cycle`` states the per-core figures and where they
+  come from); SMT siblings share one core's vector units, so threads on siblings add nothing;
+- measured peaks: the vector layer's own float32 FMA and int8 dot in registers on every
+  thread (``probe_fma_f32``, ``probe_dot_i8``: no memory traffic);
+- kernels: our packed float32 GEMM (``linear_f32``) and w8a8 GEMM (``linear_w8a8``, two ops
+  per multiply-add, the activation quantization included) on an M = N = K = ``--size`` shape,
+  PyTorch's ``torch.mm`` (oneDNN) on the same shape, each as a fraction of both peaks;
 - memory bandwidth, bytes/s: a read-only pass (``torch.sum``) over a float32 tensor much
-  larger than the last-level cache.
-A decode step at batch 1 reads every weight once, so bytes per token / bandwidth is its floor.
+  larger than the last-level cache. A decode step at batch 1 reads every weight once, so
+  bytes per token / bandwidth is its floor.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+_PROBE_STEPS = 20_000_000  # per thread: ~10 ms at 2 GHz, well above timer and fork/join noise
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -33,26 +43,94 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+def physical_cores(threads: int) -> int:
+    """Distinct physical cores among this process's first ``threads`` allowed CPUs (Linux
+    topology files; each CPU its own core where they are missing)."""
+    cores = set()
+    for cpu in sorted(os.sched_getaffinity(0))[:threads]:
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        cores.add(siblings.read_text().strip() if siblings.exists() else str(cpu))
+    return len(cores)
+
+
+def _cpu_vendor_family() -> tuple[str, int]:
+    vendor, family = "", 0
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id":
+                vendor = value.strip()
+            elif key.strip() == "cpu family":
+                family = int(value)
+                break
+    except OSError:
+        pass
+    return vendor, family
+
+
+def _macs_per_cycle(isa: str) -> tuple[int, int] | None:
+    """(float32, int8) multiply-adds one core issues per cycle with ``isa``'s kernels; None for scalar.
+
+    Counted in 256-bit FMA pipes per core: two on AMD Zen 2-4 (which run a 512-bit
+    instruction over both) and on Intel cores without AVX-512; four (two 512-bit) on Zen 5
+    (family 26) and on Intel Xeons with AVX-512. A pipe does 8 float32 FMAs per cycle; in int8,
+    32 multiply-adds with VNNI (vpdpbusd) or NEON's sdot, 16 with AVX2, whose vpmaddubsw +
+    vpmaddwd pair takes two issues for 32. AArch64: one 256-bit equivalent (two 128-bit pipes).
+    """
+    if isa == "scalar":
+        return None
+    vendor, family = _cpu_vendor_family()
+    if isa.startswith("neon"):
+        pipes = 1
+    elif isa.startswith("avx512") and (vendor == "GenuineIntel" or (vendor == "AuthenticAMD" and family >= 26)):
+        pipes = 4
+    else:
+        pipes = 2
+    int8 = 32 if isa in ("avx512_vnni", "avx512_bf16", "neon_dotprod") else 16
+    return 8 * pipes, int8 * pipes
+
+
 def run(args: argparse.Namespace) -> None:
     import torch
 
     from pagedllm.kernels import ops
-    from pagedllm.kernels.library import active_isa
+    from pagedllm.kernels.library import active_isa, native_library
 
-    n = args.size
+    n, threads, isa = args.size, torch.get_num_threads(), active_isa()
+    cores = physical_cores(threads)
+    print(f"CPU ISA in use: {isa or 'none (PyTorch only)'}; {threads} threads on {cores} physical cores")
+    lib = native_library()
+    peaks: dict[str, tuple[float, float]] = {}  # kind -> (theoretical, measured) ops/s
+    if lib is not None:
+        clock = _PROBE_STEPS / _best_seconds(lambda: lib.probe_add_chain(_PROBE_STEPS), args.repeats)
+        f32_measured = threads * 256 * _PROBE_STEPS / _best_seconds(lambda: lib.probe_fma_f32(_PROBE_STEPS), args.repeats)
+        steps8 = _PROBE_STEPS // 2
+        i8_measured = threads * 1024 * steps8 / _best_seconds(lambda: lib.probe_dot_i8(steps8), args.repeats)
+        print(f"clock, all threads busy (dependent adds)  : {clock / 1e9:8.2f} GHz")
+        macs = _macs_per_cycle(isa)
+        theory = (0.0, 0.0) if macs is None else (cores * clock * 2 * macs[0], cores * clock * 2 * macs[1])
+        peaks = {"f32": (theory[0], f32_measured), "i8": (theory[1], i8_measured)}
+        for kind, unit in (("f32", "GFLOP/s float32"), ("i8", "GOP/s int8")):
+            t, m = peaks[kind]
+            theory_text = f"{t / 1e9:8.1f}" if t else "     n/a"
+            print(f"peak {unit:15s} theoretical / in registers: {theory_text} / {m / 1e9:8.1f}")
+
+    def kernel(label: str, kind: str, ops_per_s: float) -> None:
+        line = f"{label:32s}: {ops_per_s / 1e9:8.1f} G{'FLOP' if kind == 'f32' else 'OP'}/s"
+        if kind in peaks:
+            t, m = peaks[kind]
+            line += f"  ({100 * ops_per_s / m:5.1f}% of measured" + (f", {100 * ops_per_s / t:5.1f}% of theoretical)" if t else ")")
+        print(line)
+
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
     flops = 2 * n**3
-    print(f"CPU ISA in use: {active_isa() or 'none (PyTorch only)'}; {torch.get_num_threads()} threads")
-    print(f"torch.mm float32 [{n}x{n}x{n}]: {flops / _best_seconds(lambda: torch.mm(x, w.T), args.repeats) / 1e9:8.1f} GFLOP/s")
+    kernel(f"torch.mm float32 [{n}x{n}x{n}]", "f32", flops / _best_seconds(lambda: torch.mm(x, w.T), args.repeats))
     if ops.available():
         packed = ops.linear_pack_f32(w)
-        t = _best_seconds(lambda: ops.linear_f32(x, packed, None, n), args.repeats)
-        print(f"linear_f32 (native)             : {flops / t / 1e9:8.1f} GFLOP/s")
-        if ops.linear_w8a8_available():
-            packed8 = ops.linear_pack_w8a8(w)
-            t = _best_seconds(lambda: ops.linear_w8a8(x, packed8, None, n), args.repeats)
-            print(f"linear_w8a8 (native)            : {flops / t / 1e9:8.1f} GOP/s (int8)")
+        kernel("linear_f32 (native)", "f32", flops / _best_seconds(lambda: ops.linear_f32(x, packed, None, n), args.repeats))
+        packed8 = ops.linear_pack_w8a8(w)
+        kernel("linear_w8a8 (native)", "i8", flops / _best_seconds(lambda: ops.linear_w8a8(x, packed8, None, n), args.repeats))
     big = torch.ones(args.memory_mib * 2**20 // 4)
     t = _best_seconds(lambda: big.sum(), args.repeats)
     print(f"memory read ({args.memory_mib} MiB, torch.sum)  : {big.numel() * 4 / t / 1e9:8.1f} GB/s")

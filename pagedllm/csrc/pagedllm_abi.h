@@ -171,6 +171,15 @@ void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
 int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_sin, const StepGroup* groups,
                   const int64_t* seq_lens, int64_t B, float* out);
 
+/* --- compute probes for bench roofline (probe.cpp): every OpenMP thread runs the loop --- */
+
+/* Per thread n dependent integer adds (one per cycle): threads * n / seconds is the clock. */
+int64_t probe_add_chain(int64_t n);
+/* Per thread n steps of 8 independent 16-lane float32 FMAs: 256 n FLOP per thread. */
+float probe_fma_f32(int64_t n);
+/* Per thread n steps of 8 independent vector-layer int8 dots: 1024 n int8 OP per thread. */
+int64_t probe_dot_i8(int64_t n);
+
 #ifdef __cplusplus
 }
 #endif

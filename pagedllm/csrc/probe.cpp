@@ -1,0 +1,79 @@
+// What the cores can do, for `pagedllm bench roofline`: each probe runs the same loop on every
+// OpenMP thread at once, so the caller's wall time over the call is what all cores sustain
+// together. Nothing here touches memory beyond a few cache lines: these are compute ceilings.
+#include <stdint.h>
+
+#include "pagedllm_abi.h"
+#include "vec.h"
+
+using namespace vec;
+
+namespace {
+
+constexpr int kChains = 8;  // independent accumulators: enough to cover an FMA's latency on every ISA
+
+}  // namespace
+
+extern "C" {
+
+// Per thread, a chain of n dependent integer additions (n rounded down to a multiple of 8):
+// one per cycle on every core this project targets, so threads * n / seconds is the
+// sustained clock. The empty asm keeps the compiler from folding the chain. Returns n.
+int64_t probe_add_chain(int64_t n) {
+  int64_t total = 0;
+#pragma omp parallel reduction(max : total)
+  {
+    int64_t x = 0;
+    for (int64_t i = 0; i + 8 <= n; i += 8) {
+#define PAGEDLLM_STEP x += 1; __asm__ volatile("" : "+r"(x));
+      PAGEDLLM_STEP PAGEDLLM_STEP PAGEDLLM_STEP PAGEDLLM_STEP PAGEDLLM_STEP PAGEDLLM_STEP PAGEDLLM_STEP PAGEDLLM_STEP
+#undef PAGEDLLM_STEP
+    }
+    total = x;
+  }
+  return total;
+}
+
+// Per thread, n steps of 8 independent F32x16 fused multiply-adds: 2 * 16 * 8 * n float32
+// operations per thread. Returns a lane of the result (so the loop is kept).
+float probe_fma_f32(int64_t n) {
+  float total = 0.f;
+#pragma omp parallel reduction(+ : total)
+  {
+    F32x16 acc[kChains];
+    for (int c = 0; c < kChains; ++c) acc[c] = set1(0.001f * c);
+    const F32x16 a = set1(0.999f), b = set1(0.0001f);
+    for (int64_t i = 0; i < n; ++i)
+      for (int c = 0; c < kChains; ++c) acc[c] = fma(acc[c], a, b);
+    F32x16 s = acc[0];
+    for (int c = 1; c < kChains; ++c) s = add(s, acc[c]);
+    total += reduce_add(s);
+  }
+  return total;
+}
+
+// Per thread, n steps of 8 independent int8 dot products of the vector layer (dot: 64
+// multiply-adds each, the kernels' own instruction sequence per ISA): 2 * 64 * 8 * n int8
+// operations per thread. Returns a lane of the result.
+int64_t probe_dot_i8(int64_t n) {
+  int64_t total = 0;
+#pragma omp parallel reduction(+ : total)
+  {
+    alignas(64) int8_t w[64] = {};  // zeros: no sum can overflow, and no core skips a multiply by them
+    alignas(64) int8_t codes[16];
+    store_codes(codes, round_i32(zero()));
+    const DotX x = dot_prepare(reinterpret_cast<const int32_t*>(codes));
+    I32x16 acc[kChains];
+    for (int c = 0; c < kChains; ++c) acc[c] = zero_i32();
+    for (int64_t i = 0; i < n; ++i) {
+      for (int c = 0; c < kChains; ++c) acc[c] = dot(acc[c], x, w);
+      __asm__ volatile("" : : "r"(w) : "memory");  // w may change: the dots are redone each step
+    }
+    F32x16 s = to_f32(acc[0]);
+    for (int c = 1; c < kChains; ++c) s = add(s, to_f32(acc[c]));
+    total += static_cast<int64_t>(reduce_add(s));
+  }
+  return total;
+}
+
+}  // extern "C"
