@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.default_model import DEFAULT_MODEL
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.speculative_config import SpeculativeConfig
-
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""The ``pagedllm`` command: --version, --help with every default, bad flags refused before a
-model loads, and the chat REPL's Ctrl-C / Ctrl-D handling (under tmux, a real terminal)."""
+"""The ``pagedllm`` command: --version and --help without torch, every default shown once, bad
+flags refused before a model loads under the flag's own name, and the chat REPL's /reset and
+Ctrl-C / Ctrl-D handling (under tmux, a real terminal)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def test_help_shows_every_default() -> None:
         for action in parser._actions:
             if action.default is argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
                 continue
-            assert "%(default)" in formatter._get_help_string(action), (parser.prog, action.dest)
+            shown = formatter._get_help_string(action)
+            assert "%(default)" in shown or "(default: " in shown, (parser.prog, action.dest)
+            assert shown.count("(default: ") == 1, (parser.prog, action.dest, shown)  # once, not twice
 
 
 BAD_FLAGS = [
@@ -60,18 +63,21 @@ BAD_FLAGS = [
     (["generate", "--prompt", "x", "--dtype", "fp7"], "dtype"),
     (["generate", "--prompt", "x", "--kv-cache-memory", "lots"], "memory size"),
     (["generate", "--prompt", "x", "--temperature", "nan"], "temperature"),
-    (["generate", "--prompt", "x", "--top-p", "1.5"], "top_p"),
-    (["generate", "--prompt", "x", "--repetition-penalty", "0"], "repetition_penalty"),
-    (["chat", "--block-size", "7"], "block_size"),
+    (["generate", "--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["generate", "--prompt", "x", "--repetition-penalty", "0"], "--repetition-penalty must be greater than 0"),
+    (["chat", "--block-size", "7"], "--block-size must be one of"),
     (["chat", "--max-tokens", "0"], "max-tokens"),
     (["serve", "--max-num-batched-tokens", "-1"], "max-num-batched-tokens"),
     (["serve", "--quantization", "int3"], "quantization"),
     (["serve", "--timeout-keep-alive", "0"], "timeout-keep-alive"),
     (["serve", "--timeout-request-head", "inf"], "timeout-request-head"),
     (["serve", "--limit-concurrency", "0"], "limit-concurrency"),
-    (["bench", "throughput", "--kv-cache-dtype", "int2"], "kv_cache_dtype"),
+    (["bench", "throughput", "--kv-cache-dtype", "int2"], "--kv-cache-dtype must be"),
     (["generate", "--prompt", "x", "--json-schema", "{not json"], "json-schema"),
-    (["generate", "--prompt", "x", "--json-schema", '{"type": "strin"}'], "schema cannot be compiled"),
+    (["generate", "--prompt", "x", "--json-schema", '{"type": "strin"}'], "error: --json-schema: the schema cannot be compiled"),
+    (["generate", "--prompt", "x", "--chat", "--chat-template", "{% for %}"], "--chat-template: the template does not parse"),
+    (["serve", "--chat-template", "no/such/template.jinja"], "--chat-template: 'no/such/template.jinja' is no file"),
+    (["serve", "--max-request-body-size", "huge"], "--max-request-body-size: cannot parse memory size"),
 ]
 
 
@@ -95,7 +101,41 @@ def test_a_bad_sampling_value_names_the_flag_under_its_command(capsys: pytest.Ca
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "x", "--top-p", "0"])
     err = capsys.readouterr().err
-    assert "usage: pagedllm generate" in err and "argument --top-p: top_p must be in (0, 1]" in err
+    assert "usage: pagedllm generate --prompt TEXT [--prompt TEXT ...] [options]\n" in err  # one short line
+    assert "pagedllm generate: error: --top-p must be in (0, 1], got 0" in err and "--max-num-seqs" not in err
+
+
+# What the command line may import before a command runs: no deep-learning library, no server.
+_HEAVY = ("torch", "transformers", "numpy", "fastapi", "uvicorn")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["generate", "--help"], ["serve", "--help"],
+                                  ["bench", "--help"], ["env", "--help"]])
+def test_help_and_version_import_no_heavy_module(argv: list[str]) -> None:
+    """In a fresh interpreter, as the ``pagedllm`` script runs: the modules loaded by the time it exits."""
+    script = ("import sys\nfrom pagedllm.entrypoints.cli import main\ntry:\n    main(sys.argv[1:])\n"
+              "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+              f"print(sorted(m for m in {_HEAVY!r} if m in sys.modules), file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr
+    assert done.stdout.strip()
+
+
+def test_first_log_line_comes_before_heavy_imports(capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve`` logs that it started before it imports torch (checked in a fresh interpreter
+    whose flags fail the last check, the engine's)."""
+    script = ("import logging, sys\nfrom pagedllm.entrypoints.cli import main\n"
+              "class Probe(logging.Handler):\n"
+              "    def emit(self, record):\n"
+              "        print('torch' in sys.modules, record.getMessage(), file=sys.stderr)\n"
+              "logging.getLogger('pagedllm').addHandler(Probe())\n"
+              "main(sys.argv[1:])")
+    done = subprocess.run([sys.executable, "-c", script, "serve", "--block-size", "7"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 2 and "--block-size must be one of" in done.stderr, done.stderr
+    first = next(line for line in done.stderr.splitlines() if line.startswith(("True ", "False ")))
+    assert first.startswith("False pagedllm ") and "serve" in first, done.stderr
 
 
 def test_generate_json_schema_from_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -192,11 +232,13 @@ def test_chat_ctrl_c_stops_reply_then_exits_0(exit_key: str) -> None:
     tmux = Tmux(f"cd {shlex.quote(str(ROOT))} && {shlex.join(cmd)}")
     try:
         tmux.wait_for(lambda s: _prompts(s) == 1, "the first prompt")
+        tmux.send("/reset", "Enter")
+        tmux.wait_for(lambda s: "[conversation cleared]" in s and _prompts(s) == 2, "/reset's confirmation")
         tmux.send("Tell me a very long story about a dragon.", "Enter")
         # Wait for the reply to stream: a line of output after the question.
         tmux.wait_for(lambda s: len(s.split("dragon.", 1)[-1].strip()) > 20, "the reply to stream")
         tmux.send("C-c")
-        screen = tmux.wait_for(lambda s: _prompts(s) == 2, "the prompt after Ctrl-C")
+        screen = tmux.wait_for(lambda s: _prompts(s) == 3, "the prompt after Ctrl-C")
         assert "[interrupted]" in screen
         tmux.send(exit_key)
         screen = tmux.wait_for(lambda s: "EXIT=" in s, "EXIT=")

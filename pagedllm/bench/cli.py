@@ -22,18 +22,20 @@ _BENCHES = (
 )
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """``bench`` and its subcommands; each module has ``add_args(parser)`` and ``run(args)``."""
+def add_bench_commands(bench: argparse.ArgumentParser, only: str | None = None) -> None:
+    """The subcommands of ``bench``; each module has ``add_args(parser)`` and ``run(args)``.
+    Every one gets its flags, or with ``only`` only that one: the others are not imported."""
     import importlib
 
     from pagedllm.engine.arg_utils import EngineArgs
 
-    bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, help_text, module_name, engine in _BENCHES:
+        parser = bench_sub.add_parser(name, help=help_text, description=help_text, usage="%(prog)s [options]")
+        if only is not None and name != only:
+            continue
         module = importlib.import_module(f"pagedllm.bench.{module_name}")
-        parser = bench_sub.add_parser(name, help=help_text)
         if engine:
             EngineArgs.add_cli_args(parser)
         module.add_args(parser)
-        parser.set_defaults(func=module.run)
+        parser.set_defaults(func=module.run, command_parser=parser)

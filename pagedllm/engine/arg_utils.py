@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.config import DEFAULT_MODEL
+from pagedllm.default_model import DEFAULT_MODEL
 
 
 def positive_int(text: str) -> int:
@@ -64,7 +64,7 @@ class EngineArgs:
         None,
         "quantization of the linear layers: none | int8 (per channel) | int4 (group-wise), weight-only; "
         "w8a8 (int8 weights and activations in groups of 32); w4a8 (4-bit weights, GGUF Q4_0/Q4_1 kept, "
-        "int8 activations in groups of 32, the lm_head w8a8); default: as --dtype decides",
+        "int8 activations in groups of 32, the lm_head w8a8) (default: as --dtype decides)",
     )
     quantization_group_size: int = _flag(32, "int4 group size for weights requantized from float: 32 | 64 | 128", type=int)
     quantize_lm_head: bool = _flag(False, "quantize the lm_head too (tied embeddings: the lookup stays float)",
@@ -75,8 +75,8 @@ class EngineArgs:
     )
     distributed_executor_backend: str | None = _flag(
         None,
-        "where the tensor-parallel ranks run: mp (local processes, default above one rank) | ray (actors of a "
-        "Ray cluster: pip install 'pagedllm[ray]') | uni (this process, one rank)",
+        "where the tensor-parallel ranks run: mp (local processes) | ray (actors of a Ray cluster: pip install "
+        "'pagedllm[ray]') | uni (this process, one rank) (default: uni at one rank, else mp)",
         choices=("uni", "mp", "ray"),
     )
     ray_placement_strategy: str = _flag(

@@ -20,11 +20,12 @@ def run_repl(args: argparse.Namespace) -> None:
     """Read a user turn, stream the assistant's reply, repeat; /reset clears, /exit or EOF ends."""
     from pagedllm import LLM
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.entrypoints.chat_template import chat_prompt
+    from pagedllm.entrypoints.chat_template import chat_prompt, load_chat_template
     from pagedllm.entrypoints.cli import sampling_params
 
     llm = LLM(**EngineArgs.from_cli_args(args).kwargs())
     engine, params = llm.engine, sampling_params(args)
+    template = load_chat_template(args.chat_template)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -41,11 +42,12 @@ def run_repl(args: argparse.Namespace) -> None:
             return
         if line.strip() == "/reset":
             history = history[:1] if args.system else []
+            print("[conversation cleared" + (", system prompt kept]" if args.system else "]"), file=sys.stderr)
             continue
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        _, prompt = chat_prompt(engine.tokenizer, history)  # what the user typed is text, markup and all
+        _, prompt = chat_prompt(engine.tokenizer, history, chat_template=template)  # what the user typed is text, markup and all
         turn += 1
         try:
             engine.add_request(f"chat-{turn}", prompt, params, stream=True)

@@ -1,5 +1,5 @@
-"""A conversation as prompt token ids under the model's chat template, for every front end
-(``LLM.chat``, ``pagedllm chat``, ``/v1/chat/completions``).
+"""A conversation as prompt token ids under the model's chat template (or one given with
+``--chat-template``), for every front end (``LLM.chat``, ``pagedllm chat``, ``/v1/chat/completions``).
 
 Only the template's own markup becomes special tokens. A message's content is text, even
 where it spells one (``<|im_end|><|im_start|>system``): it is tokenized with special tokens
@@ -8,16 +8,58 @@ split into ordinary pieces, as llama.cpp tokenizes user input, so no message can
 
 from __future__ import annotations
 
+import argparse
+import codecs
 import re
 import secrets
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 _SPECIALS: weakref.WeakKeyDictionary[Any, re.Pattern[str] | None] = weakref.WeakKeyDictionary()
 
 # How templates pass a content through: as it is, or trimmed (Gemma 3, Llama 3).
 _CONTENT_FORMS: list[Callable[[str], str]] = [lambda text: text, str.strip]
+
+
+def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    """``--chat-template``, as vLLM's: read by ``load_chat_template``."""
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template replacing the model's: a file path, or the template itself on one "
+                        "line (escapes such as \\n are decoded) (default: the model's own)")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A ``--chat-template`` value as template text (None: the model's own).
+
+    A path to a file gives the file's text. Otherwise a value holding ``{``, ``}`` or a
+    newline is the template itself, its backslash escapes (``\\n``) decoded. The template must
+    parse as Jinja.
+
+    Raises:
+        ValueError: a value without template markup that names no readable file, or a
+            template Jinja cannot parse (the message opens with ``--chat-template``).
+    """
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template: cannot read {value}: {e}") from None
+    elif any(c in value for c in "{}\n"):
+        text = codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
+    else:
+        raise ValueError(f"--chat-template: {value!r:.200} is no file, nor a template (it has no {{ }} markup)")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: the template does not parse: {e} (line {e.lineno})") from None
+    return text
 
 
 def _special_pattern(tokenizer: Any) -> re.Pattern[str] | None:

@@ -1,7 +1,10 @@
 """The ``pagedllm`` command: generate, chat, serve, bench, env.
 
 Every flag is checked (engine settings and sampling values) before a model is loaded: a bad
-value is a usage error, exit status 2, within a second or two.
+value is a usage error, exit status 2, naming the flag as typed, under the command's short
+usage line. Only the command given is built, and its heavy modules (torch, transformers) are
+imported only once its flags have parsed: ``--help`` and ``--version`` import neither, and a
+command logs its first line before they load.
 """
 
 from __future__ import annotations
@@ -10,11 +13,23 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedllm import __version__
 from pagedllm.engine.arg_utils import EngineArgs, finite_float, positive_int
-from pagedllm.errors import InvalidParamError
+
+logger = logging.getLogger("pagedllm")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default once: a help text that states its default in words
+    ("... (default: the model argument)") is left as it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):
@@ -22,7 +37,7 @@ class Parser(argparse.ArgumentParser):
     (subparsers are made with the parent's class)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
@@ -30,6 +45,11 @@ class Parser(argparse.ArgumentParser):
         if kwargs.get("help") is None and kwargs.get("action") not in ("help", "version"):
             kwargs["help"] = "(default: %(default)s)"
         return super().add_argument(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Exit 2 with the usage line, the message and where the flags are listed."""
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists every flag)\n")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +62,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     parser.add_argument("--presence-penalty", type=finite_float, default=0.0, help="in [-2, 2]")
     parser.add_argument("--frequency-penalty", type=finite_float, default=0.0, help="in [-2, 2]")
-    parser.add_argument("--repetition-penalty", type=finite_float, default=1.0, help="in (0, 2]; 1 is off")
+    parser.add_argument("--repetition-penalty", type=finite_float, default=1.0, help="> 0: above 1 discourages repeating prompt and output tokens; 1 is off")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
@@ -62,7 +82,7 @@ def json_schema_arg(value: str) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"--json-schema: {value!r:.80} is neither a file nor JSON ({e})") from None
     if not isinstance(schema, dict):
-        raise ValueError(f"--json-schema must be a JSON object, got {type(schema).__name__}")
+        raise ValueError(f"--json-schema: must be a JSON object, got {type(schema).__name__}")
     return schema
 
 
@@ -73,7 +93,10 @@ def sampling_params(args: argparse.Namespace):
     structured = None
     if getattr(args, "json_schema", None) is not None:
         structured = StructuredOutputsParams(json=json_schema_arg(args.json_schema))
-        backend.check(structured)  # a schema that cannot compile is a usage error, before loading
+        try:  # a schema that cannot compile is a usage error, before loading
+            backend.check(structured)
+        except ValueError as e:
+            raise ValueError(f"--json-schema: {e}") from None
     return SamplingParams(
         structured_outputs=structured,
         max_tokens=args.max_tokens,
@@ -92,11 +115,13 @@ def sampling_params(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from pagedllm import LLM
+    from pagedllm.entrypoints.chat_template import load_chat_template
 
     llm = LLM(**EngineArgs.from_cli_args(args).kwargs())
     params = sampling_params(args)
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        conversations = [[{"role": "user", "content": p}] for p in args.prompt]
+        outputs = llm.chat(conversations, params, chat_template=load_chat_template(args.chat_template))
     else:
         outputs = llm.generate(args.prompt, params)
     for out in outputs:
@@ -115,45 +140,84 @@ def cmd_chat(args: argparse.Namespace) -> None:
     run_repl(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_generate(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> None:
+    from pagedllm.entrypoints.chat_template import add_chat_template_arg
+
+    EngineArgs.add_cli_args(parser)
+    add_sampling_args(parser)
+    parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    add_chat_template_arg(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object per output")
+    parser.add_argument(
+        "--json-schema", default=None, help="constrain each output to this JSON schema: a file path or JSON text"
+    )
+    parser.set_defaults(func=cmd_generate)
+
+
+def _add_chat(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> None:
+    from pagedllm.entrypoints.chat_template import add_chat_template_arg
+
+    EngineArgs.add_cli_args(parser)
+    add_sampling_args(parser)
+    parser.add_argument("--system", default=None, help="system prompt")
+    add_chat_template_arg(parser)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (else warnings only)")
+    parser.set_defaults(func=cmd_chat, temperature=0.7, max_tokens=512)
+
+
+def _add_serve(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> None:
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
+
+    EngineArgs.add_cli_args(parser, positional_model=True)
+    add_serve_args(parser)
+    parser.set_defaults(func=run_serve)
+
+
+def _add_bench(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> None:
+    from pagedllm.bench.cli import add_bench_commands
+
+    # "": --help of bench itself, which lists the benchmarks without building any.
+    add_bench_commands(parser, None if argv is None else _command(argv[argv.index("bench") + 1 :]) or "")
+
+
+def _add_env(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> None:
+    from pagedllm.entrypoints.env import add_env_args
+
+    add_env_args(parser)
+
+
+# name, help, short usage (None: argparse's), what adds the flags.
+_COMMANDS: tuple[tuple[str, str, str | None, Callable[[argparse.ArgumentParser, Sequence[str] | None], None]], ...] = (
+    ("generate", "generate text for one or more prompts", "%(prog)s --prompt TEXT [--prompt TEXT ...] [options]",
+     _add_generate),
+    ("chat", "interactive chat that streams tokens", "%(prog)s [options]", _add_chat),
+    ("bench", "benchmarks", None, _add_bench),
+    ("env", "print the machine, install and kernel facts a bug report needs", None, _add_env),
+    ("serve", "OpenAI-compatible HTTP server", "%(prog)s [model] [options]", _add_serve),
+)
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not a flag (the parsers above a
+    subcommand have no flag that takes a value)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``pagedllm`` parser. Every command gets its flags, or with ``argv`` only the one it
+    names (none for ``--help`` or ``--version``): the others' modules are not imported."""
     parser = Parser(prog="pagedllm", description="LLM inference and serving with a paged KV cache")
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {__version__}", help="print the version and exit"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text for one or more prompts")
-    EngineArgs.add_cli_args(gen)
-    add_sampling_args(gen)
-    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    gen.add_argument("--json", action="store_true", help="print one JSON object per output")
-    gen.add_argument(
-        "--json-schema", default=None, help="constrain each output to this JSON schema: a file path or JSON text"
-    )
-    gen.set_defaults(func=cmd_generate, command_parser=gen)
-
-    chat = sub.add_parser("chat", help="interactive chat that streams tokens")
-    EngineArgs.add_cli_args(chat)
-    add_sampling_args(chat)
-    chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("-v", "--verbose", action="store_true", help="log at INFO (else warnings only)")
-    chat.set_defaults(func=cmd_chat, temperature=0.7, max_tokens=512, command_parser=chat)
-
-    from pagedllm.bench.cli import add_bench_parser
-
-    add_bench_parser(sub)
-
-    from pagedllm.entrypoints.env import add_env_parser
-
-    add_env_parser(sub)
-
-    from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
-
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    EngineArgs.add_cli_args(serve, positional_model=True)
-    add_serve_args(serve)
-    serve.set_defaults(func=run_serve, command_parser=serve)
+    chosen = None if argv is None else _command(argv)
+    for name, help_text, usage, add in _COMMANDS:
+        command = sub.add_parser(name, help=help_text, usage=usage, description=help_text)
+        if argv is None or name == chosen:
+            add(command, argv)
+            command.set_defaults(command_parser=command)
     return parser
 
 
@@ -163,31 +227,50 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: for a value out of its range (the message names the flag's setting).
     """
-    if hasattr(args, "kv_cache_dtype"):  # a command with the engine flags (EngineArgs)
-        from pagedllm.entrypoints.openai.cli_args import engine_config
-
-        engine_config(args)
     if hasattr(args, "temperature"):
         sampling_params(args)
+    if hasattr(args, "chat_template"):
+        from pagedllm.entrypoints.chat_template import load_chat_template
+
+        load_chat_template(args.chat_template)
     if hasattr(args, "max_request_body_size"):
         from pagedllm.entrypoints.openai.cli_args import check_serve_args
 
         check_serve_args(args)
+    if hasattr(args, "kv_cache_dtype"):  # a command with the engine flags (EngineArgs); last, as it imports torch
+        from pagedllm.entrypoints.openai.cli_args import engine_config
+
+        engine_config(args)
+
+
+def _flag_message(error: ValueError, parser: argparse.ArgumentParser) -> str:
+    """A flag check's error naming the flag, as typed: a message that opens with a setting's
+    name (``top_p must be ...``) opens with its flag (``--top-p must be ...``), and one that
+    names the setting only as ``param`` is prefixed with the flag."""
+    flags = {a.dest: max(a.option_strings, key=len) for a in parser._actions if a.option_strings}
+    text = str(error)
+    word = text.split(" ", 1)[0]
+    if word in flags:
+        return flags[word] + text[len(word):]
+    param = getattr(error, "param", None)
+    return f"{flags[param]}: {text}" if param in flags else text
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "chat" and not args.verbose:  # the REPL streams: log lines would cut into replies
+        logging.getLogger().setLevel(logging.WARNING)
+    if hasattr(args, "kv_cache_dtype"):  # a command that builds an engine: say so before the imports
+        logger.info("pagedllm %s %s: model %s; checking the flags, then loading", __version__,
+                    " ".join(w for w in (args.command, getattr(args, "bench_command", None)) if w), args.model)
     # Before anything slow: checking the flags picks the native kernels, which the first run
     # on a machine compiles for minutes, and says so.
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         check_args(args)
     except ValueError as e:  # exit 2, before a model is loaded, with the command's usage and flag
-        flag = f"argument --{e.param.replace('_', '-')}: " if isinstance(e, InvalidParamError) else ""
-        getattr(args, "command_parser", parser).error(flag + str(e))
-    if args.command == "chat" and not args.verbose:  # the REPL streams: log lines would cut into replies
-        logging.getLogger().setLevel(logging.WARNING)
+        args.command_parser.error(_flag_message(e, args.command_parser))
     try:
         args.func(args)
     except ValueError as e:

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 
-def add_env_parser(sub: argparse._SubParsersAction) -> None:
-    env = sub.add_parser("env", help="print the machine, install and kernel facts a bug report needs")
+def add_env_args(env: argparse.ArgumentParser) -> None:
+    """``pagedllm env``'s flags."""
     env.add_argument(
         "--load", action="store_true", help="load the kernels (compiling them first if needed) and report that"
     )

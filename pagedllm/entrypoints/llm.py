@@ -131,6 +131,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate. Contents are
         text: a content that spells a special token gets no special token from it
@@ -139,6 +140,7 @@ class LLM:
         Args:
             messages: one conversation (a list of {"role", "content"} dicts) or a list of them;
                 a content is a str or a list of {"type": "text", "text": str} parts.
+            chat_template: a Jinja template to use instead of the model's (its text).
 
         Raises:
             ValueError: a message that is not such a dict, text that is not Unicode scalar
@@ -148,7 +150,8 @@ class LLM:
         conversations = [messages] if single else messages
         for i, conv in enumerate(conversations):
             _check_conversation(conv, "messages" if single else f"messages.{i}")
-        rendered = [chat_prompt(self.engine.tokenizer, conv, add_generation_prompt) for conv in conversations]
+        rendered = [chat_prompt(self.engine.tokenizer, conv, add_generation_prompt, chat_template=chat_template)
+                    for conv in conversations]
         return self._generate([ids for _, ids in rendered], sampling_params, use_tqdm, [text for text, _ in rendered])
 
     def _generate(

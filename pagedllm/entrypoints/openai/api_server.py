@@ -176,9 +176,11 @@ def build_app(
     api_key: str | None = None,
     max_request_body_bytes: int = 16 * 1024**2,
     tool_call_parser: str = "hermes",
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The FastAPI app over a started-or-not engine (the app's lifespan starts and stops it);
-    ``tool_call_parser`` names the format of "auto" tool calls (``tool_parsers.TOOL_PARSERS``)."""
+    ``tool_call_parser`` names the format of "auto" tool calls (``tool_parsers.TOOL_PARSERS``),
+    ``chat_template`` a Jinja template's text to use instead of the model's."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -188,7 +190,7 @@ def build_app(
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     completion = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name, TOOL_PARSERS[tool_call_parser])
+    chat = OpenAIServingChat(engine, served_model_name, TOOL_PARSERS[tool_call_parser], chat_template)
     v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")
@@ -318,31 +320,10 @@ class ApiServer(uvicorn.Server):
 
 
 def main() -> None:
-    """``python -m pagedllm.entrypoints.openai.api_server [MODEL] [flags]``: same flags as ``pagedllm serve``."""
-    from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.entrypoints.cli import Parser, check_args
-    from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
+    """``python -m pagedllm.entrypoints.openai.api_server [MODEL] [flags]``: ``pagedllm serve``."""
+    from pagedllm.entrypoints.cli import main as cli_main
 
-    # The same parser class and checks as ``pagedllm serve``: --help shows the defaults, and a
-    # bad flag is a usage error (exit 2) before the model is loaded.
-    parser = Parser(prog="pagedllm serve", description="OpenAI-compatible HTTP server")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {pagedllm.__version__}",
-                        help="print the version and exit")
-    EngineArgs.add_cli_args(parser, positional_model=True)
-    add_serve_args(parser)
-    args = parser.parse_args()
-    try:
-        check_args(args)
-    except ValueError as e:
-        parser.error(str(e))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        run_serve(args)
-    except ValueError as e:  # an unknown model or a setting the model refuses, as ``pagedllm serve``
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)  # Ctrl-C while loading: no traceback
+    cli_main(["serve", *sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
-from pagedllm.config import EngineConfig, parse_memory
-from pagedllm.platforms.cpu import dtype_settings
+from pagedllm.entrypoints.chat_template import add_chat_template_arg, load_chat_template
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
 
 logger = logging.getLogger("pagedllm")
 
@@ -45,7 +48,12 @@ def check_serve_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: for a bad value.
     """
-    parse_memory(args.max_request_body_size)
+    from pagedllm.config import parse_memory
+
+    try:
+        parse_memory(args.max_request_body_size)
+    except ValueError as e:
+        raise ValueError(f"--max-request-body-size: {e}") from None
     grammar_limits(args)
     if args.grammar_workers < 1:
         raise ValueError(f"--grammar-workers must be at least 1, got {args.grammar_workers}")
@@ -55,9 +63,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The server's own flags; the engine flags (model, dtype, KV cache, ...) are added by the caller."""
     from pagedllm.engine.arg_utils import positive_int
 
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=port_number, default=8000)
-    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the model argument)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0: every interface")
+    parser.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on; 0: any free port")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name in the API, the `model` field requests give (default: the model argument)")
     parser.add_argument("--api-key", type=api_key, default=None,
                         help="require `Authorization: Bearer KEY` on every route but /health, /metrics, /version")
     parser.add_argument("--max-request-body-size", default="16MiB", help="larger request bodies get 413")
@@ -78,8 +87,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                         help="engine-core processes, each a full replica with its own KV cache and its share of "
                         "the cores; requests go to the least-loaded one, or to the one holding their prefix")
+    add_chat_template_arg(parser)
     parser.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
-                        help='format of the tool calls a model writes, read for tool_choice "auto"')
+                        help='format of the tool calls a model writes, read for tool_choice "auto", where the chat '
+                        "template has a tool section; under a template without one, tools use pagedllm's generic "
+                        "format (a system message, JSON calls) whatever this says")
     add_grammar_args(parser)
 
 
@@ -108,9 +120,9 @@ def add_grammar_args(parser: argparse.ArgumentParser) -> None:
         default = getattr(GrammarLimits(), field)
         group.add_argument(_grammar_flag(field), dest=f"grammar_{field}", type=type(default), default=default,
                            metavar="SECONDS" if field == "compile_timeout_s" else "N",
-                           help=f"{_GRAMMAR_HELP[field]} (default {default})")
+                           help=_GRAMMAR_HELP[field])
     group.add_argument("--grammar-workers", type=int, default=DEFAULT_WORKERS,
-                       help="processes that compile-check constraints in isolation (default %(default)s)")
+                       help="processes that compile-check constraints in isolation")
 
 
 def grammar_limits(args: argparse.Namespace):
@@ -130,11 +142,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     Raises:
         ValueError: for a bad value, or a combination data parallelism refuses (the live view).
     """
+    from pagedllm.config import EngineConfig, parse_memory
     from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.platforms.cpu import dtype_settings
 
     kwargs = EngineArgs.from_cli_args(args).kwargs()
     kwargs |= dtype_settings(kwargs.pop("dtype"), kwargs.pop("kv_cache_dtype"), kwargs.pop("quantization"))
-    kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])
+    try:
+        kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])
+    except ValueError as e:
+        raise ValueError(f"--kv-cache-memory: {e}") from None
     config = EngineConfig(  # getattr: serve's flags, which other commands lack
         **kwargs, live_view=getattr(args, "enable_live_view", False),
         live_view_steps=getattr(args, "live_view_steps", 4096), data_parallel_size=getattr(args, "data_parallel_size", 1),
@@ -154,6 +171,7 @@ def run_serve(args: argparse.Namespace) -> None:
     """
     import uvicorn
 
+    from pagedllm.config import parse_memory
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.entrypoints.openai.api_server import ApiServer, build_app
     from pagedllm.entrypoints.openai.connections import http_protocol
@@ -170,7 +188,8 @@ def run_serve(args: argparse.Namespace) -> None:
         logger.error("%s", e)
         sys.exit(1)
     try:
-        app = build_app(engine, name, args.api_key, max_body, args.tool_call_parser)
+        app = build_app(engine, name, args.api_key, max_body, args.tool_call_parser,
+                        load_chat_template(args.chat_template))
         server = ApiServer(
             uvicorn.Config(
                 app, host=args.host, port=args.port, access_log=not args.disable_access_log,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -11,6 +12,7 @@ import msgspec
 from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.chat_template import chat_prompt
+from pagedllm.entrypoints.generic_tools import generic_conversation, supports_tools
 from pagedllm.entrypoints.openai.errors import generation_error
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -39,10 +41,19 @@ from pagedllm.entrypoints.openai.serving_engine import (
     top_n,
 )
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.generic import GenericToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_stream import ToolStream
-from pagedllm.entrypoints.openai.tools import required_calls, template_messages, tool_call_id, tool_constraint
+from pagedllm.entrypoints.openai.tools import (
+    check_tool_constraint,
+    required_calls,
+    template_messages,
+    tool_call_id,
+    tool_constraint,
+)
 from pagedllm.outputs import Logprob
+
+logger = logging.getLogger("pagedllm")
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -50,12 +61,21 @@ class OpenAIServingChat(OpenAIServing):
 
     Args:
         engine, served_model_name: as ``OpenAIServing``.
-        tool_parser: the format "auto" tool calls are read in (``tool_parsers.TOOL_PARSERS``).
+        tool_parser: the format "auto" tool calls are read in (``tool_parsers.TOOL_PARSERS``)
+            where the chat template has a tool section. Where it has none, tools, calls and
+            results take pagedllm's generic format (``generic_tools``), read by ``GenericToolParser``.
+        chat_template: a Jinja template's text to render with instead of the model's.
     """
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str, tool_parser: type[ToolParser] = HermesToolParser) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_name: str, tool_parser: type[ToolParser] = HermesToolParser,
+                 chat_template: str | None = None) -> None:
         super().__init__(engine, served_model_name)
-        self.tool_parser = tool_parser
+        self.chat_template = chat_template
+        self.generic_tools = not supports_tools(self.tokenizer, chat_template)
+        self.tool_parser = GenericToolParser if self.generic_tools else tool_parser
+        if self.generic_tools:
+            logger.info("the chat template of %s has no tool section: tools, tool calls and results use pagedllm's "
+                        "generic format (a system message; replies constrained to text or a JSON call)", served_model_name)
 
     def _prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
         """Validate and tokenize a request (blocking; 400 naming the field on invalid input)."""
@@ -65,26 +85,42 @@ class OpenAIServingChat(OpenAIServing):
                 raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
             if not 0 <= req.top_logprobs <= 20:
                 raise OpenAIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
+        constraint = tool_constraint(req, self.generic_tools)
+        if self.generic_tools and req.tool_mode in ("auto", "required"):
+            try:  # built from the tools' parameters: 400 naming the tool
+                check_tool_constraint(req, constraint)
+            except ValueError as e:
+                raise OpenAIError.bad_request(e) from None
         # tool_choice "none" keeps the tools out of the prompt too.
-        token_ids = self.render(req.messages, req.add_generation_prompt, req.tools if req.tool_mode != "none" else None)
+        token_ids = self.render(req.messages, req.add_generation_prompt, req.tools if req.tool_mode != "none" else None,
+                                req.tool_mode, req.tool_choice.function.name if req.tool_mode == "named" else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, len(token_ids), max_tokens, logprobs)
-        if (constraint := tool_constraint(req)) is not None:
+        if constraint is not None:
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         if req.tool_mode == "auto":  # call markers such as Qwen's <tool_call> are special tokens: the parser needs them
             params = msgspec.structs.replace(params, skip_special_tokens=False)
         return self.prepare(random_id("chatcmpl"), token_ids, params, req.cache_salt)
 
     def render(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[ChatTool] | None = None
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[ChatTool] | None = None,
+        tool_mode: str = "auto", tool_name: str | None = None,
     ) -> list[int]:
-        """Token ids of a conversation (and the tools offered) under the model's chat template,
-        the messages' contents as text (``chat_template.chat_prompt``); 400 if the template
-        refuses it. A template without tool support ignores ``tools``."""
-        kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+        """Token ids of a conversation (and the tools offered under ``tool_mode``, ``tool_name``
+        for "named") under the chat template, the messages' contents as text
+        (``chat_template.chat_prompt``); 400 if the template refuses it. Under a template
+        without tool support, the tools and the history's calls and results are written in
+        the generic format (``generic_tools.generic_conversation``)."""
+        conversation = template_messages(messages)
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        kwargs: dict = {"chat_template": self.chat_template}
+        if self.generic_tools:
+            conversation = generic_conversation(conversation, tool_dicts, tool_mode, tool_name)
+        elif tool_dicts:
+            kwargs["tools"] = tool_dicts
         try:
-            _, token_ids = chat_prompt(self.tokenizer, template_messages(messages), add_generation_prompt, **kwargs)
+            _, token_ids = chat_prompt(self.tokenizer, conversation, add_generation_prompt, **kwargs)
         except Exception as e:  # jinja raises its own errors for conversations a template rejects
             raise OpenAIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         return token_ids
@@ -122,7 +158,7 @@ class OpenAIServingChat(OpenAIServing):
     def _message(self, req: ChatCompletionRequest, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
         """The assistant message of one output under the request's tool mode, and its finish
         reason ("tool_calls" where the model called tools; OpenAI keeps "stop" for a named one)."""
-        mode = req.tool_mode
+        mode = self._parse_mode(req)
         calls: list[tuple[str, str]] | None = None
         content: str | None = text
         if mode == "named":
@@ -142,6 +178,11 @@ class OpenAIServingChat(OpenAIServing):
             finish_reason = "tool_calls"
         return ChatResponseMessage(content=content, tool_calls=tool_calls), finish_reason
 
+    def _parse_mode(self, req: ChatCompletionRequest) -> str:
+        """How the output's calls are read: the request's tool mode, but "auto" (the generic
+        parser) for a generic "required", whose output is one call or a list of them."""
+        return "auto" if self.generic_tools and req.tool_mode == "required" else req.tool_mode
+
     async def _stream(self, req: ChatCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -154,7 +195,7 @@ class OpenAIServingChat(OpenAIServing):
                      for i in range(req.n)])
         completion_tokens = 0
         finished: set[int] = set()
-        mode = req.tool_mode
+        mode = self._parse_mode(req)
         tool_streams: dict[int, ToolStream] = {}
         if mode != "none":
             name = req.tool_choice.function.name if mode == "named" else None

@@ -1,9 +1,11 @@
 """Tool calling on ``/v1/chat/completions``: request checks, the output constraint of
 ``tool_choice`` "required" and named, and the tool calls a constrained output holds.
 
-"auto" leaves the output free and reads the calls out of the text with a tool parser
-(``tool_parsers``); "required" and a named function constrain the output with a JSON schema
-built from the tools' parameters, so the arguments always fit the function, on any model.
+On a chat template with tool support, "auto" leaves the output free and reads the calls out
+of the text with a tool parser (``tool_parsers``); "required" and a named function constrain
+the output with a JSON schema built from the tools' parameters, so the arguments always fit
+the function, on any model. On a template without (``generic_tools``), "auto" is constrained
+to text or a generic call, and "required" to a generic call.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.entrypoints import generic_tools
 from pagedllm.entrypoints.openai.model_json import loads
 from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output import StructuredOutputsParams, backend
@@ -19,7 +22,8 @@ from pagedllm.structured_output import StructuredOutputsParams, backend
 if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
 
-_NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
 
 
 def tool_call_id() -> str:
@@ -27,7 +31,7 @@ def tool_call_id() -> str:
 
 
 def _parameters(tool: ChatTool) -> dict[str, Any]:
-    return tool.function.parameters if tool.function.parameters is not None else _NO_ARGUMENTS
+    return tool.function.parameters if tool.function.parameters is not None else generic_tools.NO_ARGUMENTS
 
 
 def check_tools(req: ChatCompletionRequest) -> None:
@@ -52,30 +56,53 @@ def check_tools(req: ChatCompletionRequest) -> None:
             "tool_choice", f"tool_choice names the function {req.tool_choice.function.name!r}, which is not in tools"
         )
     if mode in ("required", "named"):
-        if any(getattr(req, f) is not None for f in ("response_format", "structured_outputs", "guided_json",
-                                                     "guided_regex", "guided_choice", "guided_grammar")):
+        if any(getattr(req, f) is not None for f in _STRUCTURED_FIELDS):
             raise InvalidParamError(
                 "tool_choice", f"tool_choice {mode!r} constrains the output: no other structured output field with it"
             )
-        for i, tool in enumerate(tools):
-            try:
-                backend.check(StructuredOutputsParams(json=_parameters(tool)))
-            except InvalidParamError as e:
-                raise InvalidParamError(f"tools.{i}.function.parameters", f"tools.{i}.function.parameters: {e}") from None
-        try:  # the tools together (each fits, but their union can be beyond the limits)
-            backend.check(tool_constraint(req))
+        check_tool_constraint(req, tool_constraint(req))
+
+
+def check_tool_constraint(req: ChatCompletionRequest, constraint: StructuredOutputsParams | None) -> None:
+    """The tools' parameters, then ``constraint`` (built from them), through the grammar check.
+
+    Raises:
+        InvalidParamError: ``tools.i.function.parameters`` that are not a JSON schema the
+            grammar engine compiles, or tools whose union is beyond the grammar limits (``tools``).
+    """
+    if constraint is None:
+        return
+    for i, tool in enumerate(req.tools or []):
+        try:
+            backend.check(StructuredOutputsParams(json=_parameters(tool)))
         except InvalidParamError as e:
-            raise InvalidParamError("tools", f"tools: {e}") from None
+            raise InvalidParamError(f"tools.{i}.function.parameters", f"tools.{i}.function.parameters: {e}") from None
+    try:  # the tools together (each fits, but their union can be beyond the limits)
+        backend.check(constraint)
+    except InvalidParamError as e:
+        raise InvalidParamError("tools", f"tools: {e}") from None
 
 
-def tool_constraint(req: ChatCompletionRequest) -> StructuredOutputsParams | None:
-    """The output constraint of ``tool_choice`` "required" (a JSON array of calls, each
-    ``{"name", "parameters"}`` fitting one tool) or named (that function's arguments object);
-    None for "auto" and "none"."""
+def tool_constraint(req: ChatCompletionRequest, generic: bool = False) -> StructuredOutputsParams | None:
+    """The output constraint of a tool mode.
+
+    With the template's own tool format: "required" is a JSON array of calls, each ``{"name",
+    "parameters"}`` fitting one tool; named is that function's arguments object; "auto" and
+    "none" are free. With the generic format (``generic``): "required" is a generic call
+    (``generic_tools.calls_schema``), "auto" text or such a call (``generic_tools.reply_grammar``)
+    unless another structured output field constrains the output, named as above.
+    """
     mode = req.tool_mode
     if mode == "named":
         tool = next(t for t in req.tools if t.function.name == req.tool_choice.function.name)
         return StructuredOutputsParams(json=_parameters(tool))
+    if generic and mode in ("auto", "required"):
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        if mode == "required":
+            return StructuredOutputsParams(json=generic_tools.calls_schema(tools))
+        if all(getattr(req, f) is None for f in _STRUCTURED_FIELDS):
+            return StructuredOutputsParams(grammar=generic_tools.reply_grammar(tools))
+        return None
     if mode != "required":
         return None
     calls = [

@@ -1,0 +1,163 @@
+"""Tool calling for chat templates that have no tool section (SmolLM2's, most small models').
+
+Such a template drops ``tools``, assistant ``tool_calls`` and tool results on the floor. For
+them the tools are written into the system message in a format of pagedllm's own: each
+function's name, description and JSON-schema parameters, and the one reply shape that calls
+them, a JSON object ``{"name": ..., "arguments": {...}}`` or a JSON list of such objects. The
+history is rewritten in the same shape (an assistant's calls as that JSON, tool results as a
+user turn naming the function), so a conversation round-trips through any template. The
+reply is constrained by ``reply_grammar``: plain text, or a call that fits the tools.
+
+Tools and messages are OpenAI-shaped dicts (``{"type": "function", "function": {"name",
+"description", "parameters"}}``; ``{"role", "content", "tool_calls", "tool_call_id"}``).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from typing import Any
+
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+# Compact JSON without free whitespace, as every other constraint (structured_output.grammar).
+_JSON_OPTIONS = {"whitespace_flexible": False}
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_support", "description": "a probe",
+                                                "parameters": NO_ARGUMENTS}}
+_SUPPORT: weakref.WeakKeyDictionary[Any, dict[str | None, bool]] = weakref.WeakKeyDictionary()
+
+
+def supports_tools(tokenizer: Any, chat_template: str | None = None) -> bool:
+    """Whether a chat template (``chat_template``, else the tokenizer's) writes ``tools`` into
+    the prompt: rendering a conversation with a tool and without gives different text. A
+    template that fails with tools has no tool support. Cached per tokenizer and template."""
+    cache = _SUPPORT.setdefault(tokenizer, {})
+    if chat_template not in cache:
+        conversation = [{"role": "user", "content": "What is the weather?"}]
+
+        def render(**kwargs: Any) -> str:
+            return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                 chat_template=chat_template, **kwargs)
+
+        try:
+            cache[chat_template] = render(tools=[_PROBE_TOOL]) != render()
+        except Exception:  # jinja's errors: a template that cannot take tools
+            cache[chat_template] = False
+    return cache[chat_template]
+
+
+def parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema; a tool without one takes no arguments."""
+    return tool["function"].get("parameters") or NO_ARGUMENTS
+
+
+def _closed(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with ``additionalProperties: false`` where it lists properties and says nothing
+    of others (and combines no other schema): a call then holds only the declared arguments,
+    not whatever keys a small model invents; every such call still validates against ``schema``."""
+    open_ended = schema.get("type") == "object" and "properties" in schema and "additionalProperties" not in schema
+    if open_ended and not schema.keys() & {"allOf", "anyOf", "oneOf", "$ref", "patternProperties", "unevaluatedProperties"}:
+        return schema | {"additionalProperties": False}
+    return schema
+
+
+def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of one call: ``{"name": <a tool's name>, "arguments": <its parameters>}``."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, "arguments": _closed(parameters(t))},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def calls_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of a reply that calls: one call object, or a non-empty list of them."""
+    call = call_schema(tools)
+    return {"anyOf": [call, {"type": "array", "minItems": 1, "items": call}], "x-guidance": _JSON_OPTIONS}
+
+
+def reply_grammar(tools: list[dict[str, Any]]) -> str:
+    """The Lark grammar of a ``tool_choice: "auto"`` reply: either text whose first non-space
+    character is neither ``{`` nor ``[``, or a call (``calls_schema``) and nothing after it."""
+    return "start: TEXT | calls\nTEXT: /\\s*[^\\s{\\[][\\s\\S]*/\ncalls: %json " + json.dumps(calls_schema(tools)) + "\n"
+
+
+def system_text(tools: list[dict[str, Any]]) -> str:
+    """The system message that lists the tools: each function's name, description and
+    parameters, as one JSON list."""
+    functions = [{k: t["function"][k] for k in ("name", "description") if t["function"].get(k)}
+                 | {"parameters": parameters(t)} for t in tools]
+    return "Functions you can call (JSON):\n" + json.dumps(functions, ensure_ascii=False)
+
+
+def instruction(mode: str, name: str | None = None) -> str:
+    """The reply shape a tool mode expects ("auto", "required", or "named" for the function
+    ``name``), as appended to the user's last turn."""
+    shape = '{"name": ..., "arguments": {...}}'
+    if mode == "named":
+        return f"(Call the function {name} above: reply only with its arguments, a JSON object {{...}}.)"
+    if mode == "required":
+        return f"(Call the function above that answers this: reply only with the JSON call {shape}.)"
+    return f"(If a function above answers this, reply only with the JSON call {shape}; otherwise reply in text.)"
+
+
+def rewrite_history(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation without tool markup a template could drop: an assistant's
+    ``tool_calls`` become its content (the calls as JSON, after any text), and each run of
+    tool results becomes one user turn ("Result of <function>: <content>"), the function
+    named by the call its ``tool_call_id`` answers."""
+    names: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    results: dict[str, Any] | None = None  # the user turn holding the current run of tool results
+    for message in conversation:
+        if message.get("role") == "tool":
+            name = names.get(message.get("tool_call_id"), "the function")
+            result = f"Result of {name}: {message.get('content') or ''}"
+            if results is None:
+                results = {"role": "user", "content": result}
+                out.append(results)
+            else:
+                results["content"] += "\n" + result
+            continue
+        results = None
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                     for c in message["tool_calls"]]
+            names |= {c.get("id"): c["function"]["name"] for c in message["tool_calls"]}
+            text = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+            content = message.get("content")
+            message = {"role": "assistant", "content": f"{content}\n{text}" if content else text}
+        out.append(message)
+    return out
+
+
+def generic_conversation(
+    conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None, mode: str, name: str | None = None
+) -> list[dict[str, Any]]:
+    """The conversation to render under a template without tool support.
+
+    The history is rewritten (``rewrite_history``) whatever the tools. With ``tools`` (and a
+    ``mode`` other than "none") they are listed in the system message (``system_text``, after
+    the conversation's own system text if it has one), and the reply shape (``instruction``)
+    ends the user's last turn: a small model follows the instruction nearest its reply, and
+    reads a tool result, a later user turn of its own, as the data to answer from.
+    """
+    if not tools or mode == "none":
+        return rewrite_history(conversation)
+    conversation = list(conversation)
+    last_user = next((i for i in range(len(conversation) - 1, -1, -1) if conversation[i].get("role") == "user"), None)
+    if last_user is not None:
+        content = conversation[last_user].get("content") or ""
+        conversation[last_user] = conversation[last_user] | {"content": f"{content}\n\n{instruction(mode, name)}"}
+    out = rewrite_history(conversation)
+    text = system_text(tools)
+    first = out[0] if out else {}
+    if first.get("role") in ("system", "developer") and isinstance(first.get("content"), str):
+        out[0] = first | {"content": f"{first['content']}\n\n{text}" if first["content"] else text}
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
