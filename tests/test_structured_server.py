@@ -18,7 +18,7 @@ from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel
 
 from tests.structured_models import MODELS
-from tests.utils import MODEL, Server, start_server, stop_server
+from tests.utils import MODEL, Server, start_server, stop_server, streamed_calls
 
 
 @pytest.fixture(scope="module")
@@ -180,24 +180,6 @@ TOOLS = [
 ASK = _messages("What's the weather in Paris?")
 
 
-def _streamed_calls(client: openai.OpenAI, **kwargs) -> tuple[str, dict[int, dict], str | None]:
-    """(content, index -> {id, name, arguments}, finish reason) joined from a stream's deltas."""
-    content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        finish = chunk.choices[0].finish_reason or finish
-        content += delta.content or ""
-        for piece in delta.tool_calls or []:
-            call = calls.setdefault(piece.index, {"id": None, "name": None, "arguments": ""})
-            if piece.id:
-                assert call["id"] is None and call["arguments"] == ""  # id and name come first
-                call["id"], call["name"] = piece.id, piece.function.name
-            call["arguments"] += piece.function.arguments or ""
-    return content, calls, finish
-
-
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
 def test_tool_choice_constrains_the_arguments(client: openai.OpenAI, tool_choice) -> None:
@@ -212,7 +194,7 @@ def test_tool_choice_constrains_the_arguments(client: openai.OpenAI, tool_choice
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     if named:
         assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
-    content, calls, finish = _streamed_calls(client, **kwargs)
+    content, calls, finish = streamed_calls(client, **kwargs)
     assert content == "" and finish == choice.finish_reason
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in choice.message.tool_calls
@@ -226,7 +208,7 @@ def test_tool_choice_auto_and_none_leave_plain_text_as_content(client: openai.Op
                       temperature=0, max_tokens=12)
         choice = client.chat.completions.create(**kwargs).choices[0]
         assert choice.message.content and not choice.message.tool_calls and choice.finish_reason != "tool_calls"
-        content, calls, _ = _streamed_calls(client, **kwargs)
+        content, calls, _ = streamed_calls(client, **kwargs)
         assert content == choice.message.content and not calls
 
 
@@ -241,7 +223,7 @@ def test_auto_reports_only_declared_calls_with_object_arguments(client: openai.O
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=300,
                   extra_body={"guided_regex": re.escape(call)})
     choice = client.chat.completions.create(**kwargs).choices[0]
-    content, calls, finish = _streamed_calls(client, **kwargs)
+    content, calls, finish = streamed_calls(client, **kwargs)
     if is_call:
         assert choice.finish_reason == finish == "tool_calls" and choice.message.content is None
         assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
@@ -261,6 +243,44 @@ def test_tool_result_conversation_continues(client: openai.OpenAI) -> None:
     choice = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0,
                                             max_tokens=12).choices[0]
     assert choice.message.content and choice.finish_reason in ("stop", "length")
+
+
+# -- the generic tool format: the default model's template has no tool section -------------------
+def test_generic_format_is_logged_once(server: Server) -> None:
+    assert server.log.read_text().count("has no tool section") == 1
+
+
+def test_generic_auto_calls_the_tool_then_answers_from_its_result(client: openai.OpenAI) -> None:
+    """A weather question with a weather tool: a call whose arguments fit the schema, streamed
+    the same; then, given the call's result, a reply in text (the function is not offered again)."""
+    tools = TOOLS[:1]
+    kwargs = dict(model=MODEL, messages=ASK, tools=tools, temperature=0, max_tokens=60)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER)
+    assert arguments["city"] == "Paris"
+    content, calls, finish = streamed_calls(client, **kwargs)
+    assert content == "" and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]
+
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                      {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    kwargs = dict(model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=40)
+    reply = client.chat.completions.create(**kwargs).choices[0]
+    assert reply.message.content and not reply.message.tool_calls and reply.finish_reason != "tool_calls"
+    content, calls, _ = streamed_calls(client, **kwargs)
+    assert content == reply.message.content and not calls
+
+
+def test_generic_auto_answers_in_text_when_no_tool_fits(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, messages=_messages("Tell me a joke."), tools=TOOLS[:1], temperature=0, max_tokens=30)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.message.content and not choice.message.tool_calls and choice.finish_reason != "tool_calls"
+    content, calls, _ = streamed_calls(client, **kwargs)
+    assert content == choice.message.content and not calls
 
 
 BAD_TOOLS = [

@@ -11,8 +11,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.utils import Server, start_server, stop_server
-from tests.test_structured_server import _streamed_calls
+from tests.utils import Server, start_server, stop_server, streamed_calls
 
 pytestmark = [
     pytest.mark.slow,
@@ -43,7 +42,7 @@ def test_auto_calls_the_tool_when_asked(client: openai.OpenAI) -> None:
     (call,) = choice.message.tool_calls
     assert call.id.startswith("call_") and call.function.name == "get_weather"
     assert "paris" in json.loads(call.function.arguments)["city"].lower()
-    _, calls, finish = _streamed_calls(client, **kwargs)
+    _, calls, finish = streamed_calls(client, **kwargs)
     assert finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]
 

@@ -13,6 +13,7 @@ import pytest
 from pagedllm.entrypoints.openai.model_json import MAX_DEPTH, loads, nesting_depth
 from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, guard_sse
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedToolCall
+from pagedllm.entrypoints.openai.tool_parsers.generic import GenericToolParser
 from pagedllm.entrypoints.openai.tool_stream import ToolStream
 from pagedllm.entrypoints.openai.tools import required_calls
 
@@ -114,6 +115,48 @@ def test_required_calls_any_depth() -> None:
     stream = ToolStream("required")
     assert stream.update(deep[:10], False) == []
     assert stream.update(deep[10:], True)[0].content == deep
+
+
+GENERIC_TEXTS = [
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [WEATHER]),
+    (' \n[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "f", "arguments": {}}]\n', None,
+     [WEATHER, ParsedToolCall("f", "{}")]),
+    ('{"name": "f"}', None, [ParsedToolCall("f", "{}")]),
+    ("Sunny, 18 degrees.", "Sunny, 18 degrees.", []),
+    ('The call: {"name": "f", "arguments": {}}', 'The call: {"name": "f", "arguments": {}}', []),  # text first: text
+    # Anything but calls of declared functions, every one of them, is content as it came.
+    ('[{"name": "f", "arguments": {}}, {"name": "rm_rf", "arguments": {}}]',
+     '[{"name": "f", "arguments": {}}, {"name": "rm_rf", "arguments": {}}]', []),
+    ('{"name": "f", "arguments": {}, "extra": 1}', '{"name": "f", "arguments": {}, "extra": 1}', []),
+    ('{"name": "f", "arguments": "x"}', '{"name": "f", "arguments": "x"}', []),
+    ('{"name": "get_weather", "arguments": {"city": "Par', '{"name": "get_weather", "arguments": {"city": "Par', []),
+    ("[]", "[]", []),
+    ("[" * DEEP, "[" * DEEP, []),
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call>', '<tool_call>{"name": "f", "arguments": {}}</tool_call>', []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), GENERIC_TEXTS, ids=range(len(GENERIC_TEXTS)))
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_generic_whole_and_streamed_agree(text: str, content: str | None, calls: list, step: int) -> None:
+    """pagedllm's generic format: the whole reply is one call or a list of calls, else content."""
+    assert GenericToolParser(NAMES).extract(text) == (content, calls)
+    streaming, streamed, got = GenericToolParser(NAMES), "", []
+    for i in range(0, len(text), step):
+        piece, more = streaming.feed(text[i : i + step])
+        assert not (more and streamed)  # calls only from a reply that is calls
+        streamed += piece
+        got += more
+    piece, more = streaming.finish()
+    assert (streamed + piece or None, got + more) == (content, calls)
+
+
+def test_generic_text_streams_as_it_comes() -> None:
+    parser = GenericToolParser(NAMES)
+    assert parser.feed("  ") == ("", [])  # undecided
+    assert parser.feed("Hel") == ("  Hel", [])
+    assert parser.feed("lo {") == ("lo {", [])
+    assert parser.finish() == ("", [])
 
 
 def test_failing_stream_ends_with_error_event_and_done() -> None:

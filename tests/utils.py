@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024
@@ -70,6 +71,25 @@ def start_server(tmp_path: Path, *extra: str, model: str = MODEL) -> Server:
         time.sleep(0.5)
     proc.kill()
     raise AssertionError(f"server did not start in {STARTUP_TIMEOUT_S} s:\n{server.log_tail()}")
+
+
+def streamed_calls(client: openai.OpenAI, **kwargs) -> tuple[str, dict[int, dict], str | None]:
+    """A streamed chat completion's (content, index -> {id, name, arguments}, finish reason),
+    joined from its deltas; each call's id and name must come before its arguments."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        finish = chunk.choices[0].finish_reason or finish
+        content += delta.content or ""
+        for piece in delta.tool_calls or []:
+            call = calls.setdefault(piece.index, {"id": None, "name": None, "arguments": ""})
+            if piece.id:
+                assert call["id"] is None and call["arguments"] == ""  # id and name come first
+                call["id"], call["name"] = piece.id, piece.function.name
+            call["arguments"] += piece.function.arguments or ""
+    return content, calls, finish
 
 
 def stop_server(server: Server) -> None:

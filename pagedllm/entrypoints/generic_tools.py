@@ -1,12 +1,13 @@
 """Tool calling for chat templates that have no tool section (SmolLM2's, most small models').
 
 Such a template drops ``tools``, assistant ``tool_calls`` and tool results on the floor. For
-them the tools are written into the system message in a format of pagedllm's own: each
-function's name, description and JSON-schema parameters, and the one reply shape that calls
-them, a JSON object ``{"name": ..., "arguments": {...}}`` or a JSON list of such objects. The
-history is rewritten in the same shape (an assistant's calls as that JSON, tool results as a
-user turn naming the function), so a conversation round-trips through any template. The
-reply is constrained by ``reply_grammar``: plain text, or a call that fits the tools.
+them pagedllm uses a format of its own: the tools are listed in the system message (each
+function's name, description and JSON-schema parameters), and the user's last turn ends with
+the one reply shape that calls them, a JSON object ``{"name": ..., "arguments": {...}}`` or a
+JSON list of such objects. The history is rewritten in the same shape (an assistant's calls as
+that JSON, tool results as a user turn naming the function), so a conversation round-trips
+through any template. The reply is constrained by ``reply_grammar``: plain text, or a call
+that fits the tools not yet called since the user's last turn (``callable_tools``).
 
 Tools and messages are OpenAI-shaped dicts (``{"type": "function", "function": {"name",
 "description", "parameters"}}``; ``{"role", "content", "tool_calls", "tool_call_id"}``).
@@ -82,8 +83,22 @@ def calls_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
 
 def reply_grammar(tools: list[dict[str, Any]]) -> str:
     """The Lark grammar of a ``tool_choice: "auto"`` reply: either text whose first non-space
-    character is neither ``{`` nor ``[``, or a call (``calls_schema``) and nothing after it."""
-    return "start: TEXT | calls\nTEXT: /\\s*[^\\s{\\[][\\s\\S]*/\ncalls: %json " + json.dumps(calls_schema(tools)) + "\n"
+    character is neither ``{`` nor ``[``, or a call of one of ``tools`` (``calls_schema``) and
+    nothing after it; text only if ``tools`` is empty."""
+    text = "TEXT: /\\s*[^\\s{\\[][\\s\\S]*/\n"
+    if not tools:
+        return "start: TEXT\n" + text
+    return "start: TEXT | calls\n" + text + "calls: %json " + json.dumps(calls_schema(tools)) + "\n"
+
+
+def callable_tools(conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tools an "auto" reply may call: those not called since the user's last turn. Small
+    models, shown a call and its result, call the same function again and again; a function
+    already answered for this turn is offered no more (the reply is text once all have been)."""
+    last_user = max((i for i, m in enumerate(conversation) if m.get("role") == "user"), default=-1)
+    called = {c["function"]["name"] for m in conversation[last_user + 1 :] if m.get("role") == "assistant"
+              for c in m.get("tool_calls") or []}
+    return [t for t in tools if t["function"]["name"] not in called]
 
 
 def system_text(tools: list[dict[str, Any]]) -> str:

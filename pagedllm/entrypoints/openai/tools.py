@@ -89,8 +89,9 @@ def tool_constraint(req: ChatCompletionRequest, generic: bool = False) -> Struct
     With the template's own tool format: "required" is a JSON array of calls, each ``{"name",
     "parameters"}`` fitting one tool; named is that function's arguments object; "auto" and
     "none" are free. With the generic format (``generic``): "required" is a generic call
-    (``generic_tools.calls_schema``), "auto" text or such a call (``generic_tools.reply_grammar``)
-    unless another structured output field constrains the output, named as above.
+    (``generic_tools.calls_schema``), "auto" text or such a call of a function not called since
+    the user's last turn (``generic_tools.reply_grammar``, ``callable_tools``) unless another
+    structured output field constrains the output, named as above.
     """
     mode = req.tool_mode
     if mode == "named":
@@ -101,7 +102,8 @@ def tool_constraint(req: ChatCompletionRequest, generic: bool = False) -> Struct
         if mode == "required":
             return StructuredOutputsParams(json=generic_tools.calls_schema(tools))
         if all(getattr(req, f) is None for f in _STRUCTURED_FIELDS):
-            return StructuredOutputsParams(grammar=generic_tools.reply_grammar(tools))
+            callable_tools = generic_tools.callable_tools(template_messages(req.messages), tools)
+            return StructuredOutputsParams(grammar=generic_tools.reply_grammar(callable_tools))
         return None
     if mode != "required":
         return None
