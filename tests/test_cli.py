@@ -5,6 +5,7 @@ Ctrl-C / Ctrl-D handling (under tmux, a real terminal)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -139,8 +140,6 @@ def test_first_log_line_comes_before_heavy_imports(capsys: pytest.CaptureFixture
 
 
 def test_generate_json_schema_from_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    import json
-
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
               "additionalProperties": False}
     path = tmp_path / "schema.json"
@@ -149,6 +148,14 @@ def test_generate_json_schema_from_file(tmp_path, capsys: pytest.CaptureFixture[
           *SMALL])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["finish_reason"] == "stop" and json.loads(record["text"])["color"] in ("red", "green", "blue")
+
+
+def test_generate_chat_with_an_inline_chat_template(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--chat-template`` on one line, ``\\n`` escapes decoded, replaces the model's template."""
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\\n{{ m['content'] }}<|im_end|>\\n{% endfor %}Reply:"
+    main(["generate", "--chat", "--chat-template", template, "--prompt", "Hi", "--json", "--max-tokens", "2", *SMALL])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["prompt"] == "<|im_start|>user\nHi<|im_end|>\nReply:"
 
 
 def test_stream_reply_interrupted_aborts_and_frees_blocks(capsys: pytest.CaptureFixture[str]) -> None:
