@@ -64,7 +64,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from pagedllm.engine.arg_utils import positive_int
 
     parser.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0: every interface")
-    parser.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on; 0: any free port")
+    parser.add_argument("--port", type=port_number, default=8000, help="TCP port; 0: any free one")
     parser.add_argument("--served-model-name", default=None,
                         help="model name in the API, the `model` field requests give (default: the model argument)")
     parser.add_argument("--api-key", type=api_key, default=None,
