@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +10,10 @@ import torch
 from pagedllm.default_model import DEFAULT_MODEL
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.speculative_config import SpeculativeConfig
+
+# The environment variable that sets ``EngineConfig.model_runner_cls`` where no caller passes it
+# (a server, its engine core): tests name their fault-injecting runner with it.
+MODEL_RUNNER_CLS_ENV = "PAGEDLLM_MODEL_RUNNER_CLS"
 
 
 @dataclass
@@ -89,6 +94,12 @@ class EngineConfig:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     ray_placement_strategy: str = "STRICT_PACK"  # or "SPREAD" (one bundle per rank)
+    # How long a rank may keep the others waiting in a collective (a hung rank) before the step
+    # fails with an engine error; a rank that exits fails the step at once.
+    worker_timeout_s: float = 120.0
+    # "module:Class" of a ModelRunner subclass every rank runs instead of ModelRunner ("": none);
+    # tests inject faults with one. Default: $PAGEDLLM_MODEL_RUNNER_CLS.
+    model_runner_cls: str = field(default_factory=lambda: os.environ.get(MODEL_RUNNER_CLS_ENV, ""))
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -118,6 +129,8 @@ class EngineConfig:
             )
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("the uni executor runs one rank: use mp or ray for tensor_parallel_size > 1")
+        if not self.worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be positive, got {self.worker_timeout_s}")
         if self.ray_placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(
                 "ray_placement_strategy must be STRICT_PACK, PACK, SPREAD or STRICT_SPREAD, got "

@@ -5,7 +5,6 @@ only, not pytest and transformers."""
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,9 @@ import torch
 from pagedllm.config import ModelConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.kv_cache_groups import kv_cache_groups
-from pagedllm.distributed.parallel_state import SINGLE, TPGroup, destroy_tensor_parallel, init_tensor_parallel
+from pagedllm.distributed.parallel_state import (
+    SINGLE, TPGroup, destroy_tensor_parallel, free_port, init_tensor_parallel,
+)
 from pagedllm.kernels import ops
 from pagedllm.layers.linear import pack_linears
 from pagedllm.quantization_config import QuantizationConfig
@@ -118,9 +119,7 @@ def _rank_main(rank: int, size: int, init_method: str, cases: list[Case], out: s
 def run_group(cases: list[Case], size: int, out: Path, timeout_s: float = 240) -> dict[str, torch.Tensor | str]:
     """Run every case on ``size`` spawned ranks joined over gloo; rank 0's logits by case
     name (a traceback instead, for a case that raised on rank 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     procs = [
         ctx.Process(target=_rank_main, args=(r, size, f"tcp://127.0.0.1:{port}", cases, str(out)))

@@ -8,6 +8,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.outputs import RequestOutput
+from tests.fault_injection import FAULTY_RUNNER
 from tests.utils import pool_is_whole
 
 PROMPTS = [
@@ -29,8 +30,8 @@ PARAMS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = LLM(dtype="float32", kv_cache_memory="128MiB", max_model_len=512, enable_prefix_caching=False)
-    engine.engine.core.executor.runner.inject_faults = True  # the test hook (PAGEDLLM_TEST_FAULTS=1 in a server)
+    engine = LLM(dtype="float32", kv_cache_memory="128MiB", max_model_len=512, enable_prefix_caching=False,
+                 model_runner_cls=FAULTY_RUNNER)
     yield engine
     assert pool_is_whole(engine)
 
@@ -109,8 +110,7 @@ def test_scheduling_fault_fails_only_its_request(llm, baseline, monkeypatch: pyt
 def test_fault_during_speculative_verification(fault: str) -> None:
     """With n-gram drafts the rejection sampler verifies: a fault there fails its request alone."""
     llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, enable_prefix_caching=False,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    llm.engine.core.executor.runner.inject_faults = True
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3}, model_runner_cls=FAULTY_RUNNER)
     # Repetitive prompts so that the n-gram proposer has drafts to verify.
     prompts = [f"{i} {i} {i} {i} {i} {i} {i} {i}" for i in range(1, 5)]
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)

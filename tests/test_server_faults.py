@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from pagedllm.config import MODEL_RUNNER_CLS_ENV
+from tests.fault_injection import FAULTY_RUNNER
 from tests.utils import MODEL, Server, start_server, stop_server, wait_idle
 
 PROMPTS = [f"Fact number {i} about the ocean:" for i in range(8)]
@@ -21,7 +23,7 @@ EMOJI_CHAT = [{"role": "user", "content": "Reply with three emoji that describe 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDLLM_TEST_FAULTS", "1")  # inherited by the server and its engine core
+        mp.setenv(MODEL_RUNNER_CLS_ENV, FAULTY_RUNNER)  # inherited by the server and its engine core
         s = start_server(tmp_path_factory.mktemp("server"))
     yield s
     stop_server(s)

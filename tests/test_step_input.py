@@ -1,4 +1,5 @@
-"""The step diff rank 0 broadcasts: the other ranks' block tables always equal the scheduler's."""
+"""The step every rank runs: block-table diffs from the scheduler keep every rank's tables equal
+to the scheduler's, and the step's tokens, positions and logits rows follow its output."""
 
 from __future__ import annotations
 
@@ -6,61 +7,75 @@ import random
 
 import msgspec
 
+from pagedllm.core.kv_cache_groups import KVCacheGroup
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.scheduler import ScheduledRequest
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.step_input import BlockTableMirror, StepInput, apply_updates
+from pagedllm.worker.step_input import BlockTableMirror, StepInput, build_step
+
+BLOCK_SIZE = 4
 
 
-def _request(rid: str) -> Request:
-    r = Request(rid, list(range(40)), SamplingParams(max_tokens=8), [], 256)
-    r.status = RequestStatus.RUNNING
-    return r
+def _request(rid: str, rng: random.Random) -> Request:
+    prompt = [rng.randrange(3, 50) for _ in range(rng.randint(1, 30))]
+    return Request(rid, prompt, SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True), [], 128)
 
 
-def test_remote_tables_follow_appends_releases_and_rebuilds() -> None:
-    """Random table edits of the kinds the KV cache manager makes, over two groups."""
+def test_tables_follow_the_scheduler_through_preemption_release_rollback_and_reuse() -> None:
+    """Random traffic on a tight cache, two groups (one a sliding window), drafts rolled back,
+    aborts and reused ids: after every step each rank's table of every scheduled request equals
+    the scheduler's, and a rank forgets every request the scheduler no longer holds."""
     rng = random.Random(0)
-    mirror, remote = BlockTableMirror(), {}
-    requests = {str(i): _request(str(i)) for i in range(6)}
-    tables = {rid: [[], []] for rid in requests}
+    groups = (KVCacheGroup((0,), 0), KVCacheGroup((1,), 8))
+    sched = Scheduler(KVCacheManager(24, BLOCK_SIZE, True, groups), 4, 16, 128)
+    mirror = BlockTableMirror(len(groups))
     decoder = msgspec.msgpack.Decoder(StepInput)
-    for _ in range(300):
-        running = [rid for rid, r in requests.items() if r.status == RequestStatus.RUNNING]
-        for rid in rng.sample(running, k=min(len(running), rng.randint(1, 4))):
-            for g in range(2):
-                t, kind = tables[rid][g], rng.random()
-                if kind < 0.6:
-                    t.extend(rng.randrange(100) for _ in range(rng.randint(0, 2)))  # growth
-                elif kind < 0.8 and t:
-                    t[rng.randrange(len(t))] = 0  # a sliding window releases a block (null id)
-                elif kind < 0.9:
-                    t[:] = [rng.randrange(100) for _ in range(rng.randint(0, 5))]  # rebuilt
-        for rid in running:  # finish, preempt or resume some
-            if rng.random() < 0.05:
-                requests[rid].status = rng.choice([RequestStatus.FINISHED_STOPPED, RequestStatus.PREEMPTED])
-        for rid, r in requests.items():
-            if r.status == RequestStatus.PREEMPTED and rng.random() < 0.3:
-                r.status, tables[rid] = RequestStatus.RUNNING, [[], [rng.randrange(100)]]
-        scheduled = [rid for rid, r in requests.items() if r.status == RequestStatus.RUNNING and rng.random() < 0.7]
-        reqs = [ScheduledRequest(requests[rid], 1, 10, tables[rid]) for rid in scheduled]
-        step = decoder.decode(msgspec.msgpack.encode(mirror.step_input(reqs, [0])))
-        apply_updates(remote, step, 2)
-        for rid in scheduled:
-            assert remote[rid] == tables[rid]
-        assert set(remote) <= {rid for rid, r in requests.items() if r.status == RequestStatus.RUNNING} | set(scheduled)
+    next_id = 0
+    steps = 0
+    while steps < 300:
+        if rng.random() < 0.3:
+            rid = str(rng.randrange(next_id + 1))  # sometimes an id used before
+            if rid not in sched.requests:
+                sched.add_request(_request(rid, rng))
+            next_id += 1
+        if sched.requests and rng.random() < 0.05:
+            sched.finish_requests([rng.choice(list(sched.requests))], RequestStatus.FINISHED_ABORTED)
+        for r in sched.running:  # drafts, some of them rejected below
+            if rng.random() < 0.3:
+                r.spec_token_ids = [rng.randrange(3, 50) for _ in range(rng.randint(1, 3))]
+        out = sched.schedule()
+        if out.is_empty:
+            continue
+        steps += 1
+        step, _ = build_step(out)
+        mirror.apply(decoder.decode(msgspec.msgpack.encode(step)))
+        for s in out.scheduled:
+            assert mirror[s.request.request_id] == sched.kv_cache.block_ids(s.request.request_id)
+        sampled = [
+            [rng.randrange(3, 50) for _ in range(rng.randint(1, len(s.spec_token_ids) + 1))] if s.samples else []
+            for s in out.scheduled
+        ]
+        sched.update_from_output(out, sampled)
+        assert set(mirror.tables) <= set(sched.kv_cache.req_block_ids) | set(sched.freed_req_ids)
 
 
-def test_a_decode_step_sends_only_new_blocks_and_tokens() -> None:
-    mirror = BlockTableMirror()
-    r = _request("a")
-    table = [[3, 4, 5]]
-    first = mirror.step_input([ScheduledRequest(r, 40, 0, table)], [39])
-    assert [(u.start, u.block_ids) for u in first.block_updates] == [(0, [3, 4, 5])]
-    assert first.requests[0].token_ids == list(range(40))
-    r.append_output_token(7)
-    second = mirror.step_input([ScheduledRequest(r, 1, 40, table)], [0])
-    assert second.block_updates == [] and second.requests[0].num_computed_before == 40
-    table[0].append(9)
-    third = mirror.step_input([ScheduledRequest(r, 1, 41, table)], [0])
-    assert [(u.start, u.block_ids) for u in third.block_updates] == [(3, [9])]
+def test_a_step_holds_tokens_positions_and_only_new_blocks() -> None:
+    sched = Scheduler(KVCacheManager(16, BLOCK_SIZE, False), 4, 64, 128)
+    prompt = list(range(3, 13))  # 10 tokens: 3 blocks
+    sched.add_request(Request("a", prompt, SamplingParams(max_tokens=8, prompt_logprobs=1), [], 128))
+    first, plan = build_step(out := sched.schedule())
+    assert [(r.req_id, r.num_computed_before, r.token_ids) for r in first.requests] == [("a", 0, prompt)]
+    assert [(u.group, u.start, len(u.block_ids)) for u in first.block_updates] == [(0, 0, 3)]
+    assert first.logit_rows == [9, *range(9)]  # the sampled row, then the prompt-logprob rows
+    assert (plan.num_sample, plan.num_verify, plan.prompt[0][2:]) == (1, 0, (0, 9))
+    sched.update_from_output(out, [[20]])
+    second, _ = build_step(out := sched.schedule())
+    assert [(r.num_computed_before, r.token_ids) for r in second.requests] == [(10, [20])]
+    assert second.block_updates == []  # slot 10 is in block 2
+    sched.update_from_output(out, [[21]])
+    sched.requests["a"].spec_token_ids = [22, 23]
+    third, plan = build_step(sched.schedule())
+    assert [(r.num_computed_before, r.token_ids) for r in third.requests] == [(11, [21, 22, 23])]
+    assert [(u.start, len(u.block_ids)) for u in third.block_updates] == [(3, 1)]  # slots 12, 13
+    assert third.logit_rows == [0, 1, 2] and plan.verify[0][2] == 0 and plan.num_verify == 3

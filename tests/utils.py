@@ -6,7 +6,6 @@ Test modules import from here, never from one another.
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import httpx
 import openai
+
+from pagedllm.distributed.parallel_state import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024
@@ -40,12 +41,6 @@ class Server:
 
     def log_tail(self) -> str:
         return self.log.read_text()[-4000:]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(tmp_path: Path, *extra: str, model: str = MODEL) -> Server:

@@ -59,14 +59,14 @@ def run_pagedllm(requests: list[BenchRequest], llm, label: str = "pagedllm") -> 
 def collectives_report(llm, result: BenchResult) -> str | None:
     """Rank 0's time and bytes in the tensor-parallel collectives over a run; None at one rank.
 
-    One broadcast per step (the step diff) gives the step count; bytes per token per layer
+    One step message per step gives the step count; bytes per token per layer
     are the all-reduce payload over (prompt + output tokens) x layers.
     """
     tp = llm.engine.core.executor.runner.tp
     if tp.size == 1:
         return None
     s, layers = tp.stats, llm.engine.core.model_config.num_layers
-    steps = max(s.calls.get("broadcast", 0), 1)
+    steps = max(s.calls.get("step", 0), 1)
     tokens = result.prompt_tokens + result.output_tokens
     per_op = ", ".join(
         f"{op} {s.calls[op]} calls {1000 * s.seconds[op] / steps:.2f} ms/step" for op in sorted(s.calls)

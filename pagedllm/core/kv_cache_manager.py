@@ -22,7 +22,7 @@ from array import array
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_groups import KVCacheGroup
-from pagedllm.core.kv_events import BlockOp, BlockOpKind
+from pagedllm.core.kv_events import BlockOp, BlockOpKind, BlockTableUpdate
 from pagedllm.core.request import Request
 
 NULL_BLOCK_ID = 0  # table entry of a released sliding-window block; attention never reads it
@@ -73,6 +73,8 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[list[KVCacheBlock | None]]] = {}
         self.req_block_ids: dict[str, list[list[int]]] = {}
         self.num_hashed_blocks: dict[str, int] = {}
+        # Per request, per group: the first table index changed since take_block_updates (None: none).
+        self.req_changed: dict[str, list[int | None]] = {}
         self.prefix_queries = 0  # prompt tokens looked up, for the hit-rate metric
         self.prefix_hits = 0  # of those, tokens found in the cache
         # Block events since a consumer last drained them; None: nobody asked (nothing recorded).
@@ -130,6 +132,7 @@ class KVCacheManager:
         rid = request.request_id
         tables = self.req_blocks.setdefault(rid, [[] for _ in self.groups])
         ids = self.req_block_ids.setdefault(rid, [[] for _ in self.groups])
+        changed = self.req_changed.setdefault(rid, [0] * len(self.groups))  # a new table: all of it
         computed = computed_blocks or [[] for _ in self.groups]
         for g, group in enumerate(self.groups):
             if group.window:
@@ -150,6 +153,7 @@ class KVCacheManager:
                 if events is not None and hits:  # the None entries lead: the hits are the tail
                     first = len(tables[g]) + len(computed[g]) - len(hits)
                     events.append(BlockOp(BlockOpKind.HIT, rid, g, first, [b.block_id for b in hits]))
+                _mark(changed, g, len(ids[g]))
                 tables[g].extend(computed[g])
                 ids[g].extend(NULL_BLOCK_ID if b is None else b.block_id for b in computed[g])
         for g in range(len(self.groups)):
@@ -157,6 +161,7 @@ class KVCacheManager:
                 new_blocks = self.pool.get_new_blocks(needed[g])
                 if events is not None:
                     events.append(BlockOp(BlockOpKind.NEW, rid, g, len(tables[g]), [b.block_id for b in new_blocks]))
+                _mark(changed, g, len(ids[g]))
                 tables[g].extend(new_blocks)
                 ids[g].extend(b.block_id for b in new_blocks)
         if self.enable_caching:
@@ -168,6 +173,7 @@ class KVCacheManager:
         """Return all of a request's blocks, tail first (so its tail is evicted first)."""
         tables = self.req_blocks.pop(request.request_id, [])
         self.req_block_ids.pop(request.request_id, None)
+        self.req_changed.pop(request.request_id, None)
         self.num_hashed_blocks.pop(request.request_id, None)
         for g, blocks in enumerate(tables):
             if self.events is not None:
@@ -185,8 +191,11 @@ class KVCacheManager:
         if tables is None:
             return
         keep = -(-num_tokens // self.block_size)
+        changed = self.req_changed[request.request_id]
         for g, (blocks, ids) in enumerate(zip(tables, self.req_block_ids[request.request_id])):
             tail = blocks[keep:]
+            if tail:
+                _mark(changed, g, keep)
             del blocks[keep:], ids[keep:]
             if self.events is not None:
                 self._record_free(request.request_id, g, keep, tail)
@@ -195,6 +204,17 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table in each group (live lists; read them, do not keep them)."""
         return self.req_block_ids[request_id]
+
+    def take_block_updates(self, request_id: str) -> list[BlockTableUpdate]:
+        """How the request's tables changed since the last call (or since it got them), one
+        update per changed group; the next call reports only later changes."""
+        changed = self.req_changed[request_id]
+        updates = []
+        for g, (start, ids) in enumerate(zip(changed, self.req_block_ids[request_id])):
+            if start is not None:
+                updates.append(BlockTableUpdate(request_id, g, start, ids[start:]))
+                changed[g] = None
+        return updates
 
     def num_held_blocks(self, request_id: str) -> list[int]:
         """Blocks the request holds in each group (released entries not counted)."""
@@ -234,6 +254,8 @@ class KVCacheManager:
                 break  # everything before was released already
             skipped.append(blocks[i])
             blocks[i], ids[i] = None, NULL_BLOCK_ID
+        if skipped:
+            _mark(self.req_changed[request_id], g, first - len(skipped))
         if self.events is not None and skipped:
             self.events.append(
                 BlockOp(BlockOpKind.FREE, request_id, g, first - len(skipped), [b.block_id for b in reversed(skipped)])
@@ -264,3 +286,9 @@ class KVCacheManager:
             if entered:  # CACHED names blocks; their positions are known from NEW/HIT already
                 events.append(BlockOp(BlockOpKind.CACHED, request.request_id, g, start, entered))
         self.num_hashed_blocks[request.request_id] = num_full
+
+
+def _mark(changed: list[int | None], group: int, index: int) -> None:
+    """Note that ``group``'s table changed from ``index`` on."""
+    start = changed[group]
+    changed[group] = index if start is None else min(start, index)

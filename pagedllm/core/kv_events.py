@@ -1,8 +1,12 @@
-"""Block events of the KV cache manager: what happened to which blocks of which request's table.
+"""What the KV cache manager changed: block events, and block-table updates.
 
-The manager appends them to ``KVCacheManager.events`` when a consumer (the live view's step
-recorder) has asked for them, and the consumer drains that list; the manager knows nothing of
-who reads them.
+Block events (``BlockOp``): what happened to which blocks of which request's table. The manager
+appends them to ``KVCacheManager.events`` when a consumer (the live view's step recorder) has
+asked for them, and the consumer drains that list; the manager knows nothing of who reads them.
+
+Block-table updates (``BlockTableUpdate``): how a request's table changed since the scheduler
+last took its updates (``KVCacheManager.take_block_updates``); the workers apply them to their
+copies of the tables.
 """
 
 from __future__ import annotations
@@ -33,4 +37,14 @@ class BlockOp(msgspec.Struct, array_like=True, frozen=True):
     request_id: str
     group: int
     first_index: int
+    block_ids: list[int]
+
+
+class BlockTableUpdate(msgspec.Struct, array_like=True, frozen=True):
+    """Replace ``table[group][start:]`` of request ``req_id`` by ``block_ids`` (appended blocks,
+    a sliding-window group's released head, blocks of rejected drafts given back, a new table)."""
+
+    req_id: str
+    group: int
+    start: int
     block_ids: list[int]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_events import BlockTableUpdate
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.outputs import RequestError
 from pagedllm.errors import InvalidParamError
@@ -37,7 +38,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from num_computed_before on (drafts included)
     num_computed_before: int
-    block_ids: list[list[int]]  # the request's block table per KV cache group (live lists; read, do not keep)
+    block_updates: list[BlockTableUpdate]  # its block tables' changes since it was last scheduled
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens verified this step
     spec_probs: torch.Tensor | None = None  # FloatTensor[len(spec_token_ids), V]; None: n-gram
 
@@ -53,6 +54,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     failed: list[tuple[str, RequestError]] = field(default_factory=list)  # (request id, error): finished, blocks freed
+    # Requests whose blocks were freed (finished, aborted, failed, preempted) since the last
+    # step that scheduled anything: the workers drop their block tables.
+    finished_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -84,6 +88,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.freed_req_ids: list[str] = []  # for the next SchedulerOutput.finished_req_ids
         self.spec_stats = SpecDecodingStats()
 
     # -- requests in and out -------------------------------------------------------------
@@ -169,6 +174,8 @@ class Scheduler:
             except Exception as e:
                 self._fail(out, request, e)
         self.waiting.extendleft(reversed(compiling))
+        if out.scheduled:  # an empty step runs nothing, so nothing reaches the workers
+            out.finished_req_ids, self.freed_req_ids = self.freed_req_ids, []
         return out
 
     @property
@@ -218,7 +225,7 @@ class Scheduler:
                 request,
                 num_new + num_drafts,
                 request.num_computed_tokens,
-                self.kv_cache.block_ids(request.request_id),
+                self.kv_cache.take_block_updates(request.request_id),
                 drafts,
                 probs,
             )
@@ -228,6 +235,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
+        self.freed_req_ids.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids, request.spec_probs = [], None
@@ -285,4 +293,5 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache.free(request)
+        self.freed_req_ids.append(request.request_id)
         del self.requests[request.request_id]

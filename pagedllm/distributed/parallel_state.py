@@ -8,6 +8,7 @@ argument instead of reading globals, so a draft model in the same process stays 
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -15,12 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-_IDLE_WAIT = datetime.timedelta(days=3650)
-
 
 @dataclass
 class CommStats:
-    """This rank's totals per collective ("all_reduce", "gather", "broadcast"): calls,
+    """This rank's totals per collective ("all_reduce", "gather"; "step": rank 0's step messages): calls,
     seconds spent in them (waiting for peers included), payload bytes this rank passed in."""
 
     calls: dict[str, int] = field(default_factory=dict)
@@ -69,45 +68,40 @@ class TPGroup:
         self.stats.add("gather", start, x.nbytes)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
-    def broadcast_bytes(self, payload: bytes | None) -> bytes:
-        """Rank 0's ``payload`` on every rank (the others pass None): its length, then its bytes."""
-        if self.size == 1:
-            assert payload is not None
-            return payload
-        start = time.perf_counter()
-        length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-        dist.broadcast(length, src=0)
-        if self.rank == 0:
-            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        else:
-            buf = torch.empty(int(length), dtype=torch.uint8)
-        if len(buf):
-            dist.broadcast(buf, src=0)
-        self.stats.add("broadcast", start, len(buf))
-        return payload if self.rank == 0 else buf.numpy().tobytes()
-
 
 SINGLE = TPGroup()
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, timeout_s: float = 300) -> TPGroup:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for a server that binds it next)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_tensor_parallel(
+    rank: int, size: int, init_method: str, timeout_s: float = 300, collective_timeout_s: float | None = None
+) -> TPGroup:
     """Join the default torch.distributed group (gloo) as ``rank`` of ``size``.
 
     Args:
         init_method: ``tcp://host:port`` of rank 0's store.
         timeout_s: how long to wait for every rank to join.
+        collective_timeout_s: then, how long a collective waits for the other ranks (a hung
+            rank); None: ``timeout_s``.
 
     Raises:
-        RuntimeError: (torch.distributed's) if the group does not form within ``timeout_s``.
+        RuntimeError: (torch.distributed's) if the group does not form within ``timeout_s``;
+            later, from a collective that a peer leaves (at once) or keeps waiting (after
+            ``collective_timeout_s``).
     """
     if size == 1:
         return SINGLE
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
     )
-    # Ranks 1..N-1 wait in a broadcast for rank 0's next step however long the server idles;
-    # a peer that dies closes its connections, which fails the wait at once instead.
-    _set_pg_timeout(_IDLE_WAIT)
+    if collective_timeout_s is not None:
+        _set_pg_timeout(datetime.timedelta(seconds=collective_timeout_s))
     return TPGroup(rank, size)
 
 

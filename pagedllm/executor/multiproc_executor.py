@@ -2,21 +2,17 @@
 
 Each worker is a fresh ``python -m pagedllm.worker.worker`` process (not a multiprocessing
 child: the engine-core process is daemonic and may not have any) reading its
-:class:`~pagedllm.worker.worker.WorkerSpec` from stdin. The group meets on a free loopback
-port; a worker whose driver dies sees its collectives fail and exits.
+:class:`~pagedllm.worker.worker.WorkerSpec` from stdin. The group meets on loopback; a
+worker whose driver dies sees its step connection close and exits.
 """
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
-import msgspec
-
 from pagedllm.distributed.cpu_budget import cpu_share
 from pagedllm.executor.executor import Executor
-from pagedllm.worker.worker import WorkerSpec
 
 
 class MultiprocExecutor(Executor):
@@ -25,14 +21,11 @@ class MultiprocExecutor(Executor):
     procs: list[subprocess.Popen] = []
 
     def _start_workers(self) -> str:
-        with socket.socket() as s:  # a free port for rank 0's store (released just before it binds)
-            s.bind(("127.0.0.1", 0))
-            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        init_method = self._open_sender("127.0.0.1")
         self.procs = []
         for rank in range(1, self.tp_size):
-            spec = WorkerSpec.of(self.config, self.kv, rank, init_method, cpu_share(rank, self.tp_size))
             proc = subprocess.Popen([sys.executable, "-m", "pagedllm.worker.worker"], stdin=subprocess.PIPE)
-            proc.stdin.write(msgspec.msgpack.encode(spec))
+            proc.stdin.write(self._spec(rank, init_method, cpu_share(rank, self.tp_size)))
             proc.stdin.close()
             self.procs.append(proc)
         return init_method

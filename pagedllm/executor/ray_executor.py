@@ -3,8 +3,9 @@
 Rank 0 stays in the engine-core process (the driver); ranks 1..N-1 are actors, one per
 bundle of a placement group whose bundle 0 is pinned to the driver's node, so every rank has a
 reservation and the group's strategy (``ray_placement_strategy``) decides how ranks spread.
-The ranks then talk over torch.distributed exactly as the multiprocess executor's do: Ray only
-places and starts them, and reports an actor's death (its blocking ``run`` call returns).
+Each actor runs ``worker_main``, as the multiprocess executor's processes do, and the ranks talk
+exactly as theirs do: Ray only places and starts them, and reports an actor's death (its
+blocking ``run`` call returns).
 """
 
 from __future__ import annotations
@@ -20,15 +21,12 @@ from collections import defaultdict
 from types import ModuleType
 from typing import Any
 
-import msgspec
-import torch
-
 import pagedllm
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.distributed.cpu_budget import cpu_share
 from pagedllm.executor.executor import Executor
-from pagedllm.worker.worker import WorkerSpec, run_worker
+from pagedllm.worker.worker import worker_main
 
 logger = logging.getLogger("pagedllm")
 
@@ -90,13 +88,8 @@ class _Rank:
         return sorted(os.sched_getaffinity(0))
 
     def run(self, spec: bytes) -> None:
-        """Run the rank a msgpack-encoded ``WorkerSpec`` describes, until rank 0 says stop."""
-        worker = msgspec.msgpack.decode(spec, type=WorkerSpec)
-        logging.basicConfig(
-            level=logging.INFO, format=f"%(asctime)s %(levelname)s Worker rank {worker.rank}: %(message)s"
-        )
-        torch.set_grad_enabled(False)
-        run_worker(worker.engine_config(), worker.kv, worker.rank, worker.init_method, worker.cpus)
+        """``worker_main`` of the rank a msgpack-encoded ``WorkerSpec`` describes."""
+        worker_main(spec)
 
 
 class RayExecutor(Executor):
@@ -139,10 +132,9 @@ class RayExecutor(Executor):
                 rank, "driver" if rank == 0 else "actor", node[:8], hosts[rank], cpus[rank], bundle_cpu,
             )
         self._rank0_cpus = cpus[0]
-        init_method = f"tcp://{self._ray.util.get_node_ip_address()}:{_free_port()}"
+        init_method = self._open_sender(self._ray.util.get_node_ip_address())
         self._runs = [
-            actor.run.remote(msgspec.msgpack.encode(WorkerSpec.of(self.config, self.kv, rank, init_method, cpus[rank])))
-            for rank, actor in enumerate(self._actors, start=1)
+            actor.run.remote(self._spec(rank, init_method, cpus[rank])) for rank, actor in enumerate(self._actors, start=1)
         ]
         return init_method
 
@@ -300,9 +292,3 @@ def _actor_env() -> dict[str, str]:
         env["PYTHONPATH"] = path
     return env
 
-
-def _free_port() -> int:
-    """A TCP port free on this host now (rank 0's store binds it next)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

@@ -1,4 +1,4 @@
-"""Turns a scheduler step into one forward pass over the flattened tokens, then samples.
+"""Runs one step: the forward pass over its flattened tokens (every rank), then sampling (rank 0).
 
 A request with draft tokens (speculative decoding) is fed its last token and its drafts; the
 logits at all ``1 + k`` positions go to the rejection sampler, which returns the accepted
@@ -14,17 +14,16 @@ vocabulary, or whose sampling, verification or logprob step raises is reported i
 ``ModelRunnerOutput.errors`` and gets no tokens; the other requests of the step keep theirs.
 When a batched sampling stage raises, it is rerun one request at a time to find the culprit.
 A failing forward pass, or running out of memory, is no one request's fault: it propagates.
+Tests inject such faults with a subclass (``EngineConfig.model_runner_cls``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-import msgspec
 import torch
 
 from pagedllm.config import ModelConfig
@@ -40,16 +39,11 @@ from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.structured_output.bitmask import fill_bitmask
 from pagedllm.structured_output.grammar import short_error
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
-from pagedllm.worker.step_input import BlockTableMirror, StepInput, apply_updates
+from pagedllm.worker.step_input import BlockTableMirror, SamplePlan, StepInput
 
 logger = logging.getLogger("pagedllm")
 R = TypeVar("R")
 
-# Test hook, fault injection (never set it in production): with PAGEDLLM_TEST_FAULTS=1 in the
-# engine core's environment, a request whose cache_salt is "fault:<stage>" fails at that stage:
-# "sample" (every sampling call that includes it raises), "logits" (its logits row becomes NaN)
-# or "token" (it samples the id just past the vocabulary). Read when the runner is built.
-FAULT_ENV = "PAGEDLLM_TEST_FAULTS"
 # Faults of the process, not of any request: isolating them per request would only hide them.
 _FATAL = (MemoryError, torch.OutOfMemoryError)
 
@@ -61,10 +55,6 @@ def _constraint_field(request: Request) -> str:
         if getattr(params, name):
             return name
     return "min_tokens" if params.min_tokens else "repetition_penalty"
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the fault-injection test hook."""
 
 
 @dataclass
@@ -85,8 +75,8 @@ class ModelRunner:
         model: the model (see ``pagedllm.models``), already loaded.
         config: its hyper-parameters.
         kv: the KV cache geometry (this rank's share).
-        tp: this rank's tensor-parallel group; rank 0 (the driver) schedules' steps are
-            broadcast to the others (:meth:`execute`), which run them (:meth:`execute_remote`).
+        tp: this rank's tensor-parallel group; every rank runs :meth:`forward`, rank 0 alone
+            :meth:`sample`.
     """
 
     def __init__(
@@ -98,73 +88,56 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.tp = tp
-        # Rank 0 sends each step to the others; they keep the block tables it sent.
-        self.mirror = BlockTableMirror() if tp.size > 1 and tp.is_driver else None
-        self.tables: dict[str, list[list[int]]] = {}
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(StepInput)
+        self.tables = BlockTableMirror(len(kv.groups))
         self.config = config
         self.block_size = kv.block_size
         self.groups = kv.groups
         self.kv_caches = allocate_kv_caches(kv)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
-        self.inject_faults = os.environ.get(FAULT_ENV) == "1"
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on the driver rank: forward pass, logits, sampling (see the module docstring)."""
-        # Decodes first: the attention batches them in one call.
-        order = sorted(range(len(sched.scheduled)), key=lambda i: sched.scheduled[i].num_new_tokens != 1)
-        reqs = [sched.scheduled[i] for i in order]
+    def forward(self, step: StepInput) -> torch.Tensor | None:
+        """Run one step's forward pass (every rank, the same ``step``).
 
+        Returns:
+            [len(step.logit_rows), V] float32 raw logits on rank 0; None on the other ranks
+            (their share of the vocabulary is gathered on rank 0) or when no row needs them.
+        """
+        self.tables.apply(step)
         token_ids: list[int] = []
         positions: list[int] = []
-        # Hidden rows that need logits, in one lm_head call: sampled rows first (their logits are
-        # then a view), then each verified request's 1 + k rows, then prompt-logprob rows.
-        sample_rows: list[tuple[int, ScheduledRequest]] = []
-        sample_idx: list[int] = []
-        verify_rows: list[tuple[int, ScheduledRequest, int]] = []  # (index, request, first logits row)
-        verify_idx: list[int] = []
-        prompt_rows: list[tuple[int, ScheduledRequest, int, int]] = []  # (index, request, first row, rows)
-        prompt_idx: list[int] = []
-        for i, s in zip(order, reqs):
-            start, end = s.num_computed_before, s.num_computed_before + s.num_new_tokens
-            first = len(token_ids)
-            token_ids.extend(s.request.all_token_ids[start:end])  # stops at the last known token
-            token_ids.extend(s.spec_token_ids)
-            positions.extend(range(start, end))
-            if s.request.sampling_params.prompt_logprobs is not None:
-                # Token p + 1 is predicted from position p, up to the prompt's last token.
-                rows = min(end, s.request.num_prompt_tokens - 1) - start
-                if rows > 0:
-                    prompt_rows.append((i, s, len(prompt_idx), rows))
-                    prompt_idx.extend(range(first, first + rows))
-            if s.spec_token_ids:
-                verify_rows.append((i, s, len(verify_idx)))
-                verify_idx.extend(range(len(token_ids) - len(s.spec_token_ids) - 1, len(token_ids)))
-            elif s.samples:
-                sample_idx.append(len(token_ids) - 1)
-                sample_rows.append((i, s))
-        logit_rows = sample_idx + verify_idx + prompt_idx
-        if self.mirror is not None:
-            self.tp.broadcast_bytes(self._encoder.encode(self.mirror.step_input(reqs, logit_rows)))
-        hidden = self._forward(
-            token_ids, positions, [s.num_new_tokens for s in reqs],
-            [s.num_computed_before + s.num_new_tokens for s in reqs], [s.block_ids for s in reqs],
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        for r in step.requests:
+            n = len(r.token_ids)
+            token_ids += r.token_ids
+            positions += range(r.num_computed_before, r.num_computed_before + n)
+            query_lens.append(n)
+            seq_lens.append(r.num_computed_before + n)
+        meta = build_attention_metadata(
+            self.groups, self.config.num_layers, query_lens, seq_lens,
+            [self.tables[r.req_id] for r in step.requests], self.block_size,
         )
-        logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+        hidden = self.model(
+            torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), self.kv_caches, meta
+        )
+        return self.model.compute_logits(hidden[step.logit_rows]) if step.logit_rows else None
 
-        n = len(reqs)
+    @torch.inference_mode()
+    def sample(self, sched: SchedulerOutput, plan: SamplePlan, logits: torch.Tensor | None) -> ModelRunnerOutput:
+        """Sample, verify drafts and score prompts from rank 0's logits of the step (see the
+        module docstring); the output is in the scheduler's order."""
+        n = len(sched.scheduled)
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[TokenLogprobs | None] = [None] * n
         prompt_logprobs: list[TokenLogprobs | None] = [None] * n
-        errors: dict[int, str] = {}
+        errors: dict[int, RequestError] = {}
         if logits is None:
             return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, errors)
 
-        base = len(sample_idx) + len(verify_idx)
-        for i, s, first, rows in prompt_rows:
+        base = plan.num_sample + plan.num_verify
+        for i, s, first, rows in plan.prompt:
             try:
                 prompt_logprobs[i] = self._prompt_logprobs(s, logits[base + first : base + first + rows])
             except _FATAL:
@@ -172,10 +145,10 @@ class ModelRunner:
             except Exception as e:
                 errors[i] = self._failed(s.request, "prompt logprobs", e)
         # A request whose prompt logprobs failed samples nothing this step.
-        sample_keep = [j for j, (i, _) in enumerate(sample_rows) if i not in errors]
-        verify_rows = [v for v in verify_rows if v[0] not in errors]
+        sample_keep = [j for j, (i, _) in enumerate(plan.sample) if i not in errors]
+        verify_rows = [v for v in plan.verify if v[0] not in errors]
         if verify_rows:
-            verify_logits = logits[len(sample_idx) : base]
+            verify_logits = logits[plan.num_sample : base]
             results = self._isolated(
                 lambda js: self._verify(verify_logits, [verify_rows[j] for j in js]),
                 [(i, s.request) for i, s, _ in verify_rows], errors, "verification",
@@ -184,10 +157,10 @@ class ModelRunner:
                 if result is not None:
                     sampled[i], logprobs[i] = result
         if sample_keep:
-            sample_logits = logits[: len(sample_idx)]
-            if len(sample_keep) < len(sample_rows):
+            sample_logits = logits[: plan.num_sample]
+            if len(sample_keep) < len(plan.sample):
                 sample_logits = sample_logits[sample_keep]
-            for i, result in self._sample_rows(sample_logits, [sample_rows[j] for j in sample_keep], errors).items():
+            for i, result in self._sample_rows(sample_logits, [plan.sample[j] for j in sample_keep], errors).items():
                 sampled[i], logprobs[i] = result
         for i, tokens in enumerate(sampled):
             # A token id the embedding cannot look up would crash the next step for everyone.
@@ -198,50 +171,8 @@ class ModelRunner:
                 sampled[i], logprobs[i] = [], None
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, errors)
 
-    @torch.inference_mode()
-    def execute_remote(self) -> bool:
-        """Run one step on a non-driver rank, as broadcast by rank 0; False when told to stop."""
-        step = self._decoder.decode(self.tp.broadcast_bytes(None))
-        if step.shutdown:
-            return False
-        apply_updates(self.tables, step, len(self.groups))
-        token_ids = [t for r in step.requests for t in r.token_ids]
-        positions = [p for r in step.requests for p in range(r.num_computed_before, r.num_computed_before + len(r.token_ids))]
-        hidden = self._forward(
-            token_ids, positions, [len(r.token_ids) for r in step.requests],
-            [r.num_computed_before + len(r.token_ids) for r in step.requests],
-            [self.tables[r.req_id] for r in step.requests],
-        )
-        if step.logit_rows:
-            self.model.compute_logits(hidden[step.logit_rows])  # this rank's vocabulary share, gathered on rank 0
-        return True
-
-    def stop_remote(self) -> None:
-        """Tell the other ranks to leave their loops (driver only)."""
-        if self.mirror is not None:
-            self.tp.broadcast_bytes(self._encoder.encode(StepInput(shutdown=True)))
-
-    def _forward(
-        self,
-        token_ids: list[int],
-        positions: list[int],
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[list[int]]],
-    ) -> torch.Tensor:
-        """The model over the step's flattened tokens: [T, hidden_size] final hidden states."""
-        meta = build_attention_metadata(
-            self.groups, self.config.num_layers, query_lens, seq_lens, block_tables, self.block_size
-        )
-        return self.model(
-            torch.tensor(token_ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
-            self.kv_caches,
-            meta,
-        )
-
     def _sample_rows(
-        self, logits: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequest]], errors: dict[int, str]
+        self, logits: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequest]], errors: dict[int, RequestError]
     ) -> dict[int, tuple[list[int], TokenLogprobs | None]]:
         """Sample the next token of each request from its raw logits row ([B, V] float32).
 
@@ -249,10 +180,6 @@ class ModelRunner:
             Output index -> (one token, its logprobs or None), for the requests that did not
             fail; those that did are in ``errors``.
         """
-        if self.inject_faults:
-            for j, (_, s) in enumerate(sample_rows):
-                if _marked(s.request, "logits"):
-                    logits[j] = float("nan")
         # NaN beats every value in argmax and poisons a softmax: nothing sampled from such a
         # row means anything. Raw logits are finite unless something broke.
         finite = torch.isfinite(logits).all(dim=-1).tolist()
@@ -275,7 +202,7 @@ class ModelRunner:
         self,
         run: Callable[[list[int]], list[R]],
         requests: list[tuple[int, Request]],
-        errors: dict[int, str],
+        errors: dict[int, RequestError],
         stage: str,
     ) -> list[R | None]:
         """``run`` over all of ``requests`` at once; if that raises, over each alone.
@@ -323,8 +250,6 @@ class ModelRunner:
         self, logits: torch.Tensor, reqs: list[ScheduledRequest]
     ) -> list[tuple[list[int], TokenLogprobs | None]]:
         """Sample one token per row of ``logits`` ([B, V] float, raw) and its logprobs if asked."""
-        if self.inject_faults and any(_marked(s.request, "sample") for s in reqs):
-            raise InjectedFault("injected sampling fault")
         rows = [
             SamplingRow(
                 params=s.request.sampling_params,
@@ -353,8 +278,6 @@ class ModelRunner:
         tokens = out.sampled_token_ids.tolist()
         results: list[tuple[list[int], TokenLogprobs | None]] = []
         for j, s in enumerate(reqs):
-            if self.inject_faults and _marked(s.request, "token"):
-                tokens[j] = self.config.vocab_size
             lp = None
             if out.logprobs is not None and s.request.sampling_params.logprobs is not None:
                 num = s.request.sampling_params.logprobs + 1
@@ -394,15 +317,7 @@ class ModelRunner:
                 )
                 for j in range(k + 1)
             )
-        if self.inject_faults and any(_marked(s.request, "sample") for _, s, _ in verify_rows):
-            raise InjectedFault("injected verification fault")
         logits = all_logits[idx]
-        if self.inject_faults:
-            row = 0
-            for _, s, _ in verify_rows:
-                if _marked(s.request, "logits"):
-                    logits[row] = float("nan")
-                row += len(s.spec_token_ids) + 1
         if not torch.isfinite(logits).all():
             raise ValueError("the model produced non-finite logits")
         accepted = self.rejection_sampler(
@@ -415,8 +330,6 @@ class ModelRunner:
         results: list[tuple[list[int], TokenLogprobs | None]] = []
         row = 0
         for (_, s, _), tokens in zip(verify_rows, accepted):
-            if self.inject_faults and _marked(s.request, "token"):
-                tokens = [*tokens[:-1], self.config.vocab_size]
             lp = None
             num = s.request.sampling_params.logprobs
             if num is not None:  # raw logprobs of each emitted token, at its own position
@@ -461,7 +374,3 @@ def _with_grammar_masks(meta: SamplingMetadata, reqs: list[ScheduledRequest], vo
         return meta
     return replace(meta, grammar_mask=(fill_bitmask(grammars, vocab_size, drafts), rows))
 
-
-def _marked(request: Request, stage: str) -> bool:
-    """Whether the fault-injection test hook targets this request at this stage."""
-    return request.cache_salt == f"fault:{stage}"

@@ -1,104 +1,134 @@
-"""What tensor-parallel rank 0 broadcasts to the other ranks each step, as a diff.
+"""One step as every tensor-parallel rank runs it, built once on rank 0 from the scheduler's output.
 
-The other ranks only run the forward pass (and their share of the logits), so they need the
-step's tokens and where their K/V go: per scheduled request its new token ids and
-``num_computed_tokens`` before them, and its block table, sent once and then only as changes
-(appended blocks; a sliding-window group's released head; a table rebuilt after preemption).
-Sampling, stop checks and grammars stay on rank 0, which owns the requests.
+Rank 0 turns a ``SchedulerOutput`` into a :class:`StepInput` (:func:`build_step`), sends it to
+the other ranks, and every rank, rank 0 included, runs the same forward pass over it
+(``ModelRunner.forward``). The step carries diffs, not state (vLLM V1's scheduler output): per
+scheduled request its new token ids (drafts included) and ``num_computed_tokens`` before them,
+the changes to its block tables, and the requests whose tables are to be dropped. Each rank
+keeps its tables in a :class:`BlockTableMirror` that applies them. Sampling, stop checks and
+grammars stay on rank 0, which owns the requests: :class:`SamplePlan` says which logits rows
+belong to which request, and never leaves rank 0.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import msgspec
 
-from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.scheduler import ScheduledRequest
+from pagedllm.core.kv_events import BlockTableUpdate
+from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 
 
 class RequestTokens(msgspec.Struct, array_like=True):
-    """One scheduled request's share of the step (drafts included in ``token_ids``)."""
+    """One scheduled request's share of the step: its tokens sit at positions
+    ``num_computed_before, num_computed_before + 1, ...``."""
 
     req_id: str
     num_computed_before: int
     token_ids: list[int]
 
 
-class BlockTableUpdate(msgspec.Struct, array_like=True):
-    """Replace ``table[group][start:]`` of request ``req_id`` by ``block_ids``."""
-
-    req_id: str
-    group: int
-    start: int
-    block_ids: list[int]
-
-
 class StepInput(msgspec.Struct, array_like=True):
-    """One step for the non-driver ranks, or the order to stop.
+    """One step for every rank, or the order to stop.
 
     Attributes:
         requests: the scheduled requests in forward order (decodes first).
-        block_updates: changes to the block tables of those requests.
-        dropped: requests whose tables the ranks forget (finished, preempted).
+        block_updates: changes to the block tables of those requests, applied in order.
+        finished_req_ids: requests whose tables are dropped, before the updates apply.
         logit_rows: rows of the step's hidden states the logits are computed for, in order.
-        shutdown: stop the loop (every other field empty).
+        shutdown: leave the step loop (every other field empty).
     """
 
     requests: list[RequestTokens] = []
     block_updates: list[BlockTableUpdate] = []
-    dropped: list[str] = []
+    finished_req_ids: list[str] = []
     logit_rows: list[int] = []
     shutdown: bool = False
 
 
+@dataclass
+class SamplePlan:
+    """Where each request's logits are, in the rows of ``StepInput.logit_rows`` (rank 0 only).
+
+    The rows come in three runs: one per sampling request, then ``1 + k`` per request verifying
+    ``k`` drafts, then the prompt-logprob rows.
+
+    Attributes:
+        sample: (scheduler index, request) per sampled row, in row order.
+        verify: (scheduler index, request, first row within the verify run).
+        prompt: (scheduler index, request, first row within the prompt run, rows).
+        num_sample, num_verify: the rows of the first two runs.
+    """
+
+    sample: list[tuple[int, ScheduledRequest]] = field(default_factory=list)
+    verify: list[tuple[int, ScheduledRequest, int]] = field(default_factory=list)
+    prompt: list[tuple[int, ScheduledRequest, int, int]] = field(default_factory=list)
+    num_sample: int = 0
+    num_verify: int = 0
+
+
+def build_step(sched: SchedulerOutput) -> tuple[StepInput, SamplePlan]:
+    """The step every rank runs for ``sched``, and rank 0's plan for its logits."""
+    # Decodes first: the attention batches them in one call.
+    order = sorted(range(len(sched.scheduled)), key=lambda i: sched.scheduled[i].num_new_tokens != 1)
+    requests: list[RequestTokens] = []
+    updates: list[BlockTableUpdate] = []
+    plan = SamplePlan()
+    sample_idx: list[int] = []
+    verify_idx: list[int] = []
+    prompt_idx: list[int] = []
+    num_tokens = 0
+    for i in order:
+        s = sched.scheduled[i]
+        request = s.request
+        start = s.num_computed_before
+        end = start + s.num_new_tokens - len(s.spec_token_ids)  # the last known token, then the drafts
+        tokens = request.all_token_ids[start:end] + s.spec_token_ids
+        first = num_tokens
+        num_tokens += len(tokens)
+        requests.append(RequestTokens(request.request_id, start, tokens))
+        updates += s.block_updates
+        if request.sampling_params.prompt_logprobs is not None:
+            # Token p + 1 is predicted from position p, up to the prompt's last token.
+            rows = min(end, request.num_prompt_tokens - 1) - start
+            if rows > 0:
+                plan.prompt.append((i, s, len(prompt_idx), rows))
+                prompt_idx.extend(range(first, first + rows))
+        if s.spec_token_ids:
+            plan.verify.append((i, s, len(verify_idx)))
+            verify_idx.extend(range(num_tokens - len(s.spec_token_ids) - 1, num_tokens))
+        elif s.samples:
+            sample_idx.append(num_tokens - 1)
+            plan.sample.append((i, s))
+    plan.num_sample, plan.num_verify = len(sample_idx), len(verify_idx)
+    step = StepInput(requests, updates, sched.finished_req_ids, sample_idx + verify_idx + prompt_idx)
+    return step, plan
+
+
 class BlockTableMirror:
-    """The block tables the other ranks hold, kept on rank 0 to send only what changed."""
+    """A rank's copy of the scheduler's block tables, kept by applying each step's diffs.
 
-    def __init__(self) -> None:
+    Args:
+        num_groups: KV cache groups (one table per group and request).
+    """
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
         self.tables: dict[str, list[list[int]]] = {}
-        self.requests: dict[str, Request] = {}
 
-    def step_input(self, reqs: list[ScheduledRequest], logit_rows: list[int]) -> StepInput:
-        """The broadcast of a step that runs ``reqs`` (in forward order)."""
-        dropped = [rid for rid, r in self.requests.items() if r.status != RequestStatus.RUNNING]
-        for rid in dropped:
-            del self.tables[rid], self.requests[rid]
-        updates: list[BlockTableUpdate] = []
-        tokens: list[RequestTokens] = []
-        for s in reqs:
-            rid = s.request.request_id
-            known = self.tables.get(rid)
-            if known is None:
-                known = self.tables[rid] = [[] for _ in s.block_ids]
-                self.requests[rid] = s.request
-            for g, (old, new) in enumerate(zip(known, s.block_ids)):
-                start = _first_difference(old, new)
-                if start < len(new) or len(old) > len(new):
-                    updates.append(BlockTableUpdate(rid, g, start, new[start:]))
-                    known[g] = list(new)
-            start, end = s.num_computed_before, s.num_computed_before + s.num_new_tokens
-            tokens.append(RequestTokens(rid, start, s.request.all_token_ids[start:end] + s.spec_token_ids))
-        return StepInput(tokens, updates, dropped, logit_rows)
+    def apply(self, step: StepInput) -> None:
+        """Drop the finished requests' tables, then apply the updates."""
+        tables = self.tables
+        for rid in step.finished_req_ids:
+            tables.pop(rid, None)
+        for u in step.block_updates:
+            table = tables.get(u.req_id)
+            if table is None:
+                table = tables[u.req_id] = [[] for _ in range(self.num_groups)]
+            del table[u.group][u.start :]
+            table[u.group].extend(u.block_ids)
 
-
-def apply_updates(tables: dict[str, list[list[int]]], step: StepInput, num_groups: int) -> None:
-    """A non-driver rank's tables after ``step``'s drops and updates."""
-    for rid in step.dropped:
-        tables.pop(rid, None)
-    for r in step.requests:
-        if r.req_id not in tables:
-            tables[r.req_id] = [[] for _ in range(num_groups)]
-    for u in step.block_updates:
-        table = tables[u.req_id][u.group]
-        del table[u.start :]
-        table.extend(u.block_ids)
-
-
-def _first_difference(old: list[int], new: list[int]) -> int:
-    """Index of the first entry where ``new`` differs from ``old`` (or where one ends)."""
-    n = len(old)
-    if new[:n] == old:  # the common case, compared in C: blocks appended or none
-        return n
-    for i, (a, b) in enumerate(zip(old, new)):
-        if a != b:
-            return i
-    return len(new)
+    def __getitem__(self, req_id: str) -> list[list[int]]:
+        """The request's table per group."""
+        return self.tables[req_id]
