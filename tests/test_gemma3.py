@@ -21,6 +21,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.step_input import build_step
 from test_loader import prefill_logits
 
 BLOCK_SIZE = 4
@@ -242,7 +243,8 @@ def _greedy_through_the_scheduler(model, config, num_blocks: int, prompts: list[
         sched.add_request(r)
     while sched.num_unfinished:
         out = sched.schedule()
-        sched.update_from_output(out, runner.execute(out).sampled)
+        step, plan = build_step(out)
+        sched.update_from_output(out, runner.sample(out, plan, runner.forward(step)).sampled)
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     return [r.output_token_ids for r in reqs], sched.num_preemptions
 

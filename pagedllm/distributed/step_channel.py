@@ -101,15 +101,12 @@ class StepSender:
         return self._dead.wait(timeout_s)
 
     def close(self) -> None:
-        """Close every connection (the ranks still reading then leave); idempotent."""
+        """Close every connection (the ranks still reading then leave); once only."""
         self._wake_w.send(b"x")
         if self._monitor is not None:
             self._monitor.join()
-            self._monitor = None
-        for conn in self._peers.values():
-            conn.close()
-        self._peers.clear()
-        self._listener.close()
+        for sock in [*self._peers.values(), self._listener, self._wake_r, self._wake_w]:
+            sock.close()
 
     def _watch(self) -> None:
         """The monitor thread: mark the ranks whose connection closes, until ``close``."""

@@ -134,7 +134,7 @@ class Worker:
             if step.shutdown:
                 return
             self.runner.forward(step)
-        logger.warning("rank 0 closed the connection without the shutdown message; leaving")
+        logger.info("rank 0 closed the connection without the shutdown message; leaving")
 
     def close(self) -> None:
         """Leave the group and hand the process's cores back."""
