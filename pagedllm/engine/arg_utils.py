@@ -83,6 +83,10 @@ class EngineArgs:
         "STRICT_PACK", "Ray placement group strategy for the ranks (one bundle each)",
         choices=("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
     )
+    worker_timeout_s: float = _flag(
+        120.0, "seconds the tensor-parallel ranks wait for a hung rank in a collective before the engine fails",
+        type=finite_float,
+    )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
