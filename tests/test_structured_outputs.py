@@ -176,3 +176,34 @@ def _unchecked(**fields) -> StructuredOutputsParams:
     for name, value in fields.items():
         setattr(params, name, value)
     return params
+
+
+def test_background_masks_and_their_application(llm):
+    """Masks filled in the background match those filled in place, for any subset and order of
+    the grammars, and applying them bans exactly the tokens whose bit is clear."""
+    import torch
+
+    from pagedllm.structured_output.bitmask import PendingMasks, apply_bitmask, fill_bitmask
+
+    manager = llm.engine.core.structured
+    states = [manager.request_state(json_params().structured_outputs) for _ in range(2)]
+    states.append(manager.request_state(regex_params().structured_outputs))
+    for s in states:
+        s.compiled.result()
+        assert s.is_ready
+    states[1].accept(states[1].matcher.compute_ff_tokens()[0])  # '{': a state of its own
+    vocab = llm.engine.core.model_config.vocab_size
+    pending = PendingMasks(states, vocab)
+    subset = [states[2], states[0]]
+    assert torch.equal(pending.masks(subset), fill_bitmask(subset, vocab))
+    assert torch.equal(pending.masks(states), fill_bitmask(states, vocab))
+
+    bitmask = pending.masks(subset)
+    logits = torch.randn(4, vocab)
+    expected = logits.clone()
+    for mask_row, row in zip(bitmask, [3, 1]):
+        bits = (mask_row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        expected[row, bits.flatten()[:vocab] == 0] = -torch.inf
+    apply_bitmask(logits, bitmask, [3, 1])
+    assert torch.equal(logits, expected)
+    assert torch.isfinite(logits[[0, 2]]).all()

@@ -1,8 +1,13 @@
-"""Next-token masks of a batch's constrained rows, one bit per token, applied to logits in place."""
+"""Next-token masks of a batch's constrained rows, one bit per token, applied to logits in place.
+
+A step's masks can be filled in a background thread (:class:`PendingMasks`) while the forward
+pass runs: they depend only on the tokens each matcher has already accepted.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.torch
@@ -12,6 +17,7 @@ import torch
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 _executor: llguidance.LLExecutor | None = None
+_filler: ThreadPoolExecutor | None = None
 
 
 def _parallel() -> llguidance.LLExecutor:
@@ -19,6 +25,13 @@ def _parallel() -> llguidance.LLExecutor:
     if _executor is None:  # llguidance's own thread pool: masks of many rows fill in parallel
         _executor = llguidance.LLExecutor()
     return _executor
+
+
+def _background() -> ThreadPoolExecutor:
+    global _filler
+    if _filler is None:  # one thread: steps run one at a time, so their fills do too
+        _filler = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-masks")
+    return _filler
 
 
 def fill_bitmask(
@@ -57,20 +70,49 @@ def fill_bitmask(
     return bitmask
 
 
+class PendingMasks:
+    """The masks of a step's constrained rows (no drafts), being filled in a background thread.
+
+    Until :meth:`masks` returns, the thread reads the matchers of ``grammars``: nothing may
+    advance them (the step's forward pass does not).
+
+    Args:
+        grammars: ready grammar states, distinct.
+        vocab_size: V, the logits' width.
+    """
+
+    def __init__(self, grammars: Sequence[StructuredOutputRequest], vocab_size: int) -> None:
+        self._rows = {id(g): i for i, g in enumerate(grammars)}
+        self._bitmask: Future[torch.Tensor] = _background().submit(fill_bitmask, list(grammars), vocab_size)
+
+    def masks(self, grammars: Sequence[StructuredOutputRequest]) -> torch.Tensor:
+        """The masks of ``grammars`` (some of those given, any order), as ``fill_bitmask``
+        returns them: IntTensor[len(grammars), ceil(V / 32)]. Waits for the fill.
+
+        Raises:
+            Exception: what the fill raised.
+        """
+        bitmask = self._bitmask.result()
+        index = [self._rows[id(g)] for g in grammars]
+        return bitmask if index == list(range(bitmask.shape[0])) else bitmask[index]
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
     """Set the logits of disallowed tokens to -inf, in place; other rows are untouched.
 
     Args:
-        logits: FloatTensor[S, V].
+        logits: FloatTensor[S, V] on the CPU.
         bitmask: IntTensor[R, ceil(V / 32)] from ``fill_bitmask``.
         rows: R distinct row indices of ``logits``, one per row of ``bitmask``.
     """
     vocab = logits.shape[1]
     # Little-endian words: byte b of word w holds tokens 32w + 8b .. 32w + 8b + 7, low bit first.
-    banned = np.unpackbits((~bitmask).numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    banned_t = torch.from_numpy(banned).view(torch.bool)
-    if len(rows) == logits.shape[0] and list(rows) == list(range(len(rows))):
-        logits.masked_fill_(banned_t, -torch.inf)
+    banned = np.unpackbits((~bitmask).numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab].view(np.bool_)
+    # Numpy works in this thread: torch would split a fill this small across its thread team,
+    # and on busy cores waiting for the team costs more than the fill.
+    values = logits.numpy()
+    if len(rows) == values.shape[0] and list(rows) == list(range(len(rows))):
+        np.copyto(values, -np.inf, where=banned)
         return
-    index = torch.tensor(rows, dtype=torch.long)
-    logits[index] = logits[index].masked_fill_(banned_t, -torch.inf)
+    for mask, row in zip(banned, rows):
+        np.copyto(values[row], -np.inf, where=mask)

@@ -4,10 +4,11 @@ A request with draft tokens (speculative decoding) is fed its last token and its
 logits at all ``1 + k`` positions go to the rejection sampler, which returns the accepted
 drafts and one more token.
 
-Structured outputs: before sampling (or verifying), the next-token masks of the requests
-with a grammar are filled into one bitmask for the batch, which the sampler applies to
-those rows' logits (-inf for every token the grammar forbids); rows without a grammar are
-untouched, and a batch without any costs nothing.
+Structured outputs: the next-token masks of the requests with a grammar are filled into one
+bitmask for the batch, which the sampler applies to those rows' logits (-inf for every token
+the grammar forbids); rows without a grammar are untouched, and a batch without any costs
+nothing. The masks of sampled rows fill in a background thread while the forward pass runs
+(``start_masks``); those of verified rows (drafts) are filled before verifying.
 
 Fault isolation: a request whose logits row is not finite, whose sampled id is outside the
 vocabulary, or whose sampling, verification or logprob step raises is reported in
@@ -36,7 +37,7 @@ from pagedllm.outputs import RequestError, TokenLogprobs
 from pagedllm.errors import InvalidParamError
 from pagedllm.core.request import Request
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
-from pagedllm.structured_output.bitmask import fill_bitmask
+from pagedllm.structured_output.bitmask import PendingMasks, fill_bitmask
 from pagedllm.structured_output.grammar import short_error
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 from pagedllm.worker.step_input import BlockTableMirror, SamplePlan, StepInput
@@ -95,6 +96,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(kv)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
+        self._started: tuple[SamplePlan, PendingMasks] | None = None  # by ``start_masks``
+        self._masks: PendingMasks | None = None  # the masks of the step ``sample`` runs
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor | None:
@@ -124,10 +127,19 @@ class ModelRunner:
         )
         return self.model.compute_logits(hidden[step.logit_rows]) if step.logit_rows else None
 
+    def start_masks(self, plan: SamplePlan) -> None:
+        """Start filling the grammar masks of ``plan``'s sampled rows in the background (rank 0,
+        before ``forward``); ``sample`` of the same plan uses them, and without this call fills
+        them itself."""
+        grammars = [s.request.structured_output for _, s in plan.sample if s.request.structured_output is not None]
+        self._started = (plan, PendingMasks(grammars, self.config.vocab_size)) if grammars else None
+
     @torch.inference_mode()
     def sample(self, sched: SchedulerOutput, plan: SamplePlan, logits: torch.Tensor | None) -> ModelRunnerOutput:
         """Sample, verify drafts and score prompts from rank 0's logits of the step (see the
         module docstring); the output is in the scheduler's order."""
+        started, self._started = self._started, None
+        self._masks = started[1] if started is not None and started[0] is plan else None
         n = len(sched.scheduled)
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[TokenLogprobs | None] = [None] * n
@@ -264,7 +276,8 @@ class ModelRunner:
         constrained = [j for j, s in enumerate(reqs) if s.request.structured_output is not None]
         if constrained:
             grammars = [reqs[j].request.structured_output for j in constrained]
-            meta = replace(meta, grammar_mask=(fill_bitmask(grammars, logits.shape[1]), constrained))
+            bitmask = fill_bitmask(grammars, logits.shape[1]) if self._masks is None else self._masks.masks(grammars)
+            meta = replace(meta, grammar_mask=(bitmask, constrained))
             if any(g.matcher.is_error() for g in grammars):  # fails this batch; ``_isolated`` retries each alone
                 error = next(g.matcher.get_error() for g in grammars if g.matcher.is_error())
                 raise InvalidParamError("structured_outputs", f"the grammar failed while generating: {short_error(error)}")

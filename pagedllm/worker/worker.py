@@ -119,6 +119,7 @@ class Worker:
             payload = self._encoder.encode(step)
             sender.send(payload)
             self.tp.stats.add("step", start, len(payload))
+        self.runner.start_masks(plan)  # the grammar masks fill while the forward pass runs
         return self.runner.sample(sched, plan, self.runner.forward(step))
 
     def stop_others(self, sender: StepSender) -> None:
