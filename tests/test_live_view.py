@@ -254,7 +254,9 @@ def drawn(state):
          blocks["shared"].get(str(b)))
         for b in range(len(blocks["ref"]))
     ]
-    return {"version": state["version"], "headline": state["headline"], "steps": state["steps"],
+    rates = ("tokens_in_per_s", "tokens_out_per_s")  # of a window ending at the frame's clock
+    headline = {k: v for k, v in state["headline"].items() if k not in rates}
+    return {"version": state["version"], "headline": headline, "steps": state["steps"],
             "requests": state["requests"], "blocks": cells}
 
 
@@ -273,6 +275,32 @@ def fed_steps(view, stops=True):
             if record.index % 9 == 8:
                 view.on_finish([e.request_id], "stop", record.end)
         yield
+
+
+def test_rates_cover_a_recent_window_and_fall_to_zero_when_idle():
+    view = LiveView(20, BS, [0], 24)
+    for _ in fed_steps(view, stops=False):
+        pass
+    last = view.steps[-1].end
+    busy = view.headline(last)
+    assert busy["tokens_out_per_s"] > 0 and busy["tokens_in_per_s"] > 0
+    later = view.headline(last + 2.0)  # the same tokens over a longer span
+    assert 0 < later["tokens_out_per_s"] < busy["tokens_out_per_s"]
+    idle = view.headline(last + 60.0)
+    assert idle["tokens_out_per_s"] == idle["tokens_in_per_s"] == 0.0
+    assert idle["steps"] == busy["steps"] == len(view.steps)
+
+
+def test_shown_requests_put_unfinished_first_then_the_latest_finished():
+    view = LiveView(20, BS, [0], 24)
+    for rid, t in [("a", 1.0), ("b", 2.0), ("c", 3.0), ("d", 4.0), ("e", 5.0)]:
+        view.on_arrival([EngineCoreRequest(rid, [5, 6], SamplingParams(), [EOS], t)])
+    view.on_finish(["c"], "stop", 10.0)
+    view.on_finish(["a"], "stop", 11.0)
+    view.on_finish(["b"], "length", 9.0)
+    assert [t.request_id for t in view.shown_requests(40)] == ["d", "e", "a", "c", "b"]
+    assert [t.request_id for t in view.shown_requests(3)] == ["d", "e", "a"]
+    assert [t.request_id for t in view.shown_requests(1)] == ["d"]
 
 
 def test_viewer_gets_a_snapshot_then_deltas_that_rebuild_it():

@@ -1,5 +1,6 @@
 """The live view in a real browser: headless Chromium (Debian's ``chromium`` and ``chromium-driver``
-packages, driven by Selenium) on a live server while 16 requests run in a small KV cache.
+packages, driven by Selenium) on a live server while 16 requests run, in a small KV cache
+(preemptions) and in the default one (thousands of blocks, most of them free).
 
 Skipped, with the reason, where Selenium or the Debian packages are missing
 (``apt-get install -y chromium chromium-driver; pip install selenium``). The screenshot is
@@ -47,6 +48,21 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
+def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    from dataclasses import fields
+
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    default = next(f.default for f in fields(EngineArgs) if f.name == "kv_cache_memory")
+    s = start_server(
+        tmp_path_factory.mktemp("live-default"), "--enable-live-view", "--api-key", API_KEY,
+        "--kv-cache-memory", default, "--max-model-len", "512", "--max-num-batched-tokens", "256", "--disable-log-stats",
+    )
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
 def browser() -> Iterator[webdriver.Chrome]:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
@@ -57,13 +73,14 @@ def browser() -> Iterator[webdriver.Chrome]:
     driver.quit()
 
 
-def _send_requests(url: str, n: int) -> list[threading.Thread]:
+def _send_requests(url: str, n: int, max_tokens: int = 64) -> list[threading.Thread]:
     """``n`` completions at once, half of them behind one shared system prompt (prefix-cache hits)."""
     shared = "You are a careful assistant who answers questions about the history of computing. " * 4
 
     def one(i: int) -> None:
         prompt = (shared if i % 2 else "") + f"Question {i}: tell me about machine number {i}, in detail. " * (1 + i % 3)
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 64 + 16 * (i % 5), "temperature": 0}
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens + 16 * (i % 5),
+                "temperature": 0, "ignore_eos": True}
         httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600)
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
@@ -129,3 +146,54 @@ def _click_finished_row(driver: webdriver.Chrome) -> bool:
     except StaleElementReferenceException:
         return False
     return True
+
+
+# Where the page draws its rows and its first held block, read in one script (between two frames).
+_LAYOUT = """
+const rows = [...document.querySelectorAll('#waterfall .row')].map((r) =>
+  [r.dataset.finished, r.getBoundingClientRect().bottom]);
+const canvas = document.getElementById('map'), ratio = window.devicePixelRatio || 1;
+const at = document.body.dataset.heldCellAt, size = Number(document.body.dataset.heldCell || 0);
+let measured = 0;
+if (at) {  // the run of the held cell's own colour through its middle, in CSS pixels
+  const [x, y] = at.split(',').map(Number), box = canvas.getBoundingClientRect();
+  const line = canvas.getContext('2d').getImageData(0, Math.round((y + size / 2) * ratio), canvas.width, 1).data;
+  const mid = Math.round((x + size / 2) * ratio);
+  const same = (i) => [0, 1, 2, 3].every((k) => Math.abs(line[4 * i + k] - line[4 * mid + k]) < 8);
+  let a = mid, b = mid;
+  while (a > 0 && same(a - 1)) a--;
+  while (b < canvas.width - 1 && same(b + 1)) b++;
+  measured = (b - a + 1) / ratio;
+}
+return {rows, screen: window.innerHeight, size, measured};
+"""
+
+
+def test_default_cache_shows_running_requests_first_and_held_blocks_at_a_visible_size(
+    default_server: Server, browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    """At the default cache size (thousands of blocks, a few dozen in use), the block map zooms to
+    the blocks in use and the waterfall lists running requests on the first screen, above the
+    requests that finished before them."""
+    browser.get(f"{default_server.url}/dashboard?api_key={API_KEY}")
+    wait = WebDriverWait(browser, WAIT_S, poll_frequency=0.2)
+    wait.until(lambda d: _data(d, "frames") >= 2)
+    for t in _send_requests(default_server.url, 24, max_tokens=4):  # finished rows, older than the next ones
+        t.join(WAIT_S)
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".row[data-finished='length']")) >= 24)
+    threads = _send_requests(default_server.url, 16, max_tokens=96)
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".row[data-finished='']")) >= 12 and _data(d, "heldBlocks") > 0)
+    layout = browser.execute_script(_LAYOUT)
+    shot = tmp_path / "live_view_default.png"
+    browser.save_screenshot(str(shot))
+    if os.environ.get("PAGEDLLM_LIVE_VIEW_SCREENSHOT"):
+        shutil.copy(shot, Path(os.environ["PAGEDLLM_LIVE_VIEW_SCREENSHOT"]).with_suffix(".default.png"))
+    kinds = [finished for finished, _ in layout["rows"]]
+    unfinished = [bottom for finished, bottom in layout["rows"] if not finished]
+    assert len(unfinished) >= 12 and "length" in kinds
+    assert kinds == sorted(kinds, key=bool), "unfinished rows come before finished ones"
+    assert max(unfinished) <= layout["screen"], "every running or waiting request is on the first screen"
+    assert layout["size"] >= 8 and layout["measured"] >= 8, layout
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"] == []
+    for t in threads:
+        t.join(WAIT_S)

@@ -80,7 +80,8 @@ class ViewerFrames:
 
     def _delta(self, blocks: set[int], requests: set[str]) -> dict[str, Any]:
         view = self.view
-        frame: dict[str, Any] = {"kind": "delta", "version": view.version, "now": time.monotonic(), "headline": view.headline()}
+        now = time.monotonic()
+        frame: dict[str, Any] = {"kind": "delta", "version": view.version, "now": now, "headline": view.headline(now)}
         steps = view.step_rows(self._last_step, self.num_steps)
         if steps:
             self._last_step = steps[-1][0]

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the view reads the engine's messages; it never builds them
 DEFAULT_STEPS = 4096  # ring buffer length: the last few thousand steps
 DEFAULT_REQUESTS = 512  # request timelines kept (finished ones are dropped oldest first)
 _MAX_SEGMENTS = 256  # per request; later steps extend the last segment
-_RATE_WINDOW_S = 5.0  # tokens/s are averaged over the steps of this many seconds
+_RATE_WINDOW_S = 5.0  # tokens/s are averaged over the last this many seconds
 _CHANGE_LOG = 1024  # versions whose changes are kept for viewers' deltas (an older viewer gets a snapshot)
 
 
@@ -85,7 +85,8 @@ class LiveView:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.blocks = BlockMap(num_blocks)
         self.steps: deque[StepRecord] = deque(maxlen=max_steps)
-        self.output_tokens: deque[int] = deque(maxlen=max_steps)  # tokens emitted, per step in ``steps``
+        # Per step in ``steps``: (prompt tokens computed, tokens emitted).
+        self.step_tokens: deque[tuple[int, int]] = deque(maxlen=max_steps)
         self.requests: OrderedDict[str, RequestTimeline] = OrderedDict()
         self.max_requests = max_requests
         self.num_preemptions = 0
@@ -94,7 +95,6 @@ class LiveView:
         self.version = 0  # one more with every change fed in
         # One entry per version, the latest _CHANGE_LOG: the blocks and request rows it changed.
         self._changes: deque[tuple[set[int], set[str]]] = deque(maxlen=_CHANGE_LOG)
-        self._headline: tuple[int, dict[str, Any]] | None = None  # (version, headline) of the last call
 
     @classmethod
     def for_engine(cls, config: EngineConfig, kv: KVCacheConfig) -> LiveView:
@@ -145,7 +145,7 @@ class LiveView:
             if o.finish_reason is not None and timeline.finished is None:
                 timeline.finished, timeline.finish_reason = out.timestamp, o.finish_reason
         if record is not None and record.scheduled:
-            self.output_tokens.append(num_output)
+            self.step_tokens.append((sum(e.prefill for e in record.scheduled), num_output))
         if record is not None or requests:
             self._changed(blocks, requests)
 
@@ -199,26 +199,24 @@ class LiveView:
             requests |= r
         return blocks, requests
 
-    def headline(self) -> dict[str, Any]:
-        """Queue lengths, KV usage, prefix hit rate, tokens/s in and out, preemptions."""
-        if self._headline is None or self._headline[0] != self.version:
-            self._headline = (self.version, self._compute_headline())
-        return self._headline[1]
+    def headline(self, now: float) -> dict[str, Any]:
+        """Queue lengths, KV usage, prefix hit rate, tokens/s in and out, preemptions.
 
-    def _compute_headline(self) -> dict[str, Any]:
+        The rates are those of the steps that ended in the last ``_RATE_WINDOW_S`` seconds
+        before ``now`` (``time.monotonic()`` seconds), over the time from the first one's
+        start (or the window's, if earlier) to ``now``: they fall to 0 when the engine idles.
+        """
         last = self.steps[-1] if self.steps else None
         prefill = output = 0
-        span = 0.0
-        if last is not None:
-            since = last.end - _RATE_WINDOW_S
-            first = last
-            for record, num_out in zip(reversed(self.steps), reversed(self.output_tokens)):
-                if record.end < since:
-                    break
-                prefill += sum(e.prefill for e in record.scheduled)
-                output += num_out
-                first = record
-            span = last.end - first.start
+        since = now - _RATE_WINDOW_S
+        start = now
+        for record, (num_in, num_out) in zip(reversed(self.steps), reversed(self.step_tokens)):
+            if record.end <= since:
+                break
+            prefill += num_in
+            output += num_out
+            start = max(record.start, since)
+        span = now - start
         return {
             "running": last.num_running if last else 0,
             "waiting": last.num_waiting if last else 0,
@@ -245,12 +243,16 @@ class LiveView:
         ]
 
     def shown_requests(self, num_requests: int = 40) -> list[RequestTimeline]:
-        """The requests the page lists: every unfinished one, then the most recently arrived,
-        ``num_requests`` in all, in order of arrival."""
-        recent = list(self.requests.values())[::-1]
-        shown = [t for t in recent if t.finished is None][:num_requests]
-        shown += [t for t in recent if t.finished is not None][: num_requests - len(shown)]
-        shown.sort(key=lambda t: t.arrival)
+        """The requests the page lists, ``num_requests`` at most: the unfinished ones (running
+        or waiting) in order of arrival, then the finished ones, the latest to finish first.
+        When there are more unfinished ones than that, the latest to arrive are left out."""
+        unfinished = [t for t in self.requests.values() if t.finished is None]
+        unfinished.sort(key=lambda t: t.arrival)
+        shown = unfinished[:num_requests]
+        if len(shown) < num_requests:
+            finished = [t for t in self.requests.values() if t.finished is not None]
+            finished.sort(key=lambda t: t.finished, reverse=True)
+            shown += finished[: num_requests - len(shown)]
         return shown
 
     def config_json(self) -> dict[str, Any]:
@@ -263,11 +265,12 @@ class LiveView:
     def snapshot(self, num_steps: int = 300, num_requests: int = 40) -> dict[str, Any]:
         """What the page draws: the last ``num_steps`` steps (``step_rows``), the requests of
         ``shown_requests``, the block map (``BlockMap.snapshot``), as of ``version``."""
+        now = time.monotonic()
         return {
             "version": self.version,
-            "now": time.monotonic(),
+            "now": now,
             "config": self.config_json(),
-            "headline": self.headline(),
+            "headline": self.headline(now),
             "steps": self.step_rows(num_steps=num_steps),
             "requests": [t.to_json() for t in self.shown_requests(num_requests)],
             "blocks": self.blocks.snapshot(),

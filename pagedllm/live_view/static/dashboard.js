@@ -40,29 +40,58 @@
     $("h-steps").textContent = h.steps;
   }
 
-  // -- KV block map: one band per KV cache group, every pool block a cell in each band ---
+  // -- KV block map: one band per KV cache group ------------------------------------------
+  // A pool that fits at MIN_CELL pixels a block is drawn whole, in block order. A larger one
+  // (the default cache: thousands of blocks) draws only the blocks in use, in block order:
+  // held and cached ones, or the held ones alone when those are too many, and under them a
+  // strip of the whole pool (per pixel column, the share of its blocks held or cached).
+  const MIN_CELL = 8, MAX_CELL = 28, TINY_CELL = 2, STRIP_H = 10;
+
+  // The largest cell (px) at which `count` cells fit in w x h, or 0 if none >= `least` does.
+  function cellSize(count, w, h, least) {
+    for (let c = MAX_CELL; c >= least; c--) if (Math.floor(w / c) * Math.floor(h / c) >= count) return c;
+    return 0;
+  }
+
   function drawMap(snap) {
     const { blocks, config } = snap, n = config.num_blocks, groups = config.group_windows;
-    $("map").style.height = `${Math.max(260, 110 * groups.length)}px`;  // a band per group
+    $("map").style.height = `${Math.max(260, 130 * groups.length)}px`;  // a band per group
     const [ctx, w, h] = sizeCanvas($("map"));
     const labelH = 14, bandGap = 6, perBand = (h - groups.length * (labelH + bandGap)) / groups.length;
-    let cell = Math.floor(Math.sqrt((w * perBand) / n));
-    while (cell > 3 && Math.floor(w / cell) * Math.floor(perBand / cell) < n) cell--;
-    cell = Math.max(3, Math.min(cell, 28));
-    const cols = Math.max(1, Math.floor(w / cell)), gap = cell > 6 ? 1 : 0;
     const sel = state.selected, cells = [];
-    let held = 0;
+    let held = 0, cached = 0, heldCell = 0, heldAt = "";
     groups.forEach((window, g) => {
       const top = g * (perBand + labelH + bandGap);
-      ctx.fillStyle = color("--dim"); ctx.font = "11px system-ui";
-      ctx.fillText(`group ${g} · ${window ? `sliding window ${window}` : "global"}`, 0, top + 10);
+      const inUse = [], heldIds = [];
       for (let b = 0; b < n; b++) {
-        const x = (b % cols) * cell, y = top + labelH + Math.floor(b / cols) * cell, s = cell - gap;
+        if (blocks.group[b] !== g) continue;
+        if (blocks.ref[b] > 0) { inUse.push(b); heldIds.push(b); held++; }
+        else if (blocks.cached[b]) { inUse.push(b); cached++; }
+      }
+      let shown = null, cell = cellSize(n, w, perBand, MIN_CELL), what = `${n} blocks`;
+      if (!cell) {  // zoomed: the blocks in use above, the whole pool's strip below
+        const area = perBand - STRIP_H - 4;
+        cell = cellSize(inUse.length, w, area, MIN_CELL);
+        shown = inUse;
+        what = `${inUse.length} in use of ${n} blocks`;
+        if (!cell) {
+          shown = heldIds;
+          cell = cellSize(heldIds.length, w, area, TINY_CELL) || TINY_CELL;
+          what = `${heldIds.length} held of ${n} blocks (cached ones in the strip)`;
+        }
+        drawStrip(ctx, blocks, n, g, w, top + labelH + perBand - STRIP_H);
+      }
+      ctx.fillStyle = color("--dim"); ctx.font = "11px system-ui";
+      ctx.fillText(`group ${g} · ${window ? `sliding window ${window}` : "global"} · ${what}`, 0, top + 10);
+      const cols = Math.max(1, Math.floor(w / cell)), gap = cell > 6 ? 1 : 0, count = shown ? shown.length : n;
+      for (let i = 0; i < count; i++) {
+        const b = shown ? shown[i] : i;
+        const x = (i % cols) * cell, y = top + labelH + Math.floor(i / cols) * cell, s = cell - gap;
         const mine = blocks.group[b] === g, ref = blocks.ref[b], owner = blocks.owner[b];
         const rid = owner >= 0 ? blocks.owners[owner] : null;
         const dim = sel !== null && !(rid === sel || (blocks.shared[b] || []).some((p) => p[0] === sel));
         if (mine && ref > 0) {
-          held++;
+          if (!heldAt && ref === 1) { heldCell = s; heldAt = `${x},${y}`; }  // for the page's test
           ctx.fillStyle = requestColor(rid, dim ? 0.18 : 1);
           ctx.fillRect(x, y, s, s);
           if (ref > 1) { ctx.strokeStyle = dim ? "#888" : "#fff"; ctx.lineWidth = Math.max(1, cell / 8); ctx.strokeRect(x + 1, y + 1, s - 2, s - 2); }
@@ -77,8 +106,23 @@
       }
     });
     state.mapCells = cells;
-    document.body.dataset.heldBlocks = held;
-    $("map-info").textContent = `${n} blocks × ${config.block_size} tokens · ${held} held`;
+    Object.assign(document.body.dataset, { heldBlocks: held, heldCell, heldCellAt: heldAt });
+    $("map-info").textContent = `${n} blocks × ${config.block_size} tokens · ${held} held · ${cached} cached`;
+  }
+
+  // The whole pool in one row: per pixel column, its blocks' share held (bright) and cached (grey).
+  function drawStrip(ctx, blocks, n, g, w, y) {
+    ctx.fillStyle = "#262a32"; ctx.fillRect(0, y, w, STRIP_H);
+    for (let x = 0; x < w; x++) {
+      const from = Math.floor((x * n) / w), to = Math.max(from + 1, Math.floor(((x + 1) * n) / w));
+      let h = 0, c = 0;
+      for (let b = from; b < to; b++) {
+        if (blocks.group[b] !== g) continue;
+        if (blocks.ref[b] > 0) h++; else if (blocks.cached[b]) c++;
+      }
+      if (h) { ctx.fillStyle = `rgba(216, 221, 230, ${0.35 + (0.65 * h) / (to - from)})`; ctx.fillRect(x, y, 1, STRIP_H); }
+      else if (c) { ctx.fillStyle = "#59606c"; ctx.fillRect(x, y + STRIP_H / 2, 1, STRIP_H / 2); }
+    }
   }
 
   function describeBlock(b, g) {
@@ -106,44 +150,69 @@
   });
   $("map").addEventListener("mouseleave", () => { $("tooltip").style.display = "none"; });
 
-  // -- scheduler timeline: one bar per step, stacked by token kind --------------------------
+  // -- scheduler timeline: one column per step, in three lanes with scales of their own ---
+  // Prefill tokens against the step budget, decode (and draft) tokens against their own
+  // largest count, and the step time in milliseconds against its 95th percentile (a slower
+  // step, such as the first one's warm-up, is cut at the top of its lane).
+  const nice = (x) => {  // the smallest 1, 2 or 5 x 10^k >= x
+    const p = 10 ** Math.floor(Math.log10(Math.max(x, 1e-9)));
+    return [1, 2, 5, 10].map((m) => m * p).find((v) => v >= x * (1 - 1e-9));
+  };
+
+  const quantile = (xs, q) => {
+    if (!xs.length) return 0;
+    const sorted = [...xs].sort((a, b) => a - b);
+    return sorted[Math.min(sorted.length - 1, Math.floor(q * sorted.length))];
+  };
+
   function drawTimeline(snap) {
     const steps = snap.steps, budget = snap.config.max_num_batched_tokens;
     const [ctx, w, h] = sizeCanvas($("timeline"));
-    const top = 12, bottom = h - 16, plotH = bottom - top;
-    const maxTokens = Math.max(budget, ...steps.map((s) => s[3] + s[4] + s[5])) * 1.08;
-    const barW = Math.max(2, Math.min(12, w / Math.max(steps.length, 1)));
-    const shown = steps.slice(-Math.floor(w / barW));
-    const y = (tokens) => bottom - (tokens / maxTokens) * plotH;
-    const kinds = [[3, "--prefill"], [4, "--decode"], [5, "--draft"]];
+    const left = 52, top = 12, bottom = h - 16, laneGap = 8, plotW = w - left;
+    const laneH = (bottom - top - 2 * laneGap) / 3;
+    const barW = Math.max(2, Math.min(12, plotW / Math.max(steps.length, 1)));
+    const shown = steps.slice(-Math.floor(plotW / barW));
+    const xOf = (i) => w - (shown.length - i) * barW;
+    const times = shown.map((s) => (s[2] - s[1]) * 1000);
+    const lanes = [
+      { label: "prefill tokens", max: Math.max(budget, ...shown.map((s) => s[3])), unit: "" },
+      { label: "decode + draft tokens", max: nice(Math.max(1, ...shown.map((s) => s[4] + s[5]))), unit: "" },
+      { label: "step time", max: nice(Math.max(1, 1.25 * quantile(times, 0.95))), unit: " ms" },
+    ];
+    ctx.font = "11px system-ui";
+    lanes.forEach((lane, k) => {
+      lane.top = top + k * (laneH + laneGap); lane.bottom = lane.top + laneH;
+      lane.y = (v) => lane.bottom - (Math.min(v, lane.max) / lane.max) * laneH;
+      ctx.fillStyle = "#1f232a"; ctx.fillRect(left, lane.top, plotW, laneH);
+      ctx.fillStyle = color("--dim"); ctx.textAlign = "right";
+      ctx.fillText(`${lane.max}${lane.unit}`, left - 4, lane.top + 9);
+      ctx.fillText(`0${lane.unit}`, left - 4, lane.bottom);
+      ctx.textAlign = "left";
+    });
+    const [pre, dec, time] = lanes;
     shown.forEach((s, i) => {
-      const x = w - (shown.length - i) * barW;
-      let base = 0;
-      for (const [k, name] of kinds) {
-        if (!s[k]) continue;
-        ctx.fillStyle = color(name);
-        ctx.fillRect(x, y(base + s[k]), Math.max(1, barW - 1), y(base) - y(base + s[k]));
-        base += s[k];
-      }
-      if (s[6]) { ctx.fillStyle = color("--preempt"); ctx.fillRect(x, top - 10, Math.max(2, barW - 1), 8); }
+      const x = xOf(i), bw = Math.max(1, barW - 1);
+      if (s[3]) { ctx.fillStyle = color("--prefill"); ctx.fillRect(x, pre.y(s[3]), bw, pre.bottom - pre.y(s[3])); }
+      if (s[4]) { ctx.fillStyle = color("--decode"); ctx.fillRect(x, dec.y(s[4]), bw, dec.bottom - dec.y(s[4])); }
+      if (s[5]) { ctx.fillStyle = color("--draft"); ctx.fillRect(x, dec.y(s[4] + s[5]), bw, dec.y(s[4]) - dec.y(s[4] + s[5])); }
+      if (s[6]) { ctx.fillStyle = color("--preempt"); ctx.fillRect(x, top - 10, Math.max(2, bw), 8); }
     });
     ctx.strokeStyle = color("--fg"); ctx.setLineDash([5, 4]); ctx.lineWidth = 1;
-    ctx.beginPath(); ctx.moveTo(0, y(budget)); ctx.lineTo(w, y(budget)); ctx.stroke(); ctx.setLineDash([]);
-    ctx.fillStyle = color("--fg"); ctx.font = "11px system-ui";
-    ctx.fillText(`${budget} tokens`, 4, y(budget) - 3);
-    const times = shown.map((s) => s[2] - s[1]), maxT = Math.max(...times, 1e-3);
+    ctx.beginPath(); ctx.moveTo(left, pre.y(budget)); ctx.lineTo(w, pre.y(budget)); ctx.stroke(); ctx.setLineDash([]);
+    ctx.fillStyle = color("--fg"); ctx.textAlign = "right";
+    ctx.fillText(`budget ${budget}`, w - 4, pre.y(budget) + 11);
+    ctx.textAlign = "left";
     ctx.strokeStyle = color("--steptime"); ctx.lineWidth = 1.5; ctx.beginPath();
     times.forEach((t, i) => {
-      const x = w - (shown.length - i) * barW + barW / 2, yy = bottom - (t / maxT) * plotH * 0.95;
-      i ? ctx.lineTo(x, yy) : ctx.moveTo(x, yy);
+      const x = xOf(i) + barW / 2, y = time.y(t);
+      i ? ctx.lineTo(x, y) : ctx.moveTo(x, y);
     });
     ctx.stroke();
-    ctx.fillStyle = color("--steptime");
-    ctx.fillText(`step time, max ${ms(maxT)}`, w - 150, bottom + 12);
     ctx.fillStyle = color("--dim");
-    if (shown.length) ctx.fillText(`steps ${shown[0][0]}–${shown[shown.length - 1][0]}`, 4, bottom + 12);
+    for (const lane of lanes) ctx.fillText(lane.label, left + 4, lane.top + 10);  // over the bars
+    if (shown.length) ctx.fillText(`steps ${shown[0][0]}–${shown[shown.length - 1][0]}`, left, bottom + 12);
     document.body.dataset.steps = steps.length;
-    const mean = times.length ? times.reduce((a, b) => a + b, 0) / times.length : 0;
+    const mean = times.length ? times.reduce((a, b) => a + b, 0) / times.length / 1000 : 0;
     $("timeline-info").textContent = shown.length ? `${shown.length} steps · mean ${ms(mean)}` : "no steps yet";
   }
 
