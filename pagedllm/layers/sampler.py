@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -115,8 +116,17 @@ def unsamplable_rows(logits: torch.Tensor, processed: torch.Tensor) -> list[int]
     """
     if processed is logits:
         return []  # no stage ran; the runner has checked the raw logits
+    if _in_this_thread(processed):
+        return np.flatnonzero(~np.isfinite(processed.numpy().max(axis=-1))).tolist()  # NaN propagates
     top = processed.amax(dim=-1)  # NaN propagates
     return (~torch.isfinite(top)).nonzero().flatten().tolist()
+
+
+def _in_this_thread(logits: torch.Tensor) -> bool:
+    """Whether a whole-tensor pass over ``logits`` runs in numpy, in the calling thread: float32
+    on the CPU. Torch would split a pass this small across its thread team, and on busy cores
+    waiting for the team to wake costs more than the pass itself."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -134,7 +144,7 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         and meta.min_tokens_mask is None
     ):
         return logits
-    logits = logits.clone()
+    logits = torch.from_numpy(logits.numpy().copy()) if _in_this_thread(logits) else logits.clone()
     if meta.grammar_mask is not None:
         apply_bitmask(logits, *meta.grammar_mask)
     if meta.allowed_tokens is not None:

@@ -109,7 +109,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     # Little-endian words: byte b of word w holds tokens 32w + 8b .. 32w + 8b + 7, low bit first.
     banned = np.unpackbits((~bitmask).numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab].view(np.bool_)
     # Numpy works in this thread: torch would split a fill this small across its thread team,
-    # and on busy cores waiting for the team costs more than the fill.
+    # and on busy cores waiting for the team to wake costs more than the fill itself.
     values = logits.numpy()
     if len(rows) == values.shape[0] and list(rows) == list(range(len(rows))):
         np.copyto(values, -np.inf, where=banned)
