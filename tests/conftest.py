@@ -1,4 +1,4 @@
-"""Shared test set-up."""
+"""Shared test set-up: the ISA fixture of the kernel tests, and the session's shared server."""
 
 import os
 
@@ -10,7 +10,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
-from native_isa import ISAS, on_isa  # noqa: E402  (imports pagedllm, hence torch: after the line above)
+
+from tests.native_isa import ISAS, on_isa  # noqa: E402  (imports pagedllm, hence torch: after the line above)
+from tests.utils import SHARED_SERVER_ENV, SHARED_SERVER_FLAGS, Server, start_server, stop_server  # noqa: E402
 
 
 @pytest.fixture(params=ISAS)
@@ -19,3 +21,14 @@ def native_isa(request: pytest.FixtureRequest) -> Iterator[str]:
     (skipped, quoting the compiler, where it does not build)."""
     with on_isa(request.param):
         yield request.param
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server of the default model for every module whose tests fit its flags
+    (``utils.SHARED_SERVER_FLAGS``), started on first use and stopped at the session's end, as
+    vLLM's ``RemoteOpenAIServer``. Tests that stop, kill or reconfigure a server start their own;
+    tests on this one leave it serving and idle."""
+    s = start_server(tmp_path_factory.mktemp("shared-server"), *SHARED_SERVER_FLAGS, env=SHARED_SERVER_ENV)
+    yield s
+    stop_server(s)

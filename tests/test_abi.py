@@ -9,7 +9,7 @@ import shutil
 import subprocess
 
 import pytest
-from native_isa import ISAS
+from tests.native_isa import ISAS
 
 from pagedllm.kernels import abi, build
 from pagedllm.kernels.isa import required_features

@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from native_isa import ISAS, on_isa
+from tests.native_isa import ISAS, on_isa
 
 from pagedllm.kernels import library, ops
 from pagedllm.layers.attention import AttentionMetadata, paged_attention

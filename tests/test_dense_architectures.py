@@ -13,10 +13,10 @@ import gguf
 import pytest
 import torch
 import transformers
-from test_loader import prefill_logits, write_gguf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
+from tests.models_util import prefill_logits, randomize_vectors, write_gguf, write_q4_gguf
 
 MAX_TOKENS = 16
 WINDOW = 12  # Mistral's: shorter than every prompt
@@ -48,14 +48,6 @@ HF_CLASSES = {
 }
 
 
-def _randomize_vectors(model: torch.nn.Module) -> None:
-    """transformers unit-inits the norms (q/k norms included): make them count."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.normal_(1.0, 0.2)
-
-
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")
@@ -67,7 +59,7 @@ def _checkpoint(arch: str, path: Path, tokenizer_dir: Path, config=None) -> tran
     """A random ``arch`` model saved to ``path`` with the tokenizer files; the HF model."""
     torch.manual_seed(0)
     hf = HF_CLASSES[arch](config or CONFIGS[arch]()).eval()
-    _randomize_vectors(hf)
+    randomize_vectors(hf)  # q/k norms too: every vector around 1
     hf.save_pretrained(path)
     for f in tokenizer_dir.iterdir():
         (path / f.name).write_bytes(f.read_bytes())
@@ -182,8 +174,6 @@ def test_gguf_as_llama_cpp_writes_it_matches_transformers(arch: str, tmp_path: P
 def test_phi3_gguf_4bit_fused_tensors_are_kept_as_stored(tmp_path: Path, tokenizer_dir: Path) -> None:
     """w4a8 keeps Phi-3's fused Q4_1 ``attn_qkv`` / ``ffn_up`` as one layer each at one rank;
     split over ranks (rows not one span), they are left to requantize, the others kept."""
-    from test_tensor_parallel_model import _write_q4_gguf
-
     from pagedllm.distributed.parallel_state import TPGroup
     from pagedllm.quantization_config import QuantizationConfig
     from pagedllm.models.gguf_linears import gguf_linears
@@ -191,7 +181,7 @@ def test_phi3_gguf_4bit_fused_tensors_are_kept_as_stored(tmp_path: Path, tokeniz
 
     hf = _checkpoint("phi3", tmp_path / "hf", tokenizer_dir)
     path = tmp_path / "q4.gguf"
-    _write_q4_gguf(path, hf)
+    write_q4_gguf(path, hf)
     f = GGUFFile(path)
     linears = gguf_linears(f, gguf_config(f), QuantizationConfig("w4a8", 32, True, False))
     assert linears.sources["layers.0.self_attn.qkv_proj"] == [gguf.GGMLQuantizationType.Q4_1]

@@ -10,7 +10,6 @@ import pytest
 import torch
 import transformers
 
-from pagedllm.config import ModelConfig
 from pagedllm.core.kv_cache_groups import blocks_per_request, kv_cache_groups, max_request_tokens
 from pagedllm.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from pagedllm.core.request import Request
@@ -22,50 +21,17 @@ from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.step_input import build_step
-from test_loader import prefill_logits
+from tests.models_util import GEMMA3_WINDOW, gemma3_config, prefill_logits, tiny_gemma3
 
 BLOCK_SIZE = 4
-WINDOW = 5
 ATOL = 1e-4
-
-
-def _tiny_hf() -> transformers.Gemma3ForCausalLM:
-    config = transformers.Gemma3TextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=48,
-        max_position_embeddings=256, sliding_window=WINDOW, rms_norm_eps=1e-6,
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        },
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    hf = transformers.Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():  # norms init to 0 (i.e. 1 + 0): make them count
-        for name, p in hf.named_parameters():
-            if p.ndim == 1:
-                p.normal_(0.0, 0.3)
-    return hf
-
-
-def _our_config(c: transformers.Gemma3TextConfig) -> ModelConfig:
-    return ModelConfig(
-        architecture="gemma3", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers,
-        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        rope_theta=c.rope_parameters["full_attention"]["rope_theta"], rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
-        layer_types=list(c.layer_types), sliding_window=c.sliding_window,
-        rope_local_theta=c.rope_parameters["sliding_attention"]["rope_theta"],
-        query_pre_attn_scalar=c.query_pre_attn_scalar,
-    )
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    hf = _tiny_hf()
-    config = _our_config(hf.config)
+    torch.manual_seed(0)
+    hf = tiny_gemma3()
+    config = gemma3_config(hf.config)
     assert config.layer_types.count("full_attention") == 1  # both kinds present
     model = Gemma3ForCausalLM(config, torch.float32)
     model.load_weights(hf.state_dict().items())
@@ -122,7 +88,7 @@ def test_hf_checkpoint_directory_loads(tiny, tmp_path) -> None:
 def test_groups_of_the_tiny_model(tiny) -> None:
     _, _, config = tiny
     groups = kv_cache_groups(config)
-    assert [g.window for g in groups] == [0] + [WINDOW] * 5  # one layer per group: 1 global, 5 sliding
+    assert [g.window for g in groups] == [0] + [GEMMA3_WINDOW] * 5  # one layer per group: 1 global, 5 sliding
     assert sorted(layer for g in groups for layer in g.layers) == list(range(6))
 
 

@@ -18,28 +18,7 @@ from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output import StructuredOutputsParams
 from pagedllm.structured_output.checker import CACHE_BYTES, GrammarChecker
 from pagedllm.structured_output.limits import GrammarLimits, check_shape
-
-
-def lark_chain(n: int) -> str:
-    """The grammar that overflowed llguidance's stack at n = 3000: a chain of n rules."""
-    return "start: r0\n" + "\n".join(f'r{i}: r{i + 1} "{i}" | "z"' for i in range(n)) + f'\nr{n}: "end"'
-
-
-def ref_chain(n: int) -> dict:
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def nested_arrays(n: int) -> dict:
-    schema: dict = {"type": "string"}
-    for _ in range(n):
-        schema = {"type": "array", "items": schema}
-    return schema
-
-
-def many_properties(n: int) -> dict:
-    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
+from tests.utils import lark_chain, many_properties, nested_arrays, ref_chain
 
 
 LIMITS = GrammarLimits()

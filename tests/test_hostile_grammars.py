@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_grammar_limits import lark_chain, many_properties, nested_arrays, ref_chain
-from tests.utils import MODEL, Server, start_server, stop_server
+from tests.utils import MODEL, Server, lark_chain, many_properties, nested_arrays, ref_chain, start_server, stop_server
 
 CANARY = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0}
 

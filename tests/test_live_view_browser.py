@@ -118,7 +118,8 @@ def test_dashboard_shows_blocks_steps_and_requests_under_load(
         WebDriverWait(browser, 20, poll_frequency=0.2).until(lambda d: _data(d, "preemptions") > 0)
     except TimeoutException:
         pass
-    time.sleep(1.0)  # a few more frames: the page under load, some requests finished
+    frames = _data(browser, "frames")  # a few more frames: the page under load, some requests finished
+    wait.until(lambda d: _data(d, "frames") >= frames + 3)
     shot = tmp_path / "live_view.png"
     browser.save_screenshot(str(shot))
     if os.environ.get("PAGEDLLM_LIVE_VIEW_SCREENSHOT"):

@@ -12,13 +12,10 @@ import pytest
 import torch
 import transformers
 
-from pagedllm.core.kv_cache_groups import kv_cache_groups
 from pagedllm.models import gguf_loader, loader
 from pagedllm.models.loader import load_model, load_tokenizer, resolve_model
-from pagedllm.core.kv_cache_config import KVCacheConfig
-from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
+from tests.models_util import prefill_logits, write_gguf
 
-BLOCK_SIZE = 16
 PROMPT = [{"role": "user", "content": "Write a haiku about paged attention."}]
 
 
@@ -36,78 +33,6 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A cache dir of the test's own."""
     monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
-
-
-@torch.inference_mode()
-def prefill_logits(model: torch.nn.Module, config, ids: list[int]) -> torch.Tensor:
-    """Our logits for every position of one prompt, through a paged KV cache."""
-    groups = kv_cache_groups(config)
-    n = -(-len(ids) // BLOCK_SIZE)  # blocks per group, each group its own ids
-    kv_caches = allocate_kv_caches(KVCacheConfig.for_model(config, n * len(groups), BLOCK_SIZE, torch.float32))
-    tables = [[list(range(g * n, (g + 1) * n)) for g in range(len(groups))]]
-    meta = build_attention_metadata(groups, config.num_layers, [len(ids)], [len(ids)], tables, BLOCK_SIZE)
-    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, meta))
-
-
-# --- GGUF files written here from tiny random HF models -------------------------------------
-
-_GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # qwen3
-    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3, fused as stored
-}
-_GGUF_TOP_LEVEL = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-
-def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf.py does to llama q/k rows."""
-    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf(path: Path, hf: torch.nn.Module, tokens: list[str] | None = None) -> None:
-    """Save an HF llama/qwen2/qwen3/phi3 model as an F32 GGUF the way llama.cpp's converter would."""
-    c = hf.config
-    writer = gguf.GGUFWriter(path, c.model_type)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    if head_dim != c.hidden_size // c.num_attention_heads:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    if c.model_type == "phi3" and c.sliding_window:
-        writer.add_sliding_window(c.sliding_window)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_eos_token_id(2)
-    if tokens:
-        writer.add_token_list(tokens)
-    for name, tensor in hf.state_dict().items():
-        w = tensor.numpy()
-        if name.startswith("model.layers."):
-            _, _, layer, rest = name.split(".", 3)
-            module, _, suffix = rest.rpartition(".")
-            if c.model_type == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
-                heads = c.num_attention_heads if "q_proj" in module else c.num_key_value_heads
-                w = _llama_cpp_permute(w, heads)
-            gguf_name = f"blk.{layer}.{_GGUF_NAMES[module]}.{suffix}"
-        else:
-            gguf_name = _GGUF_TOP_LEVEL[name]
-            if gguf_name == "output.weight" and c.tie_word_embeddings:
-                continue
-        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -9,10 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from native_isa import ISAS, on_isa
-from tensor_parallel_ranks import SEQ_LENS, STEPS, Case, load, run_steps
-from test_gemma3 import WINDOW, _our_config
-from test_tensor_parallel_model import _gemma3, _llama, _randomize_vectors, _write_q4_gguf
 
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE
@@ -21,6 +17,9 @@ from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.layers.quantization.model import quantize_model
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.native_decoder import NativeDecoder
+from tests.models_util import GEMMA3_WINDOW, gemma3_config, randomize_vectors, tiny_gemma3, tiny_llama, write_q4_gguf
+from tests.native_isa import ISAS, on_isa
+from tests.tensor_parallel_ranks import SEQ_LENS, STEPS, Case, load, run_steps
 
 DECODE_ONLY_STEPS = sum(all(b - a == 1 for _, a, b in step) for step in STEPS)
 
@@ -38,7 +37,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
         rms_norm_eps=1e-6,
     )
     qwen2 = transformers.Qwen2ForCausalLM(qwen2_config).eval()
-    _randomize_vectors(qwen2, qwen2_config.hidden_size)
+    randomize_vectors(qwen2, qwen2_config.hidden_size)
     qwen2.save_pretrained(root / "qwen2")
     qwen3_config = transformers.Qwen3Config(
         vocab_size=251, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
@@ -46,14 +45,15 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
         rope_theta=1e6, rms_norm_eps=1e-6,
     )
     qwen3 = transformers.Qwen3ForCausalLM(qwen3_config).eval()
-    _randomize_vectors(qwen3, qwen3_config.hidden_size)
+    randomize_vectors(qwen3, qwen3_config.hidden_size)
     qwen3.save_pretrained(root / "qwen3")
-    llama = _llama(
+    llama = tiny_llama(
         vocab_size=250, hidden_size=256, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True,
     )
-    _write_q4_gguf(root / "llama-q4.gguf", llama)
-    gemma = _gemma3()
+    write_q4_gguf(root / "llama-q4.gguf", llama)
+    gemma = tiny_gemma3(vocab_size=131, hidden_size=96, intermediate_size=192, num_attention_heads=6,
+                        final_logit_softcapping=1.0)
     torch.save((_our_config_of(gemma), gemma.state_dict()), root / "gemma3.pt")
     return {
         "qwen2-float32": Case("qwen2-float32", str(root / "qwen2")),
@@ -66,8 +66,8 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
 
 
 def _our_config_of(hf: torch.nn.Module) -> ModelConfig:
-    config = _our_config(hf.config)
-    assert 0 < config.sliding_window == WINDOW < max(SEQ_LENS)
+    config = gemma3_config(hf.config)
+    assert 0 < config.sliding_window == GEMMA3_WINDOW < max(SEQ_LENS)
     return config
 
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
-from test_loader import prefill_logits, write_gguf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.perplexity import DEFAULT_TEXT, perplexity, sliding_windows
@@ -36,6 +35,7 @@ from pagedllm.layers.quantization.linear import (
 from pagedllm.layers.quantization.weights import Int4Weight, Int8Weight, quantize_int4, quantize_int8, quantize_q4a8
 from pagedllm.models.gguf_loader import GGUFFile, gguf_config
 from pagedllm.models.loader import load_model, resolve_model
+from tests.models_util import prefill_logits, write_gguf
 
 
 def weights(n: int = 72, k: int = 256, seed: int = 0) -> torch.Tensor:

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,18 +19,23 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.utils import MAX_MODEL_LEN, MODEL, ROOT, Server, metric, start_server, stop_server, wait_idle
-
-API_KEY = "test-key"
-MAX_BODY = 64 * 1024
+from tests.utils import (
+    API_KEY,
+    MAX_BODY,
+    MAX_MODEL_LEN,
+    MODEL,
+    Server,
+    metric,
+    start_server,
+    stop_server,
+    wait_idle,
+)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tmp_path_factory.mktemp("server"), "--api-key", API_KEY, "--max-request-body-size",
-                      str(MAX_BODY))
-    yield s
-    stop_server(s)
+def server(shared_server: Server) -> Server:
+    """The session's shared server (conftest.py): float32, API key, a 64 KiB body limit."""
+    return shared_server
 
 
 @pytest.fixture(scope="module")
@@ -248,20 +252,30 @@ def test_auth(server: Server) -> None:
     [(["--port", "99999"], "--port"), (["--port", "-1"], "--port"), (["--api-key="], "--api-key"),
      (["--max-request-body-size", "huge"], "huge")],
 )
-def test_bad_server_flags_exit_2_before_loading(flags: list[str], needle: str) -> None:
+def test_bad_server_flags_exit_2_before_loading(flags: list[str], needle: str, monkeypatch, capsys) -> None:
     # --port 99999 used to load the model, then die of an OverflowError traceback (exit 1); an empty
-    # --api-key silently served without authentication.
-    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", MODEL, *flags],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert "loaded" not in r.stderr
+    # --api-key silently served without authentication. In process: the module's ``main`` is what
+    # ``python -m`` runs (every server these tests start runs it that way).
+    from pagedllm.entrypoints.openai import api_server, cli_args
+
+    def load(_args) -> None:
+        raise AssertionError("the model would be loaded")
+
+    monkeypatch.setattr(cli_args, "run_serve", load)
+    monkeypatch.setattr(sys, "argv", ["api_server", MODEL, *flags])
+    with pytest.raises(SystemExit) as exited:
+        api_server.main()
+    assert exited.value.code == 2 and needle in capsys.readouterr().err
 
 
-def test_server_module_help_shows_defaults() -> None:
-    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--help"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
-    text = " ".join(r.stdout.split())  # as wrapped to any terminal width
-    assert r.returncode == 0 and "(default: 8000)" in text and "(default: 128)" in text
+def test_server_module_help_shows_defaults(monkeypatch, capsys) -> None:
+    from pagedllm.entrypoints.openai import api_server
+
+    monkeypatch.setattr(sys, "argv", ["api_server", "--help"])
+    with pytest.raises(SystemExit) as exited:
+        api_server.main()
+    text = " ".join(capsys.readouterr().out.split())  # as wrapped to any terminal width
+    assert exited.value.code == 0 and "(default: 8000)" in text and "(default: 128)" in text
 
 
 def test_tokenize_detokenize(http: httpx.Client) -> None:
@@ -541,15 +555,27 @@ def test_64_concurrent_streams(server: Server, http: httpx.Client) -> None:
 
 
 def test_metrics(http: httpx.Client) -> None:
+    """Every metric is exported; the counters count this test's own requests (deltas: other
+    tests' requests came before)."""
     text = http.get("/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
                  "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "time_to_first_token_seconds_bucket",
                  "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket"):
         assert f"pagedllm:{name}" in text, name
-    assert metric(http, 'request_success_total{finished_reason="length"}') >= 64
-    assert metric(http, "generation_tokens_total") >= 64 * 4
-    assert metric(http, "time_to_first_token_seconds_count") >= 64
+    counters = ('request_success_total{finished_reason="length"}', "generation_tokens_total",
+                "time_to_first_token_seconds_count")
+    wait_idle(http)
+    before = {name: metric(http, name) for name in counters}
+    prompts = [f"Metrics request {i}:" for i in range(3)]
+    r = http.post("/v1/completions", json=_completion(prompt=prompts, max_tokens=5, ignore_eos=True))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3 * 5
+    # Counted when each output is handled, before it is answered: no wait needed.
+    after = {name: metric(http, name) for name in counters}
+    assert after[counters[0]] - before[counters[0]] == 3
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == 3 * 5
+    assert after["time_to_first_token_seconds_count"] - before["time_to_first_token_seconds_count"] == 3
 
 
 def test_reset_prefix_cache(http: httpx.Client) -> None:
@@ -557,18 +583,23 @@ def test_reset_prefix_cache(http: httpx.Client) -> None:
     assert http.post("/reset_prefix_cache").json() == {"success": True}
 
 
-def test_sigterm_aborts_in_flight_and_exits_cleanly(server: Server, http: httpx.Client) -> None:
-    engine_pid = server.engine_pid()
-    body = _completion(prompt="Tell me a long story.", max_tokens=500, ignore_eos=True, stream=True)
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data:")
-        server.proc.send_signal(signal.SIGTERM)
-        events = [line.removeprefix("data: ") for line in lines if line.startswith("data:")]
-    assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
-    assert server.proc.wait(timeout=30) == 0
-    assert not Path(f"/proc/{engine_pid}").exists(), "engine core left behind"
+def test_sigterm_aborts_in_flight_and_exits_cleanly(tmp_path: Path) -> None:
+    server = start_server(tmp_path)  # a server of its own: this test stops it
+    try:
+        engine_pid = server.engine_pid()
+        body = _completion(prompt="Tell me a long story.", max_tokens=500, ignore_eos=True, stream=True)
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data:")
+                server.proc.send_signal(signal.SIGTERM)
+                events = [line.removeprefix("data: ") for line in lines if line.startswith("data:")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+        assert server.proc.wait(timeout=30) == 0
+        assert not Path(f"/proc/{engine_pid}").exists(), "engine core left behind"
+    finally:
+        stop_server(server)
 
 
 # -- a second server, with a KV cache of 8 blocks (128 tokens) ---------------------------------

@@ -12,26 +12,21 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from pagedllm.config import MODEL_RUNNER_CLS_ENV
-from tests.fault_injection import FAULTY_RUNNER
-from tests.utils import MODEL, Server, start_server, stop_server, wait_idle
+from tests.utils import API_KEY, MODEL, Server, wait_idle
 
 PROMPTS = [f"Fact number {i} about the ocean:" for i in range(8)]
 EMOJI_CHAT = [{"role": "user", "content": "Reply with three emoji that describe happiness."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(MODEL_RUNNER_CLS_ENV, FAULTY_RUNNER)  # inherited by the server and its engine core
-        s = start_server(tmp_path_factory.mktemp("server"))
-    yield s
-    stop_server(s)
+def server(shared_server: Server) -> Server:
+    """The session's shared server (conftest.py), its fault-injection hook on."""
+    return shared_server
 
 
 @pytest.fixture(scope="module")
 def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
         yield c
 
 

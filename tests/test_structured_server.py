@@ -18,25 +18,24 @@ from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel
 
 from tests.structured_models import MODELS
-from tests.utils import MODEL, Server, start_server, stop_server, streamed_calls
+from tests.utils import API_KEY, MODEL, Server, streamed_calls
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # float32: outputs independent of batching and prefix-cache hits, so streamed == non-streamed.
-    s = start_server(tmp_path_factory.mktemp("structured"), "--dtype", "float32")
-    yield s
-    stop_server(s)
+def server(shared_server: Server) -> Server:
+    """The session's shared server (conftest.py). Its float32: outputs independent of batching
+    and prefix-cache hits, so streamed == non-streamed."""
+    return shared_server
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=300) as c:
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300) as c:
         yield c
 
 
@@ -51,7 +50,7 @@ def test_parse_pydantic_models(server: Server) -> None:
         )
 
     async def run() -> list:
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300) as c:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300) as c:
             return await asyncio.gather(*[parse(c, m, p) for m, p in MODELS])
 
     assert len(MODELS) >= 20

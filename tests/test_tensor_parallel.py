@@ -19,8 +19,8 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
+from tests.models_util import randomize_vectors, tiny_gemma3
 
-from test_gemma3 import _tiny_hf as tiny_gemma3
 
 TINY = {
     "llama": (
@@ -52,10 +52,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         hf = tiny_gemma3()
     else:
         hf = transformers.AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():  # HF zero-inits biases and ones-inits norms: make them count
-            for p in hf.parameters():
-                if p.ndim == 1:
-                    p.normal_(1.0 if p.shape[0] == config.hidden_size else 0.0, 0.2)
+        randomize_vectors(hf, config.hidden_size)
     path = tmp_path_factory.mktemp(arch)
     hf.save_pretrained(path)
     return str(path), size

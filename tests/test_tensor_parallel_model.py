@@ -8,14 +8,9 @@ import dataclasses
 import functools
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
 import transformers
-from tensor_parallel_ranks import Case, reference, run_group
-from test_gemma3 import WINDOW, _our_config
-from test_loader import write_gguf
 
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import TPGroup
@@ -25,67 +20,14 @@ from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.models.gguf_linears import gguf_linears
 from pagedllm.models.gguf_loader import GGUFFile, gguf_config
 from pagedllm.models.loader import load_model, resolve_model
+from tests.models_util import gemma3_config, randomize_vectors, tiny_gemma3, tiny_llama, write_q4_gguf
+from tests.tensor_parallel_ranks import Case, reference, run_group
 
 ATOL = 1e-4
 # The sharded integer GEMMs see the same weight codes and quantize the same activation groups
 # (row-parallel inputs split on whole groups of 32): only the all-reduce's order of additions
 # differs (1e-7 here), unless it moves an activation across a rounding boundary.
 QUANT_ATOL = 1e-3
-
-
-def _randomize_vectors(model: torch.nn.Module, hidden: int) -> None:
-    """HF zero-inits biases and unit-inits norms: make them count."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.normal_(1.0 if p.shape[0] == hidden else 0.0, 0.2)
-
-
-def _llama(**kwargs) -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(
-        max_position_embeddings=256, rope_theta=5000.0, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **kwargs
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    _randomize_vectors(model, config.hidden_size)
-    return model
-
-
-def _gemma3() -> transformers.Gemma3ForCausalLM:
-    """test_gemma3's tiny model with 6 query heads (still 1 KV head) and soft-capped logits."""
-    config = transformers.Gemma3TextConfig(
-        vocab_size=131, hidden_size=96, intermediate_size=192, num_hidden_layers=6,
-        num_attention_heads=6, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=48,
-        max_position_embeddings=256, sliding_window=WINDOW, rms_norm_eps=1e-6, final_logit_softcapping=1.0,
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        },
-        attn_implementation="eager",
-    )
-    model = transformers.Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():  # norms init to 0 (i.e. 1 + 0): make them count
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.normal_(0.0, 0.3)
-    return model
-
-
-# GGUF types of the quantized tiny llama: every projection 4-bit (kept by w4a8), the embedding Q8_0.
-_Q4_TYPES = {"token_embd": gguf.GGMLQuantizationType.Q8_0}
-
-
-def _write_q4_gguf(path: Path, hf: torch.nn.Module) -> None:
-    add_tensor = gguf.GGUFWriter.add_tensor
-
-    def add_quantized(self, name: str, tensor: np.ndarray, **kwargs) -> None:
-        if tensor.ndim != 2:
-            return add_tensor(self, name, tensor, **kwargs)
-        qtype = _Q4_TYPES.get(name.removesuffix(".weight"), gguf.GGMLQuantizationType.Q4_1)
-        return add_tensor(self, name, gguf.quants.quantize(tensor.astype(np.float32), qtype), raw_dtype=qtype)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf.GGUFWriter, "add_tensor", add_quantized)
-        write_gguf(path, hf)
 
 
 @pytest.fixture(scope="module")
@@ -98,35 +40,37 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     root = tmp_path_factory.mktemp("tp")
     torch.manual_seed(0)
     common = {"hidden_size": 384, "intermediate_size": 192, "num_hidden_layers": 2}
-    llama = _llama(vocab_size=250, num_attention_heads=12, num_key_value_heads=6, tie_word_embeddings=True, **common)
+    llama = tiny_llama(vocab_size=250, num_attention_heads=12, num_key_value_heads=6, tie_word_embeddings=True, **common)
     llama.save_pretrained(root / "llama")
     qwen2_config = transformers.Qwen2Config(
         vocab_size=253, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False,
         max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-6, eos_token_id=[3, 4], **common,
     )
     qwen2 = transformers.Qwen2ForCausalLM(qwen2_config).eval()
-    _randomize_vectors(qwen2, qwen2_config.hidden_size)
+    randomize_vectors(qwen2, qwen2_config.hidden_size)
     qwen2.save_pretrained(root / "qwen2")
-    gemma = _gemma3()
-    gemma_config = dataclasses.replace(_our_config(gemma.config), final_logit_softcapping=1.0)
+    # 6 query heads (still 1 KV head) and soft-capped logits.
+    gemma = tiny_gemma3(vocab_size=131, hidden_size=96, intermediate_size=192, num_attention_heads=6,
+                        final_logit_softcapping=1.0)
+    gemma_config = dataclasses.replace(gemma3_config(gemma.config), final_logit_softcapping=1.0)
     torch.save((gemma_config, gemma.state_dict()), root / "gemma3.pt")
     small = {**common, "hidden_size": 256}
-    llama_q4 = _llama(vocab_size=250, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **small)
-    _write_q4_gguf(root / "llama-q4.gguf", llama_q4)
+    llama_q4 = tiny_llama(vocab_size=250, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **small)
+    write_q4_gguf(root / "llama-q4.gguf", llama_q4)
     # After the others: their random weights stay as they were.
     qwen3_config = transformers.Qwen3Config(
         vocab_size=247, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
         max_position_embeddings=256, rms_norm_eps=1e-6, **common,
     )
     qwen3 = transformers.Qwen3ForCausalLM(qwen3_config).eval()
-    _randomize_vectors(qwen3, qwen3_config.hidden_size)
+    randomize_vectors(qwen3, qwen3_config.hidden_size)
     qwen3.save_pretrained(root / "qwen3")
     phi3_config = transformers.Phi3Config(
         vocab_size=251, num_attention_heads=6, num_key_value_heads=2, sliding_window=5, pad_token_id=0,
         max_position_embeddings=256, rms_norm_eps=1e-6, **common,
     )
     phi3 = transformers.Phi3ForCausalLM(phi3_config).eval()
-    _randomize_vectors(phi3, phi3_config.hidden_size)
+    randomize_vectors(phi3, phi3_config.hidden_size)
     phi3.save_pretrained(root / "phi3")
     return {
         "llama": Case("llama", str(root / "llama")),

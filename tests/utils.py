@@ -1,10 +1,12 @@
-"""Helpers shared by the test modules: a live server subprocess, and the block pool checks.
+"""Helpers shared by the test modules: a live server subprocess, the block pool checks, a
+streamed tool-call reader, and hostile grammar inputs. Tiny models: ``models_util.py``.
 
 Test modules import from here, never from one another.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,11 +16,21 @@ from pathlib import Path
 import httpx
 import openai
 
+from pagedllm.config import MODEL_RUNNER_CLS_ENV
 from pagedllm.distributed.parallel_state import free_port
+from tests.fault_injection import FAULTY_RUNNER
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024
 STARTUP_TIMEOUT_S = 240
+API_KEY = "test-key"
+MAX_BODY = 64 * 1024
+# The session's shared server (conftest.py, ``shared_server``): float32, so that outputs do not
+# depend on batching or prefix-cache hits (streamed equals non-streamed); an API key and a small
+# body limit, which the tests of both check; the fault-injection hook, which acts only on
+# requests that ask for a fault (``cache_salt="fault:..."``).
+SHARED_SERVER_FLAGS = ("--dtype", "float32", "--api-key", API_KEY, "--max-request-body-size", str(MAX_BODY))
+SHARED_SERVER_ENV = {MODEL_RUNNER_CLS_ENV: FAULTY_RUNNER}  # the fault-injection hook (tests/fault_injection.py)
 ROOT = Path(__file__).resolve().parents[1]  # ``python -m`` runs this tree's pagedllm from any cwd
 
 
@@ -43,7 +55,11 @@ class Server:
         return self.log.read_text()[-4000:]
 
 
-def start_server(tmp_path: Path, *extra: str, model: str = MODEL) -> Server:
+def start_server(tmp_path: Path, *extra: str, model: str = MODEL, env: dict[str, str] | None = None) -> Server:
+    """``pagedllm serve`` of ``model`` with the test defaults and ``extra`` flags (later flags
+    win), its log in ``tmp_path``; ``env``: variables added to this process's environment.
+    Returns once ``/health`` answers 200; AssertionError (with the log's tail) if it exits or
+    does not start in ``STARTUP_TIMEOUT_S``."""
     port = free_port()
     log = tmp_path / f"server-{port}.log"
     cmd = [
@@ -52,7 +68,8 @@ def start_server(tmp_path: Path, *extra: str, model: str = MODEL) -> Server:
         "--disable-access-log", *extra,
     ]
     with open(log, "wb") as f:  # a file, not a pipe: nobody drains a pipe while tests run
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, **env} if env else None)
     server = Server(proc, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -121,3 +138,30 @@ def assert_pool_whole(sched) -> None:
     """Every block of a scheduler's KV cache pool is free, no reference held."""
     pool = sched.kv_cache.pool
     assert pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+# --- hostile grammar inputs: n rules, n levels, n properties -------------------------------
+
+def lark_chain(n: int) -> str:
+    """The grammar that overflowed llguidance's stack at n = 3000: a chain of n rules."""
+    return "start: r0\n" + "\n".join(f'r{i}: r{i + 1} "{i}" | "z"' for i in range(n)) + f'\nr{n}: "end"'
+
+
+def ref_chain(n: int) -> dict:
+    """A JSON schema whose ``$ref``s chain through n definitions."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def nested_arrays(n: int) -> dict:
+    """A JSON schema of arrays nested n deep around a string."""
+    schema: dict = {"type": "string"}
+    for _ in range(n):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def many_properties(n: int) -> dict:
+    """A JSON schema of an object with n string properties."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}

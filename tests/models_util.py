@@ -1,0 +1,178 @@
+"""Tiny random models shared by the model tests: transformers models built here, saved as GGUF
+files the way llama.cpp's converter writes them, and our logits for a prompt through a paged
+KV cache. No network: every weight is drawn from torch's global generator (seed it first).
+
+Test modules import from here, never from one another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pagedllm.config import ModelConfig
+from pagedllm.core.kv_cache_config import KVCacheConfig
+from pagedllm.core.kv_cache_groups import kv_cache_groups
+from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
+
+PREFILL_BLOCK_SIZE = 16
+GEMMA3_WINDOW = 5  # the tiny Gemma 3's sliding window: shorter than the tests' requests
+
+
+@torch.inference_mode()
+def prefill_logits(model: torch.nn.Module, config: ModelConfig, ids: list[int]) -> torch.Tensor:
+    """Our logits ``[len(ids), vocab]`` for every position of one prompt, prefilled in one step
+    through a paged KV cache (float32, one group of blocks per KV cache group)."""
+    groups = kv_cache_groups(config)
+    n = -(-len(ids) // PREFILL_BLOCK_SIZE)  # blocks per group, each group its own ids
+    kv_caches = allocate_kv_caches(
+        KVCacheConfig.for_model(config, n * len(groups), PREFILL_BLOCK_SIZE, torch.float32)
+    )
+    tables = [[list(range(g * n, (g + 1) * n)) for g in range(len(groups))]]
+    meta = build_attention_metadata(groups, config.num_layers, [len(ids)], [len(ids)], tables, PREFILL_BLOCK_SIZE)
+    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, meta))
+
+
+def randomize_vectors(model: torch.nn.Module, hidden: int | None = None) -> None:
+    """transformers zero-inits biases and unit-inits norms: make them count. Every 1-D
+    parameter gets N(1, 0.2) where it has ``hidden`` elements (or always, ``hidden`` None),
+    N(0, 0.2) otherwise."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(1.0 if hidden is None or p.shape[0] == hidden else 0.0, 0.2)
+
+
+def tiny_llama(**kwargs) -> transformers.LlamaForCausalLM:
+    """A random llama of the given ``LlamaConfig`` sizes, its norms randomized."""
+    config = transformers.LlamaConfig(
+        max_position_embeddings=256, rope_theta=5000.0, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **kwargs
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    randomize_vectors(model, config.hidden_size)
+    return model
+
+
+def tiny_gemma3(
+    vocab_size: int = 128, hidden_size: int = 64, intermediate_size: int = 96, num_attention_heads: int = 4,
+    final_logit_softcapping: float | None = None,
+) -> transformers.Gemma3ForCausalLM:
+    """A random 6-layer Gemma 3 (one global layer, five sliding ones of ``GEMMA3_WINDOW``
+    tokens), 1 KV head of size 64, eager attention, its norms randomized."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=6,
+        num_attention_heads=num_attention_heads, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=48,
+        max_position_embeddings=256, sliding_window=GEMMA3_WINDOW, rms_norm_eps=1e-6,
+        final_logit_softcapping=final_logit_softcapping,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        attn_implementation="eager",
+    )
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():  # norms init to 0 (i.e. 1 + 0): make them count
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def gemma3_config(c: transformers.Gemma3TextConfig) -> ModelConfig:
+    """Our ``ModelConfig`` of a transformers Gemma 3 text config (tied embeddings; no logit
+    soft-capping: set ``final_logit_softcapping`` where the test wants it)."""
+    return ModelConfig(
+        architecture="gemma3", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        rope_theta=c.rope_parameters["full_attention"]["rope_theta"], rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
+        layer_types=list(c.layer_types), sliding_window=c.sliding_window,
+        rope_local_theta=c.rope_parameters["sliding_attention"]["rope_theta"],
+        query_pre_attn_scalar=c.query_pre_attn_scalar,
+    )
+
+
+# --- GGUF files as llama.cpp's convert_hf_to_gguf.py writes them ----------------------------
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # qwen3
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3, fused as stored
+}
+_GGUF_TOP_LEVEL = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+# GGUF types of write_q4_gguf's matrices: the embedding Q8_0, every other one Q4_1.
+_Q4_TYPES = {"token_embd": gguf.GGMLQuantizationType.Q8_0}
+
+
+def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to llama q/k rows."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: Path, hf: torch.nn.Module, tokens: list[str] | None = None) -> None:
+    """Save an HF llama/qwen2/qwen3/phi3 model as an F32 GGUF the way llama.cpp's converter would
+    (eos id 2; ``tokens`` as the token list when given)."""
+    c = hf.config
+    writer = gguf.GGUFWriter(path, c.model_type)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if head_dim != c.hidden_size // c.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if c.model_type == "phi3" and c.sliding_window:
+        writer.add_sliding_window(c.sliding_window)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_eos_token_id(2)
+    if tokens:
+        writer.add_token_list(tokens)
+    for name, tensor in hf.state_dict().items():
+        w = tensor.numpy()
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, _, suffix = rest.rpartition(".")
+            if c.model_type == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = c.num_attention_heads if "q_proj" in module else c.num_key_value_heads
+                w = _llama_cpp_permute(w, heads)
+            gguf_name = f"blk.{layer}.{_GGUF_NAMES[module]}.{suffix}"
+        else:
+            gguf_name = _GGUF_TOP_LEVEL[name]
+            if gguf_name == "output.weight" and c.tie_word_embeddings:
+                continue
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_q4_gguf(path: Path, hf: torch.nn.Module) -> None:
+    """``write_gguf`` with every matrix quantized by gguf's reference quantizer: the embedding
+    Q8_0, the projections (and an untied output) Q4_1; vectors stay F32."""
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_quantized(self, name: str, tensor: np.ndarray, **kwargs) -> None:
+        if tensor.ndim != 2:
+            return add_tensor(self, name, tensor, **kwargs)
+        qtype = _Q4_TYPES.get(name.removesuffix(".weight"), gguf.GGMLQuantizationType.Q4_1)
+        return add_tensor(self, name, gguf.quants.quantize(tensor.astype(np.float32), qtype), raw_dtype=qtype)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_tensor", add_quantized)
+        write_gguf(path, hf)
