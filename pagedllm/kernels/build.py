@@ -47,7 +47,8 @@ _VARIANTS = {"paged_attention.cpp": [["-DPAGED_ATTENTION_BF16=1"], ["-DPAGED_ATT
 _COMPILE_TIMEOUT_S = 600
 _MAX_ERROR_LINES = 10
 # About the compiler's CPU time for one variant, all translation units together (see
-# docs/benchmarks.md, issue 21); the build notice divides it by the cores the build can use.
+# docs/benchmarks.md, "Kernel builds, the wheel, the binding"); the build notice divides it by
+# the cores the build can use.
 _BUILD_CPU_SECONDS = 120
 
 
