@@ -17,6 +17,7 @@ import transformers
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
 from tests.models_util import prefill_logits, randomize_vectors, write_gguf, write_q4_gguf
+from tests.utils import pool_is_whole
 
 MAX_TOKENS = 16
 WINDOW = 12  # Mistral's: shorter than every prompt
@@ -120,8 +121,7 @@ def test_greedy_matches_transformers_with_chunks_and_prefix_hits(tiny) -> None:
         _assert_greedy_matches(hf, prompt, out.outputs[0])
     again = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-    pool = llm.engine.core.kv_cache.pool
-    assert pool.num_free_blocks == pool.num_blocks
+    assert pool_is_whole(llm)
     llm.shutdown()
 
 

@@ -22,6 +22,7 @@ from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadat
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.step_input import build_step
 from tests.models_util import GEMMA3_WINDOW, gemma3_config, prefill_logits, tiny_gemma3
+from tests.utils import pool_is_whole
 
 BLOCK_SIZE = 4
 ATOL = 1e-4
@@ -284,5 +285,4 @@ def test_real_model_greedy_matches_transformers() -> None:
     again = llm.generate([long_prompt], params)[0].outputs[0]
     assert llm.engine.core.kv_cache.prefix_hits - hits > 1000
     assert again.token_ids == outputs[-1].outputs[0].token_ids
-    pool = llm.engine.core.kv_cache.pool
-    assert pool.num_free_blocks == pool.num_blocks
+    assert pool_is_whole(llm)

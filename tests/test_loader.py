@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+from pagedllm.kernels import ops
 from pagedllm.models import gguf_loader, loader
 from pagedllm.models.loader import load_model, load_tokenizer, resolve_model
 from tests.models_util import prefill_logits, write_gguf
@@ -21,7 +22,10 @@ PROMPT = [{"role": "user", "content": "Write a haiku about paged attention."}]
 
 @pytest.fixture(scope="module", autouse=True)
 def module_cache(tmp_path_factory: pytest.TempPathFactory):
-    """A fresh cache dir (markers, assembled files, tokenizers) for this module's real models."""
+    """A fresh cache dir (markers, assembled files, tokenizers) for this module's real models.
+    The native kernels are loaded from the usual cache first: they share the variable, and a
+    fresh one would rebuild them (minutes) when this module runs alone."""
+    ops.available()
     path = tmp_path_factory.mktemp("pagedllm-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLLM_CACHE", str(path))

@@ -115,6 +115,7 @@ def test_caching_off_never_hits():
 import pytest  # noqa: E402
 
 from pagedllm import LLM  # noqa: E402
+from tests.utils import pool_is_whole  # noqa: E402
 
 SYSTEM = (
     "You are a meticulous assistant for a hardware store. Answer in one short sentence, "
@@ -122,17 +123,12 @@ SYSTEM = (
 )
 
 
-def _pool_whole(llm) -> bool:
-    pool = llm.engine.core.kv_cache.pool
-    return pool.num_free_blocks == pool.num_blocks
-
-
 @pytest.fixture(scope="module")
 def engines():
     on = LLM(dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=True)
     off = LLM(dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=False)
     yield on, off
-    assert _pool_whole(on) and _pool_whole(off)
+    assert pool_is_whole(on) and pool_is_whole(off)
 
 
 def _tokens(outputs):
@@ -167,7 +163,7 @@ def test_preemption_with_caching_matches(engines):
     tight = LLM(dtype="float32", num_gpu_blocks_override=16, enable_prefix_caching=True)
     assert _tokens(tight.generate(prompts, params)) == expected
     assert tight.engine.core.scheduler.num_preemptions > 0
-    assert _pool_whole(tight)
+    assert pool_is_whole(tight)
 
 
 def test_hit_count_is_block_arithmetic():

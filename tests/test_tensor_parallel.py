@@ -20,6 +20,7 @@ from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
 from tests.models_util import randomize_vectors, tiny_gemma3
+from tests.utils import assert_pool_whole
 
 
 TINY = {
@@ -78,8 +79,7 @@ def _greedy(path: str, tp: int, prompts: list[list[int]], num_blocks: int) -> tu
                 tokens[out.request_id] += out.new_token_ids
                 if out.logprobs is not None:
                     logprobs[out.request_id] += out.logprobs.logprobs
-        pool = core.kv_cache.pool
-        assert pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+        assert_pool_whole(core)
         return list(tokens.values()), list(logprobs.values()), core.scheduler.num_preemptions
     finally:
         core.shutdown()

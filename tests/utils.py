@@ -128,16 +128,20 @@ def wait_idle(http: httpx.Client, timeout: float = 20.0) -> None:
                          f"kv={metric(http, 'kv_cache_usage_perc')}")
 
 
-def pool_is_whole(llm) -> bool:
-    """Every block of an ``LLM``'s KV cache pool is free, no reference held."""
-    pool = llm.engine.core.kv_cache.pool
+def _whole(pool) -> bool:
     return pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
 
-def assert_pool_whole(sched) -> None:
-    """Every block of a scheduler's KV cache pool is free, no reference held."""
-    pool = sched.kv_cache.pool
-    assert pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+def pool_is_whole(llm) -> bool:
+    """Every block of an ``LLM``'s KV cache pool is free, no reference held."""
+    return _whole(llm.engine.core.kv_cache.pool)
+
+
+def assert_pool_whole(owner) -> None:
+    """Every block of the KV cache pool of ``owner`` (a ``Scheduler`` or an ``EngineCore``: what
+    has a ``kv_cache``) is free, no reference held."""
+    pool = owner.kv_cache.pool
+    assert _whole(pool), f"{pool.num_blocks - pool.num_free_blocks} of {pool.num_blocks} blocks held"
 
 
 # --- hostile grammar inputs: n rules, n levels, n properties -------------------------------
