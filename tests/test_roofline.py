@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from native_isa import ISAS, on_isa
 from pagedllm.bench.roofline import _macs_per_cycle, physical_cores
 from pagedllm.kernels.library import native_library
+from tests.native_isa import ISAS, on_isa
 
 
 @pytest.mark.parametrize("isa", ISAS)
