@@ -26,8 +26,11 @@ void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t 
     case PAGEDLLM_LINEAR_W8A8:
       linear_w8a8(x, ldx, static_cast<const int8_t*>(l.w), l.wscale, l.wsum128, l.bias, y, M, l.n, l.k);
       break;
-    default:
+    case PAGEDLLM_LINEAR_Q4A8:
       linear_q4a8(x, ldx, static_cast<const uint8_t*>(l.w), l.bias, y, M, l.n, l.k);
+      break;
+    default:
+      linear_kquant(x, ldx, static_cast<const KQuantWeight*>(l.w), l.bias, y, M, l.n, l.k);
   }
 }
 
@@ -39,7 +42,7 @@ bool supported(const DecoderDesc* m) {
     const LayerDesc& layer = m->layers[i];
     if (layer.group < 0 || layer.group >= m->num_groups || layer.rope < 0 || layer.rope > 1) return false;
     for (const LinearDesc* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-      if (l->kind < PAGEDLLM_LINEAR_F32 || l->kind > PAGEDLLM_LINEAR_Q4A8) return false;
+      if (l->kind < PAGEDLLM_LINEAR_F32 || l->kind > PAGEDLLM_LINEAR_KQUANT) return false;
   }
   return true;
 }

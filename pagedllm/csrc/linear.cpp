@@ -135,21 +135,10 @@ void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const float* 
   store<R>(out, y, ldy, ncols);
 }
 
+static_assert(QG == 32, "vec.h's quantize_group quantizes activations in groups of 32");
+
 // Rows m..M of one panel: full tiles of MR rows, then one tile of the rest (its size
 // dispatched at compile time).
-// One group of QG values of a row of x (zeros past K): scale = max|x| / 127 and the 32 codes
-// x / scale rounded to nearest even (llama.cpp's Q8_0 / Q8_1 activations).
-struct GroupCodes {
-  float scale;
-  I32x16 lo, hi;
-};
-inline GroupCodes quantize_group(const float* row, int64_t K, int64_t k0) {
-  const F32x16 v0 = load_first(row + k0, K - k0), v1 = load_first(row + k0 + 16, K - k0 - 16);
-  const float a = reduce_max(max(abs(v0), abs(v1)));
-  const F32x16 inv = set1(a > 0.f ? 127.f / a : 0.f);
-  return {a / 127.f, round_i32(mul(v0, inv)), round_i32(mul(v1, inv))};
-}
-
 template <int MR, typename Tile>
 void panel_rows(int64_t M, Tile tile) {
   int64_t m = 0;

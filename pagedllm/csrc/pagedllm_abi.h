@@ -31,6 +31,15 @@
 #define PAGEDLLM_LINEAR_F32 0
 #define PAGEDLLM_LINEAR_W8A8 1
 #define PAGEDLLM_LINEAR_Q4A8 2
+#define PAGEDLLM_LINEAR_KQUANT 3
+/* GGUF block formats the K-quant GEMM reads as the file stores them (ggml's type ids). */
+#define PAGEDLLM_GGML_Q5_0 6
+#define PAGEDLLM_GGML_Q8_0 8
+#define PAGEDLLM_GGML_Q4_K 12
+#define PAGEDLLM_GGML_Q5_K 13
+#define PAGEDLLM_GGML_Q6_K 14
+/* Row blocks of other formats one K-quant weight may stack (a fused q/k/v). */
+#define PAGEDLLM_KQUANT_MAX_PARTS 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -47,9 +56,24 @@ typedef struct PagedllmLimits {
   int64_t q4a8_group_bytes;
 } PagedllmLimits;
 
+/* `rows` consecutive rows of a weight, each kquant_row_bytes(type, K) bytes of GGUF blocks
+ * exactly as the file stores them. */
+typedef struct KQuantPart {
+  int64_t type;
+  int64_t rows;
+  const void* blocks;
+} KQuantPart;
+
+/* A K-quant weight [N, K]: its parts' rows stacked in order (N = their sum). */
+typedef struct KQuantWeight {
+  int64_t num_parts;
+  KQuantPart parts[PAGEDLLM_KQUANT_MAX_PARTS];
+} KQuantWeight;
+
 /* One packed linear layer: kind PAGEDLLM_LINEAR_F32 (w: linear_pack_f32's panels),
- * PAGEDLLM_LINEAR_W8A8 (w, wscale, wsum128: linear_pack_w8a8's) or PAGEDLLM_LINEAR_Q4A8 (w:
- * linear_pack_q4a8's); bias null or float32 padded to whole panels. */
+ * PAGEDLLM_LINEAR_W8A8 (w, wscale, wsum128: linear_pack_w8a8's), PAGEDLLM_LINEAR_Q4A8 (w:
+ * linear_pack_q4a8's) or PAGEDLLM_LINEAR_KQUANT (w: a KQuantWeight); bias null or float32
+ * padded to whole panels. */
 typedef struct LinearDesc {
   int64_t kind;
   int64_t n;
@@ -147,6 +171,20 @@ int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* 
 int linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K);
 int linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
                 int64_t K);
+
+/* --- GGUF blocks as stored (kquant.cpp) --- */
+
+/* Bytes of one row of K weights in GGUF type `type`; 0 where the K-quant GEMM does not take
+ * the type or K (Q4_K, Q5_K, Q6_K: K a multiple of 256; Q8_0, Q5_0: of 64). */
+int64_t kquant_row_bytes(int64_t type, int64_t K);
+/* y [M, N] = x [M, K] (row stride ldx) w.T + bias (null or float32 [>= N]), x quantized to
+ * int8 per row and group of 32 once per call. Returns -1 (nothing written) where a part's
+ * type or K is not taken or the parts' rows do not add up to N. */
+int linear_kquant(const float* x, int64_t ldx, const KQuantWeight* w, const float* bias, float* y, int64_t M, int64_t N,
+                  int64_t K);
+/* out [R, K] float32 = the weights of rows[0..R) (null: rows 0..R-1) of a weight whose rows
+ * are kquant_row_bytes(type, K) bytes of blocks; -1 (nothing written) where that is 0. */
+int kquant_dequantize(int64_t type, const void* blocks, const int64_t* rows, int64_t R, int64_t K, float* out);
 
 /* --- fused elementwise ops (elementwise.cpp) --- */
 

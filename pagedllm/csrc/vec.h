@@ -28,6 +28,18 @@
 //           quad of 4 s8 codes), dot_q4(lo, hi, DotQ4X, Q4W): lo[l] += sum_j x[j] * low
 //           nibble of byte 4 l + j, hi[l] the same with the high nibbles (codes in [0, 15] are
 //           u8 and s8 alike: no offset or sign trick)
+//   GGUF    (the K-quant GEMM, kGemmRowsKQ rows per tile) U8x64, 64 bytes in order:
+//           load_u8x64, store_u8x64, load_2x32(a, b) (32 bytes of each), dup32(p) (the same 32
+//           bytes twice), nibbles_2x16(a, b) (16 bytes of each as their low then their high
+//           nibbles: a's 32 codes, then b's), shr_and(v, n, mask) (each byte (b >> n) & mask),
+//           shr_and_halves(v, lo, hi, mask) (bytes 0-31 shifted by lo, 32-63 by hi), shl_u8(v,
+//           n), or_u8, bits_to_bytes(bits, value) (byte i = value where bit i is set, else 0);
+//           shifts may move bits between the bytes of a 16-bit lane: a shr_and mask must be
+//           below 2^(8 - n), and shl_u8's bytes below 2^(8 - n). I32x16 dot_u8s8(acc, U8x64 w,
+//           64 s8 x): acc[l] += sum_j w[4 l + j] x[4 l + j] with w in [0, 127] (AVX2's vpmaddubsw
+//           pairs fit in int16); dot_s8s8 the same with w as s8 (x in [-127, 127]).
+//           load_u8_f32 / load_s8_f32 (16 bytes widened to float), expand4(v, c): lane l =
+//           v[4 c + l / 4] (the scale of each 16-byte quarter of a U8x64, per 4-lane dot sum).
 #pragma once
 
 #include <stdint.h>
@@ -82,5 +94,18 @@ inline F32x16 gelu_tanh(F32x16 g) {
 
 // The first min(n, 16) values of p (lanes beyond are `fill`).
 inline F32x16 load_first(const float* p, int64_t n, float fill) { return select(mask_first(n), load_first(p, n), set1(fill)); }
+
+// One group of 32 values of a row of x (zeros past K): scale = max|x| / 127 and the 32 codes
+// x / scale rounded to nearest even (llama.cpp's Q8_0 / Q8_1 activations), as two I32x16.
+struct GroupCodes {
+  float scale;
+  I32x16 lo, hi;
+};
+inline GroupCodes quantize_group(const float* row, int64_t K, int64_t k0) {
+  const F32x16 v0 = load_first(row + k0, K - k0), v1 = load_first(row + k0 + 16, K - k0 - 16);
+  const float a = reduce_max(max(abs(v0), abs(v1)));
+  const F32x16 inv = set1(a > 0.f ? 127.f / a : 0.f);
+  return {a / 127.f, round_i32(mul(v0, inv)), round_i32(mul(v1, inv))};
+}
 
 }  // namespace vec

@@ -18,6 +18,7 @@ inline constexpr int kF32Regs = 8;
 inline constexpr int kGemmRowsF32 = 3;  // 12 ymm accumulators; weights come from L1 as FMA operands
 inline constexpr int kGemmRowsI8 = 2;
 inline constexpr int kGemmRowsQ4 = 2;
+inline constexpr int kGemmRowsKQ = 2;
 
 struct F32x16 { __m256 lo, hi; };
 struct I32x16 { __m256i lo, hi; };
@@ -169,6 +170,70 @@ inline __m256i dot_q4_8(__m256i acc, __m256i w, __m256i x) {
 inline void dot_q4(I32x16& lo, I32x16& hi, DotQ4X x, const Q4W& w) {
   lo = {dot_q4_8(lo.lo, w.lo0, x.x), dot_q4_8(lo.hi, w.lo1, x.x)};
   hi = {dot_q4_8(hi.lo, w.hi0, x.x), dot_q4_8(hi.hi, w.hi1, x.x)};
+}
+
+// Bytes of GGUF blocks (the K-quant GEMM): two ymm, bytes 0-31 and 32-63.
+struct U8x64 { __m256i lo, hi; };
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline U8x64 load_u8x64(const uint8_t* p) { return {load256(p), load256(p + 32)}; }
+inline void store_u8x64(uint8_t* p, U8x64 a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.lo), _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), a.hi);
+}
+inline U8x64 load_2x32(const uint8_t* a, const uint8_t* b) { return {load256(a), load256(b)}; }
+inline U8x64 dup32(const uint8_t* p) {
+  const __m256i v = load256(p);
+  return {v, v};
+}
+inline __m256i shr_and8(__m256i v, int n, uint8_t mask) {
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(char(mask)));
+}
+inline U8x64 shr_and_halves(U8x64 a, int lo, int hi, uint8_t mask) { return {shr_and8(a.lo, lo, mask), shr_and8(a.hi, hi, mask)}; }
+inline U8x64 shr_and(U8x64 a, int n, uint8_t mask) { return shr_and_halves(a, n, n, mask); }
+inline U8x64 shl_u8(U8x64 a, int n) {
+  const __m128i count = _mm_cvtsi32_si128(n);
+  return {_mm256_sll_epi16(a.lo, count), _mm256_sll_epi16(a.hi, count)};
+}
+inline U8x64 or_u8(U8x64 a, U8x64 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> their low nibbles, then their high ones
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+}
+inline U8x64 nibbles_2x16(const uint8_t* a, const uint8_t* b) { return {nibbles16(a), nibbles16(b)}; }
+inline __m256i bits_to_bytes32(uint32_t bits, uint8_t value) {
+  // Byte i takes the byte of `bits` holding bit i, keeps bit i % 8 and is `value` where it is set.
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(char(value)));
+}
+inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
+  return {bits_to_bytes32(uint32_t(bits), value), bits_to_bytes32(uint32_t(bits >> 32), value)};
+}
+inline F32x16 load_u8_f32(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
+}
+inline F32x16 load_s8_f32(const int8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
+}
+inline F32x16 expand4(F32x16 a, int c) {
+  const __m256 src = c < 2 ? a.lo : a.hi;
+  const __m256i o = _mm256_set1_epi32(4 * (c % 2));
+  return {_mm256_permutevar8x32_ps(src, _mm256_add_epi32(o, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))),
+          _mm256_permutevar8x32_ps(src, _mm256_add_epi32(o, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)))};
+}
+inline __m256i madd_u8s8(__m256i acc, __m256i w, __m256i x) {  // pairs w x fit in int16 (the caller's bound)
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) {
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(x);
+  return {madd_u8s8(acc.lo, w.lo, load256(p)), madd_u8s8(acc.hi, w.hi, load256(p + 32))};
+}
+inline I32x16 dot_s8s8(I32x16 acc, U8x64 w, const int8_t* x) {  // |w| times x signed as w
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(x);
+  return {madd_u8s8(acc.lo, _mm256_abs_epi8(w.lo), _mm256_sign_epi8(load256(p), w.lo)),
+          madd_u8s8(acc.hi, _mm256_abs_epi8(w.hi), _mm256_sign_epi8(load256(p + 32), w.hi))};
 }
 
 }  // namespace vec

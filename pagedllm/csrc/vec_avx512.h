@@ -16,6 +16,7 @@ inline constexpr int kF32Regs = 32;     // F32x16 values that fit in the registe
 inline constexpr int kGemmRowsF32 = 12;  // rows of a float32 GEMM micro-tile (24 accumulators)
 inline constexpr int kGemmRowsI8 = 4;    // rows of a w8a8 micro-tile (8 int32 + 8 float32 accumulators)
 inline constexpr int kGemmRowsQ4 = 4;    // rows of a w4a8 micro-tile (the same accumulators + 2 weight registers)
+inline constexpr int kGemmRowsKQ = 4;    // activation rows per K-quant tile (4 accumulators + 4 scale registers)
 
 struct F32x16 { __m512 v; };
 struct I32x16 { __m512i v; };
@@ -126,6 +127,61 @@ inline void dot_q4(I32x16& lo, I32x16& hi, DotQ4X x, const Q4W& w) {
   const __m512i ones = _mm512_set1_epi16(1);
   lo.v = _mm512_add_epi32(lo.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.lo, x.x), ones));
   hi.v = _mm512_add_epi32(hi.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.hi, x.x), ones));
+}
+#endif
+
+// Bytes of GGUF blocks (the K-quant GEMM): one zmm; shifts act on 16-bit lanes, so each
+// operation's contract (vec.h) keeps bits from crossing into a neighbouring byte.
+struct U8x64 { __m512i v; };
+inline U8x64 load_u8x64(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline void store_u8x64(uint8_t* p, U8x64 a) { _mm512_storeu_si512(p, a.v); }
+inline U8x64 load_2x32(const uint8_t* a, const uint8_t* b) {
+  return {_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1)};
+}
+inline U8x64 dup32(const uint8_t* p) { return {_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+inline U8x64 shr_and_halves(U8x64 a, int lo, int hi, uint8_t mask) {
+  const __m512i counts = _mm512_inserti64x4(_mm512_set1_epi16(short(lo)), _mm256_set1_epi16(short(hi)), 1);
+  return {_mm512_and_si512(_mm512_srlv_epi16(a.v, counts), _mm512_set1_epi8(char(mask)))};
+}
+inline U8x64 shr_and(U8x64 a, int n, uint8_t mask) {
+  return {_mm512_and_si512(_mm512_srl_epi16(a.v, _mm_cvtsi32_si128(n)), _mm512_set1_epi8(char(mask)))};
+}
+inline U8x64 shl_u8(U8x64 a, int n) { return {_mm512_sll_epi16(a.v, _mm_cvtsi32_si128(n))}; }
+inline U8x64 or_u8(U8x64 a, U8x64 b) { return {_mm512_or_si512(a.v, b.v)}; }
+inline U8x64 nibbles_2x16(const uint8_t* a, const uint8_t* b) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a)), y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m512i xxyy = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(x, x)), _mm256_set_m128i(y, y), 1);
+  const __m512i counts = _mm512_set_epi64(4 * 0x0001000100010001LL, 4 * 0x0001000100010001LL, 0, 0, 4 * 0x0001000100010001LL,
+                                          4 * 0x0001000100010001LL, 0, 0);
+  return {_mm512_and_si512(_mm512_srlv_epi16(xxyy, counts), _mm512_set1_epi8(0x0F))};
+}
+inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) { return {_mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(char(value)))}; }
+inline F32x16 load_u8_f32(const uint8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+inline F32x16 load_s8_f32(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+inline F32x16 expand4(F32x16 a, int c) {
+  const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * c), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+  return {_mm512_permutexvar_ps(idx, a.v)};
+}
+#ifdef __AVX512VNNI__
+inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) { return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_loadu_si512(x))}; }
+inline I32x16 dot_s8s8(I32x16 acc, U8x64 w, const int8_t* x) {  // |w| times x signed as w
+  const __m512i xv = _mm512_loadu_si512(x);
+  const __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), xv);
+  return {_mm512_dpbusd_epi32(acc.v, _mm512_abs_epi8(w.v), sx)};
+}
+#else
+inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) {
+  return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.v, _mm512_loadu_si512(x)), _mm512_set1_epi16(1)))};
+}
+inline I32x16 dot_s8s8(I32x16 acc, U8x64 w, const int8_t* x) {  // pairs |w| |x| <= 2 * 128 * 127 fit in int16
+  const __m512i xv = _mm512_loadu_si512(x);
+  const __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), xv);
+  return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w.v), sx), _mm512_set1_epi16(1)))};
 }
 #endif
 

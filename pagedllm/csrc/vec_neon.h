@@ -16,6 +16,7 @@ inline constexpr int kF32Regs = 8;
 inline constexpr int kGemmRowsF32 = 2;  // 16 accumulators + 8 weight registers of 32
 inline constexpr int kGemmRowsI8 = 2;
 inline constexpr int kGemmRowsQ4 = 2;
+inline constexpr int kGemmRowsKQ = 2;
 
 struct F32x16 { float32x4_t v[4]; };
 struct I32x16 { int32x4_t v[4]; };
@@ -183,5 +184,63 @@ inline DotQ4X dot_q4_prepare(const int32_t* quad) { return dot_prepare(quad); }
 inline void dot_q4(I32x16& lo, I32x16& hi, DotQ4X x, const Q4W& w) {
   for (int i = 0; i < 4; ++i) lo.v[i] = dot4(lo.v[i], w.lo[i], x.x), hi.v[i] = dot4(hi.v[i], w.hi[i], x.x);
 }
+
+// Bytes of GGUF blocks (the K-quant GEMM): four q registers of 16 bytes.
+struct U8x64 { uint8x16_t v[4]; };
+inline U8x64 load_u8x64(const uint8_t* p) { return {{vld1q_u8(p), vld1q_u8(p + 16), vld1q_u8(p + 32), vld1q_u8(p + 48)}}; }
+inline void store_u8x64(uint8_t* p, U8x64 a) {
+  for (int i = 0; i < 4; ++i) vst1q_u8(p + 16 * i, a.v[i]);
+}
+inline U8x64 load_2x32(const uint8_t* a, const uint8_t* b) { return {{vld1q_u8(a), vld1q_u8(a + 16), vld1q_u8(b), vld1q_u8(b + 16)}}; }
+inline U8x64 dup32(const uint8_t* p) { return load_2x32(p, p); }
+inline U8x64 shr_and_halves(U8x64 a, int lo, int hi, uint8_t mask) {
+  const int8x16_t slo = vdupq_n_s8(int8_t(-lo)), shi = vdupq_n_s8(int8_t(-hi));
+  const uint8x16_t m = vdupq_n_u8(mask);
+  for (int i = 0; i < 4; ++i) a.v[i] = vandq_u8(vshlq_u8(a.v[i], i < 2 ? slo : shi), m);
+  return a;
+}
+inline U8x64 shr_and(U8x64 a, int n, uint8_t mask) { return shr_and_halves(a, n, n, mask); }
+inline U8x64 shl_u8(U8x64 a, int n) {
+  for (int i = 0; i < 4; ++i) a.v[i] = vshlq_u8(a.v[i], vdupq_n_s8(int8_t(n)));
+  return a;
+}
+inline U8x64 or_u8(U8x64 a, U8x64 b) {
+  for (int i = 0; i < 4; ++i) a.v[i] = vorrq_u8(a.v[i], b.v[i]);
+  return a;
+}
+inline U8x64 nibbles_2x16(const uint8_t* a, const uint8_t* b) {
+  const uint8x16_t x = vld1q_u8(a), y = vld1q_u8(b), low = vdupq_n_u8(0x0F);
+  return {{vandq_u8(x, low), vshrq_n_u8(x, 4), vandq_u8(y, low), vshrq_n_u8(y, 4)}};
+}
+inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
+  const uint8x16_t bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  U8x64 r;
+  for (int i = 0; i < 4; ++i) {  // register i: bits 16 i .. 16 i + 15
+    const uint8x16_t spread = vcombine_u8(vdup_n_u8(uint8_t(bits >> (16 * i))), vdup_n_u8(uint8_t(bits >> (16 * i + 8))));
+    r.v[i] = vandq_u8(vtstq_u8(spread, bit), vdupq_n_u8(value));
+  }
+  return r;
+}
+inline F32x16 load_u8_f32(const uint8_t* p) {
+  const uint8x16_t v = vld1q_u8(p);
+  const uint16x8_t lo = vmovl_u8(vget_low_u8(v)), hi = vmovl_high_u8(v);
+  return {{vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))), vcvtq_f32_u32(vmovl_high_u16(lo)),
+           vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))), vcvtq_f32_u32(vmovl_high_u16(hi))}};
+}
+inline F32x16 load_s8_f32(const int8_t* p) {
+  const int8x16_t v = vld1q_s8(p);
+  const int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_high_s8(v);
+  return {{vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vcvtq_f32_s32(vmovl_high_s16(lo)),
+           vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), vcvtq_f32_s32(vmovl_high_s16(hi))}};
+}
+inline F32x16 expand4(F32x16 a, int c) {
+  const float32x4_t s = a.v[c];
+  return {{vdupq_laneq_f32(s, 0), vdupq_laneq_f32(s, 1), vdupq_laneq_f32(s, 2), vdupq_laneq_f32(s, 3)}};
+}
+inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) {  // codes <= 127 are valid s8
+  for (int i = 0; i < 4; ++i) acc.v[i] = dot4(acc.v[i], vreinterpretq_s8_u8(w.v[i]), vld1q_s8(x + 16 * i));
+  return acc;
+}
+inline I32x16 dot_s8s8(I32x16 acc, U8x64 w, const int8_t* x) { return dot_u8s8(acc, w, x); }  // sdot is s8 x s8
 
 }  // namespace vec

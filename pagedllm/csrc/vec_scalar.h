@@ -15,6 +15,7 @@ inline constexpr int kF32Regs = 4;
 inline constexpr int kGemmRowsF32 = 4;
 inline constexpr int kGemmRowsI8 = 2;
 inline constexpr int kGemmRowsQ4 = 2;
+inline constexpr int kGemmRowsKQ = 2;
 
 struct F32x16 { float v[16]; };
 struct I32x16 { int32_t v[16]; };
@@ -150,6 +151,57 @@ inline DotQ4X dot_q4_prepare(const int32_t* quad) { return dot_prepare(quad); }
 inline void dot_q4(I32x16& lo, I32x16& hi, const DotQ4X& x, const Q4W& w) {
   for (int l = 0; l < 16; ++l)
     for (int j = 0; j < 4; ++j) lo.v[l] += int32_t(x.x[j]) * w.lo[4 * l + j], hi.v[l] += int32_t(x.x[j]) * w.hi[4 * l + j];
+}
+
+// Bytes of GGUF blocks (the K-quant GEMM).
+struct U8x64 { uint8_t b[64]; };
+inline U8x64 load_u8x64(const uint8_t* p) {
+  U8x64 r;
+  std::memcpy(r.b, p, 64);
+  return r;
+}
+inline void store_u8x64(uint8_t* p, const U8x64& a) { std::memcpy(p, a.b, 64); }
+inline U8x64 load_2x32(const uint8_t* a, const uint8_t* b) {
+  U8x64 r;
+  std::memcpy(r.b, a, 32), std::memcpy(r.b + 32, b, 32);
+  return r;
+}
+inline U8x64 dup32(const uint8_t* p) { return load_2x32(p, p); }
+inline U8x64 shr_and_halves(U8x64 a, int lo, int hi, uint8_t mask) {
+  for (int i = 0; i < 64; ++i) a.b[i] = uint8_t((a.b[i] >> (i < 32 ? lo : hi)) & mask);
+  return a;
+}
+inline U8x64 shr_and(U8x64 a, int n, uint8_t mask) { return shr_and_halves(a, n, n, mask); }
+inline U8x64 shl_u8(U8x64 a, int n) {
+  for (uint8_t& x : a.b) x = uint8_t(x << n);
+  return a;
+}
+inline U8x64 or_u8(U8x64 a, const U8x64& b) {
+  for (int i = 0; i < 64; ++i) a.b[i] |= b.b[i];
+  return a;
+}
+inline U8x64 nibbles_2x16(const uint8_t* a, const uint8_t* b) {
+  U8x64 r;
+  for (int i = 0; i < 16; ++i) r.b[i] = a[i] & 0x0F, r.b[16 + i] = a[i] >> 4, r.b[32 + i] = b[i] & 0x0F, r.b[48 + i] = b[i] >> 4;
+  return r;
+}
+inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
+  U8x64 r;
+  for (int i = 0; i < 64; ++i) r.b[i] = (bits >> i) & 1 ? value : 0;
+  return r;
+}
+inline F32x16 load_u8_f32(const uint8_t* p) { return lanes([p](int i) { return float(p[i]); }); }
+inline F32x16 load_s8_f32(const int8_t* p) { return lanes([p](int i) { return float(p[i]); }); }
+inline F32x16 expand4(F32x16 a, int c) { return lanes([&](int i) { return a.v[4 * c + i / 4]; }); }
+inline I32x16 dot_u8s8(I32x16 acc, const U8x64& w, const int8_t* x) {
+  for (int l = 0; l < 16; ++l)
+    for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(w.b[4 * l + j]) * x[4 * l + j];
+  return acc;
+}
+inline I32x16 dot_s8s8(I32x16 acc, const U8x64& w, const int8_t* x) {
+  for (int l = 0; l < 16; ++l)
+    for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(int8_t(w.b[4 * l + j])) * x[4 * l + j];
+  return acc;
 }
 
 }  // namespace vec
