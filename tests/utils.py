@@ -1,5 +1,6 @@
 """Helpers shared by the test modules: a live server subprocess, the block pool checks, a
-streamed tool-call reader, and hostile grammar inputs. Tiny models: ``models_util.py``.
+streamed tool-call reader, hostile grammar inputs and random GGUF blocks. Tiny models:
+``models_util.py``.
 
 Test modules import from here, never from one another.
 """
@@ -169,3 +170,27 @@ def nested_arrays(n: int) -> dict:
 def many_properties(n: int) -> dict:
     """A JSON schema of an object with n string properties."""
     return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
+
+
+def random_gguf_blocks(qtype, n: int, k: int, seed: int = 0):
+    """[n, row bytes] uint8 GGUF blocks of ggml type ``qtype`` (Q8_0, Q5_0, Q4_K, Q5_K, Q6_K)
+    for rows of k weights: random codes, scales and mins (every bit pattern), finite float16
+    d (and a positive dmin) of a small model's magnitude."""
+    import gguf
+    import torch
+
+    q = gguf.GGMLQuantizationType
+    elems, size = gguf.GGML_QUANT_SIZES[qtype]
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // elems, size), dtype=torch.uint8, generator=gen)
+
+    def half(scale: float) -> torch.Tensor:
+        return (torch.randn(n, k // elems, 1, generator=gen) * scale).half().view(torch.uint8)
+
+    if qtype in (q.Q4_K, q.Q5_K):
+        blocks[..., 0:2], blocks[..., 2:4] = half(1e-3), half(1e-3).view(torch.float16).abs().view(torch.uint8)
+    elif qtype == q.Q6_K:
+        blocks[..., 208:210] = half(1e-3)
+    else:
+        blocks[..., 0:2] = half(1e-2)
+    return blocks.view(n, -1)

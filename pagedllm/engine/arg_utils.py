@@ -40,8 +40,9 @@ class EngineArgs:
     model: str = _flag(DEFAULT_MODEL, ".gguf path, HF directory, or installed alias")
     dtype: str = _flag(
         "auto",
-        "auto (float32 activations around w4a8 linear layers where the GGUF stores 4-bit blocks, else w8a8, "
-        "and a w8a8 lm_head on AVX-512 and AVX2 kernels; w8a8 ones on NEON; float32 ones on scalar kernels; a "
+        "auto (float32 activations around linear layers run from the GGUF's own Q4_K/Q5_K/Q6_K/Q5_0/Q8_0 blocks, "
+        "w4a8 where it stores Q4_0/Q4_1 blocks, else w8a8, the lm_head likewise, on AVX-512 and AVX2 kernels; "
+        "w8a8 for all but the stored blocks on NEON; float32 ones on scalar kernels; a "
         "bfloat16 K/V cache; without native kernels, float32 activations and K/V around weight-only int8 linear layers "
         "and lm_head) | float32 (exact) | bfloat16 | float16",
     )

@@ -13,7 +13,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import ModelShard, shard_tensor
 from pagedllm.quantization_config import QuantizationConfig
-from pagedllm.layers.quantization.gguf import KEPT, KEPT_LAYOUT, GGUFLinears
+from pagedllm.layers.quantization.gguf import STORED_LAYOUT, GGUFLinears, kept_unpackers, stores
 from pagedllm.models.gguf_loader import GGUFFile, hf_name, hf_rows
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.weights import NUM_SHARDS
@@ -41,16 +41,33 @@ def _rank_blocks(f: GGUFFile, name: str, config: ModelConfig, shard: ModelShard 
     return blocks if split is None else shard_tensor(blocks, split, GGML_QUANT_SIZES[f.tensors[name].qtype][0])
 
 
-def gguf_linears(f: GGUFFile, config: ModelConfig, quant: QuantizationConfig, tp: TPGroup = SINGLE) -> GGUFLinears:
-    """Sort the file's linear weights into kept (unpacked from their blocks) and to requantize.
+def _storable(f: GGUFFile, name: str, config: ModelConfig, shard: ModelShard | None) -> bool:
+    """Whether the rank's part of tensor ``name`` can run as stored: the K-quant GEMM takes its
+    type at the rank's input size, and a row-parallel split falls on block boundaries."""
+    info = f.tensors[name]
+    k = info.shape[1]
+    split = None if shard is None else shard.split_of(hf_name(name, config.architecture))
+    if split is not None and split[0] == 1:
+        block = GGML_QUANT_SIZES[info.qtype][0]
+        if split[1] % block or split[2] % block:
+            return False
+        k = split[2] - split[1]
+    return stores(info.qtype, k)
 
-    A fused layer is kept only when all its tensors unpack to one layout (int8 or int4), as its
-    rows share one kernel. With ``tp``, kept layers hold rank ``tp.rank``'s shard; a tensor
-    the file stores fused (Phi-3's ``attn_qkv``, ``ffn_up``), whose rank rows are not one
-    span, is then requantized from the float weights the model's loader split and cut.
+
+def gguf_linears(f: GGUFFile, config: ModelConfig, quant: QuantizationConfig, tp: TPGroup = SINGLE) -> GGUFLinears:
+    """Sort the file's linear weights into kept (unpacked from their blocks, or as stored) and
+    to requantize.
+
+    A fused layer is kept only when all its tensors unpack to one layout (int8, int4, or as
+    stored), as its rows share one kernel. With ``tp``, kept layers hold rank ``tp.rank``'s
+    shard; a tensor the file stores fused (Phi-3's ``attn_qkv``, ``ffn_up``), whose rank rows
+    are not one span, is then requantized from the float weights the model's loader split and
+    cut. A layer to keep as stored whose rank's input the K-quant GEMM does not take (a
+    row-parallel split inside a 256-weight super-block, say) is requantized from float too.
 
     Raises:
-        ValueError: a row-parallel layer's rank columns that cut through blocks (a size
+        ValueError: a row-parallel layer's rank columns that cut through blocks of 32 (a size
             ``sharding.check_tensor_parallel_size`` rejects for quantized models).
     """
     shard = None if tp.size == 1 else ModelShard.of(config, tp)
@@ -59,15 +76,20 @@ def gguf_linears(f: GGUFFile, config: ModelConfig, quant: QuantizationConfig, tp
         where = _layer_of(gguf_name, config)
         if where is not None and (where[0] != "lm_head" or quant.lm_head):
             shards.setdefault(where[0], {})[where[1]] = gguf_name
-    kept_types = KEPT[quant.mode]
+    kept = kept_unpackers(quant)
     out = GGUFLinears()
     for layer, by_index in shards.items():
         names = [by_index[i] for i in sorted(by_index)]
         types = out.sources[layer] = [f.tensors[n].qtype for n in names]
         fused_in_file = any(hf_name(n, config.architecture).split(".")[-2] in NUM_SHARDS for n in names)
-        if shard is not None and fused_in_file:
+        if (shard is not None and fused_in_file) or not all(t in kept for t in types):
             continue
-        if all(t in kept_types for t in types) and len({KEPT_LAYOUT[t] for t in types}) == 1:
-            parts = [kept_types[f.tensors[n].qtype](_rank_blocks(f, n, config, shard)) for n in names]
-            out.kept[layer] = type(parts[0]).cat(parts)
+        layouts = {kept[t][0] for t in types}
+        if len(layouts) != 1 or (STORED_LAYOUT in layouts and not all(_storable(f, n, config, shard) for n in names)):
+            continue
+        parts = [kept[f.tensors[n].qtype][1](_rank_blocks(f, n, config, shard)) for n in names]
+        out.kept[layer] = type(parts[0]).cat(parts)
+        out.layouts[layer] = layouts.pop()
+        if out.layouts[layer] == STORED_LAYOUT:  # the embedding's lookup reads a tied lm_head's tensor
+            out.stored_tensors.update(n for n in names if n != "token_embd.weight")
     return out

@@ -3,8 +3,11 @@
 A small header parser of our own instead of ``gguf.GGUFReader``: the reader builds numpy
 views for every string of the vocabulary and merges (2.4 s for SmolLM2); here string arrays
 are skipped (35 ms for Qwen2's 150k tokens + merges) and walked only when a token is looked
-up. The common block formats are dequantized in torch, bit-identical to ``gguf.quants`` and
-4x faster on SmolLM2's Q4_1/Q8_0; the rest (K-quants) fall back to ``gguf.quants``.
+up. The blocks of 32 (Q8_0, Q4_0, Q4_1, Q5_0) are dequantized in torch
+(``layers.quantization.gguf.dequantize_blocks``), bit-identical to ``gguf.quants`` and 4x
+faster on SmolLM2's Q4_1/Q8_0; Q4_K, Q5_K, Q6_K by the native kernels (``kernels.kquant``);
+other formats, or K-quants without a native library, by ``gguf.quants``. Tensors the model
+keeps as stored are not dequantized at all (``gguf_weights``'s ``stored``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize as gguf_dequantize
 
 from pagedllm.config import ModelConfig
+from pagedllm.kernels import kquant
+from pagedllm.layers.quantization.gguf import dequantize_blocks
 from pagedllm.models.registry import WINDOW_ON_EVERY_LAYER, check_architecture
 
 _SCALAR_FORMATS = {
@@ -150,8 +155,11 @@ class GGUFFile:
         raw = self._data[info.offset : info.offset + info.nbytes]
         if info.qtype in _PLAIN:
             return raw.view(_PLAIN[info.qtype]).view(info.shape).to(dtype, copy=True)
-        kernel = _DEQUANTIZE.get(info.qtype)
-        if kernel is None:
+        if info.qtype not in _BLOCKS_OF_32:
+            k = info.shape[-1]
+            if kquant.row_bytes(int(info.qtype), k):  # K-quants: natively, rows of blocks as stored
+                rows = raw.view(-1, kquant.row_bytes(int(info.qtype), k))
+                return kquant.dequantize(int(info.qtype), rows, k).view(info.shape).to(dtype)
             return torch.from_numpy(gguf_dequantize(raw.numpy(), info.qtype)).view(info.shape).to(dtype)
         blocks = raw.view(-1, GGML_QUANT_SIZES[info.qtype][1])
         out = torch.empty(blocks.shape[0], 32, dtype=dtype)
@@ -161,9 +169,9 @@ class GGUFFile:
         for start in range(0, blocks.shape[0], _CHUNK):
             src, dst = blocks[start : start + _CHUNK], out[start : start + _CHUNK]
             if buf is None:
-                kernel(src, dst)
+                dequantize_blocks(info.qtype, src, dst)
             else:
-                kernel(src, buf[: len(src)])
+                dequantize_blocks(info.qtype, src, buf[: len(src)])
                 dst.copy_(buf[: len(src)])
         return out.view(info.shape)
 
@@ -173,56 +181,8 @@ _PLAIN = {
     GGMLQuantizationType.F16: torch.float16,
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
-_CHUNK = 4096  # blocks per kernel call
-
-# Block formats of ggml-common.h: 32 weights per block, an fp16 scale ``d`` first; 4-bit
-# quants store weight j in the low nibble of byte j and weight j+16 in its high nibble.
-# Each kernel writes the [n, 32] float32 weights of [n, block_bytes] blocks into ``out``.
-
-
-def _scale(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The fp16 at byte ``start`` of each block, as [n, 1] float32."""
-    return blocks[:, start : start + 2].view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, 16] bytes -> [n, 32] uint8: the low nibbles, then the high nibbles."""
-    q = torch.empty(qs.shape[0], 32, dtype=torch.uint8)
-    torch.bitwise_and(qs, 0x0F, out=q[:, :16])
-    torch.bitwise_right_shift(qs, 4, out=q[:, 16:])
-    return q
-
-
-def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:  # d, 32 x int8; w = d * q
-    torch.mul(blocks[:, 2:].view(torch.int8), _scale(blocks, 0), out=out)
-
-
-def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:  # d, 16 bytes of nibbles; w = d * (q - 8)
-    d = _scale(blocks, 0)
-    torch.addcmul(d * -8, _nibbles(blocks[:, 2:]), d, out=out)  # d * q - 8 * d: exact in float32
-
-
-def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:  # d, m, 16 bytes of nibbles; w = d * q + m
-    torch.addcmul(_scale(blocks, 2), _nibbles(blocks[:, 4:]), _scale(blocks, 0), out=out)
-
-
-_BITS = torch.arange(8, dtype=torch.uint8)
-
-
-def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    """d, 32 fifth bits (uint32 little-endian), 16 bytes of nibbles; w = d * (q - 16)."""
-    q = _nibbles(blocks[:, 6:])
-    q |= (((blocks[:, 2:6].unsqueeze(-1) >> _BITS) & 1) << 4).flatten(1)  # bit j of qh -> 16 of q_j
-    d = _scale(blocks, 0)
-    torch.addcmul(d * -16, q, d, out=out)  # d * q - 16 * d: exact in float32
-
-
-_DEQUANTIZE = {
-    GGMLQuantizationType.Q8_0: _q8_0,
-    GGMLQuantizationType.Q4_0: _q4_0,
-    GGMLQuantizationType.Q4_1: _q4_1,
-    GGMLQuantizationType.Q5_0: _q5_0,
-}
+_CHUNK = 4096  # blocks per dequantize_blocks call
+_BLOCKS_OF_32 = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0)
 
 # llama.cpp's converter permutes the q/k rows of these architectures (not qwen2's, qwen3's
 # nor phi3's). It writes Mistral checkpoints as "llama" files (no sliding window, as
@@ -370,17 +330,21 @@ def hf_rows(tensor: torch.Tensor, gguf_name: str, config: ModelConfig) -> torch.
 
 
 def gguf_weights(
-    f: GGUFFile, config: ModelConfig, dtype: torch.dtype, num_workers: int = 1
+    f: GGUFFile, config: ModelConfig, dtype: torch.dtype, num_workers: int = 1, stored: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor in ``dtype``) for every tensor of the file, in file order.
 
     ``num_workers`` threads dequantize different tensors at once (torch ops release the GIL);
-    meant to run with torch's intra-op parallelism off (see ``loader.load_model``).
+    meant to run with torch's intra-op parallelism off (see ``loader.load_model``). Tensors
+    named in ``stored`` (GGUF names: layers the model then runs from the file's blocks) come
+    as placeholders on the meta device, of their shape and dtype, nothing read.
     """
     arch = config.architecture
     names = {name: hf_name(name, arch) for name in f.tensors}  # reject unknown tensors before any work
 
     def load(name: str) -> tuple[str, torch.Tensor]:
+        if name in stored:
+            return names[name], torch.empty(f.tensors[name].shape, dtype=dtype, device="meta")
         if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
             # Stored as weight + 1 (see _NORM_PLUS_ONE); left in float32, so the model's
             # own + 1 rounds once to its dtype.

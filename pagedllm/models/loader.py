@@ -257,21 +257,26 @@ def load_model(
     """
     load_dtype = dtype if quantization is None else torch.float32  # quantize from exact weights
     with _serial_torch_ops() as num_threads:
-        gguf = None
+        linears = None
         if resolved.kind == "gguf":
             gguf = GGUFFile(resolved.path)
             config = gguf_config(gguf, resolved.name)
-            weights = gguf_weights(gguf, config, load_dtype, num_workers=num_threads)
         else:
             config = hf_config(resolved.path, resolved.name)
-            weights = hf_weights(resolved.path)
         if tp.size > 1:
             check_tensor_parallel_size(config, tp.size, quantization is not None)
+        if resolved.kind == "gguf":
+            if quantization is not None:
+                linears = gguf_linears(gguf, config, quantization, tp)
+            # Layers kept as stored run from the file's blocks: their tensors are never dequantized.
+            stored = frozenset() if linears is None else frozenset(linears.stored_tensors)
+            weights = gguf_weights(gguf, config, load_dtype, num_workers=num_threads, stored=stored)
+        else:
+            weights = hf_weights(resolved.path)
         with torch.device("meta"):  # no allocation nor random init: load_weights assigns real tensors
             model = get_model_class(config.architecture)(config, load_dtype, tp)
         model.load_weights(weights)
         if quantization is not None:
-            linears = None if gguf is None else gguf_linears(gguf, config, quantization, tp)
             quantize_model(model, quantization, dtype, linears, num_workers=num_threads)
         if dtype == torch.float32 and ops.available():
             pack_linears(model)  # what quantization left float (a float lm_head)

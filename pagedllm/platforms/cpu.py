@@ -15,8 +15,9 @@ def dtype_settings(
     """EngineConfig fields for the dtype and quantization flags.
 
     "auto" on the native kernels: float32 activations, bfloat16 K/V, and linear layers as
-    ``auto_linears()`` picks for the kernels' variant: w4a8 where the GGUF stores 4-bit blocks,
-    w8a8 for the other weights and the lm_head, or float32. "auto" on the PyTorch fallback (no
+    ``auto_linears()`` picks for the kernels' variant: the GGUF's Q4_K / Q5_K / Q6_K / Q5_0 /
+    Q8_0 blocks as stored, w4a8 where it stores Q4_0 / Q4_1 blocks, w8a8 for the other weights
+    (the lm_head likewise), or float32. "auto" on the PyTorch fallback (no
     native library): float32 activations and K/V, and the linear layers, the lm_head included,
     as weight-only ``int8`` (GGUF 4-bit and Q8_0 blocks kept as stored). Why each choice, with
     the figures: docs/benchmarks.md ("Small batches at the memory roofline", "PyTorch

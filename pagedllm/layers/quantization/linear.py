@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.kernels import ops
+from pagedllm.kernels import kquant, ops
 from pagedllm.layers.linear import pad_to_panels
 from pagedllm.layers.quantization.weights import (
     KERNEL_DTYPE,
@@ -187,6 +187,44 @@ class W4A8Linear(QuantizedLinear):
     def native_desc(self) -> ops.LinearDesc:
         """This layer for the one-call decoder (``ops.decode_layers``)."""
         return ops.linear_desc(ops.LINEAR_Q4A8, self.packed, self.padded_bias, self.out_features, self.in_features)
+
+
+class KQuantLinear(QuantizedLinear):
+    """GGUF blocks as the file stores them (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0; the parts of a fused
+    layer each in its own format) against int8 activations: llama.cpp's Q4_K x Q8_K family on
+    our native kernel (``csrc/kquant.cpp``), reading exactly the file's bytes per weight.
+    Activations are quantized per row and group of 32 as W8A8Linear does. Buffers: each
+    part's blocks (``blocks0``, ...; uint8 [rows, row bytes]), the bias in float32, padded to
+    whole panels.
+
+    Args:
+        weight: the stored weight (``kernels.kquant.StoredWeight``).
+        bias: [out_features] or None.
+
+    Raises:
+        ValueError: where the native kernels do not run.
+    """
+
+    def __init__(self, weight: kquant.StoredWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight.in_features, weight.out_features, None)
+        if not ops.available():
+            raise ValueError("GGUF blocks as stored need the native kernels, which do not run here")
+        self.stored = weight
+        for i, (_, blocks) in enumerate(weight.parts):
+            self.register_buffer(f"blocks{i}", blocks)
+        self.register_buffer("padded_bias", None if bias is None else pad_to_panels(bias.detach().float()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
+        return kquant.linear(x.float(), self.stored, self.padded_bias).to(x.dtype)
+
+    def native_desc(self) -> ops.LinearDesc:
+        """This layer for the one-call decoder (``ops.decode_layers``)."""
+        return kquant.linear_desc(self.stored, self.padded_bias)
+
+    def extra_repr(self) -> str:
+        types = ", ".join(f"{qtype}: {blocks.shape[0]} rows" for qtype, blocks in self.stored.parts)
+        return f"{super().extra_repr()}, ggml types {{{types}}}"
 
 
 def make_linear(weight: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantizedLinear:

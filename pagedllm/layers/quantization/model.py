@@ -7,15 +7,13 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm.quantization_config import GROUP_SIZES, QuantizationConfig
-from pagedllm.layers.quantization.gguf import KEPT_LAYOUT, GGUFLinears
-from pagedllm.layers.quantization.linear import QuantizedLinear, W4A8Linear, W8A8Linear, make_linear
+from pagedllm.kernels.kquant import StoredWeight
+from pagedllm.layers.quantization.gguf import GGUFLinears
+from pagedllm.layers.quantization.linear import KQuantLinear, QuantizedLinear, W4A8Linear, W8A8Linear, make_linear
 from pagedllm.layers.quantization.weights import Int4Weight, QuantizedWeight, quantize_int4, quantize_int8, quantize_q4a8
-
-Q = GGMLQuantizationType
 
 logger = logging.getLogger("pagedllm")
 
@@ -58,12 +56,12 @@ def _cast_floats(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(module, name, b.to(dtype))
 
 
-def _summary(quant: QuantizationConfig, sources: dict[str, list[str]], kept: set[str]) -> str:
+def _summary(quant: QuantizationConfig, sources: dict[str, list[str]], layouts: dict[str, str]) -> str:
     """``int8: kept from GGUF 4 Q4_1 as int4 g32; requantized 96 Q5_0`` (counts of tensors)."""
     counts: dict[str, Counter[str]] = {"kept from GGUF": Counter(), "requantized": Counter()}
     for layer, types in sources.items():
-        if layer in kept:
-            counts["kept from GGUF"].update(f"{t} as {KEPT_LAYOUT[Q[t]]}" for t in types)
+        if layer in layouts:
+            counts["kept from GGUF"].update(f"{t} as {layouts[layer]}" for t in types)
         else:
             counts["requantized"].update(types)
     paths = [f"{path} " + ", ".join(f"{n} {t}" for t, n in sorted(c.items())) for path, c in counts.items() if c]
@@ -101,6 +99,8 @@ def quantize_model(
     def build(name: str) -> tuple[str, QuantizedLinear]:
         weight, bias = targets[name]
         qweight: QuantizedWeight
+        if isinstance(kept.get(name), StoredWeight):
+            return name, KQuantLinear(kept[name], bias)
         kept_q4 = kept.get(name) if isinstance(kept.get(name), Int4Weight) else None
         # w4a8 keeps the lm_head at 8 bits, as llama.cpp's 4-bit files keep their output matrix.
         if quant.mode == "w8a8" or (
@@ -130,6 +130,6 @@ def quantize_model(
     else:  # an HF checkpoint: one count per checkpoint tensor, several in a fused layer
         packed = model.packed_modules_mapping
         sources = {name: ["float"] * len(packed.get(name.rpartition(".")[2], [name])) for name in targets}
-    summary = _summary(quant, sources, set(kept))
+    summary = _summary(quant, sources, {} if gguf is None else gguf.layouts)
     logger.info("quantized %s", summary)
     return summary

@@ -1,0 +1,104 @@
+"""GGUF blocks multiplied as stored (kernels/kquant.py, csrc/kquant.cpp): the dot products of
+Q4_K, Q5_K, Q6_K, Q8_0 and Q5_0 weights on every ISA against gguf's own dequantization, and
+the layer built on them."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from tests.utils import random_gguf_blocks
+
+from pagedllm.kernels import kquant
+from pagedllm.layers.quantization.linear import KQuantLinear
+
+Q = gguf.GGMLQuantizationType
+# Each type with input sizes it takes: K-quants in super-blocks of 256, blocks of 32 in pairs.
+SIZES = {Q.Q4_K: (256, 768), Q.Q5_K: (256, 512), Q.Q6_K: (256, 768), Q.Q8_0: (64, 640), Q.Q5_0: (64, 896)}
+
+
+def gguf_values(qtype: Q, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """gguf.quants' dequantization of [n, row bytes] blocks: [n, k] float64."""
+    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype)).view(-1, k).double()
+
+
+def quantized_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] quantized as the kernels do: codes [M, K / 32, 32] and scales [M, K / 32, 1],
+    symmetric per group of 32 (max|x| / 127, rounded to nearest even), in float64."""
+    g = x.double().view(x.shape[0], -1, 32)
+    scale = g.abs().amax(-1, keepdim=True) / 127
+    return torch.round(g / scale.clamp_min(1e-300)), scale
+
+
+@pytest.mark.parametrize("qtype", list(SIZES), ids=lambda q: q.name)
+def test_dequantize_equals_gguf(qtype: Q, native_isa: str) -> None:
+    """Every code, scale and min where gguf.quants puts it: the native dequantization of random
+    blocks equals gguf's (to float32 rounding: one fused multiply-add per weight), rows picked
+    or all."""
+    for k in SIZES[qtype]:
+        blocks = random_gguf_blocks(qtype, 19, k)
+        expected = gguf_values(qtype, blocks, k)
+        got = kquant.dequantize(int(qtype), blocks, k)
+        assert torch.allclose(got.double(), expected, rtol=2**-22, atol=1e-12)
+        rows = torch.tensor([18, 0, 7, 7])
+        assert torch.equal(kquant.dequantize(int(qtype), blocks, k, rows), got[rows])
+
+
+@pytest.mark.parametrize("qtype", list(SIZES), ids=lambda q: q.name)
+def test_gemm_is_exact_for_its_scheme(qtype: Q, native_isa: str) -> None:
+    """The integer sums of the stored codes and int8 activations (per group of 32), scaled:
+    equal to gguf's dequantized weights times the quantized activations in float64, on every
+    ISA, at M = 1 (decode), odd M and a batch past the micro-tile, N not a multiple of the
+    16-row spans, rows at a stride, with a bias; and within int8's rounding of F.linear."""
+    n = 37
+    for k in SIZES[qtype]:
+        blocks = random_gguf_blocks(qtype, n, k, seed=k)
+        w = gguf_values(qtype, blocks, k)
+        weight = kquant.StoredWeight([(int(qtype), blocks)], k)
+        bias = torch.randn(n)
+        for m in (1, 3, 5, 13):
+            wide = torch.randn(m, k + 5) * torch.cat([torch.linspace(0.1, 3, k), torch.ones(5)])
+            x = wide[:, :k]  # rows at stride k + 5
+            x[0] = 0.0  # an all-zero row gives the bias exactly
+            xq, xs = quantized_x(x)
+            ref = (xq * xs).view(m, k) @ w.T + bias.double()
+            magnitude = (xq * xs).view(m, k).abs() @ w.abs().T + bias.double().abs()
+            y = kquant.linear(x, weight, bias)
+            assert y.shape == (m, n)
+            assert ((y.double() - ref).abs() <= 1e-5 * magnitude + 1e-6).all()
+            assert torch.equal(y[0], bias)
+            exact = x.double() @ w.T + bias.double()
+            assert (y.double() - exact).norm() / exact.norm() < 0.02  # int8 activations
+
+
+def test_parts_of_several_formats_stack_along_n(native_isa: str) -> None:
+    """A fused weight whose parts the file stores in different formats (Gemma's q, k Q5_0 and
+    v Q8_0) equals its parts' GEMMs side by side; adjacent parts of one format merge."""
+    k = 640
+    parts = [(Q.Q5_0, random_gguf_blocks(Q.Q5_0, 40, k, 1)), (Q.Q5_0, random_gguf_blocks(Q.Q5_0, 8, k, 2)),
+             (Q.Q8_0, random_gguf_blocks(Q.Q8_0, 17, k, 3))]
+    fused = kquant.StoredWeight([(int(t), b) for t, b in parts], k)
+    assert [(t, b.shape[0]) for t, b in fused.parts] == [(int(Q.Q5_0), 48), (int(Q.Q8_0), 17)]
+    x = torch.randn(6, k)
+    alone = [kquant.linear(x, kquant.StoredWeight([(int(t), b)], k)) for t, b in parts]
+    assert torch.equal(kquant.linear(x, fused), torch.cat(alone, dim=1))
+    layer = KQuantLinear(fused, bias=torch.arange(65.0))
+    assert torch.equal(layer(x), torch.cat(alone, dim=1) + torch.arange(65.0))
+
+
+def test_refuses_what_it_does_not_take(native_isa: str) -> None:
+    """Sizes a type cannot hold (a K-quant row of 640, a Q8_0 row of 96), types it does not
+    read (Q4_0: w4a8's), mismatched blocks, x or bias: clear errors, nothing computed."""
+    assert kquant.row_bytes(int(Q.Q4_K), 640) == 0 and kquant.row_bytes(int(Q.Q8_0), 96) == 0
+    assert kquant.row_bytes(int(Q.Q4_0), 64) == 0
+    assert kquant.row_bytes(int(Q.Q6_K), 512) == 2 * 210
+    with pytest.raises(ValueError, match="need uint8"):
+        kquant.StoredWeight([(int(Q.Q4_K), torch.zeros(4, 144, dtype=torch.uint8))], 512)
+    weight = kquant.StoredWeight([(int(Q.Q4_K), random_gguf_blocks(Q.Q4_K, 4, 256))], 256)
+    with pytest.raises(ValueError, match="x: need float32"):
+        kquant.linear(torch.zeros(2, 255), weight)
+    with pytest.raises(ValueError, match="bias"):
+        kquant.linear(torch.zeros(2, 256), weight, torch.zeros(3))
+    with pytest.raises(ValueError, match="parts"):
+        kquant.StoredWeight([(int(t), random_gguf_blocks(t, 2, 256)) for t in (Q.Q4_K, Q.Q6_K) * 3], 256)
