@@ -58,6 +58,18 @@ float from_bf16(uint16_t h) {
   return x;
 }
 
+// Activations as the integer GEMMs quantize them: codes per group of 32 k, symmetric, rounded
+// to nearest even (zeros past K).
+void quantize(const float* row, int64_t K, std::vector<int8_t>& codes, std::vector<float>& scales) {
+  for (int64_t g = 0; g * 32 < K; ++g) {
+    float amax = 0.f;
+    for (int64_t k = g * 32; k < K && k < (g + 1) * 32; ++k) amax = std::fmax(amax, std::fabs(row[k]));
+    scales.push_back(amax / 127.f);
+    for (int64_t k = g * 32; k < (g + 1) * 32; ++k)
+      codes.push_back(k < K && amax > 0.f ? int8_t(std::nearbyint(row[k] * (127.f / amax))) : int8_t(0));
+  }
+}
+
 void test_linear() {
   Rng rng;
   const int64_t M = 7, N = 45, K = 70;  // ragged edges: N and K not multiples of 32
@@ -78,15 +90,6 @@ void test_linear() {
   // w8a8: against the same arithmetic in plain integers (codes per group of 32 k, symmetric,
   // rounded to nearest even; the group's int32 sum scaled by both scales).
   const int64_t G = (K + 31) / 32, panels = (N + 31) / 32;
-  auto quantize = [](const float* row, int64_t K, std::vector<int8_t>& codes, std::vector<float>& scales) {
-    for (int64_t g = 0; g * 32 < K; ++g) {
-      float amax = 0.f;
-      for (int64_t k = g * 32; k < K && k < (g + 1) * 32; ++k) amax = std::fmax(amax, std::fabs(row[k]));
-      scales.push_back(amax / 127.f);
-      for (int64_t k = g * 32; k < (g + 1) * 32; ++k)
-        codes.push_back(k < K && amax > 0.f ? int8_t(std::nearbyint(row[k] * (127.f / amax))) : int8_t(0));
-    }
-  };
   for (int64_t m = 0; m < M; ++m) {
     std::vector<int8_t> xc;
     std::vector<float> xs;
@@ -312,10 +315,99 @@ void test_attention(bool bf16, int64_t window) {
   }
 }
 
+float from_f16(const uint8_t* p) {  // a normal float16 or zero
+  const uint16_t h = uint16_t(p[0] | p[1] << 8);
+  const int e = (h >> 10) & 0x1F;
+  const float f = e ? std::ldexp(float(1024 | (h & 0x3FF)), e - 25) : 0.f;
+  return h & 0x8000 ? -f : f;
+}
+
+// Weight e of a row of GGUF blocks, read as ggml-common.h lays them out.
+float gguf_weight(int64_t type, const uint8_t* row, int64_t e) {
+  if (type == PAGEDLLM_GGML_Q8_0) {
+    const uint8_t* b = row + e / 32 * 34;
+    return from_f16(b) * float(int8_t(b[2 + e % 32]));
+  }
+  if (type == PAGEDLLM_GGML_Q5_0) {
+    const uint8_t* b = row + e / 32 * 22;
+    const int64_t j = e % 32;
+    const uint32_t qh = uint32_t(b[2] | b[3] << 8 | b[4] << 16 | uint32_t(b[5]) << 24);
+    const int q = (j < 16 ? b[6 + j] & 15 : b[6 + j - 16] >> 4) | ((qh >> j) & 1) << 4;
+    return from_f16(b) * float(q - 16);
+  }
+  const int64_t j = e % 256;
+  if (type == PAGEDLLM_GGML_Q6_K) {
+    const uint8_t* b = row + e / 256 * 210;
+    const int64_t h = j / 128, quarter = j % 128 / 32, l = j % 32;
+    const uint8_t low = b[64 * h + l + 32 * (quarter & 1)];
+    const int q = (quarter < 2 ? low & 15 : low >> 4) | ((b[128 + 32 * h + l] >> (2 * quarter)) & 3) << 4;
+    return from_f16(b + 208) * float(int8_t(b[192 + j / 16])) * float(q - 32);
+  }
+  const bool q5 = type == PAGEDLLM_GGML_Q5_K;
+  const uint8_t* b = row + e / 256 * (q5 ? 176 : 144);
+  const uint8_t *s = b + 4, *qs = b + (q5 ? 48 : 16);
+  const int64_t sub = j / 32, l = j % 32;
+  const int sc = sub < 4 ? s[sub] & 63 : (s[sub + 4] & 15) | (s[sub - 4] >> 6) << 4;
+  const int mn = sub < 4 ? s[sub + 4] & 63 : (s[sub + 4] >> 4) | (s[sub] >> 6) << 4;
+  int q = sub % 2 ? qs[32 * (sub / 2) + l] >> 4 : qs[32 * (sub / 2) + l] & 15;
+  if (q5) q |= ((b[16 + l] >> sub) & 1) << 4;
+  return from_f16(b) * float(sc) * float(q) - from_f16(b + 2) * float(mn);
+}
+
+// GGUF blocks as stored: random bytes (d = 2^-10, dmin = 2^-11) dequantized and multiplied by
+// linear_kquant, against the layouts read in plain C++ and int8 activations.
+void test_kquant() {
+  Rng rng;
+  const int64_t M = 3, N = 37;
+  const int64_t types[] = {PAGEDLLM_GGML_Q4_K, PAGEDLLM_GGML_Q5_K, PAGEDLLM_GGML_Q6_K, PAGEDLLM_GGML_Q8_0,
+                           PAGEDLLM_GGML_Q5_0};
+  const char* names[] = {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0"};
+  for (int t = 0; t < 5; ++t) {
+    const int64_t type = types[t], K = t < 3 ? 512 : 640, rb = kquant_row_bytes(type, K);
+    const int64_t block = t < 3 ? 256 : 32, block_bytes = rb / (K / block);
+    std::vector<uint8_t> w(N * rb);
+    for (uint8_t& byte : w) {
+      rng.s ^= rng.s << 13, rng.s ^= rng.s >> 7, rng.s ^= rng.s << 17;
+      byte = uint8_t(rng.s >> 56);
+    }
+    for (int64_t i = 0; i < N * K / block; ++i) {
+      uint8_t* b = w.data() + i * block_bytes;
+      uint8_t* d = type == PAGEDLLM_GGML_Q6_K ? b + 208 : b;
+      d[0] = 0x00, d[1] = 0x14;  // 2^-10
+      if (t < 2) b[2] = 0x00, b[3] = 0x10;  // dmin 2^-11
+    }
+    std::vector<float> ref_w(N * K), dq(N * K);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) ref_w[n * K + k] = gguf_weight(type, w.data() + n * rb, k);
+    kquant_dequantize(type, w.data(), nullptr, N, K, dq.data());
+    char name[64];
+    std::snprintf(name, sizeof name, "kquant_dequantize %s", names[t]);
+    check(name, max_error(dq, ref_w), 1e-6f);
+    const auto x = rng.normals(M * K);
+    std::vector<float> ref(M * N), y(M * N);
+    for (int64_t m = 0; m < M; ++m) {
+      std::vector<int8_t> xc;
+      std::vector<float> xs;
+      quantize(x.data() + m * K, K, xc, xs);
+      for (int64_t n = 0; n < N; ++n) {
+        double s = 0.;
+        for (int64_t k = 0; k < K; ++k) s += double(xs[k / 32]) * xc[k] * ref_w[n * K + k];
+        ref[m * N + n] = float(s);
+      }
+    }
+    KQuantWeight kw{};
+    kw.num_parts = 1, kw.parts[0].type = type, kw.parts[0].rows = N, kw.parts[0].blocks = w.data();
+    const int status = linear_kquant(x.data(), K, &kw, nullptr, y.data(), M, N, K);
+    std::snprintf(name, sizeof name, "linear_kquant %s", names[t]);
+    check(name, status == 0 ? max_error(y, ref) : 1e9f, 1e-4f);
+  }
+}
+
 }  // namespace
 
 int main() {
   test_linear();
+  test_kquant();
   test_elementwise();
   for (int64_t window : {0, 5}) {
     test_attention<float>(false, window);
