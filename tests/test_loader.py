@@ -13,7 +13,8 @@ import torch
 import transformers
 
 from pagedllm.kernels import ops
-from pagedllm.models import gguf_loader, loader
+from pagedllm.layers.quantization.gguf import dequantize_blocks
+from pagedllm.models import loader
 from pagedllm.models.loader import load_model, load_tokenizer, resolve_model
 from tests.models_util import prefill_logits, write_gguf
 
@@ -83,7 +84,7 @@ def test_dequantize_is_bit_exact(qtype: str) -> None:
         blocks[:, 2:4] = torch.randn(5000, 1, generator=gen).half().view(torch.uint8)
     expected = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qt)).view(5000, 32)
     out = torch.empty(5000, 32)
-    gguf_loader._DEQUANTIZE[qt](blocks, out)
+    assert dequantize_blocks(qt, blocks, out)
     assert torch.equal(out, expected)
 
 
