@@ -4,6 +4,8 @@ the layer built on them."""
 
 from __future__ import annotations
 
+import ctypes
+
 import gguf
 import pytest
 import torch
@@ -102,3 +104,12 @@ def test_refuses_what_it_does_not_take(native_isa: str) -> None:
         kquant.linear(torch.zeros(2, 256), weight, torch.zeros(3))
     with pytest.raises(ValueError, match="parts"):
         kquant.StoredWeight([(int(t), random_gguf_blocks(t, 2, 256)) for t in (Q.Q4_K, Q.Q6_K) * 3], 256)
+
+
+def test_the_header_declares_the_stored_weight() -> None:
+    """The ABI parser reads the K-quant weight's nested array of parts from the header."""
+    from pagedllm.kernels import abi
+
+    parts = dict(abi.STRUCTS["KQuantWeight"]._fields_)["parts"]
+    assert parts._type_ is abi.STRUCTS["KQuantPart"] and parts._length_ == kquant.MAX_PARTS
+    assert abi.FUNCTIONS["kquant_row_bytes"][0] is ctypes.c_int64
