@@ -5,10 +5,9 @@ from typing import TYPE_CHECKING
 
 # How long OpenMP threads spin at a barrier before sleeping. A decode step is hundreds of
 # small parallel regions a few microseconds apart: sleeping waiters (OMP_WAIT_POLICY=PASSIVE)
-# pay a wake-up at each, 32 vs 19 ms per batch-1 step on a quiet 2-core machine; endless
-# spinning stalls when another process holds a core (61 vs 32 ms with one core busy, and
-# 300 vs 49 ms with both). A bounded spin (about 10,000 iterations) keeps the quiet-machine
-# speed; docs/benchmarks.md has the curve. Set before torch loads libgomp; a user's own
+# pay a wake-up at each, and endless spinning stalls whenever another process holds a core;
+# a bounded spin (about 10,000 iterations) keeps the quiet-machine speed without the stalls
+# (docs/benchmarks.md, GOMP_SPINCOUNT). Set before torch loads libgomp; a user's own
 # OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")

@@ -150,8 +150,8 @@ class EngineConfig:
 
 
 _DTYPES = {
-    # Measured on the target CPU (docs/benchmarks.md): fp32 matmuls run about 2x the bf16 rate
-    # for batched shapes, our int8 (VNNI) GEMM 1.4-3.6x our fp32 one; "auto" is float32 around w8a8 layers.
+    # "auto": float32 activations (the faster float matmuls on the CPUs we target; the linear
+    # layers as platforms/cpu.py picks; docs/benchmarks.md, dtype and instruction rates).
     "auto": torch.float32,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,

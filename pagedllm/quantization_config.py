@@ -32,8 +32,8 @@ class QuantizationConfig:
             stays float; the logits use a quantized copy of the same matrix.
         requantize_4bit: w4a8 and w8a8; False (``--dtype auto``): no weight loses precision
             it had in the file: GGUF Q8_0, Q5_0, Q4_K, Q5_K, Q6_K tensors run as stored
-            (``layers/quantization/gguf.py``), Q4_0 / Q4_1 as w4a8, the others as w8a8 (Q5_0
-            or Q6_K tensors requantized to 4 bits cost Qwen2.5-Coder +2.2% perplexity).
+            (``layers/quantization/gguf.py``), Q4_0 / Q4_1 as w4a8, the others as w8a8 (what
+            requantizing Q5_0 or Q6_K tensors to 4 bits costs in perplexity: docs/benchmarks.md).
 
     Raises:
         ValueError: unknown mode or group size.

@@ -17,7 +17,7 @@ from pagedllm.core.kv_cache_groups import kv_cache_groups
 from pagedllm.distributed.parallel_state import (
     SINGLE, TPGroup, destroy_tensor_parallel, free_port, init_tensor_parallel,
 )
-from pagedllm.kernels import ops
+from pagedllm.kernels import library
 from pagedllm.layers.linear import pack_linears
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
@@ -54,7 +54,7 @@ def load(case: Case, tp: TPGroup) -> tuple[torch.nn.Module, ModelConfig]:
         config, state = torch.load(case.state, weights_only=False)  # a ModelConfig and tensors
         model = Gemma3ForCausalLM(config, torch.float32, tp)
         model.load_weights(state.items())
-        if ops.available():
+        if library.available():
             pack_linears(model)  # as load_model does for float32
         return model.eval(), config
     quant = None if case.quant is None else QuantizationConfig(*case.quant)

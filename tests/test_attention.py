@@ -6,8 +6,8 @@ import pytest
 import torch
 from tests.native_isa import ISAS, on_isa
 
-from pagedllm.kernels import library, ops
-from pagedllm.layers.attention import AttentionMetadata, paged_attention
+from pagedllm.kernels import library
+from pagedllm.layers.attention import AttentionMetadata, PagedAttention
 
 
 def _dense(q, k, v, scale, window=0):
@@ -37,20 +37,18 @@ def test_native_kernel_builds():
     "dtype,cache_dtype",
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
 )
-def test_mixed_decode_and_chunked_prefill_match_dense(backend, dtype, cache_dtype, window, monkeypatch):
+def test_mixed_decode_and_chunked_prefill_match_dense(backend, dtype, cache_dtype, window):
     """window 5: a sliding-window layer; requests shorter and longer than the window; a
     bfloat16 cache under float32 activations (dtype auto). backend: an ISA's kernels, or
-    PyTorch's attention (the native K/V write still runs)."""
+    PyTorch (``forward_native``)."""
     if backend == "torch":
-        monkeypatch.setattr(ops, "paged_decode_attention", lambda *args: None)
-        monkeypatch.setattr(ops, "paged_prefill_attention", lambda *args: False)
-        _check_against_dense(dtype, cache_dtype, window)
+        _check_against_dense(dtype, cache_dtype, window, native=False)
     else:
         with on_isa(backend):
-            _check_against_dense(dtype, cache_dtype, window)
+            _check_against_dense(dtype, cache_dtype, window, native=True)
 
 
-def _check_against_dense(dtype: torch.dtype, cache_dtype: torch.dtype, window: int) -> None:
+def _check_against_dense(dtype: torch.dtype, cache_dtype: torch.dtype, window: int, native: bool) -> None:
     torch.manual_seed(0)
     rng = random.Random(0)
     block_size, num_blocks, hkv, h, d = 4, 64, 2, 6, 64
@@ -77,7 +75,9 @@ def _check_against_dense(dtype: torch.dtype, cache_dtype: torch.dtype, window: i
     v = torch.cat([vv[c:] for vv, (c, _) in zip(full_v, reqs)])
     k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     q, k, v = (t.to(dtype) for t in (q, k, v))
-    out = paged_attention(q, k, v, (k_cache, v_cache), meta, d**-0.5, window)
+    attn = PagedAttention(h, hkv, d, d**-0.5, window)
+    assert attn.uses_native or not native
+    out = (attn if native else attn.forward_native)(q, k, v, (k_cache, v_cache), meta)
     assert out.dtype == dtype
     out = out.float()
     tol = 1e-5 if cache_dtype == torch.float32 else 3e-2

@@ -6,12 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import ops
-from pagedllm.layers.activation import gelu_tanh_and_mul, silu_and_mul
-from pagedllm.layers.attention import write_kv
+from pagedllm.kernels import attention, elementwise, linear
+from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.layers.sampler import _greedy
+from pagedllm.layers.rotary import ApplyRotary, RotaryEmbedding
+from pagedllm.layers.sampler import RowArgmax
 
 pytestmark = pytest.mark.usefixtures("native_isa")  # each test on every ISA's kernels
 
@@ -21,6 +20,7 @@ pytestmark = pytest.mark.usefixtures("native_isa")  # each test on every ISA's k
 def test_add_rms_norm(rows: int, hidden: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     norm = RMSNorm(hidden, 1e-5, torch.float32)
+    assert norm.uses_native
     norm.weight.data = torch.randn(hidden, generator=gen)
     x, residual = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
     total = x + residual
@@ -42,7 +42,7 @@ def test_rotary_in_place(rows: int, head_dim: int) -> None:
     x = qkv[:, : 5 * head_dim].view(rows, 5, head_dim)
     expected = torch.addcmul(x * cos, x.roll(head_dim // 2, -1), sin)
     v = qkv[:, 5 * head_dim :].clone()
-    assert apply_rotary(x, cos, sin).data_ptr() == x.data_ptr()
+    assert ApplyRotary()(x, cos, sin).data_ptr() == x.data_ptr()  # rotated in place
     torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(qkv[:, 5 * head_dim :], v)
 
@@ -52,7 +52,7 @@ def test_silu_and_mul(rows: int) -> None:
     gate_up = torch.randn(rows, 2 * 40) * 30  # large |gate|: both tails of the sigmoid
     gate, up = gate_up.chunk(2, -1)
     expected = F.silu(gate) * up
-    torch.testing.assert_close(silu_and_mul(gate_up.clone()), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(SiluAndMul()(gate_up.clone()), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [2, 100])
@@ -60,7 +60,7 @@ def test_gelu_tanh_and_mul(rows: int) -> None:
     gate_up = torch.randn(rows, 2 * 40) * 10  # |gate| up to ~40: both tails of tanh
     gate, up = gate_up.chunk(2, -1)
     expected = F.gelu(gate, approximate="tanh") * up
-    torch.testing.assert_close(gelu_tanh_and_mul(gate_up.clone()), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(GeluTanhAndMul()(gate_up.clone()), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,7 +70,7 @@ def test_write_kv(dtype: torch.dtype, rows: int) -> None:
     qkv = torch.randn(rows, 9 * 64)  # k and v as views of the fused projection's rows
     k, v = qkv[:, 3 * 64 : 6 * 64].view(rows, 3, 64), qkv[:, 6 * 64 :].view(rows, 3, 64)
     slots = torch.randperm(20 * 16)[:rows]
-    write_kv(k, v, (k_cache, v_cache), slots)
+    attention.write_kv_cache(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache.view(-1, 3, 64)[slots], k.to(dtype))  # bfloat16: round to nearest even
     assert torch.equal(v_cache.view(-1, 3, 64)[slots], v.to(dtype))
     assert int((k_cache.view(-1, 3 * 64) != 0).any(1).sum()) == rows  # no other slot touched
@@ -82,24 +82,41 @@ def test_greedy_argmax_takes_the_first_maximum(shape: tuple[int, int]) -> None:
     logits[0, -1] = 100.0  # in the last, partial vector
     if shape[0] > 2:
         logits[2, 1] = logits[2, -2] = 100.0  # a tie: the first index wins, as in argmax
-    assert torch.equal(_greedy(logits), logits.argmax(-1))
+    assert torch.equal(RowArgmax()(logits), logits.argmax(-1))
 
 
-def test_misuse_raises_and_other_devices_fall_back() -> None:
-    """Calls only our own code could get wrong raise before reaching C; tensors elsewhere than
-    on the CPU are left to PyTorch."""
+def test_misuse_raises() -> None:
+    """Calls outside a kernel's contract (shapes, index dtypes, other dtypes or devices) raise
+    before reaching C."""
     k = torch.randn(4, 2, 64)
     cache = torch.zeros(3, 16, 2, 64)
     with pytest.raises(ValueError, match="slot_mapping: need contiguous int64 \\[4\\]"):
-        ops.write_kv_cache(k, k, cache, cache.clone(), torch.arange(4, dtype=torch.int32))
+        attention.write_kv_cache(k, k, cache, cache.clone(), torch.arange(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="do not fit the cache"):
-        ops.write_kv_cache(k, k, torch.zeros(3, 16, 4, 64), torch.zeros(3, 16, 4, 64), torch.arange(4))
+        attention.write_kv_cache(k, k, torch.zeros(3, 16, 4, 64), torch.zeros(3, 16, 4, 64), torch.arange(4))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        attention.write_kv_cache(k, k, cache.half(), cache.half(), torch.arange(4))
     with pytest.raises(ValueError, match="weight \\[5\\]"):
-        ops.add_rms_norm(None, torch.randn(3, 8), torch.ones(5), 1e-5)
-    packed = ops.linear_pack_f32(torch.randn(40, 16))
+        elementwise.add_rms_norm(None, torch.randn(3, 8), torch.ones(5), 1e-5)
+    packed = linear.linear_pack_f32(torch.randn(40, 16))
     with pytest.raises(ValueError, match="packed weight"):
-        ops.linear_f32(torch.randn(2, 17), packed, None, 40)
+        linear.linear_f32(torch.randn(2, 17), packed, None, 40)
     with pytest.raises(ValueError, match="bias: need float32 \\[64\\]"):
-        ops.linear_f32(torch.randn(2, 16), packed, torch.zeros(40), 40)
-    assert ops.argmax_rows(torch.randn(2, 5, device="meta")) is None
-    assert not ops.silu_and_mul(torch.randn(2, 8, device="meta"))
+        linear.linear_f32(torch.randn(2, 16), packed, torch.zeros(40), 40)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        elementwise.argmax_rows(torch.randn(2, 5, device="meta"))
+    with pytest.raises(ValueError, match="float32"):
+        elementwise.silu_and_mul(torch.randn(2, 8, dtype=torch.bfloat16))
+
+
+def test_layers_hand_other_dtypes_to_pytorch() -> None:
+    """A layer built on the kernels runs a call of another dtype (a model cast after it was
+    built) in PyTorch: the run-time check each forward_cpu makes."""
+    gate_up = torch.randn(3, 16, dtype=torch.bfloat16)
+    gate, up = gate_up.float().chunk(2, -1)
+    act = SiluAndMul()
+    assert act.uses_native
+    torch.testing.assert_close(act(gate_up.clone()).float(), F.silu(gate) * up, atol=2e-2, rtol=2e-2)
+    norm = RMSNorm(8, 1e-5, torch.bfloat16)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    torch.testing.assert_close(norm(x)[0], F.rms_norm(x, (8,), norm.weight, 1e-5))

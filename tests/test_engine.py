@@ -237,10 +237,9 @@ def test_dtype_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     only; the rest and the lm_head w8a8), a bfloat16 K/V cache; an explicit quantization mode
     or dtype wins."""
     from pagedllm.platforms.cpu import dtype_settings
-    from pagedllm.kernels import library, ops
+    from pagedllm.kernels import library
 
     monkeypatch.setattr(library, "active_isa", lambda: "avx512")
-    monkeypatch.setattr(ops, "linear_w8a8_available", lambda: True)
     assert dtype_settings("auto") == {
         "dtype": torch.float32, "kv_cache_dtype": torch.bfloat16, "quantization": "w4a8", "quantize_lm_head": True,
         "requantize_4bit": False,

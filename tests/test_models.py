@@ -9,7 +9,7 @@ import transformers
 from pagedllm.config import ModelConfig
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.linear import PackedLinear
-from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.layers.rotary import ApplyRotary, RotaryEmbedding
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.models.registry import get_model_class
@@ -155,7 +155,7 @@ def test_rotary_matches_transformers() -> None:
     q = torch.randn(5, 4, head_dim)
     k = torch.randn(5, 2, head_dim)
     cos, sin = rope(positions)
-    qk = apply_rotary(torch.cat([q, k], 1), cos, sin)
+    qk = ApplyRotary()(torch.cat([q, k], 1), cos, sin)
     hf_cos, hf_sin = LlamaRotaryEmbedding(config)(q, positions[None])
     hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
     torch.testing.assert_close(qk[:, :4], hf_q[0].transpose(0, 1), atol=1e-5, rtol=0)

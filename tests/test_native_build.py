@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pagedllm.platforms import cpu
-from pagedllm.kernels import abi, build, library, ops
+from pagedllm.kernels import abi, build, library
 from pagedllm.kernels.isa import ALL_ISAS, isa_flags, required_features, runnable_isas
 
 SAPPHIRE_RAPIDS = frozenset("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16".split())
@@ -159,7 +159,7 @@ def test_every_build_failing_leaves_pytorch(
     assert "run in PyTorch" in caplog.text
     assert caplog.text.count("error: '__m512' was not declared") == 3  # once per ISA tried
     assert len(list((fresh / "cache").glob("kernels-*.failed"))) == 3
-    assert not ops.available()
+    assert not library.available()
 
 
 def test_a_missing_compiler_says_so(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,14 +212,12 @@ def test_disable_native_builds_nothing(fresh: Path, monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize(
-    ("isa", "w8a8", "linears"),
-    # the table, and a library without the integer GEMMs
-    [("avx512_bf16", True, "w4a8"), ("avx512", True, "w4a8"), ("avx2", True, "w4a8"), ("neon_dotprod", True, "w8a8"),
-     ("neon", True, "w8a8"), ("scalar", True, "float32"), (None, False, "int8"), ("avx2", False, "float32")],
+    ("isa", "linears"),
+    [("avx512_bf16", "w4a8"), ("avx512", "w4a8"), ("avx2", "w4a8"), ("neon_dotprod", "w8a8"), ("neon", "w8a8"),
+     ("scalar", "float32"), (None, "int8")],
 )
-def test_dtype_auto_by_isa(isa: str | None, w8a8: bool, linears: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dtype_auto_by_isa(isa: str | None, linears: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(library, "active_isa", lambda: isa)
-    monkeypatch.setattr(ops, "linear_w8a8_available", lambda: w8a8)
     assert cpu.auto_linears() == linears
     expected = "none" if linears == "float32" else linears
     assert cpu.dtype_settings("auto")["quantization"] == expected
@@ -230,7 +228,7 @@ def test_w8a8_is_bit_identical_on_every_isa() -> None:
     ISA, so a w8a8 layer's output (and perplexity) does not depend on the CPU kind."""
     from native_isa import ISAS
 
-    from pagedllm.kernels import ops
+    from pagedllm.kernels import linear as kernels
     from pagedllm.kernels.library import native_library, use_isa
 
     gen = torch.Generator().manual_seed(0)
@@ -240,7 +238,7 @@ def test_w8a8_is_bit_identical_on_every_isa() -> None:
         if native_library(isa) is None:
             continue
         with use_isa(isa):
-            outputs[isa] = ops.linear_w8a8(x, ops.linear_pack_w8a8(w), None, 70)
+            outputs[isa] = kernels.linear_w8a8(x, kernels.linear_pack_w8a8(w), None, 70)
     if len(outputs) < 2:
         pytest.skip(f"fewer than two ISAs build here: {sorted(outputs)}")
     first = next(iter(outputs.values()))

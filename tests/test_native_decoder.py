@@ -12,10 +12,12 @@ import transformers
 
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE
-from pagedllm.kernels import ops
+from pagedllm.kernels import decoder, library
+from pagedllm.kernels import linear as kernels
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.layers.quantization.model import quantize_model
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models import native_decoder
 from pagedllm.models.native_decoder import NativeDecoder
 from tests.models_util import GEMMA3_WINDOW, gemma3_config, randomize_vectors, tiny_gemma3, tiny_llama, write_q4_gguf
 from tests.native_isa import ISAS, on_isa
@@ -92,8 +94,8 @@ def test_one_call_equals_the_modules(cases, isa: str, name: str, kv_dtype: torch
         model, config = _load(cases[name])
         assert NativeDecoder.of(model) is not None
         calls = []
-        decode_layers = ops.decode_layers
-        monkeypatch.setattr(ops, "decode_layers", lambda *a: calls.append(out := decode_layers(*a)) or out)
+        decode_layers = decoder.decode_layers
+        monkeypatch.setattr(native_decoder, "decode_layers", lambda *a: calls.append(out := decode_layers(*a)) or out)
         got = run_steps(model, config, SINGLE, kv_dtype)
         assert len(calls) == DECODE_ONLY_STEPS > 0 and all(c is not None for c in calls)
         model.native_decoder = False
@@ -104,11 +106,11 @@ def test_one_call_equals_the_modules(cases, isa: str, name: str, kv_dtype: torch
 
 def test_models_it_does_not_cover_run_the_modules(cases, monkeypatch) -> None:
     """No native kernels (nn.Linear weights), or a dtype other than float32: no one-call decoder."""
-    monkeypatch.setattr(ops, "available", lambda: False)
+    monkeypatch.setattr(library, "available", lambda: False)
     model, _ = load(cases["qwen2-float32"], SINGLE)
     assert NativeDecoder.of(model) is None
     monkeypatch.undo()
-    if not ops.available():
+    if not library.available():
         pytest.skip("no native kernels here")
     model, _ = load(cases["qwen2-float32"], SINGLE)
     model.dtype = torch.bfloat16
@@ -116,15 +118,15 @@ def test_models_it_does_not_cover_run_the_modules(cases, monkeypatch) -> None:
 
 
 def test_descriptor_refuses_a_packing_of_another_shape() -> None:
-    if not ops.available():
+    if not library.available():
         pytest.skip("no native kernels here")
-    packed = ops.linear_pack_f32(torch.randn(40, 64))
-    assert ops.linear_desc(ops.LINEAR_F32, packed, None, 40, 64).n == 40
+    packed = kernels.linear_pack_f32(torch.randn(40, 64))
+    assert kernels.linear_desc(kernels.LINEAR_F32, packed, None, 40, 64).n == 40
     with pytest.raises(ValueError, match="packed weight"):
-        ops.linear_desc(ops.LINEAR_F32, packed, None, 40, 96)
-    w8a8 = ops.linear_pack_w8a8(torch.randn(40, 64))
-    assert ops.linear_desc(ops.LINEAR_W8A8, w8a8, None, 40, 64).kind == ops.LINEAR_W8A8
+        kernels.linear_desc(kernels.LINEAR_F32, packed, None, 40, 96)
+    w8a8 = kernels.linear_pack_w8a8(torch.randn(40, 64))
+    assert kernels.linear_desc(kernels.LINEAR_W8A8, w8a8, None, 40, 64).kind == kernels.LINEAR_W8A8
     with pytest.raises(ValueError, match="w8a8 scales"):
-        ops.linear_desc(ops.LINEAR_W8A8, (w8a8[0], w8a8[1][:-1], w8a8[2]), None, 40, 64)
+        kernels.linear_desc(kernels.LINEAR_W8A8, (w8a8[0], w8a8[1][:-1], w8a8[2]), None, 40, 64)
     with pytest.raises(ValueError, match="unknown linear kind"):
-        ops.linear_desc(7, packed, None, 40, 64)
+        kernels.linear_desc(7, packed, None, 40, 64)

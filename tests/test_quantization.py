@@ -19,7 +19,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.bench.perplexity import DEFAULT_TEXT, perplexity, sliding_windows
 from pagedllm.config import EngineConfig
 from pagedllm.platforms.cpu import auto_linears
-from pagedllm.kernels import ops
+from pagedllm.kernels import library
 from pagedllm.layers.linear import PackedLinear
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.layers.quantization.gguf import unpack_q4_0, unpack_q4_1, unpack_q8_0
@@ -232,7 +232,7 @@ def tiny_quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_gguf_blocks_kept_equal_the_dequantized_weights(tiny_quantized_gguf: Path, monkeypatch) -> None:
     """Kept blocks (q/k rows unpermuted, projections fused) hold exactly the float loader's weights."""
-    monkeypatch.setattr(ops, "available", lambda: False)  # keep nn.Linear weights to compare
+    monkeypatch.setattr(library, "available", lambda: False)  # keep nn.Linear weights to compare
     f = GGUFFile(tiny_quantized_gguf)
     config = gguf_config(f)
     float_model, _ = load_model(resolve_model(str(tiny_quantized_gguf)), torch.float32)
@@ -305,7 +305,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 @pytest.mark.parametrize(
     ("kwargs", "layer"),
     [
-        ({"quantization": "none"}, PackedLinear if ops.available() else torch.nn.Linear),
+        ({"quantization": "none"}, PackedLinear if library.available() else torch.nn.Linear),
         ({"quantization": "int8"}, Int4Linear),  # SmolLM2's Q4_1 blocks are kept in int8 mode too
         ({"quantization": "int4"}, Int4Linear),
         ({"quantization": "int8", "quantize_lm_head": True}, Int4Linear),
@@ -314,7 +314,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
         ({"quantization": "w4a8", "quantize_lm_head": True}, W4A8Linear),  # Q4_1 kept; the lm_head w8a8
         # dtype auto: w4a8 (SmolLM2's linears are Q4_1 blocks) or w8a8 by ISA, the lm_head w8a8;
         # float32 linear layers without the integer GEMMs
-        ({}, {"w4a8": W4A8Linear, "w8a8": W8A8Linear}.get(auto_linears(), PackedLinear if ops.available() else torch.nn.Linear)),
+        ({}, {"w4a8": W4A8Linear, "w8a8": W8A8Linear}.get(auto_linears(), PackedLinear if library.available() else torch.nn.Linear)),
         ({"quantization": "int4", "dtype": "bfloat16"}, Int4Linear),  # bfloat16 activations reach the kernel as views
     ],
 )
@@ -446,8 +446,6 @@ def test_perplexity_through_prompt_logprobs() -> None:
 def test_w8a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
     """Integer sums of int8 weights and int8 activations, each symmetric per group of 32 input
     features, scaled per group: equal to the same scheme in float64, on every ISA's kernels."""
-    if not ops.linear_w8a8_available():
-        pytest.skip(f"the {native_isa} kernels have no w8a8 GEMM")
     gen = torch.Generator().manual_seed(k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     layer = W8A8Linear(w, b)

@@ -15,7 +15,7 @@ import transformers
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.distributed.sharding import ModelShard, check_tensor_parallel_size
-from pagedllm.kernels import ops
+from pagedllm.kernels import library
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.models.gguf_linears import gguf_linears
 from pagedllm.models.gguf_loader import GGUFFile, gguf_config
@@ -88,14 +88,10 @@ FLOAT_RUNS = [("llama", 2), ("llama", 3), ("qwen2", 2), ("qwen3", 2), ("phi3", 2
 QUANT_RUNS = [("llama-q4-w4a8", 2), ("qwen2-w8a8", 2)]
 
 
-def _quantized_available() -> bool:
-    return ops.available() and ops.linear_w8a8_available()
-
-
 @pytest.fixture(scope="module")
 def runs(cases: dict[str, Case], tmp_path_factory: pytest.TempPathFactory):
     """(reference logits by case, a function size -> rank 0's logits by case), each group run once."""
-    quant = [name for name, _ in QUANT_RUNS] if _quantized_available() else []
+    quant = [name for name, _ in QUANT_RUNS] if library.available() else []
     names = [name for name, _ in FLOAT_RUNS] + quant
     ref = reference([cases[n] for n in dict.fromkeys(names)])
 
@@ -123,7 +119,7 @@ def test_float32_shards_give_rank0_the_unsharded_logits(runs, name: str, size: i
 
 @pytest.mark.parametrize(("name", "size"), QUANT_RUNS)
 def test_quantized_shards_close_to_the_unsharded_logits(runs, name: str, size: int) -> None:
-    if not _quantized_available():
+    if not library.available():
         pytest.skip("the native kernels' integer GEMMs do not run here")
     got, expected = _sharded_logits(runs, name, size)
     torch.testing.assert_close(got, expected, atol=QUANT_ATOL, rtol=0)
@@ -135,7 +131,7 @@ def test_quantized_shards_close_to_the_unsharded_logits(runs, name: str, size: i
 def test_shards_are_the_checkpoint_slices(cases: dict[str, Case], monkeypatch) -> None:
     """Each rank's fused q/k/v and gate/up rows, o_proj/down_proj columns and vocabulary rows
     are its parts of the whole model's (no process group: loading runs no collective)."""
-    monkeypatch.setattr(ops, "available", lambda: False)  # keep nn.Linear weights to compare
+    monkeypatch.setattr(library, "available", lambda: False)  # keep nn.Linear weights to compare
     resolved = resolve_model(cases["qwen2"].path)
     whole, config = load_model(resolved, torch.float32)
     d, kv = config.head_dim, config.num_kv_heads * config.head_dim
@@ -162,7 +158,7 @@ def test_shards_are_the_checkpoint_slices(cases: dict[str, Case], monkeypatch) -
 
 def test_kept_gguf_blocks_are_sliced_by_rows_and_whole_blocks(cases: dict[str, Case], monkeypatch) -> None:
     """A rank's kept blocks (q/k rows unpermuted first) hold exactly its float shard's weights."""
-    monkeypatch.setattr(ops, "available", lambda: False)
+    monkeypatch.setattr(library, "available", lambda: False)
     path = cases["llama-q4-w4a8"].path
     f = GGUFFile(path)
     config = gguf_config(f)

@@ -93,7 +93,7 @@ def _macs_per_cycle(isa: str) -> tuple[int, int] | None:
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from pagedllm.kernels import ops
+    from pagedllm.kernels import linear as kernels
     from pagedllm.kernels.library import active_isa, native_library
 
     n, threads, isa = args.size, torch.get_num_threads(), active_isa()
@@ -126,11 +126,11 @@ def run(args: argparse.Namespace) -> None:
     x, w = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
     flops = 2 * n**3
     kernel(f"torch.mm float32 [{n}x{n}x{n}]", "f32", flops / _best_seconds(lambda: torch.mm(x, w.T), args.repeats))
-    if ops.available():
-        packed = ops.linear_pack_f32(w)
-        kernel("linear_f32 (native)", "f32", flops / _best_seconds(lambda: ops.linear_f32(x, packed, None, n), args.repeats))
-        packed8 = ops.linear_pack_w8a8(w)
-        kernel("linear_w8a8 (native)", "i8", flops / _best_seconds(lambda: ops.linear_w8a8(x, packed8, None, n), args.repeats))
+    if lib is not None:
+        packed = kernels.linear_pack_f32(w)
+        kernel("linear_f32 (native)", "f32", flops / _best_seconds(lambda: kernels.linear_f32(x, packed, None, n), args.repeats))
+        packed8 = kernels.linear_pack_w8a8(w)
+        kernel("linear_w8a8 (native)", "i8", flops / _best_seconds(lambda: kernels.linear_w8a8(x, packed8, None, n), args.repeats))
     big = torch.ones(args.memory_mib * 2**20 // 4)
     t = _best_seconds(lambda: big.sum(), args.repeats)
     print(f"memory read ({args.memory_mib} MiB, torch.sum)  : {big.numel() * 4 / t / 1e9:8.1f} GB/s")

@@ -5,9 +5,9 @@
 // down_proj (and its norm, Gemma 3); then the final norm. It calls the same kernels, in the
 // same order and on the same inputs, as the models' Python modules do one call at a time, so
 // its outputs are theirs bit for bit.
-// Why: at batch 1 a step is ~300 small kernels (~10-40 us each), and the Python and ctypes
-// around each call cost as much as the kernel (docs/benchmarks.md, "where a small GEMV's time
-// goes"); one call per step removes that, as llama.cpp's graph does.
+// Why: at batch 1 a step is some 300 small kernels, and the Python and ctypes around each
+// call cost about as much as the kernel; one call per step removes that, as llama.cpp's graph
+// does (figures: docs/benchmarks.md, "where a small GEMV's time goes").
 #include <stdint.h>
 
 #include <algorithm>

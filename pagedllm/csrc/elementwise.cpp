@@ -1,8 +1,8 @@
 // The float32 elementwise steps of a decoder layer, each fused into one pass over its rows:
 // residual add + RMSNorm, RoPE, SiLU-and-mul (GELU-and-mul), and the K/V write through the slot mapping;
 // and greedy sampling's row-wise argmax.
-// In PyTorch each is 2-6 ops (a pass over memory and ~5-10 us of dispatch apiece): 30
-// layers x ~20 ops was most of a decode step's time outside the GEMMs and attention.
+// Why: in PyTorch each is several ops, a pass over memory and a dispatch apiece, which add up
+// to most of a decode step's time outside the GEMMs and attention (docs/benchmarks.md).
 // Rows are split over the OpenMP threads only when there are enough of them to pay for it.
 #include <stdint.h>
 
@@ -115,7 +115,7 @@ void write_kv_cache(int cache_bf16, const float* k, const float* v, int64_t ld, 
 }
 
 // out[r] = the first index of the largest of x[r, 0..n) (rows of stride n), as torch.argmax.
-// torch's CPU max/argmax reduction reads a [32, 49152] logits tensor at about 3 GB/s.
+// Why: torch's CPU max/argmax reduction reads logits far below memory bandwidth (docs/benchmarks.md).
 // Indices are carried as float32 lanes: exact below 2^24, far above any vocabulary.
 void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out) {
 #pragma omp parallel for schedule(static) if (rows >= 4)

@@ -137,6 +137,39 @@ void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const float* 
 
 static_assert(QG == 32, "vec.h's quantize_group quantizes activations in groups of 32");
 
+// The M rows of x (stride ldx) quantized per group of QG k for the integer GEMMs: codes
+// [M][kq] (four int8 per int32; Kp = kq * 4 = K rounded up to QG) and scale [M][G]; with
+// kSums (w4a8, llama.cpp's Q8_1) also sum [M][G] = scale * the group's code sum and the codes
+// as plain s8, else (w8a8, Q8_0) in the encoding the vector layer's dot product takes.
+struct QuantizedRows {
+  std::vector<int32_t> codes;
+  std::vector<float> scale, sum;
+};
+template <bool kSums>
+QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
+  QuantizedRows q{std::vector<int32_t>(static_cast<size_t>(M * kq)), std::vector<float>(static_cast<size_t>(M * G)),
+                  std::vector<float>(kSums ? static_cast<size_t>(M * G) : 0)};
+#pragma omp parallel for schedule(static) if (M > 16)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = x + m * ldx;
+    int8_t* row = reinterpret_cast<int8_t*>(q.codes.data() + m * kq);
+    for (int64_t g = 0; g < G; ++g) {
+      const GroupCodes c = quantize_group(src, K, g * QG);
+      q.scale[m * G + g] = c.scale;
+      if constexpr (kSums) {
+        store_i8(row + g * QG, c.lo);
+        store_i8(row + g * QG + 16, c.hi);
+        q.sum[m * G + g] = c.scale * reduce_add(add(to_f32(c.lo), to_f32(c.hi)));  // an exact integer sum
+      } else {
+        store_codes(row + g * QG, c.lo);
+        store_codes(row + g * QG + 16, c.hi);
+      }
+    }
+  }
+  return q;
+}
+
 // Rows m..M of one panel: full tiles of MR rows, then one tile of the rest (its size
 // dispatched at compile time).
 template <int MR, typename Tile>
@@ -162,8 +195,6 @@ void for_panels(int64_t N, const float* bias, F f) {
 
 extern "C" {
 
-int linear_w8a8_available(void) { return 1; }
-
 // w: [N, K] float32 -> float32 panels [ceil(N/32)][K][32], zero padded.
 void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
   const int64_t panels = (N + NB - 1) / NB;
@@ -176,8 +207,8 @@ void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
 // w: [N, K] float32 -> int8 panels [ceil(N/32)][Kp/4][32][4] (Kp = K rounded up to QG), and
 // per panel and group of QG k: wscale [panels][Kp/QG][32] = max|w| / 127 and
 // wsum128 = -128 * sum of the codes (int32; where the int8 dot product feeds x as x + 128, its
-// accumulator starts there), all zero padded. Returns 0.
-int linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N, int64_t K) {
+// accumulator starts there), all zero padded.
+void linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N, int64_t K) {
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4, panels = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p)
@@ -197,48 +228,34 @@ int linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* wsu
         wsum128[(p * G + g) * NB + c] = -128 * sum;
       }
     }
-  return 0;
 }
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed, wscale, wsum128 from
 // linear_pack_w8a8; bias: null or float32 padded to ceil(N/32)*32. Each row of x is
 // quantized on the fly, symmetric per group of QG k (scale = max|x| / 127, codes rounded to
-// nearest even), as llama.cpp's Q8_0 x Q8_0 dot product does. Returns 0.
-int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const int32_t* wsum128,
-                const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+// nearest even), as llama.cpp's Q8_0 x Q8_0 dot product does.
+void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const int32_t* wsum128,
+                 const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
-  std::vector<int32_t> xq(static_cast<size_t>(M * kq));
-  std::vector<float> xscale(static_cast<size_t>(M * G));
-#pragma omp parallel for schedule(static) if (M > 16)
-  for (int64_t m = 0; m < M; ++m) {
-    const float* src = x + m * ldx;
-    int8_t* row = reinterpret_cast<int8_t*>(xq.data() + m * kq);
-    for (int64_t g = 0; g < G; ++g) {
-      const GroupCodes q = quantize_group(src, K, g * QG);
-      xscale[m * G + g] = q.scale;
-      store_codes(row + g * QG, q.lo);
-      store_codes(row + g * QG + 16, q.hi);
-    }
-  }
+  const QuantizedRows xq = quantize_rows<false>(x, ldx, M, K);
   // Rows in chunks whose codes fit in L2, each chunk over all panels (as linear_f32).
   const int64_t chunk = std::max<int64_t>(24, (262144 / (4 * kq)) / 24 * 24);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
     for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
       panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
-        tile_w8a8<decltype(r)::value>(xq.data() + (m0 + m) * kq, kq, xscale.data() + (m0 + m) * G,
+        tile_w8a8<decltype(r)::value>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
                                       packed + p * kq * 4 * NB, G, wsum128 + p * G * NB, wscale + p * G * NB, b,
                                       y + (m0 + m) * N + p * NB, N, ncols);
       });
     });
   }
-  return 0;
 }
 
 // q: [N, K] codes in [0, 15] (one per byte); d, m: [N, ceil(K/QG)] float16 bits (w = d q + m)
 // -> packed [ceil(N/32)][ceil(K/QG)][Q4_BYTES], codes, d and m zero padded (a padded k has
-// code 0 and its x code is 0 too, so m counts only real k). Returns 0.
-int linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K) {
+// code 0 and its x code is 0 too, so m counts only real k).
+void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K) {
   const int64_t G = (K + QG - 1) / QG, panels = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p)
@@ -256,41 +273,26 @@ int linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uin
         pg[i] = uint8_t(code(p * NB + c) | code(p * NB + 16 + c) << 4);
       }
     }
-  return 0;
 }
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed from linear_pack_q4a8;
 // bias: null or float32 padded to ceil(N/32)*32. Each row of x is quantized on the fly as
-// for linear_w8a8, with each group's code sum (llama.cpp's Q8_1 activations). Returns 0.
-int linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
-                int64_t K) {
+// for linear_w8a8, with each group's code sum (llama.cpp's Q8_1 activations).
+void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
+                 int64_t K) {
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
-  std::vector<int32_t> xq(static_cast<size_t>(M * kq));
-  std::vector<float> xscale(static_cast<size_t>(M * G)), xsum(static_cast<size_t>(M * G));
-#pragma omp parallel for schedule(static) if (M > 16)
-  for (int64_t m = 0; m < M; ++m) {
-    const float* src = x + m * ldx;
-    int8_t* row = reinterpret_cast<int8_t*>(xq.data() + m * kq);
-    for (int64_t g = 0; g < G; ++g) {
-      const GroupCodes q = quantize_group(src, K, g * QG);
-      store_i8(row + g * QG, q.lo);
-      store_i8(row + g * QG + 16, q.hi);
-      xscale[m * G + g] = q.scale;
-      xsum[m * G + g] = q.scale * reduce_add(add(to_f32(q.lo), to_f32(q.hi)));  // an exact integer sum
-    }
-  }
+  const QuantizedRows xq = quantize_rows<true>(x, ldx, M, K);
   const int64_t chunk = std::max<int64_t>(24, (262144 / (4 * kq)) / 24 * 24);  // as linear_w8a8
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
     for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
       panel_rows<kGemmRowsQ4>(rows, [&](auto r, int64_t m) {
-        tile_q4a8<decltype(r)::value>(xq.data() + (m0 + m) * kq, kq, xscale.data() + (m0 + m) * G,
-                                      xsum.data() + (m0 + m) * G, packed + p * G * Q4_BYTES, G, b,
+        tile_q4a8<decltype(r)::value>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
+                                      xq.sum.data() + (m0 + m) * G, packed + p * G * Q4_BYTES, G, b,
                                       y + (m0 + m) * N + p * NB, N, ncols);
       });
     });
   }
-  return 0;
 }
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; bias: null or float32 padded to
@@ -298,7 +300,7 @@ int linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float*
 void linear_f32(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t M, int64_t N,
                 int64_t K) {
   // Rows in chunks whose x fits in L2 (512 KiB), each chunk over all panels: x is read from
-  // L2 by every panel instead of from L3/DRAM (prefill: 1.3x at 2048 x 576 -> 3072).
+  // L2 by every panel instead of from L3/DRAM (prefill's gain: docs/benchmarks.md).
   const int64_t chunk = std::max<int64_t>(12, (131072 / K) / 12 * 12);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);

@@ -112,8 +112,7 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
       }
     };
     // Rows of tiles t .. t + 3 (a ring): t is used, t + 1 is prefetched to L1 and t + 3 to L2
-    // (kernel time of a batch-32 step of SmolLM2 at context ~300 from DRAM: 12.5 ms with the
-    // L1 prefetch only, 10.9 ms with both).
+    // (the L2 prefetch's gain on K/V read from DRAM: docs/benchmarks.md).
     alignas(64) int64_t rows[4][kTile];
     const int64_t t_first = first - first % kTile;
     for (int i = 0; i < 3; ++i)

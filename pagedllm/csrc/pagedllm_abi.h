@@ -157,20 +157,18 @@ int paged_prefill_attention(int cache_bf16, const float* q, int64_t ldq, const v
 
 /* --- GEMMs on packed weights (linear.cpp): y [M, N] = x [M, K] (row stride ldx) w.T + bias --- */
 
-/* Always 1: the w8a8 GEMM is in every build (kept for libraries that could lack it). */
-int linear_w8a8_available(void);
 /* w [N, K] float32 -> panels [ceil(N/32)][K][32], zero padded. */
 void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K);
 void linear_f32(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t M, int64_t N,
                 int64_t K);
 /* w [N, K] -> int8 codes symmetric per group of 32 k, their scales and code sums * 128. */
-int linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N, int64_t K);
-int linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const int32_t* wsum128,
-                const float* bias, float* y, int64_t M, int64_t N, int64_t K);
+void linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N, int64_t K);
+void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const int32_t* wsum128,
+                 const float* bias, float* y, int64_t M, int64_t N, int64_t K);
 /* q [N, K] 4-bit codes (uint8), d and m [N, ceil(K/32)] float16 -> w4a8 panels. */
-int linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K);
-int linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
-                int64_t K);
+void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K);
+void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
+                 int64_t K);
 
 /* --- GGUF blocks as stored (kquant.cpp) --- */
 

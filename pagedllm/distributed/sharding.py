@@ -18,7 +18,7 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import TPGroup
-from pagedllm.kernels.ops import W8A8_GROUP
+from pagedllm.kernels.linear import QUANT_GROUP
 
 # HF projection -> how it splits: rows of query heads, rows of KV heads, rows of the
 # intermediate features, rows of the vocabulary; columns (row-parallel) of query heads or
@@ -145,10 +145,10 @@ def _problem(config: ModelConfig, n: int, quantized: bool) -> str | None:
     # 32 weights along K: a row-parallel layer's input must split on those boundaries.
     if quantized and n > 1:
         for what, k in (("attention output", heads // n * config.head_dim), ("MLP down projection", inter // n)):
-            if k % W8A8_GROUP:
+            if k % QUANT_GROUP:
                 return (
                     f"gives each rank {k} inputs to {model} {what}, not a multiple of the "
-                    f"{W8A8_GROUP}-wide quantization groups"
+                    f"{QUANT_GROUP}-wide quantization groups"
                 )
     return None
 

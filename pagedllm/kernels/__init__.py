@@ -1,2 +1,5 @@
 """Native CPU kernels: ISA detection (``isa``), per-ISA builds (``build``), the library this
-process runs (``library``), and ``ops``, the only module that calls into it."""
+process runs (``library``), its C interface (``abi``), and the typed wrappers that call into
+it, one module per role: ``attention`` (paged attention, K/V write), ``elementwise`` (norm,
+RoPE, activations, argmax), ``linear`` (packed GEMMs) and ``decoder`` (a whole decode step);
+``args`` holds their shared argument checks."""

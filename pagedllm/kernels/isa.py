@@ -68,8 +68,8 @@ def isa_flags(isa: str) -> list[str]:
         return [*COMMON_FLAGS, f"-march={_ARM_MARCH[isa][0]}"]
     if isa == "scalar":  # NEON is aarch64's baseline: vec.h would pick it without the define
         # -O2: at -O3 GCC also unrolls, with growth, the plain 16-lane loops of each of the decode
-        # attention's instantiations: paged_attention.cpp took 146 s instead of 65 s to build,
-        # for kernels no faster.
+        # attention's instantiations: a build over twice as long, for kernels no faster
+        # (docs/benchmarks.md, kernel builds).
         return ["-O2", *COMMON_FLAGS[1:], "-DPAGEDLLM_VEC_SCALAR"]
     raise ValueError(f"unknown ISA {isa!r}; valid: {', '.join(ALL_ISAS)}")
 

@@ -113,7 +113,7 @@ def linear(x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = No
 
 
 def linear_desc(weight: StoredWeight, bias: torch.Tensor | None) -> ctypes.Structure:
-    """The ``LinearDesc`` of a stored weight for the one-call decoder (``ops.decode_layers``);
+    """The ``LinearDesc`` of a stored weight for the one-call decoder (``kernels.decoder.decode_layers``);
     the caller keeps ``weight`` and ``bias`` alive as long as it is used.
 
     Raises:

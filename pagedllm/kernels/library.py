@@ -5,8 +5,8 @@ one; if it fails to build or load, the next one down (avx512_bf16 -> avx512_vnni
 -> avx2 -> scalar, neon_dotprod -> neon -> scalar), so one file that does not compile never
 costs every kernel. A library is used only once it matches ``pagedllm_abi.h`` (``abi.bind``)
 and every CPU feature it reports needing (``pagedllm_requires()``) is this CPU's.
-``PAGEDLLM_DISABLE_NATIVE=1``: no library, PyTorch everywhere. Only ``kernels.ops`` calls
-into the library.
+``PAGEDLLM_DISABLE_NATIVE=1``: no library, PyTorch everywhere. Only the wrappers
+(``kernels.attention``, ``elementwise``, ``linear``, ``decoder``) call into the library.
 """
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ def _once_per_argument(fn: Callable[..., _T]) -> Callable[..., _T]:
 def available_isas() -> list[str]:
     """The ISAs this CPU executes, best first: e.g. ["avx512", "avx2", "scalar"]."""
     return runnable_isas(cpu_flags(), platform.machine())
+
+
+def available() -> bool:
+    """Whether the native kernels run in this process (a library loaded for its ISA)."""
+    return native_library() is not None
 
 
 def native_library(isa: str | None = None) -> ctypes.CDLL | None:

@@ -6,12 +6,12 @@ request); new K/V are written into the cache through the slot mapping, then each
 attends over its request's cached context.
 
 Two paths, chosen per request by its query length, each a native kernel reading K/V in
-place through the block tables (``csrc/``), with a PyTorch fallback:
-- decode (one query token): all such requests in one call. The fallback batches them into
-  one SDPA call over their gathered blocks, padded to the longest context and masked,
+place through the block tables (``csrc/``) or PyTorch (``PagedAttention`` picks once):
+- decode (one query token): all such requests in one call. PyTorch batches them into one
+  SDPA call over their gathered blocks, padded to the longest context and masked,
   grouped-query heads folded into the query-length axis (K/V never repeated per head).
 - prefill or chunked prefill (several query tokens): all such requests in one call, causal
-  with the chunk's offset into its context. The fallback: one SDPA call per request.
+  with the chunk's offset into its context. PyTorch: one SDPA call per request.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import ops
+from pagedllm.kernels import attention as kernels
+from pagedllm.layers.custom_op import CustomOp
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -52,7 +53,7 @@ class AttentionMetadata:
     # [3, P] int64 rows (query_start, query_len, seq_len); None without prefills.
     prefill_block_tables: torch.Tensor | None = None
     prefill_spans: torch.Tensor | None = None
-    # Masks built on first use by the PyTorch fallbacks that need them (a later prefill chunk's
+    # Masks built on first use by the PyTorch paths that need them (a later prefill chunk's
     # causal offset, a sliding window, the decode batch's padding), keyed by (prefill index or
     # -1 for the decode batch, window or 0).
     window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -117,59 +118,108 @@ class AttentionMetadata:
         )
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+class PagedAttention(CustomOp):
+    """Attention of a step's queries over their requests' paged K/V, for one layer.
+
+    Args:
+        num_heads, num_kv_heads, head_dim: the layer's (rank's) query and K/V heads.
+        scale: softmax scale, usually head_dim ** -0.5.
+        window: sliding-window layers: a query at position p attends to keys at positions
+            p - window + 1 .. p (transformers' ``sliding_window``); 0: the whole causal context.
+
+    The native kernels are picked where they take the head counts and size; decode requests
+    run natively where the decode kernel takes them too (grouped-query heads up to its
+    limit). Per call, explicitly: a K/V cache of a dtype the kernels do not read (float16)
+    runs PyTorch; activations other than float32 (a model cast after it was built) write K/V
+    and run prefill in PyTorch; blocks larger than ``kernels.MAX_PREFILL_BLOCK`` run prefill
+    in PyTorch.
+
+    Call: ``attn(q, k, v, kv_cache, meta)``.
+        q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (this step's tokens).
+        kv_cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim], in
+            q's dtype or bfloat16 (read back in q's dtype).
+        meta: the step's metadata (slot mapping, decode batch, prefill list).
+        Returns [T, num_heads * head_dim], same dtype as q.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0) -> None:
+        super().__init__(kernels.prefill_attention_supported(num_heads, num_kv_heads, head_dim))
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.window = window
+        self.native_decode = self.uses_native and kernels.decode_attention_supported(num_heads, num_kv_heads, head_dim)
+
+    def forward_native(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        _write_kv_torch(k, v, kv_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if meta.num_decodes:
+            self._decode_torch(q, kv_cache, meta, out)
+        _prefill_torch(q, k, v, kv_cache, meta, self.scale, self.window, out)
+        return out
+
+    def forward_cpu(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        if k_cache.dtype not in kernels.CACHE_DTYPES:
+            return self.forward_native(q, k, v, kv_cache, meta)
+        f32 = q.dtype == torch.float32  # the write and prefill kernels take float32 activations
+        if f32:
+            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)  # the fused qkv rows, in place
+        else:
+            _write_kv_torch(k, v, kv_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        b = meta.num_decodes
+        if b and self.native_decode:
+            o = kernels.paged_decode_attention(
+                q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, self.window
+            )
+            out[:b] = o.view(b, -1)
+        elif b:
+            self._decode_torch(q, kv_cache, meta, out)
+        if not meta.prefills:
+            return out
+        if f32 and k_cache.shape[1] <= kernels.MAX_PREFILL_BLOCK:
+            kernels.paged_prefill_attention(
+                q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_spans, self.scale, self.window, out
+            )
+        else:
+            _prefill_torch(q, k, v, kv_cache, meta, self.scale, self.window, out)
+        return out
+
+    def _decode_torch(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        b = meta.num_decodes
+        o = _decode_attention_torch(q[:b], kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        out[:b] = o.view(b, -1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, window={self.window}"
+
+
+def _write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V ([T, num_kv_heads, head_dim]) into their cache slots (in the cache's dtype)."""
     k_cache, v_cache = kv_cache
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    if ops.write_kv_cache(k, v, k_cache, v_cache, slot_mapping):  # rows of the fused qkv output, read in place
-        return
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def paged_attention(
+def _prefill_torch(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     kv_cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
-    window: int = 0,
-) -> torch.Tensor:
-    """Attention of this step's queries over their requests' paged K/V.
-
-    Args:
-        q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (this step's tokens).
-        kv_cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim], in
-            q's dtype or bfloat16 (read back in q's dtype).
-        meta: the step's metadata (slot mapping, decode batch, prefill list).
-        scale: softmax scale, usually head_dim ** -0.5.
-        window: sliding-window layers: a query at position p attends to keys at positions
-            p - window + 1 .. p (transformers' ``sliding_window``); 0: the whole causal context.
-
-    Returns:
-        [T, num_heads * head_dim], same dtype as q.
-    """
-    write_kv(k, v, kv_cache, meta.slot_mapping)
+    window: int,
+    out: torch.Tensor,
+) -> None:
+    """Each prefill request's rows of ``out``: one SDPA call per request."""
     k_cache, v_cache = kv_cache
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    out = q.new_empty(num_tokens, num_heads * head_dim)
-
-    b = meta.num_decodes
-    if b:
-        o = ops.paged_decode_attention(
-            q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window
-        )
-        if o is None:
-            o = _decode_attention_torch(q[:b], k_cache, v_cache, meta, scale, window)
-        out[:b] = o.view(b, num_heads * head_dim)
-
-    if meta.prefills and ops.paged_prefill_attention(
-        q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_spans, scale, window, out
-    ):
-        return out
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k.shape[1]
     block_size = k_cache.shape[1]
     for i, p in enumerate(meta.prefills):
         rows = slice(p.query_start, p.query_start + p.query_len)
@@ -214,7 +264,6 @@ def paged_attention(
             enable_gqa=group > 1,
         )
         out[rows] = o[0].transpose(0, 1).reshape(p.query_len, num_heads * head_dim)
-    return out
 
 
 def _decode_attention_torch(

@@ -6,16 +6,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import ops
+from pagedllm.kernels import elementwise
+from pagedllm.layers.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension.
+class RMSNorm(CustomOp):
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension; the native kernel does
+    the residual add and the norm in one pass over float32 rows.
 
     Args:
         hidden_size: size of the normalized (last) dimension.
         eps: added to the mean square for stability.
         dtype: dtype of the weight (the model's dtype).
+
+    Call: ``norm(x, residual=None)``. Add ``x`` to the residual stream, then normalize it.
+        x: [..., hidden_size], the previous block's output (or the embeddings).
+        residual: [..., hidden_size], the residual stream so far; None before the first
+            block. Float32 on the native kernel: updated in place (if contiguous) and returned.
+        Returns (normalized [..., hidden_size], new residual stream [..., hidden_size]), both
+        in x's dtype.
     """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
@@ -24,24 +33,19 @@ class RMSNorm(nn.Module):
         self.shape = (hidden_size,)
         self.eps = eps
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add ``x`` to the residual stream, then normalize it.
-
-        Args:
-            x: [..., hidden_size], the previous block's output (or the embeddings).
-            residual: [..., hidden_size], the residual stream so far; None before the first
-                block. Float32 on the native kernel: updated in place and returned.
-
-        Returns:
-            (normalized [..., hidden_size], new residual stream [..., hidden_size]), both in x's dtype.
-        """
-        # One native pass over the rows; the residual stream is the model's own, so add in place.
-        stream = x if residual is None else residual
-        out = ops.add_rms_norm(None if residual is None else x, stream, self.weight, self.eps)
-        if out is not None:
-            return out, stream
         if residual is not None:
             x = x + residual
         return F.rms_norm(x, self.shape, self.weight, self.eps), x
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype != torch.float32:  # a model cast after it was built: the kernel is float32
+            return self.forward_native(x, residual)
+        # The residual stream is the model's own, so the add happens in place.
+        stream = (x if residual is None else residual).contiguous()
+        out = elementwise.add_rms_norm(None if residual is None else x.contiguous(), stream, self.weight, self.eps)
+        return out, stream

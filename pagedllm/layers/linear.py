@@ -1,10 +1,10 @@
 """Float32 linear layers on our native GEMM (csrc/linear.cpp), with the weight packed once.
 
-Measured on the target CPU (docs/benchmarks.md): against ``F.linear`` in float32 on one
-thread, the packed panels run 1.3-1.6x faster at 32 rows and 1.0-1.2x at 64-256 rows. Each
-row's result is independent of the other rows in the call, so outputs are batch-invariant.
-This is the ``--dtype float32`` path; ``--dtype auto`` runs the linear layers as w8a8
-(``layers/quantization/linear.py``), 1.4-3.6x faster again.
+The ``--dtype float32`` path where the native kernels run (the loader packs the layers then,
+and leaves ``nn.Linear`` without them). Each row's result is independent of the other rows in
+the call, so outputs are batch-invariant. Why our own GEMM rather than ``F.linear``: it is
+faster at the small batches of decode (docs/benchmarks.md); ``--dtype auto`` runs the linear
+layers as w8a8 / w4a8 (``layers/quantization/linear.py``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.kernels import ops
-from pagedllm.kernels.ops import PANEL
+from pagedllm.kernels import linear as kernels
+from pagedllm.kernels.linear import PANEL
 
 
 def pad_to_panels(column_values: torch.Tensor) -> torch.Tensor:
@@ -29,22 +29,22 @@ class PackedLinear(nn.Module):
         bias: [out_features] or None.
 
     Raises:
-        RuntimeError: if the native kernels are not available (check ``ops.available()``).
+        RuntimeError: if the native kernels are not available (check ``library.available()``).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed_f32", ops.linear_pack_f32(weight.detach()), persistent=False)
+        self.register_buffer("packed_f32", kernels.linear_pack_f32(weight.detach()), persistent=False)
         self.register_buffer("bias", None if bias is None else pad_to_panels(bias.detach().float()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] float32 (rows may be strided) -> [T, out_features] float32."""
-        return ops.linear_f32(x, self.packed_f32, self.bias, self.out_features)
+        return kernels.linear_f32(x, self.packed_f32, self.bias, self.out_features)
 
-    def native_desc(self) -> ops.LinearDesc:
-        """This layer for the one-call decoder (``ops.decode_layers``)."""
-        return ops.linear_desc(ops.LINEAR_F32, self.packed_f32, self.bias, self.out_features, self.in_features)
+    def native_desc(self) -> kernels.LinearDesc:
+        """This layer for the one-call decoder (``kernels.decoder.decode_layers``)."""
+        return kernels.linear_desc(kernels.LINEAR_F32, self.packed_f32, self.bias, self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.kernels import ops
+from pagedllm.kernels import elementwise
+from pagedllm.layers.custom_op import CustomOp
 
 
 class RotaryEmbedding(nn.Module):
@@ -42,10 +43,19 @@ class RotaryEmbedding(nn.Module):
         return cos_sin[:, 0], cos_sin[:, 1]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x: [T, num_heads, head_dim] (q and k heads together) by the cos and signed sin
-    of :meth:`RotaryEmbedding.forward`. Float32 heads (rows at any stride) are rotated in place
-    by the native kernel and returned; otherwise the result is a new tensor."""
-    if ops.rotary_inplace(x, cos, sin):
+class ApplyRotary(CustomOp):
+    """Rotate heads by the cos and signed sin of :meth:`RotaryEmbedding.forward`.
+
+    Call: ``rotate(x, cos, sin)`` for x [T, num_heads, head_dim] (q and k heads together,
+    heads contiguous, rows at any stride) and cos, sin [T, 1, head_dim]. The native kernel
+    rotates float32 heads in place and returns x; PyTorch returns a new tensor.
+    """
+
+    def forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+
+    def forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:  # a model cast after it was built: the kernel is float32
+            return self.forward_native(x, cos, sin)
+        elementwise.rotary_inplace(x, cos, sin)
         return x
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)

@@ -13,8 +13,8 @@ Pipeline per step, each stage skipped when no row of the batch uses it (vLLM's o
 Logprobs are those of the raw model distribution (vLLM's default ``raw_logprobs``): the
 log-softmax of the logits as the model produced them, before any of the stages above.
 
-On the CPU, full-vocabulary sorts (~3.5 ms per row at V = 49152) and per-token random
-numbers (~20 ns each) would cost more than everything else, so the sampler uses neither:
+On the CPU, full-vocabulary sorts and per-token random numbers would cost more than
+everything else (docs/benchmarks.md), so the sampler uses neither:
 each sampling row draws one uniform (inverse CDF), and top-k / top-p rows draw among their
 few most likely tokens, found with ``topk`` (a full sort only for extremely flat rows).
 Tensors may live on any device; seeded generators are CPU ones.
@@ -29,7 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import ops
+from pagedllm.kernels import elementwise
+from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.sampling_metadata import PenaltyTensors, SamplingMetadata, TruncationTensors
 from pagedllm.structured_output.bitmask import apply_bitmask
 
@@ -96,14 +97,33 @@ def compute_logprobs(
 class Sampler(torch.nn.Module):
     """Samples one token per row of a step's logits; the module docstring gives the pipeline."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.argmax = RowArgmax()
+
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from ``logits`` (FloatTensor[S, V], float32, left unmodified)."""
         processed = process_logits(logits, meta)
-        sampled = _greedy(processed) if meta.all_greedy else _sample(processed, meta)
+        sampled = self.argmax(processed) if meta.all_greedy else _sample(processed, meta, self.argmax)
         logprobs = None
         if meta.max_num_logprobs is not None:  # of ``logits``: the model's own distribution
             logprobs = compute_logprobs(logits, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, logprobs, unsamplable_rows(logits, processed))
+
+
+class RowArgmax(CustomOp):
+    """LongTensor[S]: the first index of each row's maximum of logits [S, V], as ``argmax``
+    gives it. Native: one pass over float32 rows, faster than torch's reduction; PyTorch:
+    ``max(dim).indices``, argmax's result and faster than argmax on the CPU (figures for both:
+    docs/benchmarks.md)."""
+
+    def forward_native(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.max(dim=-1).indices
+
+    def forward_cpu(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dtype != torch.float32:  # the kernel reads float32 logits
+            return self.forward_native(logits)
+        return elementwise.argmax_rows(logits.contiguous())
 
 
 def unsamplable_rows(logits: torch.Tensor, processed: torch.Tensor) -> list[int]:
@@ -203,15 +223,6 @@ def _truncated_probs(probs: torch.Tensor, trunc: TruncationTensors) -> torch.Ten
         k = min(vocab, k * _CANDIDATE_GROWTH)
 
 
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    """LongTensor[S]: the first index of each row's maximum, as ``argmax`` gives it."""
-    out = ops.argmax_rows(logits)  # one pass: ~4x torch's max(dim) at [32, 49152]
-    if out is not None:
-        return out
-    # max(dim).indices is argmax's result, and ~3x faster than argmax in the CPU kernels.
-    return logits.max(dim=-1).indices
-
-
 def _apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> None:
     """Penalize ``logits`` [S, V] in place.
 
@@ -225,7 +236,7 @@ def _apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> None:
     logits[pen.output] = logits[pen.output] - pen.frequency * pen.output_counts - pen.presence
 
 
-def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def _sample(logits: torch.Tensor, meta: SamplingMetadata, argmax: RowArgmax) -> torch.Tensor:
     """LongTensor[S]: greedy rows take the argmax, the others draw from their distribution."""
     x = logits if meta.random_rows is None else logits[meta.random_rows]
     if meta.temperature is not None:
@@ -251,7 +262,7 @@ def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         return tokens
     sampled = torch.empty(len(logits), dtype=torch.long, device=logits.device)
     sampled[meta.random_rows] = tokens
-    sampled[meta.greedy_rows] = _greedy(logits[meta.greedy_rows])
+    sampled[meta.greedy_rows] = argmax(logits[meta.greedy_rows])
     return sampled
 
 
@@ -295,8 +306,8 @@ def _largest(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries of each row of ``values`` [R, V], descending, and their indices.
 
     Where blocks of b tokens fit (k * b <= V / 4), ``topk`` first runs on the block maxima,
-    then on the k best blocks only (k * b entries instead of V): ~1.5-2x faster than one
-    ``topk`` on the CPU. That is exact: every entry of a block left out is at most each of
+    then on the k best blocks only (k * b entries instead of V), faster than one ``topk``
+    over V on the CPU (docs/benchmarks.md). That is exact: every entry of a block left out is at most each of
     the k chosen blocks' maxima, so it cannot displace any of the k largest chosen entries.
 
     Returns:

@@ -21,19 +21,17 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import ModelShard, shard_weights
-from pagedllm.layers.activation import gelu_tanh_and_mul
+from pagedllm.layers.activation import GeluTanhAndMul
 from pagedllm.layers.attention import AttentionMetadata, KVCache
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
+from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.llama import LlamaAttention
-from pagedllm.models.native_decoder import NativeDecoder
 from pagedllm.models.weights import PACKED_MODULES_MAPPING, load_fused
 
 
@@ -45,10 +43,11 @@ class Gemma3MLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * shard.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        self.act = GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]; the activation in place in the gate half."""
-        return self.tp.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -90,8 +89,9 @@ class Gemma3DecoderLayer(nn.Module):
         return x, residual
 
 
-class Gemma3ForCausalLM(nn.Module):
-    """The Gemma 3 text decoder plus the (tied) lm_head.
+class Gemma3ForCausalLM(CausalLM):
+    """The Gemma 3 text decoder plus the (tied) lm_head (``CausalLM`` runs the step and the
+    soft-capped logits).
 
     Args:
         config: hyper-parameters (``architecture`` "gemma3"), with ``layer_types``,
@@ -104,83 +104,31 @@ class Gemma3ForCausalLM(nn.Module):
     NATIVE_GELU: ClassVar[bool] = True  # GeGLU
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPGroup = SINGLE) -> None:
-        super().__init__()
         if config.attn_logit_softcapping:
             raise ValueError("attention logit softcapping (Gemma 2) is not supported")
         if not config.tie_word_embeddings:
             raise ValueError("Gemma 3 ties its lm_head to the embeddings; this checkpoint has its own")
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp
-        self.shard = shard = ModelShard.of(config, tp)
-        embedding = torch.empty(shard.vocab_rows, config.hidden_size, dtype=dtype)
-        if not embedding.is_meta:
-            nn.init.normal_(embedding)
-        self.embed_tokens = (
-            nn.Embedding.from_pretrained(embedding)
-            if tp.size == 1
-            else VocabParallelEmbedding(embedding, shard.vocab_start, tp)
-        )
+        super().__init__(config, dtype, tp)
         # transformers multiplies by the scale cast to the weights' dtype (25.25 in bfloat16).
         self.register_buffer(
             "embed_scale", torch.tensor(config.hidden_size**0.5, device="cpu").to(dtype), persistent=False
         )
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, dtype, shard, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, dtype, self.shard, tp) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None  # tied: quantize_model and the spec-decode code look for it
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, dtype)
-        self.rotary_emb_local = None
         if any(layer.is_sliding for layer in self.layers):
             local_base = config.rope_local_theta or config.rope_theta
             self.rotary_emb_local = RotaryEmbedding(
                 config.head_dim, config.max_position_embeddings, local_base, dtype
             )
         self.requires_grad_(False)
-        # Decode-only steps in one native call, as LlamaForCausalLM's.
-        self.native_decoder: NativeDecoder | None | bool = None
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: list[AttentionMetadata],
-    ) -> torch.Tensor:
-        """Same contract as :meth:`LlamaForCausalLM.forward`: [T] ids/positions -> [T, hidden]."""
-        if self.native_decoder is None:
-            self.native_decoder = NativeDecoder.of(self) or False
-        if self.native_decoder and attn_metadata[0].num_decodes == input_ids.shape[0]:
-            tables = self.rotary_emb.cos_sin[positions]
-            local = tables if self.rotary_emb_local is None else self.rotary_emb_local.cos_sin[positions]
-            x = self.embed_tokens(input_ids) * self.embed_scale
-            hidden = self.native_decoder(x, (tables, local), kv_caches, attn_metadata)
-            if hidden is not None:
-                return hidden
-        cos_sin = self.rotary_emb(positions)
-        cos_sin_local = cos_sin if self.rotary_emb_local is None else self.rotary_emb_local(positions)
-        x = self.embed_tokens(input_ids) * self.embed_scale
-        residual = None
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata, strict=True):
-            cos, sin = cos_sin_local if layer.is_sliding else cos_sin
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        x, _ = self.norm(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[S, hidden_size] -> [S, vocab_size] float32 logits (soft-capped if the config says so);
-        with tensor parallelism on rank 0 only, as :meth:`LlamaForCausalLM.compute_logits`."""
-        if self.lm_head is None:
-            logits = F.linear(hidden, self.embed_tokens.weight).float()
-        else:
-            logits = self.lm_head(hidden).float()
-        if self.tp.size > 1:
-            logits = gather_logits(logits, self.config.vocab_size, self.shard.vocab_padded, self.tp)
-            if logits is None:
-                return None
-        cap = self.config.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings scaled by sqrt(hidden_size) (in the model's dtype)."""
+        return self.embed_tokens(input_ids) * self.embed_scale
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace all parameters with tensors named and valued as in transformers' Gemma3.

@@ -25,18 +25,16 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import ModelShard, shard_weights
-from pagedllm.layers.activation import silu_and_mul
-from pagedllm.layers.attention import AttentionMetadata, KVCache, paged_attention
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
-from pagedllm.models.native_decoder import NativeDecoder
+from pagedllm.layers.rotary import ApplyRotary, RotaryEmbedding
+from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.weights import PACKED_MODULES_MAPPING, load_fused, unfuse
 
 
@@ -72,6 +70,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.rotary = ApplyRotary()
+        self.attn = PagedAttention(shard.num_heads, shard.num_kv_heads, config.head_dim, self.scale, self.window)
 
     def forward(
         self,
@@ -92,11 +92,9 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.qk_size].reshape(t, -1, self.head_dim).contiguous())[0]
             qk = torch.cat([q, k], 1)
         # q and k heads side by side: one RoPE pass rotates both.
-        qk = apply_rotary(qk, cos, sin)
+        qk = self.rotary(qk, cos, sin)
         v = qkv[:, self.qk_size :].view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(
-            qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, attn_metadata, self.scale, self.window
-        )
+        out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, attn_metadata)
         return self.tp.all_reduce(self.o_proj(out))
 
 
@@ -110,11 +108,12 @@ class LlamaMLP(nn.Module):
             config.hidden_size, 2 * shard.intermediate_size, bias=False, dtype=dtype
         )
         self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         # In place, in the gate half: no [T, intermediate] temporaries; down_proj reads strided rows.
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -148,8 +147,8 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    """The whole decoder plus the lm_head.
+class LlamaForCausalLM(CausalLM):
+    """The whole decoder plus the lm_head (``CausalLM`` runs the step and the logits).
 
     Args:
         config: hyper-parameters (``architecture`` "llama", "qwen2", "qwen3", "mistral" or "phi3").
@@ -165,19 +164,8 @@ class LlamaForCausalLM(nn.Module):
     NATIVE_GELU: ClassVar[bool] = False  # SwiGLU
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPGroup = SINGLE) -> None:
-        super().__init__()
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp
-        self.shard = shard = ModelShard.of(config, tp)
-        embedding = torch.empty(shard.vocab_rows, config.hidden_size, dtype=dtype)
-        if not embedding.is_meta:  # nn.Embedding's own normal_ on meta imports torch._dynamo: 1.5 s
-            nn.init.normal_(embedding)
-        self.embed_tokens = (
-            nn.Embedding.from_pretrained(embedding)
-            if tp.size == 1
-            else VocabParallelEmbedding(embedding, shard.vocab_start, tp)
-        )
+        super().__init__(config, dtype, tp)
+        shard = self.shard
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # Tied: the logits reuse embed_tokens.weight; there is no separate parameter.
@@ -190,55 +178,6 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, dtype
         )
         self.requires_grad_(False)  # inference only: no autograd bookkeeping even outside inference_mode
-        # Decode-only steps in one native call, built on the first such step (after loading
-        # and quantization have put the final layers in place); False: never (tests compare).
-        self.native_decoder: NativeDecoder | None | bool = None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: list[AttentionMetadata],
-    ) -> torch.Tensor:
-        """One step over all scheduled tokens of all requests, flattened.
-
-        Args:
-            input_ids: [T] int64 token ids.
-            positions: [T] int64 position of each token in its sequence.
-            kv_caches: one (k_cache, v_cache) per layer (layers may share tensors), each
-                [num_blocks, block_size, num_kv_heads, head_dim] in the model's dtype.
-            attn_metadata: per layer, the step's paged-attention metadata (layers of one
-                KV cache group share one; see ``worker/kv_cache.build_attention_metadata``).
-
-        Returns:
-            [T, hidden_size] final hidden states (after the last norm), in the model's dtype.
-        """
-        if self.native_decoder is None:
-            self.native_decoder = NativeDecoder.of(self) or False
-        if self.native_decoder and attn_metadata[0].num_decodes == input_ids.shape[0]:
-            cos_sin = self.rotary_emb.cos_sin[positions]
-            hidden = self.native_decoder(self.embed_tokens(input_ids), (cos_sin, cos_sin), kv_caches, attn_metadata)
-            if hidden is not None:
-                return hidden
-        cos, sin = self.rotary_emb(positions)
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        x, _ = self.norm(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[S, hidden_size] -> [S, vocab_size] float32 logits; with tensor parallelism every
-        rank calls it with the same rows, and only rank 0 gets the logits (the others None)."""
-        if self.lm_head is None:
-            logits = F.linear(hidden, self.embed_tokens.weight).float()
-        else:
-            logits = self.lm_head(hidden).float()  # a quantized lm_head is a module of its own
-        if self.tp.size == 1:
-            return logits
-        return gather_logits(logits, self.config.vocab_size, self.shard.vocab_padded, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace all parameters with checkpoint tensors named as in HF transformers.

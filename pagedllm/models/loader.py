@@ -26,7 +26,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import check_tensor_parallel_size
-from pagedllm.kernels import ops
+from pagedllm.kernels import library
 from pagedllm.layers.linear import pack_linears
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.models.gguf_linears import gguf_linears
@@ -278,7 +278,7 @@ def load_model(
         model.load_weights(weights)
         if quantization is not None:
             quantize_model(model, quantization, dtype, linears, num_workers=num_threads)
-        if dtype == torch.float32 and ops.available():
+        if dtype == torch.float32 and library.available():
             pack_linears(model)  # what quantization left float (a float lm_head)
     return model.eval(), config
 
@@ -288,8 +288,8 @@ def _serial_torch_ops() -> Iterator[int]:
     """Turn torch's intra-op threads off for the block; yields the previous thread count.
 
     Loading is many medium-sized copies: with OpenMP threads, each one ends in a barrier that
-    stalls whenever another process holds a core (torch.cat measured 60x slower on 2 busy
-    cores). Loading parallelizes over tensors instead (gguf_weights).
+    stalls whenever another process holds a core (docs/benchmarks.md). Loading parallelizes
+    over tensors instead (gguf_weights).
     """
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -4,12 +4,12 @@ Qwen2, Qwen3, Mistral, Phi-3) and Gemma 3.
 At batch 1 a decode step is about 300 small kernels: 4 GEMVs, the norms, RoPE, the K/V write,
 attention and the gated activation per layer. Called one at a time from the modules, the
 Python, ctypes and argument checks around each cost as much as the kernel itself;
-``ops.decode_layers`` runs the same kernels in the same order from C++, so its outputs equal
+``kernels.decoder.decode_layers`` runs the same kernels in the same order from C++, so its outputs equal
 the modules' bit for bit, for one call per step. Steps with prefill tokens, and models it
 does not cover, run the modules.
 
 A model opts in with two class attributes: its decoder layer's ``NATIVE_NORMS`` (which of
-its norm modules fills which ``ops.LayerDesc`` slot; a module that is None, as Llama's
+its norm modules fills which ``LayerDesc`` slot; a module that is None, as Llama's
 q/k norms without ``qk_norm``, leaves the slot null) and its own ``NATIVE_GELU`` (the MLP's
 activation: GELU-tanh, else SiLU).
 """
@@ -21,12 +21,13 @@ import ctypes
 import torch
 from torch import nn
 
-from pagedllm.kernels import ops
+from pagedllm.kernels import attention, library
+from pagedllm.kernels.decoder import DecoderDesc, LayerDesc, decode_layers
 from pagedllm.layers.attention import AttentionMetadata, KVCache
 
 
 class NativeDecoder:
-    """The model's weights and K/V caches as ``ops.DecoderDesc``, built once.
+    """The model's weights and K/V caches as a ``DecoderDesc``, built once.
 
     Use :meth:`of`; the descriptor points into the model's own tensors (kept alive through
     ``model``), and into the K/V caches last passed to :meth:`__call__`.
@@ -35,7 +36,7 @@ class NativeDecoder:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         config, shard = model.config, model.shard
-        self.layers = (ops.LayerDesc * config.num_layers)()
+        self.layers = (LayerDesc * config.num_layers)()
         for desc, layer in zip(self.layers, model.layers, strict=True):
             for slot, path in type(layer).NATIVE_NORMS.items():
                 parent, _, name = path.rpartition(".")
@@ -47,7 +48,7 @@ class NativeDecoder:
             desc.gate_up, desc.down = mlp.gate_up_proj.native_desc(), mlp.down_proj.native_desc()
             desc.window = getattr(attn, "window", 0)
             desc.rope = int(getattr(layer, "is_sliding", False))
-        self.desc = ops.DecoderDesc(
+        self.desc = DecoderDesc(
             num_layers=config.num_layers,
             hidden=config.hidden_size,
             num_heads=shard.num_heads,
@@ -57,7 +58,7 @@ class NativeDecoder:
             gelu=int(type(model).NATIVE_GELU),
             eps=config.rms_norm_eps,
             scale=model.layers[0].self_attn.scale,
-            layers=ctypes.cast(self.layers, ctypes.POINTER(ops.LayerDesc)),
+            layers=ctypes.cast(self.layers, ctypes.POINTER(LayerDesc)),
             final_norm=model.norm.weight.data_ptr(),
         )
         self.kv_caches: list[KVCache] | None = None
@@ -74,8 +75,8 @@ class NativeDecoder:
             for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         ]
         if (
-            not ops.available() or model.tp.size != 1 or model.dtype != torch.float32
-            or not ops.decode_attention_supported(shard.num_heads, shard.num_kv_heads, model.config.head_dim)
+            not library.available() or model.tp.size != 1 or model.dtype != torch.float32
+            or not attention.decode_attention_supported(shard.num_heads, shard.num_kv_heads, model.config.head_dim)
             or not all(hasattr(m, "native_desc") for m in linears)
         ):
             return None
@@ -104,7 +105,7 @@ class NativeDecoder:
             for desc, group in zip(self.layers, layer_groups, strict=True):
                 desc.group = group
             self.layer_groups, self.desc.num_groups = layer_groups, len(metas)
-        return ops.decode_layers(
+        return decode_layers(
             self.desc,
             stream,
             cos_sin,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.config import parse_dtype
-from pagedllm.kernels import library, ops
+from pagedllm.kernels import library
 
 
 def dtype_settings(
@@ -62,7 +62,5 @@ _AUTO_LINEARS: dict[str | None, str] = {
 
 def auto_linears() -> str:
     """"w4a8", "w8a8", "float32" or "int8": the linear layers ``--dtype auto`` picks for the ISA
-    this process's kernels run, "int8" (weight-only) without a library (the integer GEMMs only
-    where the library has them; w4a8's lm_head is w8a8)."""
-    choice = _AUTO_LINEARS[library.active_isa()]
-    return "float32" if choice in ("w4a8", "w8a8") and not ops.linear_w8a8_available() else choice
+    this process's kernels run, "int8" (weight-only) without a library (w4a8's lm_head is w8a8)."""
+    return _AUTO_LINEARS[library.active_isa()]

@@ -6,12 +6,12 @@
 - group-wise int8 (GGUF Q8_0 blocks): the int4 kernel over the weight split in two nibble
   halves (``weights.int8_as_int4_pair``), the input repeated; torch has no such int8 kernel.
 
-Activations go through the kernels in bfloat16, chosen by measurement (torch 2.13, one
-thread, Xeon with AVX512-BF16, SmolLM2/Qwen2 shapes): with float32 or float16 activations
-both kernels take a reference path 7-100x slower than a float32 ``F.linear``; in bfloat16
-they run 2-3.6x faster than a bfloat16 ``F.linear`` at 1 token, 0.7-1.0x its speed at 32
-tokens and 0.6-0.8x at 256 (prefill). Outputs are cast back to the input's dtype, so a
-float32 model can use these layers too.
+Activations go through these kernels in bfloat16 (``weights.KERNEL_DTYPE``) whatever the
+model's dtype, and outputs are cast back to the input's dtype, so a float32 model can use
+these layers too. Why bfloat16: the kernels' fast path is bfloat16, and with float32 or
+float16 activations they take a far slower reference path (docs/benchmarks.md).
+
+Also the layers on our native integer GEMMs (csrc/linear.cpp): ``W8A8Linear`` and ``W4A8Linear``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.kernels import kquant, ops
+from pagedllm.kernels import kquant, library
+from pagedllm.kernels import linear as kernels
 from pagedllm.layers.linear import pad_to_panels
 from pagedllm.layers.quantization.weights import (
     KERNEL_DTYPE,
@@ -115,26 +116,25 @@ class W8A8Linear(QuantizedLinear):
     The scheme of llama.cpp's Q8_0 x Q8_0 dot product: each group of 32 weights of a row
     has its scale (``max|w| / 127``), and each row of ``x`` is quantized on the fly per group
     of 32 the same way, so an outlier feature costs precision only in its own group (SmolLM2
-    perplexity +0.1%, against +3% with one scale per token). The sums run on our native
-    kernel (``csrc/linear.cpp``; on the AVX-512 target CPU AVX512-VNNI's ``vpdpbusd``, 4x the
-    float32 FMA rate), 1.4-3.6x faster than our float32 or bfloat16 GEMM at every batch size, and it
-    reads 1.25 bytes per weight. Buffers: ``packed`` int8 panels, ``wscale`` (float32) and
-    ``wsum128`` (int32) per panel and group, the bias in float32, padded to whole panels.
+    perplexity cost: docs/benchmarks.md). The sums run on our native kernel (``csrc/linear.cpp``,
+    the vector layer's int8 dot product, e.g. AVX512-VNNI's ``vpdpbusd``), faster than our
+    float32 GEMM at every batch size (docs/benchmarks.md), and it reads 1.25 bytes per weight.
+    Buffers: ``packed`` int8 panels, ``wscale`` (float32) and ``wsum128`` (int32) per panel and
+    group, the bias in float32, padded to whole panels.
 
     Args:
         weight: [out_features, in_features] float.
         bias: [out_features] or None.
 
     Raises:
-        ValueError: where the native kernels, or their w8a8 GEMM, are missing.
+        ValueError: where the native kernels are missing.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         n, k = weight.shape
         super().__init__(k, n, None)
-        if not ops.linear_w8a8_available():
-            raise ValueError("w8a8 needs the native kernels' w8a8 GEMM, which this build lacks")
-        packed, wscale, wsum128 = ops.linear_pack_w8a8(weight.detach())
+        _require_native("w8a8")
+        packed, wscale, wsum128 = kernels.linear_pack_w8a8(weight.detach())
         self.register_buffer("packed", packed)
         self.register_buffer("wscale", wscale)
         self.register_buffer("wsum128", wsum128)
@@ -142,13 +142,13 @@ class W8A8Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
-        y = ops.linear_w8a8(x.float(), (self.packed, self.wscale, self.wsum128), self.padded_bias, self.out_features)
+        y = kernels.linear_w8a8(x.float(), (self.packed, self.wscale, self.wsum128), self.padded_bias, self.out_features)
         return y.to(x.dtype)
 
-    def native_desc(self) -> ops.LinearDesc:
-        """This layer for the one-call decoder (``ops.decode_layers``)."""
+    def native_desc(self) -> kernels.LinearDesc:
+        """This layer for the one-call decoder (``kernels.decoder.decode_layers``)."""
         packed = (self.packed, self.wscale, self.wsum128)
-        return ops.linear_desc(ops.LINEAR_W8A8, packed, self.padded_bias, self.out_features, self.in_features)
+        return kernels.linear_desc(kernels.LINEAR_W8A8, packed, self.padded_bias, self.out_features, self.in_features)
 
 
 class W4A8Linear(QuantizedLinear):
@@ -175,18 +175,22 @@ class W4A8Linear(QuantizedLinear):
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None) -> None:
         n, k = weight.q.shape
         super().__init__(k, n, None)
-        if not ops.available():
-            raise ValueError("w4a8 needs the native kernels, which do not run here")
-        self.register_buffer("packed", ops.linear_pack_q4a8(weight.q, weight.scales, weight.mins))
+        _require_native("w4a8")
+        self.register_buffer("packed", kernels.linear_pack_q4a8(weight.q, weight.scales, weight.mins))
         self.register_buffer("padded_bias", None if bias is None else pad_to_panels(bias.detach().float()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
-        return ops.linear_q4a8(x.float(), self.packed, self.padded_bias, self.out_features).to(x.dtype)
+        return kernels.linear_q4a8(x.float(), self.packed, self.padded_bias, self.out_features).to(x.dtype)
 
-    def native_desc(self) -> ops.LinearDesc:
-        """This layer for the one-call decoder (``ops.decode_layers``)."""
-        return ops.linear_desc(ops.LINEAR_Q4A8, self.packed, self.padded_bias, self.out_features, self.in_features)
+    def native_desc(self) -> kernels.LinearDesc:
+        """This layer for the one-call decoder (``kernels.decoder.decode_layers``)."""
+        return kernels.linear_desc(kernels.LINEAR_Q4A8, self.packed, self.padded_bias, self.out_features, self.in_features)
+
+
+def _require_native(mode: str) -> None:
+    if not library.available():
+        raise ValueError(f"{mode} needs the native kernels, which do not run here")
 
 
 class KQuantLinear(QuantizedLinear):
@@ -207,8 +211,7 @@ class KQuantLinear(QuantizedLinear):
 
     def __init__(self, weight: kquant.StoredWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight.in_features, weight.out_features, None)
-        if not ops.available():
-            raise ValueError("GGUF blocks as stored need the native kernels, which do not run here")
+        _require_native("GGUF blocks as stored")
         self.stored = weight
         for i, (_, blocks) in enumerate(weight.parts):
             self.register_buffer(f"blocks{i}", blocks)
@@ -218,8 +221,8 @@ class KQuantLinear(QuantizedLinear):
         """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
         return kquant.linear(x.float(), self.stored, self.padded_bias).to(x.dtype)
 
-    def native_desc(self) -> ops.LinearDesc:
-        """This layer for the one-call decoder (``ops.decode_layers``)."""
+    def native_desc(self) -> kernels.LinearDesc:
+        """This layer for the one-call decoder (``kernels.decoder.decode_layers``)."""
         return kquant.linear_desc(self.stored, self.padded_bias)
 
     def extra_repr(self) -> str:

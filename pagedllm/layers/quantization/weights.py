@@ -189,9 +189,8 @@ def quantize_int4(w: torch.Tensor, group_size: int, search: bool = True) -> Int4
     """Asymmetric int4 of a [N, K] float matrix in groups of ``group_size`` along K.
 
     With ``search`` (the default), each group's scale and zero point minimize its squared
-    reconstruction error (see ``_int4_search``): never more than min/max's, about 28% less
-    on Qwen2.5-Coder-0.5B's weights, and far less where the weights already lie on a coarser
-    grid (GGUF Q4_K). Codes may then be clamped at a group's ends, so there is no per-element
+    reconstruction error (see ``_int4_search``): never more than min/max's, and far less where
+    the weights already lie on a coarser grid (GGUF Q4_K; figures: docs/benchmarks.md). Codes may then be clamped at a group's ends, so there is no per-element
     bound beyond min/max's on the group's total.
 
     Without it, plain min/max: each group's range [min, max] is split into 15 steps. Error

@@ -1,0 +1,180 @@
+"""Paged attention and the K/V cache write on the native kernels (csrc/paged_attention.cpp,
+prefill_attention.cpp, elementwise.cpp's write_kv_cache).
+
+``decode_attention_supported`` and ``prefill_attention_supported`` say, from a layer's head
+counts and size, whether the kernels cover it; the calls themselves raise on tensors outside
+their contract (``kernels.args``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from pagedllm.kernels import abi
+from pagedllm.kernels.args import check_cpu, check_index, ptr, require
+from pagedllm.kernels.library import native_library
+
+CACHE_DTYPES = (torch.float32, torch.bfloat16)  # the K/V cache dtypes the kernels read
+MAX_PREFILL_BLOCK = abi.CONSTANTS["PAGEDLLM_MAX_PREFILL_BLOCK"]  # largest block size of the prefill kernel
+
+
+def decode_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the native decode attention has a kernel for these head counts and size (False
+    without a library)."""
+    lib = native_library()
+    if lib is None or not prefill_attention_supported(num_heads, num_kv_heads, head_dim):
+        return False
+    return num_heads // num_kv_heads <= lib.pagedllm_limits().contents.max_group
+
+
+def prefill_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the native prefill attention (and the K/V write) cover these head counts and
+    size, at block sizes up to ``MAX_PREFILL_BLOCK`` (False without a library)."""
+    lib = native_library()
+    return lib is not None and head_dim in _head_dims(lib) and num_heads % num_kv_heads == 0
+
+
+@functools.cache
+def _head_dims(lib: ctypes.CDLL) -> tuple[int, ...]:
+    """The head sizes ``lib``'s attention kernels take (its ``pagedllm_limits()``)."""
+    limits = lib.pagedllm_limits().contents
+    return tuple(limits.head_dims[: limits.num_head_dims])
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """Decode attention read in place through block tables.
+
+    Args:
+        q: [B, num_heads, head_dim], float (the kernel computes in float32); heads as
+            ``decode_attention_supported`` accepts.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16, contiguous.
+        block_tables: [B, max_blocks] int64, contiguous; seq_lens: [B] int64 (keys per request).
+        window: > 0: attend only to the last ``window`` keys; 0: all keys.
+
+    Returns:
+        [B, num_heads, head_dim] in q's dtype.
+
+    Raises:
+        RuntimeError: no native library here.
+        ValueError: tensors outside this contract, or heads the kernel lacks.
+    """
+    lib = require()
+    check_cpu(q, k_cache, v_cache)
+    b, hq, d = q.shape
+    _check_cache(k_cache, v_cache, hq, d)
+    check_index(block_tables, "block_tables", (b, block_tables.shape[-1]))
+    check_index(seq_lens, "seq_lens", (b,))
+    q32 = q.float().contiguous()
+    out = torch.empty_like(q32)
+    kernel = lib.paged_decode_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.paged_decode_attention_f32
+    status = kernel(
+        ptr(q32), ptr(k_cache), ptr(v_cache), ptr(block_tables), block_tables.shape[1], ptr(seq_lens),
+        ptr(out), b, hq, k_cache.shape[2], d, k_cache.shape[1], scale, window,
+    )
+    if status != 0:
+        raise ValueError(f"no decode attention kernel for {hq} heads over {k_cache.shape[2]} KV heads of {d}")
+    return out.to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    spans: torch.Tensor,
+    scale: float,
+    window: int,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of every prefill request's query rows over its paged context, into ``out``.
+
+    Args:
+        q: [T, num_heads, head_dim] float32, heads contiguous (rows at any stride).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or
+            bfloat16, contiguous, block_size <= ``MAX_PREFILL_BLOCK``, already holding this
+            step's K/V.
+        block_tables: [R, max_blocks] int64, contiguous: each prefill request's blocks.
+        spans: [3, R] int64, contiguous: per request its first query row, query count and keys.
+        window: > 0: a query at position p sees keys p - window + 1 .. p; 0: all before it.
+        out: [T, num_heads * head_dim] float32, contiguous; the prefill rows are written.
+
+    Raises:
+        RuntimeError: no native library here.
+        ValueError: tensors outside this contract, or heads the kernel lacks.
+    """
+    lib = require()
+    check_cpu(q, k_cache, v_cache, out)
+    t, hq, d = q.shape
+    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+        raise ValueError(f"prefill attention: q must be float32 with contiguous heads, got {q.dtype} {q.stride()}")
+    _check_cache(k_cache, v_cache, hq, d)
+    r = block_tables.shape[0]
+    check_index(block_tables, "block_tables", (r, block_tables.shape[-1]))
+    check_index(spans, "spans", (3, r))
+    if out.shape != (t, hq * d) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 [{t}, {hq * d}], got {out.dtype} {list(out.shape)}")
+    status = lib.paged_prefill_attention(
+        int(k_cache.dtype == torch.bfloat16), ptr(q), q.stride(0), ptr(k_cache), ptr(v_cache),
+        ptr(block_tables), block_tables.shape[1], ptr(spans[0]), ptr(spans[1]), ptr(spans[2]),
+        ptr(out), r, hq, k_cache.shape[2], d, k_cache.shape[1], scale, window,
+    )
+    if status != 0:
+        raise ValueError(f"no prefill attention kernel for head size {d} or block size {k_cache.shape[1]}")
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """``k_cache`` / ``v_cache`` slot ``slot_mapping[t]`` = row t of k / v, converted to the
+    cache's dtype in one pass.
+
+    Args:
+        k, v: [T, num_kv_heads, head_dim] float32, heads contiguous, one row stride for both.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16, contiguous.
+        slot_mapping: [T] int64, each < num_blocks * block_size.
+
+    Raises:
+        RuntimeError: no native library here.
+        ValueError: tensors outside this contract.
+    """
+    lib = require()
+    check_cpu(k, v, k_cache, v_cache)
+    t, hkv, d = k.shape
+    if (
+        k.dtype != torch.float32 or v.dtype != torch.float32 or k.stride(0) != v.stride(0)
+        or k.stride(1) != d or v.stride(1) != d or k.stride(2) != 1 or v.stride(2) != 1
+    ):
+        raise ValueError(f"k, v must be float32 rows of contiguous heads at one stride, got {k.dtype}, {v.dtype}")
+    if v.shape != k.shape or k_cache.shape[2:] != (hkv, d):
+        raise ValueError(f"k, v {list(k.shape)}, {list(v.shape)} do not fit the cache {list(k_cache.shape)}")
+    _check_cache(k_cache, v_cache, hkv, d)
+    check_index(slot_mapping, "slot_mapping", (t,))
+    lib.write_kv_cache(
+        int(k_cache.dtype == torch.bfloat16), ptr(k), ptr(v), k.stride(0), ptr(k_cache), ptr(v_cache),
+        ptr(slot_mapping), t, hkv * d,
+    )
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, head_dim: int) -> None:
+    """K and V caches alike, contiguous, of a dtype the kernels read and of head_dim, with a KV
+    head count dividing num_heads."""
+    if (
+        k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
+        or k_cache.dtype not in CACHE_DTYPES or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+        or k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]
+    ):
+        raise ValueError(
+            f"kv cache: need two contiguous float32 or bfloat16 [blocks, block_size, kv_heads | {num_heads}, "
+            f"{head_dim}] of one dtype, got {list(k_cache.shape)} {k_cache.dtype}, {list(v_cache.shape)} {v_cache.dtype}"
+        )

@@ -1,0 +1,213 @@
+"""The GEMMs on packed weights (csrc/linear.cpp): packing a weight once, ``x @ w.T + bias``
+on the packed panels, and a packed layer's descriptor for the one-call decoder
+(``kernels.decoder``). Three formats, each in panels of ``PANEL`` output columns: float32,
+w8a8 (int8 weights and activations per group of ``QUANT_GROUP`` inputs) and w4a8 (4-bit
+weights, int8 activations)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagedllm.kernels import abi
+from pagedllm.kernels.args import matrix, ptr, ptr_or_none, require
+
+PANEL = abi.CONSTANTS["PAGEDLLM_PANEL"]  # output columns per packed panel
+QUANT_GROUP = abi.CONSTANTS["PAGEDLLM_QUANT_GROUP"]  # input features per scale, of weights and activations
+Q4A8_GROUP_BYTES = abi.CONSTANTS["PAGEDLLM_Q4A8_GROUP_BYTES"]  # per panel and group of a w4a8 weight
+LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8 = (abi.CONSTANTS[f"PAGEDLLM_LINEAR_{k}"] for k in ("F32", "W8A8", "Q4A8"))
+LinearDesc = abi.STRUCTS["LinearDesc"]  # one packed layer (pagedllm_abi.h documents each field)
+
+W8A8Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # int8 panels, wscale float32, wsum128 int32
+
+
+def linear_pack_f32(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float -> its float32 panels for ``linear_f32``: [ceil(N / 32) * 32 * K].
+
+    Raises:
+        RuntimeError: no native library here (check ``library.available()``).
+        ValueError: weight is not a 2-D CPU tensor.
+    """
+    lib = require()
+    w32 = matrix(weight, "weight").float().contiguous()
+    n, k = w32.shape
+    packed = torch.empty(-(-n // PANEL) * PANEL * k)
+    lib.linear_pack_f32(ptr(w32), ptr(packed), n, k)
+    return packed
+
+
+def linear_pack_w8a8(weight: torch.Tensor) -> W8A8Packed:
+    """weight [N, K] float -> ``linear_w8a8``'s (packed int8 panels, wscale float32, wsum128 int32):
+    int8 codes symmetric per group of 32 input features, zero padded to whole panels and groups.
+
+    Raises:
+        RuntimeError: no native library here.
+        ValueError: weight is not a 2-D CPU tensor.
+    """
+    lib = require()
+    w32 = matrix(weight, "weight").float().contiguous()
+    n, k = w32.shape
+    panels, groups = -(-n // PANEL), -(-k // QUANT_GROUP)
+    packed = torch.empty(panels * PANEL * groups * QUANT_GROUP, dtype=torch.int8)
+    wscale = torch.empty(panels * groups * PANEL)
+    wsum128 = torch.empty(panels * groups * PANEL, dtype=torch.int32)
+    lib.linear_pack_w8a8(ptr(w32), ptr(packed), ptr(wscale), ptr(wsum128), n, k)
+    return packed, wscale, wsum128
+
+
+def linear_pack_q4a8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """4-bit weights ``w = scales * codes + mins`` per group of 32 input features -> ``linear_q4a8``'s
+    panels, uint8 [ceil(N / 32) * ceil(K / 32) * 640], zero padded to whole panels and groups.
+
+    Args:
+        codes: [N, K] uint8 in [0, 15] (higher bits are ignored).
+        scales, mins: [N, ceil(K / 32)] float, rounded to float16 (the kernel's precision;
+            GGUF Q4_0 / Q4_1 blocks' values are float16 already, so they pass unchanged).
+
+    Raises:
+        RuntimeError: no native library here.
+        ValueError: shapes or dtypes that do not fit together.
+    """
+    lib = require()
+    n, k = matrix(codes, "codes").shape
+    groups = -(-k // QUANT_GROUP)
+    if codes.dtype != torch.uint8 or scales.shape != (n, groups) or mins.shape != (n, groups):
+        raise ValueError(
+            f"w4a8 weights: need uint8 codes [N, K] and scales, mins [N, ceil(K / 32)]; got {codes.dtype} "
+            f"{list(codes.shape)}, {list(scales.shape)}, {list(mins.shape)}"
+        )
+    codes = codes.contiguous()
+    d16, m16 = (t.to(torch.float16).contiguous().view(torch.int16) for t in (scales, mins))
+    packed = torch.empty(-(-n // PANEL) * groups * Q4A8_GROUP_BYTES, dtype=torch.uint8)
+    lib.linear_pack_q4a8(ptr(codes), ptr(d16), ptr(m16), ptr(packed), n, k)
+    return packed
+
+
+def linear_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ w.T + bias`` on ``linear_pack_f32``'s panels: x [M, K] float32 (rows at any
+    stride) -> [M, out_features] float32.
+
+    Args:
+        bias: float32 padded to whole panels ([ceil(N / 32) * 32]), or None.
+
+    Raises:
+        RuntimeError: no native library here.
+        ValueError: x, packed or bias do not fit each other.
+    """
+    x = _rows(x)
+    _check_packed(packed, torch.float32, out_features, x.shape[1], bias)
+    return _gemm(require().linear_f32, x, (packed,), bias, out_features)
+
+
+def linear_w8a8(x: torch.Tensor, packed: W8A8Packed, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ w.T + bias`` with x quantized to int8 per row and group of 32 on the fly: x
+    [M, K] float32 (rows at any stride) -> [M, out_features] float32.
+
+    Args:
+        packed: ``linear_pack_w8a8``'s three tensors.
+        bias: float32 padded to whole panels ([ceil(N / 32) * 32]), or None.
+
+    Raises:
+        RuntimeError: no native library here.
+        ValueError: x, packed or bias do not fit each other.
+    """
+    x = _rows(x)
+    _check_w8a8(packed, out_features, x.shape[1], bias)
+    return _gemm(require().linear_w8a8, x, packed, bias, out_features)
+
+
+def linear_q4a8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ w.T + bias`` on ``linear_pack_q4a8``'s panels, x quantized to int8 per row and
+    group of 32 on the fly (llama.cpp's Q4_1 x Q8_1 dot product): x [M, K] float32 (rows at
+    any stride) -> [M, out_features] float32.
+
+    Args:
+        bias: float32 padded to whole panels ([ceil(N / 32) * 32]), or None.
+
+    Raises:
+        RuntimeError: no native library here.
+        ValueError: x, packed or bias do not fit each other.
+    """
+    x = _rows(x)
+    _check_q4a8(packed, out_features, x.shape[1], bias)
+    return _gemm(require().linear_q4a8, x, (packed,), bias, out_features)
+
+
+def linear_desc(
+    kind: int,
+    packed: torch.Tensor | W8A8Packed,
+    bias: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+) -> LinearDesc:
+    """The LinearDesc of a packed layer: ``packed`` as ``linear_f32``, ``linear_w8a8`` or
+    ``linear_q4a8`` take it (by ``kind``), checked as they check it. The caller keeps the
+    tensors alive as long as the descriptor is used.
+
+    Raises:
+        ValueError: packed or bias do not fit [out_features, in_features], or an unknown kind.
+    """
+    if kind == LINEAR_F32:
+        _check_packed(packed, torch.float32, out_features, in_features, bias)
+        w, wscale, wsum128 = packed, None, None
+    elif kind == LINEAR_W8A8:
+        _check_w8a8(packed, out_features, in_features, bias)
+        w, wscale, wsum128 = packed
+    elif kind == LINEAR_Q4A8:
+        _check_q4a8(packed, out_features, in_features, bias)
+        w, wscale, wsum128 = packed, None, None
+    else:
+        raise ValueError(f"unknown linear kind {kind}")
+    return LinearDesc(
+        kind, out_features, in_features, ptr(w), ptr_or_none(wscale), ptr_or_none(wsum128), ptr_or_none(bias)
+    )
+
+
+def _gemm(
+    kernel: Callable[..., None],
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """y [M, out_features] = kernel(x, its packed weight tensors, bias): the call every GEMM shares."""
+    m, k = x.shape
+    y = x.new_empty(m, out_features)
+    kernel(ptr(x), x.stride(0), *(ptr(w) for w in weights), ptr_or_none(bias), ptr(y), m, out_features, k)
+    return y
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the GEMMs read it: 2-D float32 on the CPU, unit column stride."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"the GEMM needs float32 input, got {x.dtype}")
+    matrix(x, "x")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _check_packed(packed: torch.Tensor, dtype: torch.dtype, n: int, k: int, bias: torch.Tensor | None) -> None:
+    """Panels of an [n, k] weight (k padded as the packing pads it), and a panel-padded bias."""
+    padded_n = -(-n // PANEL) * PANEL
+    if packed.dtype != dtype or packed.numel() != padded_n * k or not packed.is_contiguous():
+        raise ValueError(f"packed weight: need {padded_n * k} contiguous {dtype}, got {packed.numel()} {packed.dtype}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (padded_n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias: need float32 [{padded_n}] (whole panels), got {bias.dtype} {list(bias.shape)}")
+
+
+def _check_w8a8(packed: W8A8Packed, n: int, k: int, bias: torch.Tensor | None) -> None:
+    """``linear_pack_w8a8``'s codes, scales and sums of an [n, k] weight, and a panel-padded bias."""
+    codes, wscale, wsum128 = packed
+    _check_packed(codes, torch.int8, n, -(-k // QUANT_GROUP) * QUANT_GROUP, bias)
+    groups = -(-n // PANEL) * PANEL * -(-k // QUANT_GROUP)
+    if (wscale.dtype, wsum128.dtype, wscale.numel(), wsum128.numel()) != (torch.float32, torch.int32, groups, groups):
+        raise ValueError(
+            f"w8a8 scales: need {groups} float32 and int32, "
+            f"got {wscale.numel()} {wscale.dtype}, {wsum128.numel()} {wsum128.dtype}"
+        )
+
+
+def _check_q4a8(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> None:
+    """``linear_pack_q4a8``'s panels of an [n, k] weight, and a panel-padded bias."""
+    # Counted in elements per output column: one panel-group's bytes per 32 columns.
+    _check_packed(packed, torch.uint8, n, -(-k // QUANT_GROUP) * Q4A8_GROUP_BYTES // PANEL, bias)
