@@ -131,8 +131,8 @@ class PagedAttention(CustomOp):
     run natively where the decode kernel takes them too (grouped-query heads up to its
     limit). Per call, explicitly: a K/V cache of a dtype the kernels do not read (float16)
     runs PyTorch; activations other than float32 (a model cast after it was built) write K/V
-    and run prefill in PyTorch; blocks larger than ``kernels.MAX_PREFILL_BLOCK`` run prefill
-    in PyTorch.
+    and run prefill in PyTorch, as do k and v rows at different strides the write, and blocks
+    larger than ``kernels.MAX_PREFILL_BLOCK`` the prefill.
 
     Call: ``attn(q, k, v, kv_cache, meta)``.
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (this step's tokens).
@@ -166,8 +166,10 @@ class PagedAttention(CustomOp):
         if k_cache.dtype not in kernels.CACHE_DTYPES:
             return self.forward_native(q, k, v, kv_cache, meta)
         f32 = q.dtype == torch.float32  # the write and prefill kernels take float32 activations
-        if f32:
-            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)  # the fused qkv rows, in place
+        # The write reads k and v rows at one stride: the fused qkv's rows in place, not k
+        # rows copied out by the q/k head norms.
+        if f32 and k.stride(0) == v.stride(0):
+            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             _write_kv_torch(k, v, kv_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
