@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from pagedllm.kernels import ops
+from pagedllm.kernels import library
 from pagedllm.layers.quantization.gguf import dequantize_blocks
 from pagedllm.models import loader
 from pagedllm.models.loader import load_model, load_tokenizer, resolve_model
@@ -26,7 +26,7 @@ def module_cache(tmp_path_factory: pytest.TempPathFactory):
     """A fresh cache dir (markers, assembled files, tokenizers) for this module's real models.
     The native kernels are loaded from the usual cache first: they share the variable, and a
     fresh one would rebuild them (minutes) when this module runs alone."""
-    ops.available()
+    library.available()
     path = tmp_path_factory.mktemp("pagedllm-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLLM_CACHE", str(path))
