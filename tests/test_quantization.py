@@ -599,7 +599,7 @@ def test_auto_keeps_k_quants_as_stored(tiny_kquant_gguf, monkeypatch, caplog) ->
     byte for byte, fused layers of mixed formats included, never dequantizing them at load;
     the logits stay within int8 activations' rounding of the float model's, and the one-call
     decoder takes the layers."""
-    if not ops.available():
+    if not library.available():
         pytest.skip("GGUF blocks as stored need the native kernels")
     path, hf = tiny_kquant_gguf
     dequantized = []
@@ -642,7 +642,7 @@ def test_stored_layers_shard_on_whole_super_blocks(tiny_kquant_gguf) -> None:
     layer whose rank's columns split a 256-weight super-block (o_proj: 128 of 256) is
     requantized from float instead, one split on super-block boundaries (down_proj: 256 of
     512) keeps its rank's blocks."""
-    if not ops.available():
+    if not library.available():
         pytest.skip("GGUF blocks as stored need the native kernels")
     path, _ = tiny_kquant_gguf
     f = GGUFFile(path)
