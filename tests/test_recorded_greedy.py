@@ -1,0 +1,42 @@
+"""Greedy outputs of the default model, token for token, against a recording.
+
+``data/default_model_greedy.json`` was recorded at commit c21a24b (before the step path, the
+layers and the kernels' Python seam were restructured) with ``enable_prefix_caching=False``,
+``temperature=0``, ``ignore_eos``, on each x86 kernel variant: float32 gives the same tokens on
+every one; ``auto`` picks its linear layers by ISA (w4a8 / w8a8), so its tokens are recorded
+per variant. A refactoring that changes no arithmetic keeps every token; a change that means to
+alter the numbers re-records the file and says why in its commit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels.library import active_isa
+
+RECORDING = json.loads((Path(__file__).parent / "data" / "default_model_greedy.json").read_text())
+
+
+def _greedy(dtype: str) -> list[list[int]]:
+    llm = LLM(dtype=dtype, enable_prefix_caching=False)
+    try:
+        params = SamplingParams(max_tokens=RECORDING["max_tokens"], temperature=0.0, ignore_eos=True)
+        outputs = llm.generate(RECORDING["prompts"], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_float32_greedy_tokens_match_the_recording() -> None:
+    assert _greedy("float32") == RECORDING["float32"]
+
+
+def test_auto_greedy_tokens_match_the_recording_for_this_isa() -> None:
+    isa = active_isa()
+    if isa not in RECORDING["auto"]:
+        pytest.skip(f"no recording of dtype auto on {isa or 'the PyTorch fallback'}")
+    assert _greedy("auto") == RECORDING["auto"][isa]
