@@ -39,9 +39,13 @@ class ToolParser(abc.ABC):
             return None
         return ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
-    @abc.abstractmethod
     def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """(content outside the calls, None if empty; the calls in order)."""
+        """(content outside the calls, None if empty; the calls in order): the whole text fed
+        at once, so the two ways agree by construction."""
+        content, calls = self.feed(text)
+        rest, more = self.finish()
+        content += rest
+        return (content if content.strip() else None), calls + more
 
     @abc.abstractmethod
     def feed(self, delta: str) -> tuple[str, list[ParsedToolCall]]:

@@ -21,12 +21,6 @@ class GenericToolParser(ToolParser):
         self._json: bool | None = None  # whether the reply opens with "{" or "[": None until known
         self._held: list[str] = []  # the reply so far while undecided or JSON
 
-    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        content, calls = self.feed(text)
-        rest, more = self.finish()
-        content += rest
-        return (content if content.strip() else None), calls + more
-
     def feed(self, delta: str) -> tuple[str, list[ParsedToolCall]]:
         if self._json is False:
             return delta, []

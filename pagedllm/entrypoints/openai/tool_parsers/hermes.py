@@ -40,12 +40,6 @@ class HermesToolParser(ToolParser):
         self._body: list[str] | None = None  # inside a call: its text after the start tag, in pieces
         self._body_tail = ""  # inside a call: the last len(END) - 1 characters of its body
 
-    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        content, calls = self.feed(text)
-        rest, more = self.finish()
-        content += rest
-        return (content if content.strip() else None), calls + more
-
     def feed(self, delta: str) -> tuple[str, list[ParsedToolCall]]:
         if self._bare is not False:  # undecided (only spaces so far), or a bare object: hold all
             self._held.append(delta)
