@@ -15,6 +15,7 @@ ranks to leave, and only then leaves the group itself.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 
@@ -77,6 +78,8 @@ class Executor:
             raise
         self.model_config = self.driver.model_config
         self.runner = self.driver.runner
+        if self.tp_size > 1:  # an LLM never shut down still stops its ranks before the interpreter tears down
+            atexit.register(self.shutdown)
 
     def _open_sender(self, host: str) -> str:
         """Listen for ranks 1..N-1 on ``host``; return the group's ``tcp://host:port`` for them."""
@@ -137,6 +140,7 @@ class Executor:
         """Stop the other ranks, then leave the group; idempotent."""
         if getattr(self, "driver", None) is None:
             return
+        atexit.unregister(self.shutdown)
         if self.sender is not None:
             try:
                 self.driver.stop_others(self.sender)
