@@ -20,7 +20,7 @@ MODEL_RUNNER_CLS_ENV = "PAGEDLLM_MODEL_RUNNER_CLS"
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer, read from GGUF metadata or config.json."""
 
-    architecture: str  # registry key: "llama" | "qwen2" | "qwen3" | "mistral" | "phi3" | "gemma3"
+    architecture: str  # registry key: "llama" | "qwen2" | "qwen3" | "mistral" | "phi3" | "gemma3" | "qwen3_moe" | "mixtral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,6 +47,19 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture of experts (qwen3_moe, mixtral; 0 experts: dense): experts per MoE layer, the
+    # ones each token runs (top-k of the router's softmax, renormalized to sum to 1 when
+    # ``norm_topk_prob``), each expert's MLP width, and the layers with a dense MLP of
+    # ``intermediate_size`` instead (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_mlp_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether a layer's MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     def layer_window(self, layer: int) -> int:
         """The attention window of a layer in tokens; 0 for full attention."""

@@ -2,9 +2,9 @@
 // Gemma 3. Per layer: residual add + RMSNorm, the fused q/k/v GEMM, the q/k head norms
 // (Gemma 3), RoPE, the K/V write, paged decode attention (with the layer's sliding window),
 // o_proj (and its norm, Gemma 3), residual add + RMSNorm, gate/up GEMM, SiLU- or GELU-and-mul,
-// down_proj (and its norm, Gemma 3); then the final norm. It calls the same kernels, in the
-// same order and on the same inputs, as the models' Python modules do one call at a time, so
-// its outputs are theirs bit for bit.
+// down_proj (and its norm, Gemma 3), or a mixture-of-experts block in their place (moe.cpp);
+// then the final norm. It calls the same kernels, in the same order and on the same inputs,
+// as the models' Python modules do one call at a time, so its outputs are theirs bit for bit.
 // Why: at batch 1 a step is some 300 small kernels, and the Python and ctypes around each
 // call cost about as much as the kernel; one call per step removes that, as llama.cpp's graph
 // does (figures: docs/benchmarks.md, "where a small GEMV's time goes").
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "head_dims.h"
+#include "moe.h"
 #include "pagedllm_abi.h"
 
 namespace {
@@ -41,6 +42,7 @@ bool supported(const DecoderDesc* m) {
   for (int64_t i = 0; i < m->num_layers; ++i) {
     const LayerDesc& layer = m->layers[i];
     if (layer.group < 0 || layer.group >= m->num_groups || layer.rope < 0 || layer.rope > 1) return false;
+    if (layer.moe && !moe_supported(*layer.moe)) return false;
     for (const LinearDesc* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
       if (l->kind < PAGEDLLM_LINEAR_F32 || l->kind > PAGEDLLM_LINEAR_KQUANT) return false;
   }
@@ -88,9 +90,13 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
     linear(l.o, attn.data(), q_width, y.data(), B);
     if (l.attn_out_norm) add_rms_norm(nullptr, y.data(), l.attn_out_norm, y.data(), B, H, m->eps);
     add_rms_norm(y.data(), stream, l.mlp_norm, normed.data(), B, H, m->eps);
-    linear(l.gate_up, normed.data(), H, gate_up.data(), B);
-    act_and_mul(gate_up.data(), 2 * I, B, I);
-    linear(l.down, gate_up.data(), 2 * I, y.data(), B);
+    if (l.moe) {
+      fused_moe(l.moe, normed.data(), H, B, y.data());
+    } else {
+      linear(l.gate_up, normed.data(), H, gate_up.data(), B);
+      act_and_mul(gate_up.data(), 2 * I, B, I);
+      linear(l.down, gate_up.data(), 2 * I, y.data(), B);
+    }
     if (l.mlp_out_norm) add_rms_norm(nullptr, y.data(), l.mlp_out_norm, y.data(), B, H, m->eps);
   }
   add_rms_norm(y.data(), stream, m->final_norm, out, B, H, m->eps);

@@ -84,6 +84,22 @@ typedef struct LinearDesc {
   const float* bias;
 } LinearDesc;
 
+/* A mixture-of-experts block (moe.cpp): a router [num_experts, hidden] (kind
+ * PAGEDLLM_LINEAR_F32; its logits are softmaxed over all experts and the top_k kept,
+ * renormalized to sum to 1 when `renormalize`), and per expert a gate/up layer
+ * [2 intermediate, hidden] (gate rows first) and a down layer [hidden, intermediate], each of
+ * kind F32, W8A8 or Q4A8 (not KQUANT); `intermediate` is this rank's share. */
+typedef struct MoeDesc {
+  int64_t num_experts;
+  int64_t top_k;
+  int64_t renormalize;
+  int64_t hidden;
+  int64_t intermediate;
+  LinearDesc router;
+  const LinearDesc* gate_up; /* [num_experts] */
+  const LinearDesc* down;    /* [num_experts] */
+} MoeDesc;
+
 /* One decoder layer. Norm weights are [hidden] ([head_dim] for q_norm, k_norm); those marked
  * "or null" are Gemma 3's and absent in Llama-family layers. */
 typedef struct LayerDesc {
@@ -97,6 +113,7 @@ typedef struct LayerDesc {
   LinearDesc o;
   LinearDesc gate_up;
   LinearDesc down;
+  const MoeDesc* moe; /* a mixture of experts in place of gate_up and down, or null */
   void* k_cache; /* [blocks, block_size, Hkv, D], float32 or bf16 (DecoderDesc.cache_bf16) */
   void* v_cache;
   int64_t window; /* attend to the last `window` keys; 0: all */
@@ -198,6 +215,12 @@ void write_kv_cache(int cache_bf16, const float* k, const float* v, int64_t ld, 
                     const int64_t* slots, int64_t n, int64_t width);
 /* out[r] = the first index of the largest of x[r, 0..n). */
 void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
+
+/* --- a mixture-of-experts block (moe.cpp) --- */
+
+/* y [T, hidden] = the block of x [T, hidden] (row stride ldx): each token's top_k experts'
+ * SwiGLU outputs, weighted by their router probabilities and summed. */
+int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y);
 
 /* --- a whole decoder step (decoder.cpp) --- */
 

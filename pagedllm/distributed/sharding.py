@@ -29,6 +29,9 @@ _COLUMN_PARALLEL = {
     "embed_tokens": "vocab", "lm_head": "vocab",
 }
 _ROW_PARALLEL = {"o_proj": "heads", "down_proj": "intermediate"}
+# A mixture of experts' projections (``.experts.{e}.gate_proj`` ...) split each expert's own
+# width the same way; the router (``mlp.gate``) is replicated.
+_EXPERT = ".experts."
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class ModelShard:
         heads_start, num_heads: the rank's query heads.
         kv_heads_start, num_kv_heads: the rank's KV heads (one replicated head when N > kv).
         intermediate_start, intermediate_size: the rank's MLP features.
+        moe_intermediate_start, moe_intermediate_size: the rank's features of every expert.
         vocab_start, vocab_rows: the rank's rows of embedding and lm_head (the last rank's fewer).
         vocab_padded: rows every rank's logits are padded to before they are gathered.
         head_dim: elements per head.
@@ -50,6 +54,8 @@ class ModelShard:
     num_kv_heads: int
     intermediate_start: int
     intermediate_size: int
+    moe_intermediate_start: int
+    moe_intermediate_size: int
     vocab_start: int
     vocab_rows: int
     vocab_padded: int
@@ -60,7 +66,7 @@ class ModelShard:
         """Rank ``tp.rank``'s share; the sizes are assumed checked (:func:`check_tensor_parallel_size`)."""
         r, n = tp.rank, tp.size
         heads, kv = config.num_heads // n, config.num_kv_heads
-        inter = config.intermediate_size // n
+        inter, moe_inter = config.intermediate_size // n, config.moe_intermediate_size // n
         vocab = -(-config.vocab_size // n)
         vocab_start = min(r * vocab, config.vocab_size)
         return cls(
@@ -70,6 +76,8 @@ class ModelShard:
             num_kv_heads=max(1, kv // n),
             intermediate_start=r * inter,
             intermediate_size=inter,
+            moe_intermediate_start=r * moe_inter,
+            moe_intermediate_size=moe_inter,
             vocab_start=vocab_start,
             vocab_rows=min(vocab_start + vocab, config.vocab_size) - vocab_start,
             vocab_padded=vocab,
@@ -84,17 +92,20 @@ class ModelShard:
             return self.kv_heads_start * self.head_dim, (self.kv_heads_start + self.num_kv_heads) * self.head_dim
         if kind == "intermediate":
             return self.intermediate_start, self.intermediate_start + self.intermediate_size
+        if kind == "moe_intermediate":
+            return self.moe_intermediate_start, self.moe_intermediate_start + self.moe_intermediate_size
         return self.vocab_start, self.vocab_start + self.vocab_rows
 
     def split_of(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of checkpoint tensor ``name`` (HF names, any prefix) this rank keeps,
         in elements of the float tensor; None where every rank keeps it whole (norms)."""
         module, _, param = name.rpartition(".")
+        expert = _EXPERT in module
         module = module.rpartition(".")[2]
         if module in _COLUMN_PARALLEL:
-            return (0, *self._span(_COLUMN_PARALLEL[module]))
+            return (0, *self._span("moe_intermediate" if expert else _COLUMN_PARALLEL[module]))
         if module in _ROW_PARALLEL and param == "weight":
-            return (1, *self._span(_ROW_PARALLEL[module]))
+            return (1, *self._span("moe_intermediate" if expert else _ROW_PARALLEL[module]))
         return None
 
 
@@ -141,10 +152,15 @@ def _problem(config: ModelConfig, n: int, quantized: bool) -> str | None:
         return f"neither divides nor is a multiple of {model} {kv} KV heads"
     if inter % n:
         return f"does not divide {model} intermediate size {inter}"
+    if config.moe_intermediate_size % n:
+        return f"does not divide {model} expert intermediate size {config.moe_intermediate_size}"
     # The integer GEMMs quantize activations per group of 32 features, and GGUF blocks hold
     # 32 weights along K: a row-parallel layer's input must split on those boundaries.
     if quantized and n > 1:
-        for what, k in (("attention output", heads // n * config.head_dim), ("MLP down projection", inter // n)):
+        row_parallel = [("attention output", heads // n * config.head_dim), ("MLP down projection", inter // n)]
+        if config.num_experts:
+            row_parallel.append(("experts' down projection", config.moe_intermediate_size // n))
+        for what, k in row_parallel:
             if k % QUANT_GROUP:
                 return (
                     f"gives each rank {k} inputs to {model} {what}, not a multiple of the "
@@ -156,10 +172,11 @@ def _problem(config: ModelConfig, n: int, quantized: bool) -> str | None:
 def check_tensor_parallel_size(model_config: ModelConfig, tp_size: int, quantized: bool) -> None:
     """Raise ValueError unless ``tp_size`` ranks can split the model, naming the sizes that can.
 
-    Conditions: the query heads, the intermediate size divide by the size; the KV heads
+    Conditions: the query heads, the intermediate sizes (dense and expert) divide by the size; the KV heads
     divide by it or divide it (then replicated); with ``quantized`` linear layers (int8 /
     int4 / w8a8 / w4a8, GGUF blocks kept), each rank's input to o_proj and down_proj is a
-    multiple of 32 (an int4 group size above 32 is checked when the layers are quantized).
+    multiple of 32, and so is each expert's down_proj input (an int4 group size above 32 is
+    checked when the layers are quantized).
 
     Raises:
         ValueError: e.g. "tensor_parallel_size 2 does not divide SmolLM2's 9 attention heads;

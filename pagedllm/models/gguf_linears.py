@@ -24,8 +24,8 @@ def _layer_of(gguf_name: str, config: ModelConfig) -> tuple[str, int] | None:
     if gguf_name == "token_embd.weight":
         return ("lm_head", 0) if config.tie_word_embeddings else None
     name = hf_name(gguf_name, config.architecture).removeprefix("model.")
-    if not name.endswith(".weight") or "norm" in name:
-        return None
+    if not name.endswith(".weight") or "norm" in name or ".experts." in name or ".mlp.gate." in name:
+        return None  # norms; a mixture of experts' router (float) and experts (requantized)
     parts = name.removesuffix(".weight").split(".")
     for fused, projections in get_model_class(config.architecture).packed_modules_mapping.items():
         if parts[-1] in projections:

@@ -28,7 +28,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import kquant
 from pagedllm.layers.quantization.gguf import dequantize_blocks
-from pagedllm.models.registry import WINDOW_ON_EVERY_LAYER, check_architecture
+from pagedllm.models.registry import QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B",
@@ -187,12 +187,13 @@ _BLOCKS_OF_32 = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuant
 # llama.cpp's converter permutes the q/k rows of these architectures (not qwen2's, qwen3's
 # nor phi3's). It writes Mistral checkpoints as "llama" files (no sliding window, as
 # llama.cpp runs them).
-_PERMUTED_QK = {"llama"}
+_PERMUTED_QK = {"llama", "mixtral"}
 # Qwen2 chat models end a turn with <|im_end|> and a document with <|endoftext|>; HF's
 # generation_config stops on both, while the GGUF names only one eos id.
 _EXTRA_EOS = {
     "qwen2": ("<|im_end|>", "<|endoftext|>"),
     "qwen3": ("<|im_end|>", "<|endoftext|>"),
+    "qwen3_moe": ("<|im_end|>", "<|endoftext|>"),
     "phi3": ("<|end|>", "<|endoftext|>"),
     "gemma3": ("<end_of_turn>",),
 }
@@ -208,12 +209,25 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Mixtures of experts: the router, and every expert's projection stacked in one 3-D tensor
+# [experts, rows, columns] (split into experts by models/moe.py).
+_EXPERTS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+# llama.cpp's architecture names that are not ours; its converter writes Mixtral as "llama"
+# with experts (``llama.expert_count``).
+_ARCHITECTURES = {"qwen3moe": "qwen3_moe"}
 # Gemma 3 norms around attention and MLP: its ffn_norm is the pre-MLP norm, not Llama's
 # post-attention one (which is the norm *after* attention here).
 # Qwen3's q/k head norms; Phi-3's fused q/k/v and gate/up, split by the model's load_weights.
 _PER_LAYER_ARCH = {
     "qwen3": {**_PER_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
     "phi3": {**_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "qwen3_moe": {**_PER_LAYER, **_EXPERTS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "mixtral": {**_PER_LAYER, **_EXPERTS},
     "gemma3": {
         **_PER_LAYER,
         "ffn_norm": "pre_feedforward_layernorm",
@@ -242,11 +256,13 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
             LongRoPE factors included).
     """
     md = f.metadata
-    arch = md.get("general.architecture", "<missing>")
+    file_arch = md.get("general.architecture", "<missing>")
+    arch = _ARCHITECTURES.get(file_arch, file_arch)
+    arch = "mixtral" if arch == "llama" and md.get("llama.expert_count") else arch
     check_architecture(arch)
 
     def get(key: str, default: Any = None) -> Any:
-        return md.get(f"{arch}.{key}", default)
+        return md.get(f"{file_arch}.{key}", default)
 
     hidden, num_heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // num_heads))
@@ -279,6 +295,14 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
             "attn_logit_softcapping": get("attn_logit_softcapping"),
             "final_logit_softcapping": get("final_logit_softcapping"),
         }
+    if get("expert_count"):  # llama.cpp renormalizes the top-k weights of both (expert_weights_norm)
+        num_layers = int(get("block_count"))
+        extra_fields.update(
+            num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=int(get("expert_feed_forward_length", get("feed_forward_length"))),
+            norm_topk_prob=bool(get("expert_weights_norm", True)),
+            dense_mlp_layers=[i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors],
+        )
     return ModelConfig(
         architecture=arch,
         vocab_size=int(get("vocab_size", f.tensors["token_embd.weight"].shape[0])),
@@ -293,7 +317,7 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings="output.weight" not in f.tensors,
         attention_bias="blk.0.attn_q.bias" in f.tensors,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in QK_NORM,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=list(dict.fromkeys(eos)),
         name=name or str(md.get("general.name", "")),

@@ -1,5 +1,5 @@
 """Decode steps in one native call (``csrc/decoder.cpp``): the Llama family (Llama, SmolLM2,
-Qwen2, Qwen3, Mistral, Phi-3) and Gemma 3.
+Qwen2, Qwen3, Mistral, Phi-3, and the mixtures of experts Qwen3-MoE and Mixtral) and Gemma 3.
 
 At batch 1 a decode step is about 300 small kernels: 4 GEMVs, the norms, RoPE, the K/V write,
 attention and the gated activation per layer. Called one at a time from the modules, the
@@ -26,6 +26,11 @@ from pagedllm.kernels.decoder import DecoderDesc, LayerDesc, decode_layers
 from pagedllm.layers.attention import AttentionMetadata, KVCache
 
 
+def _is_moe(mlp: nn.Module) -> bool:
+    """Whether a layer's MLP is a mixture of experts (``layers/fused_moe.FusedMoE``)."""
+    return hasattr(mlp, "native_block")
+
+
 class NativeDecoder:
     """The model's weights and K/V caches as a ``DecoderDesc``, built once.
 
@@ -45,7 +50,10 @@ class NativeDecoder:
                     setattr(desc, slot, norm.weight.data_ptr())
             attn, mlp = layer.self_attn, layer.mlp
             desc.qkv, desc.o = attn.qkv_proj.native_desc(), attn.o_proj.native_desc()
-            desc.gate_up, desc.down = mlp.gate_up_proj.native_desc(), mlp.down_proj.native_desc()
+            if _is_moe(mlp):
+                desc.moe = ctypes.pointer(mlp.native_block().desc)
+            else:
+                desc.gate_up, desc.down = mlp.gate_up_proj.native_desc(), mlp.down_proj.native_desc()
             desc.window = getattr(attn, "window", 0)
             desc.rope = int(getattr(layer, "is_sliding", False))
         self.desc = DecoderDesc(
@@ -68,16 +76,19 @@ class NativeDecoder:
     def of(model: nn.Module) -> NativeDecoder | None:
         """The model's one-call decoder, or None where it does not apply: no native kernels,
         tensor parallelism (an all-reduce sits inside each layer), a dtype other than float32,
-        a linear layer not on our packed kernels, or heads the decode attention lacks."""
+        a linear layer (or a mixture of experts' expert) not on our packed kernels, or heads the
+        decode attention lacks."""
         shard = model.shard
         linears = [
             m for layer in model.layers
-            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+            + (() if _is_moe(layer.mlp) else (layer.mlp.gate_up_proj, layer.mlp.down_proj))
         ]
         if (
             not library.available() or model.tp.size != 1 or model.dtype != torch.float32
             or not attention.decode_attention_supported(shard.num_heads, shard.num_kv_heads, model.config.head_dim)
             or not all(hasattr(m, "native_desc") for m in linears)
+            or not all(layer.mlp.native_block() for layer in model.layers if _is_moe(layer.mlp))
         ):
             return None
         return NativeDecoder(model)

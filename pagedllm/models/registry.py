@@ -6,6 +6,7 @@ from torch import nn
 
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.moe import MoEForCausalLM
 
 # Qwen2 (q/k/v biases), Qwen3 (q/k head norms), Mistral and Phi-3 (sliding windows; Phi-3's
 # fused checkpoint tensors) are Llama's class, driven by ModelConfig (see llama.py).
@@ -16,14 +17,19 @@ _MODELS: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    # Llama's class with mixture-of-experts MLPs (see moe.py).
+    "qwen3_moe": MoEForCausalLM,
+    "mixtral": MoEForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
 # Architectures whose sliding window, when the checkpoint sets one, applies to every layer
-# (transformers' Mistral and Phi-3, llama.cpp's Phi-3; Qwen2/Qwen3 switch theirs on with
-# ``use_sliding_window``, which the loaders refuse).
-WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "phi3"})
+# (transformers' Mistral, Mixtral and Phi-3, llama.cpp's Phi-3; Qwen2/Qwen3 switch theirs on
+# with ``use_sliding_window``, which the loaders refuse).
+WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3"})
+# Architectures with q/k head norms (``ModelConfig.qk_norm``).
+QK_NORM = frozenset({"qwen3", "qwen3_moe"})
 
 
 def check_architecture(arch: str) -> None:

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.config import ModelConfig
-from pagedllm.models.registry import WINDOW_ON_EVERY_LAYER, check_architecture
+from pagedllm.models.registry import QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture
 
 
 def _ids(value: Any) -> list[int]:
@@ -66,6 +66,8 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )
+    if arch in ("qwen3_moe", "mixtral"):
+        extra.update(_moe_fields(cfg, arch))
     return ModelConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -81,11 +83,33 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         # Gemma 3 always ties its lm_head; its config.json may leave the field out.
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),  # Qwen2 always has q/k/v bias
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in QK_NORM,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         name=name or model_dir.name,
         **extra,
+    )
+
+
+def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a Qwen3-MoE or Mixtral config.json.
+
+    Mixtral always renormalizes its top-k weights and has no dense layers; Qwen3-MoE's dense
+    layers are ``mlp_only_layers`` and those off its ``decoder_sparse_step``.
+    """
+    layers = cfg["num_hidden_layers"]
+    if arch == "mixtral":
+        return dict(
+            num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
+        )
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+    return dict(
+        num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        dense_mlp_layers=[i for i in range(layers) if i in dense or (i + 1) % step],
     )
 
 

@@ -1,0 +1,182 @@
+// The GEMM micro-kernels on packed weights that linear.cpp (one layer) and moe.cpp (a layer's
+// active experts) both drive, and the on-the-fly quantization of their int8 activations.
+// Weight formats and panel layouts: linear.cpp's header comment. Each tile computes R rows x
+// one 32-column panel of y while it walks K once; a row's result depends only on that row
+// (every row takes the same instructions whatever the batch), so callers may split rows and
+// panels over threads any way they like.
+#pragma once
+
+#include <stdint.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "pagedllm_abi.h"
+#include "vec.h"
+
+namespace gemm {
+
+using namespace vec;
+
+constexpr int64_t NB = PAGEDLLM_PANEL;             // output columns per panel
+constexpr int64_t QG = PAGEDLLM_QUANT_GROUP;       // k per quantization group, of weights and of activations alike
+constexpr int64_t Q4_NIBBLES = QG / 4 * 64;        // bytes of codes per panel and group
+constexpr int64_t Q4_BYTES = Q4_NIBBLES + 4 * NB;  // + d and m, float16 per column
+static_assert(Q4_BYTES == PAGEDLLM_Q4A8_GROUP_BYTES, "pagedllm_abi.h declares another w4a8 layout");
+
+template <int R>
+inline void store(F32x16 (&acc)[R][2], float* y, int64_t ldy, int64_t ncols) {
+  for (int r = 0; r < R; ++r) {
+    store_first(y + r * ldy, acc[r][0], ncols);
+    store_first(y + r * ldy + 16, acc[r][1], ncols - 16);
+  }
+}
+
+template <int R>
+inline void init(F32x16 (&acc)[R][2], const float* bias) {
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = bias ? load(bias) : zero();
+    acc[r][1] = bias ? load(bias + 16) : zero();
+  }
+}
+
+// x: R rows of K floats (stride ldx); panel: [K][32] float32.
+template <int R>
+inline void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias, float* y,
+                     int64_t ldy, int64_t ncols) {
+  F32x16 acc[R][2];
+  init<R>(acc, bias);
+  for (int64_t k = 0; k < K; ++k) {
+    __builtin_prefetch(panel + (k + 8) * NB);
+    __builtin_prefetch(panel + (k + 8) * NB + 16);
+    const F32x16 w0 = load(panel + k * NB), w1 = load(panel + k * NB + 16);
+    for (int r = 0; r < R; ++r) {
+      const F32x16 a = set1(x[r * ldx + k]);
+      acc[r][0] = fma(a, w0, acc[r][0]);
+      acc[r][1] = fma(a, w1, acc[r][1]);
+    }
+  }
+  store<R>(acc, y, ldy, ncols);
+}
+
+// x: R rows of kq quads of codes (store_codes; stride ldx, in int32), groups of QG/4 quads; xscale: R rows
+// of G scales (stride G); panel: [kq][32][4] int8; wscale, wsum128: [G][32].
+// y[r, n] = sum_g xscale[r, g] * wscale[g, n] * (sum_k x w) + bias[n].
+template <int R>
+inline void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const int8_t* panel, int64_t G,
+                      const int32_t* wsum128, const float* wscale, const float* bias, float* y, int64_t ldy,
+                      int64_t ncols) {
+  constexpr int64_t quads = QG / 4;
+  F32x16 out[R][2];
+  init<R>(out, bias);
+  for (int64_t g = 0; g < G; ++g) {
+    I32x16 acc[R][2];
+    const I32x16 init0 = dot_init(wsum128 + g * NB), init1 = dot_init(wsum128 + g * NB + 16);
+    for (int r = 0; r < R; ++r) acc[r][0] = init0, acc[r][1] = init1;
+    const int8_t* pg = panel + g * quads * 4 * NB;
+    __builtin_prefetch(pg + 4 * quads * 4 * NB);
+    for (int64_t k = 0; k < quads; ++k) {
+      const int8_t* w = pg + k * 4 * NB;
+      __builtin_prefetch(pg + (k + 4 * quads) * 4 * NB + 2 * NB);
+      for (int r = 0; r < R; ++r) {
+        const DotX a = dot_prepare(x + r * ldx + g * quads + k);
+        acc[r][0] = dot(acc[r][0], a, w);
+        acc[r][1] = dot(acc[r][1], a, w + 2 * NB);
+      }
+    }
+    const F32x16 d0 = load(wscale + g * NB), d1 = load(wscale + g * NB + 16);
+    for (int r = 0; r < R; ++r) {
+      const F32x16 s = set1(xscale[r * G + g]);
+      out[r][0] = fma(to_f32(acc[r][0]), mul(d0, s), out[r][0]);
+      out[r][1] = fma(to_f32(acc[r][1]), mul(d1, s), out[r][1]);
+    }
+  }
+  store<R>(out, y, ldy, ncols);
+}
+
+// x: R rows of kq quads of s8 codes (stride ldx, in int32), groups of QG/4 quads; xscale, xsum:
+// R rows of G (stride G), xsum = xscale * the group's code sum; panel: G groups of Q4_BYTES.
+// y[r, n] = sum_g xscale[r, g] * d[g, n] * (sum_k x q) + xsum[r, g] * m[g, n] + bias[n].
+template <int R>
+inline void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const uint8_t* panel,
+                      int64_t G, const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  constexpr int64_t quads = QG / 4;
+  F32x16 out[R][2];
+  init<R>(out, bias);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* pg = panel + g * Q4_BYTES;
+    __builtin_prefetch(pg + 4 * Q4_BYTES);
+    I32x16 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero_i32();
+    for (int64_t k = 0; k < quads; ++k) {
+      if (k % 2 == 0) __builtin_prefetch(pg + 4 * Q4_BYTES + 64 * (k / 2 + 1));
+      const Q4W w = dot_q4_load(pg + k * 64);
+      for (int r = 0; r < R; ++r) dot_q4(acc[r][0], acc[r][1], dot_q4_prepare(x + r * ldx + g * quads + k), w);
+    }
+    const uint16_t* dm = reinterpret_cast<const uint16_t*>(pg + Q4_NIBBLES);
+    const F32x16 d0 = load_f16(dm), d1 = load_f16(dm + 16), m0 = load_f16(dm + NB), m1 = load_f16(dm + NB + 16);
+    for (int r = 0; r < R; ++r) {
+      const F32x16 s = set1(xscale[r * G + g]), t = set1(xsum[r * G + g]);
+      out[r][0] = fma(to_f32(acc[r][0]), mul(d0, s), fma(m0, t, out[r][0]));
+      out[r][1] = fma(to_f32(acc[r][1]), mul(d1, s), fma(m1, t, out[r][1]));
+    }
+  }
+  store<R>(out, y, ldy, ncols);
+}
+
+static_assert(QG == 32, "vec.h's quantize_group quantizes activations in groups of 32");
+
+// The M rows of x (stride ldx) quantized per group of QG k for the integer GEMMs: codes
+// [M][kq] (four int8 per int32; Kp = kq * 4 = K rounded up to QG) and scale [M][G]; with
+// kSums (w4a8, llama.cpp's Q8_1; tile_q4a8's input) also sum [M][G] = scale * the group's
+// code sum and the codes as plain s8, else (w8a8, Q8_0; tile_w8a8's input) in the encoding
+// the vector layer's dot product takes.
+struct QuantizedRows {
+  std::vector<int32_t> codes;
+  std::vector<float> scale, sum;
+};
+template <bool kSums>
+inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
+  QuantizedRows q{std::vector<int32_t>(static_cast<size_t>(M * kq)), std::vector<float>(static_cast<size_t>(M * G)),
+                  std::vector<float>(kSums ? static_cast<size_t>(M * G) : 0)};
+#pragma omp parallel for schedule(static) if (M > 16)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = x + m * ldx;
+    int8_t* row = reinterpret_cast<int8_t*>(q.codes.data() + m * kq);
+    for (int64_t g = 0; g < G; ++g) {
+      const GroupCodes c = quantize_group(src, K, g * QG);
+      q.scale[m * G + g] = c.scale;
+      if constexpr (kSums) {
+        store_i8(row + g * QG, c.lo);
+        store_i8(row + g * QG + 16, c.hi);
+        q.sum[m * G + g] = c.scale * reduce_add(add(to_f32(c.lo), to_f32(c.hi)));  // an exact integer sum
+      } else {
+        store_codes(row + g * QG, c.lo);
+        store_codes(row + g * QG + 16, c.hi);
+      }
+    }
+  }
+  return q;
+}
+
+// Rows per chunk whose activations stay in L2 while every panel reads them: float32 x of K
+// (512 KiB), int8 codes of kq quads (1 MiB); a multiple of the micro-tile rows.
+inline int64_t chunk_rows_f32(int64_t K) { return std::max<int64_t>(12, (131072 / K) / 12 * 12); }
+inline int64_t chunk_rows_i8(int64_t kq) { return std::max<int64_t>(24, (262144 / (4 * kq)) / 24 * 24); }
+
+// Rows 0..M of one panel: full tiles of MR rows, then one tile of the rest (its size
+// dispatched at compile time). tile(integral_constant R, first row).
+template <int MR, typename Tile>
+inline void panel_rows(int64_t M, Tile tile) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile(std::integral_constant<int, MR>{}, m);
+  const int64_t rest = M - m;
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    ((rest == I + 1 ? (tile(std::integral_constant<int, I + 1>{}, m), 0) : 0), ...);
+  }(std::make_integer_sequence<int, MR - 1>{});
+}
+
+}  // namespace gemm

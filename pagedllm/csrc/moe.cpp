@@ -1,0 +1,195 @@
+// A mixture-of-experts block (Mixtral, Qwen3-MoE) in one call: router logits, softmax and
+// top-k per token, the step's tokens grouped by expert, each active expert's gate/up GEMM,
+// SiLU-and-mul and down GEMM on its own tokens only, and the weighted sum back per token.
+//
+// Contract (MoeDesc in pagedllm_abi.h): x [T, hidden] float32 (row stride ldx) -> y [T,
+// hidden] float32. Per token t: p = softmax(router x_t) over all experts; the top_k experts
+// by p (the lower index first among equal ones), weights p_e, divided by their sum when
+// `renormalize`; y_t = sum over its experts, in ascending expert order, of
+// w_e * down_e(silu(gate_e x_t) * up_e x_t). Experts may mix the GEMM kinds (float32, w8a8,
+// w4a8: linear.cpp's formats, the same micro-kernels, gemm.h); an int8 expert quantizes its
+// inputs per row and group of 32 as linear.cpp does, so an expert computes for a token
+// exactly what its layer alone would. A token's output depends only on that token (rows
+// never mix, and its sum runs in expert order): results are batch-invariant.
+//
+// Work split over the threads. Tokens are sorted by expert into R = T * top_k rows (an
+// expert's rows consecutive, in token order). The gate/up GEMM is then ONE parallel loop over
+// work items, each item one 32-column panel of one active expert's weight over a chunk of that
+// expert's rows (chunks sized so the rows' activations stay in L2); items are handed out
+// dynamically, so no thread owns an expert. The down GEMM is a second such loop. A batch-1
+// decode step that touches 8 experts of intermediate I and hidden H thus runs 8 * 2I / 32
+// gate/up items (Qwen3-30B-A3B: 384) and then 8 * H / 32 down items (512) over all threads:
+// with 16 threads every thread streams about 1/16 of the 8 experts' weights, each weight byte
+// read once, and the step waits on 2 barriers for the experts (plus the router's), not 16.
+// Experts that got no token cost nothing; prefill batches reuse each panel over an expert's
+// rows chunk as the dense GEMM does.
+#include <stdint.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "gemm.h"
+#include "moe.h"
+#include "pagedllm_abi.h"
+
+using namespace gemm;
+
+namespace {
+
+constexpr int64_t kParallelRows = 64;  // fewer rows: their elementwise passes run on one thread
+
+// R rows of K floats (stride ld) in every form the active experts' kinds read: the floats, and
+// gemm.h's quantize_rows codes for tile_w8a8 (w8) and tile_q4a8 (q4), each empty where no
+// active expert takes it.
+struct Acts {
+  const float* f32;
+  int64_t ld, K, G, kq;
+  QuantizedRows w8, q4;
+
+  Acts(const float* x, int64_t ld_, int64_t R, int64_t K_, bool need_w8, bool need_q4)
+      : f32(x),
+        ld(ld_),
+        K(K_),
+        G((K_ + QG - 1) / QG),
+        kq((K_ + QG - 1) / QG * QG / 4),
+        w8(need_w8 ? quantize_rows<false>(x, ld_, R, K_) : QuantizedRows{}),
+        q4(need_q4 ? quantize_rows<true>(x, ld_, R, K_) : QuantizedRows{}) {}
+};
+
+// One work item: panel `panel` of expert `expert`'s layer over its rows [row0, row0 + rows).
+struct Item {
+  int64_t expert, row0, rows, panel;
+};
+
+// y[row0.., panel columns] (row stride ldy) for one item of layer l.
+void run_item(const LinearDesc& l, const Acts& a, const Item& it, float* y, int64_t ldy) {
+  const int64_t p = it.panel, ncols = std::min(NB, l.n - p * NB), G = a.G, kq = a.kq;
+  const float* bias = l.bias ? l.bias + p * NB : nullptr;
+  float* out = y + it.row0 * ldy + p * NB;
+  switch (l.kind) {
+    case PAGEDLLM_LINEAR_F32: {
+      const float* panel = static_cast<const float*>(l.w) + p * a.K * NB;
+      panel_rows<kGemmRowsF32>(it.rows, [&](auto r, int64_t m) {
+        tile_f32<decltype(r)::value>(a.f32 + (it.row0 + m) * a.ld, a.ld, panel, a.K, bias, out + m * ldy, ldy, ncols);
+      });
+      break;
+    }
+    case PAGEDLLM_LINEAR_W8A8: {
+      const int8_t* panel = static_cast<const int8_t*>(l.w) + p * kq * 4 * NB;
+      panel_rows<kGemmRowsI8>(it.rows, [&](auto r, int64_t m) {
+        const int64_t row = it.row0 + m;
+        tile_w8a8<decltype(r)::value>(a.w8.codes.data() + row * kq, kq, a.w8.scale.data() + row * G, panel, G,
+                                      l.wsum128 + p * G * NB, l.wscale + p * G * NB, bias, out + m * ldy, ldy, ncols);
+      });
+      break;
+    }
+    default: {
+      const uint8_t* panel = static_cast<const uint8_t*>(l.w) + p * G * Q4_BYTES;
+      panel_rows<kGemmRowsQ4>(it.rows, [&](auto r, int64_t m) {
+        const int64_t row = it.row0 + m;
+        tile_q4a8<decltype(r)::value>(a.q4.codes.data() + row * kq, kq, a.q4.scale.data() + row * G,
+                                      a.q4.sum.data() + row * G, panel, G, bias, out + m * ldy, ldy, ncols);
+      });
+    }
+  }
+}
+
+// y [R, layers[e].n] = each active expert's layer over its rows [start[e], start[e + 1]) of
+// `a`, all experts' panels in one parallel loop (the header comment's split).
+void grouped_gemm(const LinearDesc* layers, const std::vector<int64_t>& start, const Acts& a, float* y, int64_t ldy) {
+  std::vector<Item> items;
+  const int64_t E = static_cast<int64_t>(start.size()) - 1;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t count = start[e + 1] - start[e];
+    if (count == 0) continue;
+    const LinearDesc& l = layers[e];
+    const int64_t chunk = l.kind == PAGEDLLM_LINEAR_F32 ? chunk_rows_f32(a.K) : chunk_rows_i8(a.kq);
+    const int64_t panels = (l.n + NB - 1) / NB;
+    for (int64_t r0 = 0; r0 < count; r0 += chunk)
+      for (int64_t p = 0; p < panels; ++p) items.push_back({e, start[e] + r0, std::min(chunk, count - r0), p});
+  }
+  const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t i = 0; i < n; ++i) run_item(layers[items[i].expert], a, items[i], y, ldy);
+}
+
+bool any_kind(const LinearDesc* layers, const std::vector<int64_t>& start, int64_t kind) {
+  for (size_t e = 0; e + 1 < start.size(); ++e)
+    if (start[e + 1] > start[e] && layers[e].kind == kind) return true;
+  return false;
+}
+
+}  // namespace
+
+extern "C" {
+
+// See the header comment. Returns 0, or -1 with nothing written (moe_supported fails).
+int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y) {
+  if (!moe_supported(*m)) return -1;
+  const int64_t E = m->num_experts, k = m->top_k, H = m->hidden, I = m->intermediate, R = T * k;
+  if (T == 0) return 0;
+
+  // Router logits, then per token its top_k experts (ascending expert order) and weights.
+  std::vector<float> logits(T * E);
+  linear_f32(x, ldx, static_cast<const float*>(m->router.w), m->router.bias, logits.data(), T, E, H);
+  std::vector<int64_t> choice(R);
+  std::vector<float> weight(R);
+#pragma omp parallel for schedule(static) if (T >= kParallelRows)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = logits.data() + t * E;
+    int64_t* c = choice.data() + t * k;
+    float* w = weight.data() + t * k;
+    for (int64_t j = 0; j < k; ++j) c[j] = -1;
+    for (int64_t e = 0; e < E; ++e) {  // insertion into the k best so far, by logit (softmax is monotonic)
+      int64_t j = k;
+      while (j > 0 && (c[j - 1] < 0 || l[e] > l[c[j - 1]])) --j;
+      if (j == k) continue;
+      for (int64_t i = k - 1; i > j; --i) c[i] = c[i - 1];
+      c[j] = e;
+    }
+    const float top = l[c[0]];
+    float all = 0.f, kept = 0.f;
+    for (int64_t e = 0; e < E; ++e) all += std::exp(l[e] - top);
+    for (int64_t j = 0; j < k; ++j) kept += (w[j] = std::exp(l[c[j]] - top));
+    const float denominator = m->renormalize ? kept : all;
+    for (int64_t j = 0; j < k; ++j) w[j] /= denominator;
+    for (int64_t j = 1; j < k; ++j)  // ascending expert order: the order the outputs are summed in
+      for (int64_t i = j; i > 0 && c[i - 1] > c[i]; --i) std::swap(c[i - 1], c[i]), std::swap(w[i - 1], w[i]);
+  }
+
+  // Rows sorted by expert: start[e] .. start[e + 1] are expert e's, in token order.
+  std::vector<int64_t> start(E + 1, 0), row_of(R), token_of(R);
+  for (int64_t s = 0; s < R; ++s) ++start[choice[s] + 1];
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t s = 0; s < R; ++s) token_of[row_of[s] = next[choice[s]]++] = s / k;
+
+  std::vector<float> xs(R * H), h(R * 2 * I), out(R * H);
+#pragma omp parallel for schedule(static) if (R >= kParallelRows)
+  for (int64_t r = 0; r < R; ++r) std::copy(x + token_of[r] * ldx, x + token_of[r] * ldx + H, xs.data() + r * H);
+  {
+    const Acts a(xs.data(), H, R, H, any_kind(m->gate_up, start, PAGEDLLM_LINEAR_W8A8),
+                 any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q4A8));
+    grouped_gemm(m->gate_up, start, a, h.data(), 2 * I);
+  }
+  silu_and_mul(h.data(), 2 * I, R, I);
+  {
+    const Acts a(h.data(), 2 * I, R, I, any_kind(m->down, start, PAGEDLLM_LINEAR_W8A8),
+                 any_kind(m->down, start, PAGEDLLM_LINEAR_Q4A8));
+    grouped_gemm(m->down, start, a, out.data(), H);
+  }
+
+  // y_t = sum of its experts' outputs, weighted, in ascending expert order.
+#pragma omp parallel for schedule(static) if (T >= kParallelRows)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < H; i += 16) {
+      F32x16 acc = zero();
+      for (int64_t j = 0; j < k; ++j)
+        acc = fma(set1(weight[t * k + j]), load_first(out.data() + row_of[t * k + j] * H + i, H - i), acc);
+      store_first(y + t * H + i, acc, H - i);
+    }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,380 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) against transformers, and the fused MoE
+kernel (``csrc/moe.cpp``) against PyTorch on every ISA this CPU runs.
+
+Tiny random checkpoints built from transformers' own classes, saved with ``save_pretrained``
+next to SmolLM2's tokenizer and as GGUF files written the way llama.cpp's converter does
+(experts stacked 3-D): greedy tokens equal to ``generate``'s in float32 until the first
+near-tie through chunked prefill, prefix caching, preemption and n-gram speculation; shards
+over 2 ranks give the unsharded logits."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from native_isa import ISAS, on_isa
+from tensor_parallel_ranks import Case, reference, run_group
+from utils import pool_is_whole, prefill_logits
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.distributed.sharding import ModelShard, check_tensor_parallel_size
+from pagedllm.kernels import ops
+from pagedllm.kernels.moe import fused_moe
+from pagedllm.layers.fused_moe import FusedMoE, route
+from pagedllm.layers.linear import PackedLinear
+from pagedllm.layers.quantization.linear import W4A8Linear, W8A8Linear
+from pagedllm.layers.quantization.weights import quantize_q4a8
+from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
+from pagedllm.models.moe import MoEForCausalLM
+from pagedllm.models.native_decoder import NativeDecoder
+
+MAX_TOKENS = 16
+WINDOW = 12  # Mixtral's: shorter than the longer prompts
+_GEN = torch.Generator().manual_seed(7)
+_SHARED = torch.randint(3, 256, (24,), generator=_GEN).tolist()
+PROMPTS = [
+    torch.randint(3, 256, (5,), generator=_GEN).tolist(),
+    _SHARED + torch.randint(3, 256, (9,), generator=_GEN).tolist(),
+    _SHARED + torch.randint(3, 256, (17,), generator=_GEN).tolist(),
+]
+COMMON = dict(
+    vocab_size=256, hidden_size=128, num_hidden_layers=3, max_position_embeddings=256, rms_norm_eps=1e-6,
+    initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2,
+)
+# Head size 64 (the native decode attention's smallest): the one-call decoder runs the decode
+# steps. Qwen3-MoE: 8 experts, the top-2 weights left unnormalized, layer 1 dense (its
+# ``mlp_only_layers``). Mixtral: 4 experts, a sliding window on every layer.
+CONFIGS = {
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=192,
+        moe_intermediate_size=64, num_experts=8, norm_topk_prob=False, mlp_only_layers=[1], rope_theta=1e6,
+    ),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **COMMON, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, num_local_experts=4,
+        sliding_window=WINDOW, rope_theta=1e4,
+    ),
+}
+HF_CLASSES = {"qwen3_moe": transformers.Qwen3MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM}
+
+
+def _randomize_vectors(model: torch.nn.Module) -> None:
+    """transformers unit-inits the norms (q/k norms included): make them count."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(1.0, 0.2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(resolve_model("smollm2")).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
+    """(architecture, HF model, checkpoint directory)."""
+    arch, path = request.param, tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    hf = HF_CLASSES[arch](CONFIGS[arch]()).eval()
+    _randomize_vectors(hf)
+    hf.save_pretrained(path)
+    for f in tokenizer_dir.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    return arch, hf, path
+
+
+def test_config_from_checkpoint(tiny) -> None:
+    arch, hf, path = tiny
+    config = load_config(resolve_model(str(path)))
+    assert config.architecture == arch and config.qk_norm == (arch == "qwen3_moe")
+    if arch == "qwen3_moe":
+        assert (config.num_experts, config.moe_intermediate_size, config.norm_topk_prob) == (8, 64, False)
+        assert [config.is_moe_layer(i) for i in range(3)] == [True, False, True]
+        assert [config.layer_window(i) for i in range(3)] == [0, 0, 0]
+    else:
+        assert (config.num_experts, config.moe_intermediate_size, config.norm_topk_prob) == (4, 64, True)
+        assert all(config.is_moe_layer(i) for i in range(3))
+        assert [config.layer_window(i) for i in range(3)] == [WINDOW] * 3
+    assert config.num_experts_per_tok == 2
+
+
+def test_stacked_expert_tensors_load_as_the_per_expert_checkpoint(tiny) -> None:
+    """transformers' in-memory names (``mlp.experts.gate_up_proj`` [E, 2I, H], 3-D) give the
+    logits the saved per-expert checkpoint does."""
+    arch, hf, path = tiny
+    saved, config = load_model(resolve_model(str(path)), torch.float32)
+    with torch.device("meta"):
+        stacked = MoEForCausalLM(config, torch.float32)
+    stacked.load_weights(hf.state_dict().items())
+    ids = PROMPTS[2]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(stacked.eval(), config, ids), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(prefill_logits(saved, config, ids), expected, atol=1e-4, rtol=0)
+
+
+def _assert_greedy_matches(hf: torch.nn.Module, prompt: list[int], ours) -> None:
+    """Our greedy tokens equal ``generate``'s until the first near-tie, logprobs close."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        ref = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+        )
+    ref_tokens = ref.sequences[0, len(prompt) :].tolist()
+    ref_logprobs = [step[0].float().log_softmax(-1) for step in ref.logits]
+    assert len(set(ref_tokens)) > 1  # weights large enough that the tokens vary
+    for i, (a, b) in enumerate(zip(ours.token_ids, ref_tokens, strict=True)):
+        if a != b:  # allowed only at a near-tie, and then the rest may differ
+            top2 = ref_logprobs[i].topk(2).values
+            assert (top2[0] - top2[1]).item() < 1e-3, f"diverged at {i}"
+            return
+        assert math.isclose(ours.logprobs[i][a].logprob, ref_logprobs[i][a].item(), abs_tol=1e-3), i
+
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
+
+
+def test_greedy_matches_transformers_with_chunks_and_prefix_hits(tiny) -> None:
+    """16-token chunks; the third prompt hits the second's cached blocks, and all three again
+    hit whole prompts: the same tokens each time. Decode steps run in the one-call decoder."""
+    arch, hf, path = tiny
+    llm = LLM(
+        model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, block_size=8,
+        max_num_batched_tokens=16, enable_prefix_caching=True,
+    )
+    first = llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
+    hits = llm.engine.core.kv_cache.prefix_hits
+    first += llm.generate(PROMPTS[2:], PARAMS, use_tqdm=False)
+    assert llm.engine.core.kv_cache.prefix_hits - hits >= 16  # the shared 24 tokens' full blocks
+    if ops.available():
+        assert isinstance(llm.engine.core.executor.runner.model.native_decoder, NativeDecoder)
+    for prompt, out in zip(PROMPTS, first, strict=True):
+        _assert_greedy_matches(hf, prompt, out.outputs[0])
+    again = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert pool_is_whole(llm)
+    llm.shutdown()
+
+
+def test_preemption_and_ngram_speculation_give_the_same_tokens(tiny) -> None:
+    """A pool too small for all requests at once (preempted and recomputed), then n-gram
+    drafts on prompts that repeat themselves: the tokens of a plain run, which match transformers."""
+    arch, hf, path = tiny
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0] * 4, _SHARED + _SHARED]
+    common = dict(model=str(path), dtype="float32", max_model_len=128, block_size=8)
+    plain = LLM(**common, kv_cache_memory="8MiB")
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, PARAMS, use_tqdm=False)]
+    plain.shutdown()
+    tight = LLM(**common, num_gpu_blocks_override=14, enable_prefix_caching=False)
+    outputs = tight.generate(prompts, PARAMS, use_tqdm=False)
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert pool_is_whole(tight)
+    tight.shutdown()
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec = LLM(**common, kv_cache_memory="8MiB", speculative_config=ngram)
+    outputs = spec.generate(prompts, PARAMS, use_tqdm=False)
+    assert spec.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert pool_is_whole(spec)
+    spec.shutdown()
+    for prompt, out in zip(prompts[2:], outputs[2:], strict=True):
+        _assert_greedy_matches(hf, prompt, out.outputs[0])
+
+
+# --- GGUF, written as llama.cpp's converter writes these models --------------------------
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def _write_gguf(path: Path, hf: torch.nn.Module) -> None:
+    """An F32 GGUF of a Qwen3-MoE ("qwen3moe") or Mixtral ("llama" with experts) model: the
+    experts stacked as ``ffn_{gate,up,down}_exps`` [E, rows, columns], the router
+    ``ffn_gate_inp``; Mixtral's q/k rows permuted as for llama, its window in the metadata."""
+    c = hf.config
+    qwen = c.model_type == "qwen3_moe"
+    writer = gguf.GGUFWriter(path, "qwen3moe" if qwen else "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_eos_token_id(2)
+    writer.add_expert_count(c.num_experts if qwen else c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    if c.sliding_window:  # Mixtral's, on every layer
+        writer.add_sliding_window(c.sliding_window)
+    if qwen:
+        writer.add_key_length(c.head_dim)
+        writer.add_value_length(c.head_dim)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_expert_weights_norm(c.norm_topk_prob)
+    for name, tensor in hf.state_dict().items():
+        w = tensor.numpy()
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            top = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm"}
+            writer.add_tensor(f"{top.get(name, 'output')}.weight", w)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            gate, up = np.split(w, 2, axis=1)
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if rest == "mlp.experts.down_proj":
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", w)
+            continue
+        module, _, suffix = rest.rpartition(".")
+        if not qwen and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = c.num_attention_heads if "q_proj" in module else c.num_key_value_heads
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
+        writer.add_tensor(f"blk.{layer}.{_GGUF_NAMES[module]}.{suffix}", np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_as_llama_cpp_writes_it_matches_transformers(tiny, tmp_path: Path) -> None:
+    arch, hf, _ = tiny
+    path = tmp_path / f"{arch}.gguf"
+    _write_gguf(path, hf)
+    model, config = load_model(resolve_model(str(path)), torch.float32)
+    assert (config.architecture, config.num_experts_per_tok) == (arch, 2)
+    assert config.dense_mlp_layers == ([1] if arch == "qwen3_moe" else [])
+    assert config.norm_topk_prob == (arch == "mixtral")
+    ids = PROMPTS[2]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(model, config, ids), expected, atol=1e-4, rtol=0)
+
+
+# --- tensor parallelism --------------------------------------------------------------------
+
+TP_CASES = [("qwen3_moe", None), ("mixtral", None), ("qwen3_moe", ("w8a8", 32, True)), ("mixtral", ("w4a8", 32, True))]
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
+    """(unsharded logits, rank 0's logits at 2 ranks) per case: float32 and quantized experts."""
+    root = tmp_path_factory.mktemp("moe-tp")
+    cases = []
+    for arch, quant in TP_CASES:
+        torch.manual_seed(0)
+        hf = HF_CLASSES[arch](CONFIGS[arch]()).eval()
+        _randomize_vectors(hf)
+        hf.save_pretrained(root / arch)
+        cases.append(Case(f"{arch}-{quant[0] if quant else 'float32'}", str(root / arch), quant))
+    return reference(cases), run_group(cases, 2, root / "logits.pt")
+
+
+@pytest.mark.parametrize("name", [f"{a}-{q[0] if q else 'float32'}" for a, q in TP_CASES])
+def test_two_ranks_give_the_unsharded_logits(tp_runs, name: str) -> None:
+    """Each rank holds half of every expert's intermediate features and the whole router;
+    quantized experts see the same codes and activation groups (only the sum order differs)."""
+    expected, got = tp_runs
+    assert not isinstance(got[name], str), got[name]
+    torch.testing.assert_close(got[name], expected[name], atol=1e-4 if "float32" in name else 1e-3, rtol=0)
+
+
+def test_expert_shards_split_the_expert_width(tiny) -> None:
+    arch, _, path = tiny
+    config = load_config(resolve_model(str(path)))
+    shard = ModelShard.of(config, TPGroup(1, 2))
+    assert shard.split_of("layers.0.mlp.experts.3.gate_proj.weight") == (0, 32, 64)
+    assert shard.split_of("layers.0.mlp.experts.3.down_proj.weight") == (1, 32, 64)
+    assert shard.split_of("layers.0.mlp.gate.weight") is None  # the router: replicated
+    if arch == "qwen3_moe":  # the dense layer splits its own width
+        assert shard.split_of("layers.1.mlp.up_proj.weight") == (0, 96, 192)
+    check_tensor_parallel_size(config, 2, True)
+    with pytest.raises(ValueError, match="experts' down projection"):  # 48 of each expert's 96 per rank
+        check_tensor_parallel_size(dataclasses.replace(config, moe_intermediate_size=96), 2, True)
+
+
+# --- the fused kernel --------------------------------------------------------------------------
+
+HIDDEN, INTER, EXPERTS = 96, 80, 8  # neither a multiple of the 32-column panels
+
+
+def _block(kind: str, renormalize: bool) -> FusedMoE:
+    """8 random experts, top-2, each on our packed kernels: ``kind`` float32 | w8a8 | w4a8 |
+    mixed (the kinds in turn)."""
+    torch.manual_seed(1)
+    moe = FusedMoE(HIDDEN, INTER, EXPERTS, 2, renormalize, torch.float32)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.3)
+    kinds = ["float32", "w8a8", "w4a8"]
+    for e, expert in enumerate(moe.experts):
+        expert_kind = kinds[e % 3] if kind == "mixed" else kind
+        for name in ("gate_up_proj", "down_proj"):
+            weight = torch.randn(getattr(expert, name).weight.shape) * 0.2
+            layer = {
+                "float32": lambda w: PackedLinear(w, None),
+                "w8a8": W8A8Linear,
+                "w4a8": lambda w: W4A8Linear(quantize_q4a8(w)),
+            }[expert_kind](weight)
+            setattr(expert, name, layer)
+    return moe
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["float32", "w8a8", "w4a8", "mixed"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_fused_kernel_matches_the_experts_one_by_one(isa: str, kind: str, renormalize: bool) -> None:
+    """One native call equals PyTorch's routing and each active expert's own layer on its
+    tokens; at 1 and 3 tokens most experts get none, at 80 every one gets some."""
+    moe = _block(kind, renormalize)
+    gen = torch.Generator().manual_seed(2)
+    with on_isa(isa):
+        block = moe.native_block()
+        assert block is not None
+        for tokens in (1, 3, 80):
+            x = torch.randn(tokens, HIDDEN, generator=gen)
+            _, experts = route(torch.nn.functional.linear(x, moe.gate.weight), 2, renormalize)
+            assert (experts.unique().numel() < EXPERTS) == (tokens < 80)
+            got = fused_moe(block, x)
+            torch.testing.assert_close(got, moe._forward_experts(x), atol=1e-5, rtol=1e-5)
+            # Batch-invariant: each token alone gives its row.
+            torch.testing.assert_close(fused_moe(block, x[-1:]), got[-1:], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fused_kernel_float32_matches_dense_pytorch(isa: str) -> None:
+    """Float32 experts against the plain formula: softmax, top-2, SwiGLU, weighted sum."""
+    moe = _block("float32", renormalize=False)
+    torch.manual_seed(3)
+    weights = {
+        (e, n): torch.randn(getattr(expert, n).out_features, getattr(expert, n).in_features) * 0.2
+        for e, expert in enumerate(moe.experts) for n in ("gate_up_proj", "down_proj")
+    }
+    for (e, n), w in weights.items():
+        setattr(moe.experts[e], n, PackedLinear(w, None))
+    x = torch.randn(20, HIDDEN)
+    probs = torch.nn.functional.linear(x, moe.gate.weight).softmax(-1)
+    top, experts = probs.topk(2)
+    expected = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(2):
+            e = experts[t, j].item()
+            gate, up = (x[t] @ weights[e, "gate_up_proj"].T).chunk(2)
+            expected[t] += top[t, j] * (torch.nn.functional.silu(gate) * up) @ weights[e, "down_proj"].T
+    with on_isa(isa):
+        torch.testing.assert_close(fused_moe(moe.native_block(), x), expected, atol=1e-4, rtol=1e-4)
