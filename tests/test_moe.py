@@ -118,8 +118,9 @@ def test_stacked_expert_tensors_load_as_the_per_expert_checkpoint(tiny) -> None:
     ids = PROMPTS[2]
     with torch.inference_mode():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(prefill_logits(stacked.eval(), config, ids), expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(prefill_logits(saved, config, ids), expected, atol=1e-4, rtol=0)
+    # Logits of about 5 in magnitude (weights of std 0.2): float32 sums in another order differ by 1e-4.
+    torch.testing.assert_close(prefill_logits(stacked.eval(), config, ids), expected, atol=5e-4, rtol=0)
+    torch.testing.assert_close(prefill_logits(saved, config, ids), expected, atol=5e-4, rtol=0)
 
 
 def _assert_greedy_matches(hf: torch.nn.Module, prompt: list[int], ours) -> None:
@@ -175,13 +176,15 @@ def test_preemption_and_ngram_speculation_give_the_same_tokens(tiny) -> None:
     plain = LLM(**common, kv_cache_memory="8MiB")
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, PARAMS, use_tqdm=False)]
     plain.shutdown()
-    tight = LLM(**common, num_gpu_blocks_override=14, enable_prefix_caching=False)
+    # Mixtral's window lets blocks go as requests advance: fewer blocks for it to run short.
+    blocks = {"qwen3_moe": 14, "mixtral": 8}[arch]
+    tight = LLM(**common, num_gpu_blocks_override=blocks, enable_prefix_caching=False, max_num_batched_tokens=16)
     outputs = tight.generate(prompts, PARAMS, use_tqdm=False)
     assert tight.engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert pool_is_whole(tight)
     tight.shutdown()
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     spec = LLM(**common, kv_cache_memory="8MiB", speculative_config=ngram)
     outputs = spec.generate(prompts, PARAMS, use_tqdm=False)
     assert spec.engine.core.scheduler.spec_stats.num_draft_tokens > 0
@@ -264,7 +267,7 @@ def test_gguf_as_llama_cpp_writes_it_matches_transformers(tiny, tmp_path: Path) 
     ids = PROMPTS[2]
     with torch.inference_mode():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(prefill_logits(model, config, ids), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(prefill_logits(model, config, ids), expected, atol=5e-4, rtol=0)
 
 
 # --- tensor parallelism --------------------------------------------------------------------
