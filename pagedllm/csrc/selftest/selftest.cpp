@@ -403,12 +403,66 @@ void test_kquant() {
   }
 }
 
+// fused_moe with float32 experts against the formula: softmax over the experts, top 2
+// renormalized, each expert's SwiGLU, weighted sum; T = 5 tokens of 6 experts leave some idle.
+void test_moe() {
+  Rng rng;
+  const int64_t T = 5, E = 6, top = 2, H = 40, I = 36;  // ragged: neither a multiple of 32
+  const auto x = rng.normals(T * H), router = rng.normals(E * H);
+  std::vector<std::vector<float>> gate_up, down, packed_gu, packed_d;
+  std::vector<LinearDesc> gu_desc(E), d_desc(E);
+  std::vector<float> packed_router((E + 31) / 32 * 32 * H);
+  linear_pack_f32(router.data(), packed_router.data(), E, H);
+  for (int64_t e = 0; e < E; ++e) {
+    gate_up.push_back(rng.normals(2 * I * H)), down.push_back(rng.normals(H * I));
+    for (float& w : gate_up[e]) w *= 0.2f;
+    for (float& w : down[e]) w *= 0.2f;
+    packed_gu.emplace_back((2 * I + 31) / 32 * 32 * H), packed_d.emplace_back((H + 31) / 32 * 32 * I);
+    linear_pack_f32(gate_up[e].data(), packed_gu[e].data(), 2 * I, H);
+    linear_pack_f32(down[e].data(), packed_d[e].data(), H, I);
+    gu_desc[e] = {PAGEDLLM_LINEAR_F32, 2 * I, H, packed_gu[e].data(), nullptr, nullptr, nullptr};
+    d_desc[e] = {PAGEDLLM_LINEAR_F32, H, I, packed_d[e].data(), nullptr, nullptr, nullptr};
+  }
+  const MoeDesc m = {E, top, 1, H, I, {PAGEDLLM_LINEAR_F32, E, H, packed_router.data(), nullptr, nullptr, nullptr},
+                     gu_desc.data(), d_desc.data()};
+  std::vector<float> y(T * H), ref(T * H, 0.f);
+  const int status = fused_moe(&m, x.data(), H, T, y.data());
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> logit(E);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t k = 0; k < H; ++k) logit[e] += double(router[e * H + k]) * x[t * H + k];
+    int64_t best[2] = {0, 1};
+    if (logit[1] > logit[0]) std::swap(best[0], best[1]);
+    for (int64_t e = 2; e < E; ++e)
+      if (logit[e] > logit[best[0]]) best[1] = best[0], best[0] = e;
+      else if (logit[e] > logit[best[1]]) best[1] = e;
+    const double w0 = 1.0 / (1.0 + std::exp(logit[best[1]] - logit[best[0]]));
+    for (int j = 0; j < 2; ++j) {
+      const int64_t e = best[j];
+      std::vector<double> h(I);
+      for (int64_t i = 0; i < I; ++i) {
+        double g = 0, u = 0;
+        for (int64_t k = 0; k < H; ++k)
+          g += double(gate_up[e][i * H + k]) * x[t * H + k], u += double(gate_up[e][(I + i) * H + k]) * x[t * H + k];
+        h[i] = g / (1.0 + std::exp(-g)) * u;
+      }
+      for (int64_t n = 0; n < H; ++n) {
+        double s = 0;
+        for (int64_t i = 0; i < I; ++i) s += double(down[e][n * I + i]) * h[i];
+        ref[t * H + n] += float((j == 0 ? w0 : 1.0 - w0) * s);
+      }
+    }
+  }
+  check("fused_moe float32 experts", status == 0 ? max_error(y, ref) : 1e9f, 1e-4f);
+}
+
 }  // namespace
 
 int main() {
   test_linear();
   test_kquant();
   test_elementwise();
+  test_moe();
   for (int64_t window : {0, 5}) {
     test_attention<float>(false, window);
     test_attention<uint16_t>(true, window);
