@@ -18,9 +18,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from native_isa import ISAS, on_isa
-from tensor_parallel_ranks import Case, reference, run_group
-from utils import pool_is_whole, prefill_logits
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import TPGroup
@@ -34,6 +31,10 @@ from pagedllm.layers.quantization.weights import quantize_q4a8
 from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
 from pagedllm.models.moe import MoEForCausalLM
 from pagedllm.models.native_decoder import NativeDecoder
+from tests.models_util import prefill_logits
+from tests.native_isa import ISAS, on_isa
+from tests.tensor_parallel_ranks import Case, reference, run_group
+from tests.utils import pool_is_whole
 
 MAX_TOKENS = 16
 WINDOW = 12  # Mixtral's: shorter than the longer prompts
