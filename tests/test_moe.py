@@ -9,6 +9,7 @@ over 2 ranks give the unsharded logits."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from pathlib import Path
@@ -20,20 +21,21 @@ import torch
 import transformers
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import ModelShard, check_tensor_parallel_size
-from pagedllm.kernels import ops
+from pagedllm.kernels import library
 from pagedllm.kernels.moe import fused_moe
 from pagedllm.layers.fused_moe import FusedMoE, route
 from pagedllm.layers.linear import PackedLinear
-from pagedllm.layers.quantization.linear import W4A8Linear, W8A8Linear
+from pagedllm.layers.quantization.linear import KQuantLinear, W4A8Linear, W8A8Linear
 from pagedllm.layers.quantization.weights import quantize_q4a8
 from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
+from pagedllm.models import native_decoder
 from pagedllm.models.moe import MoEForCausalLM
 from pagedllm.models.native_decoder import NativeDecoder
-from tests.models_util import prefill_logits
-from tests.native_isa import ISAS, on_isa
-from tests.tensor_parallel_ranks import Case, reference, run_group
+from pagedllm.platforms.cpu import auto_linears
+from tests.models_util import prefill_logits, randomize_vectors
+from tests.tensor_parallel_ranks import Case, load, reference, run_group, run_steps
 from tests.utils import pool_is_whole
 
 MAX_TOKENS = 16
@@ -65,14 +67,6 @@ CONFIGS = {
 HF_CLASSES = {"qwen3_moe": transformers.Qwen3MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM}
 
 
-def _randomize_vectors(model: torch.nn.Module) -> None:
-    """transformers unit-inits the norms (q/k norms included): make them count."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.normal_(1.0, 0.2)
-
-
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")
@@ -86,7 +80,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     arch, path = request.param, tmp_path_factory.mktemp(request.param)
     torch.manual_seed(0)
     hf = HF_CLASSES[arch](CONFIGS[arch]()).eval()
-    _randomize_vectors(hf)
+    randomize_vectors(hf)  # transformers unit-inits the norms (q/k norms included)
     hf.save_pretrained(path)
     for f in tokenizer_dir.iterdir():
         (path / f.name).write_bytes(f.read_bytes())
@@ -158,7 +152,7 @@ def test_greedy_matches_transformers_with_chunks_and_prefix_hits(tiny) -> None:
     hits = llm.engine.core.kv_cache.prefix_hits
     first += llm.generate(PROMPTS[2:], PARAMS, use_tqdm=False)
     assert llm.engine.core.kv_cache.prefix_hits - hits >= 16  # the shared 24 tokens' full blocks
-    if ops.available():
+    if library.available():
         assert isinstance(llm.engine.core.executor.runner.model.native_decoder, NativeDecoder)
     for prompt, out in zip(PROMPTS, first, strict=True):
         _assert_greedy_matches(hf, prompt, out.outputs[0])
@@ -271,6 +265,60 @@ def test_gguf_as_llama_cpp_writes_it_matches_transformers(tiny, tmp_path: Path) 
     torch.testing.assert_close(prefill_logits(model, config, ids), expected, atol=5e-4, rtol=0)
 
 
+def _q8_0(w: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks of w (any leading dims; the last a multiple of 32)."""
+    return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+
+
+def test_q8_0_gguf_keeps_attention_as_stored_and_requantizes_the_experts(tiny, tmp_path: Path, monkeypatch) -> None:
+    """``--dtype auto`` on a Q8_0 file (llama.cpp's router left F32): attention, the dense MLP
+    and the lm_head run from the file's blocks (the K-quant GEMM), each expert is dequantized
+    and requantized to w8a8 for ``csrc/moe.cpp``; the one-call decoder takes both kinds in one
+    ``decode_layers`` and gives the modules' logits bit for bit; the logits stay within int8
+    activations' rounding of transformers' on the file's own weights."""
+    if not library.available() or auto_linears() == "float32":
+        pytest.skip("GGUF blocks as stored need the native kernels (not scalar)")
+    arch, hf, _ = tiny
+    hf = copy.deepcopy(hf)
+    with torch.no_grad():  # the file's weights exactly: each matrix through Q8_0 and back
+        for name, p in hf.named_parameters():
+            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
+                q8 = gguf.quants.dequantize(_q8_0(p.numpy()), gguf.GGMLQuantizationType.Q8_0)
+                p.copy_(torch.from_numpy(q8).view(p.shape))
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_q8_0(self, name: str, tensor: np.ndarray, **kwargs) -> None:
+        if tensor.ndim < 2 or "ffn_gate_inp" in name:
+            return add_tensor(self, name, tensor, **kwargs)
+        return add_tensor(self, name, _q8_0(tensor), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    path = tmp_path / f"{arch}-q8_0.gguf"
+    with monkeypatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_tensor", add_q8_0)
+        _write_gguf(path, hf)
+    model, config = load(Case(arch, str(path), ("w4a8", 32, True, False)), SINGLE)  # what --dtype auto sets
+    dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
+    stored = [model.lm_head] + [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
+    stored += [m for i in dense for m in (model.layers[i].mlp.gate_up_proj, model.layers[i].mlp.down_proj)]
+    assert all(isinstance(m, KQuantLinear) for m in stored)
+    moe = model.layers[0].mlp
+    assert isinstance(moe, FusedMoE) and moe.gate.weight.dtype == torch.float32
+    assert all(isinstance(m, W8A8Linear) for e in moe.experts for m in (e.gate_up_proj, e.down_proj))
+    assert moe.native_block() is not None and NativeDecoder.of(model) is not None
+    calls = []
+    decode_layers = native_decoder.decode_layers
+    monkeypatch.setattr(native_decoder, "decode_layers", lambda *a: calls.append(1) or decode_layers(*a))
+    got = run_steps(model, config, SINGLE)
+    assert calls  # the decode-only steps ran in one call
+    model.native_decoder = False
+    torch.testing.assert_close(got, run_steps(model, config, SINGLE), atol=0, rtol=0)
+    ids = PROMPTS[2]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    error = (prefill_logits(model, config, ids) - expected).norm() / expected.norm()
+    assert error < 0.06  # int8 activations; an expert or a part's rows out of place would be off by ~100%
+
+
 # --- tensor parallelism --------------------------------------------------------------------
 
 TP_CASES = [("qwen3_moe", None), ("mixtral", None), ("qwen3_moe", ("w8a8", 32, True)), ("mixtral", ("w4a8", 32, True))]
@@ -284,7 +332,7 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
     for arch, quant in TP_CASES:
         torch.manual_seed(0)
         hf = HF_CLASSES[arch](CONFIGS[arch]()).eval()
-        _randomize_vectors(hf)
+        randomize_vectors(hf)
         hf.save_pretrained(root / arch)
         cases.append(Case(f"{arch}-{quant[0] if quant else 'float32'}", str(root / arch), quant))
     return reference(cases), run_group(cases, 2, root / "logits.pt")
@@ -339,29 +387,26 @@ def _block(kind: str, renormalize: bool) -> FusedMoE:
     return moe
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", ["float32", "w8a8", "w4a8", "mixed"])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_fused_kernel_matches_the_experts_one_by_one(isa: str, kind: str, renormalize: bool) -> None:
+def test_fused_kernel_matches_the_experts_one_by_one(native_isa: str, kind: str, renormalize: bool) -> None:
     """One native call equals PyTorch's routing and each active expert's own layer on its
     tokens; at 1 and 3 tokens most experts get none, at 80 every one gets some."""
     moe = _block(kind, renormalize)
     gen = torch.Generator().manual_seed(2)
-    with on_isa(isa):
-        block = moe.native_block()
-        assert block is not None
-        for tokens in (1, 3, 80):
-            x = torch.randn(tokens, HIDDEN, generator=gen)
-            _, experts = route(torch.nn.functional.linear(x, moe.gate.weight), 2, renormalize)
-            assert (experts.unique().numel() < EXPERTS) == (tokens < 80)
-            got = fused_moe(block, x)
-            torch.testing.assert_close(got, moe._forward_experts(x), atol=1e-5, rtol=1e-5)
-            # Batch-invariant: each token alone gives its row.
-            torch.testing.assert_close(fused_moe(block, x[-1:]), got[-1:], atol=0, rtol=0)
+    block = moe.native_block()
+    assert block is not None
+    for tokens in (1, 3, 80):
+        x = torch.randn(tokens, HIDDEN, generator=gen)
+        _, experts = route(torch.nn.functional.linear(x, moe.gate.weight), 2, renormalize)
+        assert (experts.unique().numel() < EXPERTS) == (tokens < 80)
+        got = fused_moe(block, x)
+        torch.testing.assert_close(got, moe._forward_experts(x), atol=1e-5, rtol=1e-5)
+        # Batch-invariant: each token alone gives its row.
+        torch.testing.assert_close(fused_moe(block, x[-1:]), got[-1:], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_fused_kernel_float32_matches_dense_pytorch(isa: str) -> None:
+def test_fused_kernel_float32_matches_dense_pytorch(native_isa: str) -> None:
     """Float32 experts against the plain formula: softmax, top-2, SwiGLU, weighted sum."""
     moe = _block("float32", renormalize=False)
     torch.manual_seed(3)
@@ -380,5 +425,4 @@ def test_fused_kernel_float32_matches_dense_pytorch(isa: str) -> None:
             e = experts[t, j].item()
             gate, up = (x[t] @ weights[e, "gate_up_proj"].T).chunk(2)
             expected[t] += top[t, j] * (torch.nn.functional.silu(gate) * up) @ weights[e, "down_proj"].T
-    with on_isa(isa):
-        torch.testing.assert_close(fused_moe(moe.native_block(), x), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fused_moe(moe.native_block(), x), expected, atol=1e-4, rtol=1e-4)

@@ -172,11 +172,11 @@ def _problem(config: ModelConfig, n: int, quantized: bool) -> str | None:
 def check_tensor_parallel_size(model_config: ModelConfig, tp_size: int, quantized: bool) -> None:
     """Raise ValueError unless ``tp_size`` ranks can split the model, naming the sizes that can.
 
-    Conditions: the query heads, the intermediate sizes (dense and expert) divide by the size; the KV heads
-    divide by it or divide it (then replicated); with ``quantized`` linear layers (int8 /
-    int4 / w8a8 / w4a8, GGUF blocks kept), each rank's input to o_proj and down_proj is a
-    multiple of 32, and so is each expert's down_proj input (an int4 group size above 32 is
-    checked when the layers are quantized).
+    Conditions: the query heads and the intermediate sizes (dense and expert) divide by the
+    size; the KV heads divide by it or divide it (then replicated); with ``quantized`` linear
+    layers (int8 / int4 / w8a8 / w4a8, GGUF blocks kept), each rank's input to o_proj and
+    down_proj is a multiple of 32, and so is each expert's down_proj input (an int4 group size
+    above 32 is checked when the layers are quantized).
 
     Raises:
         ValueError: e.g. "tensor_parallel_size 2 does not divide SmolLM2's 9 attention heads;

@@ -96,14 +96,14 @@ class FusedMoE(nn.Module):
 
     def native_block(self) -> NativeMoE | None:
         """The block as one native call's descriptor, or None where it cannot be (no native
-        kernels, a float router not in float32, an expert layer not on our packed kernels)."""
+        kernels, a float router not in float32, an expert layer not on the packed float32 / w8a8 /
+        w4a8 kernels, e.g. GGUF blocks as stored)."""
         if self._native is None:
             layers = [layer for expert in self.experts for layer in (expert.gate_up_proj, expert.down_proj)]
             weight = self.gate.weight
             descs = [m.native_desc() for m in layers] if all(hasattr(m, "native_desc") for m in layers) else []
-            if library.available() and weight.dtype == torch.float32 and descs and all(
-                d.kind in _MOE_KINDS for d in descs
-            ):
+            on_kernels = bool(descs) and all(d.kind in _MOE_KINDS for d in descs)
+            if library.available() and weight.dtype == torch.float32 and on_kernels:
                 self.router_packed = linear_pack_f32(weight)
                 router = linear_desc(LINEAR_F32, self.router_packed, None, weight.shape[0], weight.shape[1])
                 self._native = NativeMoE(router, descs[0::2], descs[1::2], self.top_k, self.renormalize)
