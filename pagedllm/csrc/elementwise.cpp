@@ -3,12 +3,13 @@
 // and greedy sampling's row-wise argmax.
 // Why: in PyTorch each is several ops, a pass over memory and a dispatch apiece, which add up
 // to most of a decode step's time outside the GEMMs and attention (docs/benchmarks.md).
-// Rows are split over the OpenMP threads only when there are enough of them to pay for it.
+// Rows are split over the thread team (parallel.h) only when there are enough of them to pay for it.
 #include <stdint.h>
 
 #include <cmath>
 
 #include "pagedllm_abi.h"
+#include "parallel.h"
 #include "vec.h"
 
 using namespace vec;
@@ -29,22 +30,20 @@ inline void store_row(uint16_t* dst, const float* src, int64_t n) {
 template <typename T>
 void write_kv(const float* k, const float* v, int64_t ld, T* k_cache, T* v_cache, const int64_t* slots, int64_t n,
               int64_t width) {
-#pragma omp parallel for schedule(static) if (n >= kParallelRows)
-  for (int64_t t = 0; t < n; ++t) {
+  par::parallel_for(n, [&](int64_t t) {
     store_row(k_cache + slots[t] * width, k + t * ld, width);
     store_row(v_cache + slots[t] * width, v + t * ld, width);
-  }
+  }, kParallelRows);
 }
 
 // gate <- act(gate) * up over rows of [gate (I), up (I)], stride ld, in place.
 template <F32x16 (*Act)(F32x16)>
 void act_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T >= kParallelRows)
-  for (int64_t t = 0; t < T; ++t) {
+  par::parallel_for(T, [&](int64_t t) {
     float* g = gate_up + t * ld;
     for (int64_t i = 0; i < I; i += 16)
       store_first(g + i, mul(Act(load_first(g + i, I - i)), load_first(g + I + i, I - i)), I - i);
-  }
+  }, kParallelRows);
 }
 
 }  // namespace
@@ -55,8 +54,7 @@ extern "C" {
 // rsqrt(mean(residual^2) + eps) * weight. Zhang & Sennrich 2019, "Root Mean Square Layer
 // Normalization". All float32, rows contiguous.
 void add_rms_norm(const float* x, float* residual, const float* weight, float* out, int64_t T, int64_t H, float eps) {
-#pragma omp parallel for schedule(static) if (T >= kParallelRows)
-  for (int64_t t = 0; t < T; ++t) {
+  par::parallel_for(T, [&](int64_t t) {
     float* r = residual + t * H;
     F32x16 ss = zero();
     for (int64_t i = 0; i < H; i += 16) {
@@ -70,7 +68,7 @@ void add_rms_norm(const float* x, float* residual, const float* weight, float* o
     const F32x16 scale = set1(1.f / std::sqrt(reduce_add(ss) / H + eps));
     for (int64_t i = 0; i < H; i += 16)
       store_first(out + t * H + i, mul(mul(load_first(r + i, H - i), scale), load_first(weight + i, H - i)), H - i);
-  }
+  }, kParallelRows);
 }
 
 // RoPE in place, GPT-NeoX / HF rotate_half layout (Su et al. 2021, "RoFormer", §3.4): x has
@@ -79,8 +77,7 @@ void add_rms_norm(const float* x, float* residual, const float* weight, float* o
 // x1' = x1 cos + x2 sin_signed, x2' = x2 cos + x1 sin_signed, for the halves x1, x2 of a head.
 void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int64_t heads, int64_t D) {
   const int64_t half = D / 2;
-#pragma omp parallel for schedule(static) if (T >= kParallelRows)
-  for (int64_t t = 0; t < T; ++t) {
+  par::parallel_for(T, [&](int64_t t) {
     const float* c = cos_sin + t * 2 * D;
     const float* s = c + D;
     for (int64_t h = 0; h < heads; ++h) {
@@ -93,7 +90,7 @@ void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int6
         store_first(x2 + i, fma(a, load_first(s + half + i, n), mul(b, load_first(c + half + i, n))), n);
       }
     }
-  }
+  }, kParallelRows);
 }
 
 // gate_up: T rows (stride ld) of [gate (I floats), up (I floats)]; gate <- silu(gate) * up,
@@ -118,8 +115,7 @@ void write_kv_cache(int cache_bf16, const float* k, const float* v, int64_t ld, 
 // Why: torch's CPU max/argmax reduction reads logits far below memory bandwidth (docs/benchmarks.md).
 // Indices are carried as float32 lanes: exact below 2^24, far above any vocabulary.
 void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out) {
-#pragma omp parallel for schedule(static) if (rows >= 4)
-  for (int64_t r = 0; r < rows; ++r) {
+  par::parallel_for(rows, [&](int64_t r) {
     const float* row = x + r * n;
     F32x16 best = set1(-3.4e38f), best_i = zero();
     F32x16 idx = load(kLaneIndex);
@@ -137,7 +133,7 @@ void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out) {
     for (int l = 0; l < 16; ++l)
       if (values[l] == top && indices[l] < first) first = indices[l];
     out[r] = static_cast<int64_t>(first);
-  }
+  }, 4);
 }
 
 }  // extern "C"

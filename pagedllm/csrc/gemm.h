@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "pagedllm_abi.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace gemm {
@@ -142,8 +143,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
   QuantizedRows q{std::vector<int32_t>(static_cast<size_t>(M * kq)), std::vector<float>(static_cast<size_t>(M * G)),
                   std::vector<float>(kSums ? static_cast<size_t>(M * G) : 0)};
-#pragma omp parallel for schedule(static) if (M > 16)
-  for (int64_t m = 0; m < M; ++m) {
+  par::parallel_for(M, [&](int64_t m) {
     const float* src = x + m * ldx;
     int8_t* row = reinterpret_cast<int8_t*>(q.codes.data() + m * kq);
     for (int64_t g = 0; g < G; ++g) {
@@ -158,7 +158,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64
         store_codes(row + g * QG + 16, c.hi);
       }
     }
-  }
+  }, 17);
   return q;
 }
 

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "pagedllm_abi.h"
+#include "parallel.h"
 #include "vec.h"
 
 using namespace vec;
@@ -167,8 +168,7 @@ int64_t row_bytes(int64_t type, int64_t K) {
 // and unit XF floats: each 16 codes' scale, then each 16 codes' sum times that scale.
 void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* codes, float* f) {
   const int64_t kp = (K + UNIT - 1) / UNIT * UNIT, lf = kp / UNIT * XF;
-#pragma omp parallel for schedule(static) if (M > 16)
-  for (int64_t m = 0; m < M; ++m) {
+  par::parallel_for(M, [&](int64_t m) {
     int8_t* row = codes + m * kp;
     for (int64_t g = 0; g < kp / 32; ++g) {
       float* uf = f + m * lf + g / 8 * XF;
@@ -185,7 +185,7 @@ void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* co
       uf[16 + p] = q.scale * reduce_add(to_f32(q.lo));  // exact integer sums
       uf[17 + p] = q.scale * reduce_add(to_f32(q.hi));
     }
-  }
+  }, 17);
 }
 
 // y[r * ldy] = row w . x row r (+ *bias) for R rows of quantized x (codes stride kp, floats stride lf).
@@ -268,8 +268,7 @@ int linear_kquant(const float* x, int64_t ldx, const KQuantWeight* w, const floa
   const int64_t num_spans = static_cast<int64_t>(spans.size());
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-#pragma omp parallel for schedule(static)
-    for (int64_t s = 0; s < num_spans; ++s) {
+    par::parallel_for(num_spans, [&](int64_t s) {
       const Span& span = spans[s];
       const KQuantPart& part = w->parts[span.part];
       with_format(part.type, [&](auto f) {
@@ -281,7 +280,7 @@ int linear_kquant(const float* x, int64_t ldx, const KQuantWeight* w, const floa
                          xf.data() + m0 * lf, lf, rows, bias ? bias + c : nullptr, y + m0 * N + c, N);
         }
       });
-    }
+    });
   }
   return 0;
 }
@@ -291,8 +290,7 @@ int kquant_dequantize(int64_t type, const void* blocks, const int64_t* rows, int
   if (rb == 0) return -1;
   with_format(type, [&](auto f) {
     using F = decltype(f);
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < R; ++r) {
+    par::parallel_for(R, [&](int64_t r) {
       const uint8_t* row = static_cast<const uint8_t*>(blocks) + (rows ? rows[r] : r) * rb;
       for (int64_t u = 0; u < (K + UNIT - 1) / UNIT; ++u) {
         const int chunks = int(std::min(UNIT, K - u * UNIT) / CHUNK);
@@ -310,7 +308,7 @@ int kquant_dequantize(int64_t type, const void* blocks, const int64_t* rows, int
           }
         }
       }
-    }
+    });
   });
   return 0;
 }

@@ -23,6 +23,7 @@
 
 #include "gemm.h"
 #include "pagedllm_abi.h"
+#include "parallel.h"
 
 using namespace gemm;
 
@@ -33,8 +34,7 @@ namespace {
 template <typename F>
 void for_panels(int64_t N, const float* bias, F f) {
   const int64_t panels = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) f(p, N - p * NB < NB ? N - p * NB : NB, bias ? bias + p * NB : nullptr);
+par::parallel_for(panels, [&](int64_t p) { f(p, N - p * NB < NB ? N - p * NB : NB, bias ? bias + p * NB : nullptr); });
 }
 
 }  // namespace
@@ -44,10 +44,10 @@ extern "C" {
 // w: [N, K] float32 -> float32 panels [ceil(N/32)][K][32], zero padded.
 void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
   const int64_t panels = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p)
+par::parallel_for(panels, [&](int64_t p) {
     for (int64_t k = 0; k < K; ++k)
       for (int64_t c = 0; c < NB; ++c) packed[(p * K + k) * NB + c] = p * NB + c < N ? w[(p * NB + c) * K + k] : 0.f;
+  });
 }
 
 // w: [N, K] float32 -> int8 panels [ceil(N/32)][Kp/4][32][4] (Kp = K rounded up to QG), and
@@ -56,8 +56,7 @@ void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
 // accumulator starts there), all zero padded.
 void linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N, int64_t K) {
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4, panels = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p)
+par::parallel_for(panels, [&](int64_t p) {
     for (int64_t c = 0; c < NB; ++c) {
       const int64_t n = p * NB + c;
       for (int64_t g = 0; g < G; ++g) {
@@ -74,6 +73,7 @@ void linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* ws
         wsum128[(p * G + g) * NB + c] = -128 * sum;
       }
     }
+  });
 }
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed, wscale, wsum128 from
@@ -103,8 +103,7 @@ void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float*
 // code 0 and its x code is 0 too, so m counts only real k).
 void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K) {
   const int64_t G = (K + QG - 1) / QG, panels = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p)
+par::parallel_for(panels, [&](int64_t p) {
     for (int64_t g = 0; g < G; ++g) {
       uint8_t* pg = packed + (p * G + g) * Q4_BYTES;
       uint16_t* dm = reinterpret_cast<uint16_t*>(pg + Q4_NIBBLES);
@@ -119,6 +118,7 @@ void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, ui
         pg[i] = uint8_t(code(p * NB + c) | code(p * NB + 16 + c) << 4);
       }
     }
+  });
 }
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed from linear_pack_q4a8;

@@ -32,6 +32,7 @@
 #include "gemm.h"
 #include "moe.h"
 #include "pagedllm_abi.h"
+#include "parallel.h"
 
 using namespace gemm;
 
@@ -110,8 +111,7 @@ void grouped_gemm(const LinearDesc* layers, const std::vector<int64_t>& start, c
       for (int64_t p = 0; p < panels; ++p) items.push_back({e, start[e] + r0, std::min(chunk, count - r0), p});
   }
   const int64_t n = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(dynamic)
-  for (int64_t i = 0; i < n; ++i) run_item(layers[items[i].expert], a, items[i], y, ldy);
+par::parallel_for(n, [&](int64_t i) { run_item(layers[items[i].expert], a, items[i], y, ldy); }, 2, 1);
 }
 
 bool any_kind(const LinearDesc* layers, const std::vector<int64_t>& start, int64_t kind) {
@@ -135,8 +135,7 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
   linear_f32(x, ldx, static_cast<const float*>(m->router.w), m->router.bias, logits.data(), T, E, H);
   std::vector<int64_t> choice(R);
   std::vector<float> weight(R);
-#pragma omp parallel for schedule(static) if (T >= kParallelRows)
-  for (int64_t t = 0; t < T; ++t) {
+  par::parallel_for(T, [&](int64_t t) {
     const float* l = logits.data() + t * E;
     int64_t* c = choice.data() + t * k;
     float* w = weight.data() + t * k;
@@ -156,7 +155,7 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
     for (int64_t j = 0; j < k; ++j) w[j] /= denominator;
     for (int64_t j = 1; j < k; ++j)  // ascending expert order: the order the outputs are summed in
       for (int64_t i = j; i > 0 && c[i - 1] > c[i]; --i) std::swap(c[i - 1], c[i]), std::swap(w[i - 1], w[i]);
-  }
+  }, kParallelRows);
 
   // Rows sorted by expert: start[e] .. start[e + 1] are expert e's, in token order.
   std::vector<int64_t> start(E + 1, 0), row_of(R), token_of(R);
@@ -166,8 +165,7 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
   for (int64_t s = 0; s < R; ++s) token_of[row_of[s] = next[choice[s]]++] = s / k;
 
   std::vector<float> xs(R * H), h(R * 2 * I), out(R * H);
-#pragma omp parallel for schedule(static) if (R >= kParallelRows)
-  for (int64_t r = 0; r < R; ++r) std::copy(x + token_of[r] * ldx, x + token_of[r] * ldx + H, xs.data() + r * H);
+par::parallel_for(R, [&](int64_t r) { std::copy(x + token_of[r] * ldx, x + token_of[r] * ldx + H, xs.data() + r * H); }, kParallelRows);
   {
     const Acts a(xs.data(), H, R, H, any_kind(m->gate_up, start, PAGEDLLM_LINEAR_W8A8),
                  any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q4A8));
@@ -181,14 +179,14 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
   }
 
   // y_t = sum of its experts' outputs, weighted, in ascending expert order.
-#pragma omp parallel for schedule(static) if (T >= kParallelRows)
-  for (int64_t t = 0; t < T; ++t)
+par::parallel_for(T, [&](int64_t t) {
     for (int64_t i = 0; i < H; i += 16) {
       F32x16 acc = zero();
       for (int64_t j = 0; j < k; ++j)
         acc = fma(set1(weight[t * k + j]), load_first(out.data() + row_of[t * k + j] * H + i, H - i), acc);
       store_first(y + t * H + i, acc, H - i);
     }
+  }, kParallelRows);
   return 0;
 }
 

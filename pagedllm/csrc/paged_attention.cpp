@@ -20,6 +20,7 @@
 
 #include "head_dims.h"
 #include "pagedllm_abi.h"
+#include "parallel.h"
 #include "vec.h"
 
 using namespace vec;
@@ -79,8 +80,7 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
   constexpr int ND = D / 16;
   const int64_t Hq = Hkv * G;
   const int64_t stride = Hkv * D;  // between consecutive slots of one head
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t item = 0; item < B * Hkv; ++item) {
+  par::parallel_for(B * Hkv, [&](int64_t item) {
     const int64_t b = item / Hkv, h = item % Hkv;
     const int64_t S = seq_lens[b];
     const int64_t first = (window > 0 && S > window) ? S - window : 0;  // first key read
@@ -158,7 +158,7 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
       float* dst = out + (b * Hq + h * G + g) * D;
       for (int c = 0; c < ND; ++c) store(dst + 16 * c, mul(acc[g][c], inv));
     }
-  }
+  }, 2, 1);
 }
 
 template <typename T, int D, int G = 1>

@@ -17,6 +17,7 @@
 
 #include "head_dims.h"
 #include "pagedllm_abi.h"
+#include "parallel.h"
 #include "vec.h"
 
 using namespace vec;
@@ -45,8 +46,7 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
   // Items: (request, KV head, tile of 16 query vectors), tiles of a request in order.
   std::vector<int64_t> first_item(R + 1, 0);
   for (int64_t r = 0; r < R; ++r) first_item[r + 1] = first_item[r] + Hkv * ((query_lens[r] * G + kLanes - 1) / kLanes);
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t item = 0; item < first_item[R]; ++item) {
+  par::parallel_for(first_item[R], [&](int64_t item) {
     const int64_t r = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
     const int64_t tiles = (first_item[r + 1] - first_item[r]) / Hkv;
     const int64_t h = (item - first_item[r]) / tiles, tile = (item - first_item[r]) % tiles;
@@ -133,7 +133,7 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
       float* dst = out + (query_starts[r] + j / G) * Hq * D + (h * G + j % G) * D;
       for (int d = 0; d < D; ++d) dst[d] = ot[d][lane] * inv[lane];
     }
-  }
+  }, 2, 1);
 }
 
 template <typename T>
