@@ -4,14 +4,19 @@
 // "N passed, M failed"; exits non-zero on any failure.
 #include <stdint.h>
 
+#include <omp.h>
+
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <tuple>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "../pagedllm_abi.h"
+#include "../parallel.h"
 
 namespace {
 
@@ -456,9 +461,44 @@ void test_moe() {
   check("fused_moe float32 experts", status == 0 ? max_error(y, ref) : 1e9f, 1e-4f);
 }
 
+// The thread team: every item of every job runs exactly once, whatever the sizes and chunks,
+// with jobs nested inside jobs and jobs started by several threads at once.
+void test_parallel() {
+  omp_set_num_threads(4);
+  float misses = 0.f;
+  for (int64_t n : {1, 2, 3, 17, 1000, 100003})
+    for (int64_t grain : {0, 1, 7, 4096}) {
+      std::vector<std::atomic<int>> hits(n);
+      par::parallel_for(n, [&](int64_t i) { hits[i].fetch_add(1); }, 2, grain);
+      for (auto& h : hits) misses += h.load() != 1;
+    }
+  check("parallel_for: every item once", misses, 0.f);
+
+  std::vector<std::atomic<int>> nested(64 * 64);
+  par::parallel_for(64, [&](int64_t i) { par::parallel_for(64, [&](int64_t j) { nested[i * 64 + j].fetch_add(1); }); });
+  misses = 0.f;
+  for (auto& h : nested) misses += h.load() != 1;
+  check("parallel_for: nested jobs", misses, 0.f);
+
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 4; ++c)
+    callers.emplace_back([&] {
+      omp_set_num_threads(4);
+      for (int job = 0; job < 300; ++job) {
+        std::vector<std::atomic<int>> hits(257);
+        par::parallel_for(257, [&](int64_t i) { hits[i].fetch_add(1); }, 2, 3);
+        for (auto& h : hits) wrong += h.load() != 1;
+      }
+    });
+  for (auto& t : callers) t.join();
+  check("parallel_for: four callers at once", float(wrong.load()), 0.f);
+}
+
 }  // namespace
 
 int main() {
+  test_parallel();
   test_linear();
   test_kquant();
   test_elementwise();
