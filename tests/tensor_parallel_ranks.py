@@ -27,12 +27,14 @@ from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadat
 BLOCK_SIZE = 4
 SEQ_LENS = (11, 14)
 # (request, first token, end) per step, decodes first as the metadata requires: prefills,
-# a decode next to a prefill chunk, then decodes of both.
+# a decode next to a prefill chunk, decodes of both, then a decode next to a two-token
+# request at an offset (as a speculative verification step is).
 STEPS = [
     [(0, 0, 6), (1, 0, 4)],
     [(0, 6, 7), (1, 4, 11)],
     [(0, 7, 8), (1, 11, 12)],
     [(0, 8, 9), (1, 12, 13)],
+    [(1, 13, 14), (0, 9, 11)],
 ]
 
 

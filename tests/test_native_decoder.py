@@ -1,7 +1,8 @@
-"""The one-call decoder (``models/native_decoder.py``, ``csrc/decoder.cpp``): decode-only steps
-of llama, qwen2, qwen3 and gemma3 models (sliding windows, several KV cache groups) give the modules'
+"""The one-call decoder (``models/native_decoder.py``, ``csrc/decoder.cpp``): every step of
+llama, qwen2, qwen3 and gemma3 models (sliding windows, several KV cache groups), prefills,
+decodes beside a prefill chunk at an offset and beside a two-token request, gives the modules'
 logits bit for bit, on every ISA this CPU runs, for each packed linear kind and K/V cache
-dtype; other steps and models run the modules."""
+dtype; models it does not cover run the modules."""
 
 from __future__ import annotations
 
@@ -22,8 +23,6 @@ from pagedllm.models.native_decoder import NativeDecoder
 from tests.models_util import GEMMA3_WINDOW, gemma3_config, randomize_vectors, tiny_gemma3, tiny_llama, write_q4_gguf
 from tests.native_isa import ISAS, on_isa
 from tests.tensor_parallel_ranks import SEQ_LENS, STEPS, Case, load, run_steps
-
-DECODE_ONLY_STEPS = sum(all(b - a == 1 for _, a, b in step) for step in STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +96,10 @@ def test_one_call_equals_the_modules(cases, isa: str, name: str, kv_dtype: torch
         decode_layers = decoder.decode_layers
         monkeypatch.setattr(native_decoder, "decode_layers", lambda *a: calls.append(out := decode_layers(*a)) or out)
         got = run_steps(model, config, SINGLE, kv_dtype)
-        assert len(calls) == DECODE_ONLY_STEPS > 0 and all(c is not None for c in calls)
+        assert len(calls) == len(STEPS) and all(c is not None for c in calls)
         model.native_decoder = False
         expected = run_steps(model, config, SINGLE, kv_dtype)
-        assert len(calls) == DECODE_ONLY_STEPS
+        assert len(calls) == len(STEPS)
     assert torch.equal(got, expected)
 
 

@@ -1,13 +1,17 @@
-// A whole decoder over a batch of decode tokens in one call: Llama, SmolLM2, Qwen2 and
-// Gemma 3. Per layer: residual add + RMSNorm, the fused q/k/v GEMM, the q/k head norms
+// A whole decoder over one step's tokens in one call: decodes, prefill chunks and speculative
+// verification side by side; Llama, SmolLM2, Qwen2/3, Mistral, Phi-3, their mixtures of experts
+// and Gemma 3. Per layer: residual add + RMSNorm, the fused q/k/v GEMM, the q/k head norms
 // (Gemma 3), RoPE, the K/V write, paged decode attention (with the layer's sliding window),
+// paged prefill attention (causal, from each request's offset) for the multi-token requests,
 // o_proj (and its norm, Gemma 3), residual add + RMSNorm, gate/up GEMM, SiLU- or GELU-and-mul,
 // down_proj (and its norm, Gemma 3), or a mixture-of-experts block in their place (moe.cpp);
 // then the final norm. It calls the same kernels, in the same order and on the same inputs,
 // as the models' Python modules do one call at a time, so its outputs are theirs bit for bit.
 // Why: at batch 1 a step is some 300 small kernels, and the Python and ctypes around each
 // call cost about as much as the kernel; one call per step removes that, as llama.cpp's graph
-// does (figures: docs/benchmarks.md, "where a small GEMV's time goes").
+// does (figures: docs/benchmarks.md, "where a small GEMV's time goes"). A speculative
+// verification step of 1 + k tokens is as small, and a busy server's steps mix decodes with
+// prefill chunks: both run here too.
 #include <stdint.h>
 
 #include <algorithm>
@@ -36,9 +40,10 @@ void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t 
 }
 
 // Everything the kernels below could refuse, checked before anything is written.
-bool supported(const DecoderDesc* m) {
+bool supported(const DecoderDesc* m, int64_t P) {
   const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
   if (!head_dims::supported(D) || Hkv <= 0 || Hq % Hkv || Hq / Hkv > PAGEDLLM_MAX_GROUP) return false;
+  if (P > 0 && m->block_size > PAGEDLLM_MAX_PREFILL_BLOCK) return false;
   for (int64_t i = 0; i < m->num_layers; ++i) {
     const LayerDesc& layer = m->layers[i];
     if (layer.group < 0 || layer.group >= m->num_groups || layer.rope < 0 || layer.rope > 1) return false;
@@ -58,48 +63,50 @@ void norm_heads(float* x, int64_t ld, int64_t B, int64_t heads, int64_t D, const
 
 extern "C" {
 
-// stream: [B, hidden] float32, the (scaled) embeddings on entry, the residual stream on
-// return; cos_sin: two [B, 2, D] tables (rotary_inplace's layout; global, local); groups:
-// one StepGroup per KV cache group; seq_lens: [B] (keys per request, this token's included);
-// out: [B, hidden], the final norm's output. Every request has one query token. Returns 0,
-// or -1 with nothing written (an unknown linear kind, group or table, an attention shape
-// the kernel lacks).
+// The contract is pagedllm_abi.h's. Returns 0, or -1 with nothing written (an unknown
+// linear kind, group or table, an attention shape or block size the kernels lack).
 int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_sin, const StepGroup* groups,
-                  const int64_t* seq_lens, int64_t B, float* out) {
-  if (!supported(m)) return -1;
+                  const int64_t* seq_lens, const int64_t* spans, int64_t T, int64_t B, int64_t P, float* out) {
+  if (!supported(m, P)) return -1;
   const int64_t H = m->hidden, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
   const int64_t q_width = Hq * D, kv_width = Hkv * D, qkv_width = q_width + 2 * kv_width, I = m->intermediate;
-  std::vector<float> normed(B * H), qkv(B * qkv_width), q(B * q_width), attn(B * q_width), y(B * H),
-      gate_up(B * 2 * I);
+  std::vector<float> normed(T * H), qkv(T * qkv_width), q(B * q_width), attn(T * q_width), y(T * H),
+      gate_up(T * 2 * I);
   auto attention = m->cache_bf16 ? paged_decode_attention_bf16 : paged_decode_attention_f32;
   auto act_and_mul = m->gelu ? gelu_tanh_and_mul : silu_and_mul;
   for (int64_t i = 0; i < m->num_layers; ++i) {
     const LayerDesc& l = m->layers[i];
     const StepGroup& g = groups[l.group];
-    add_rms_norm(i ? y.data() : nullptr, stream, l.input_norm, normed.data(), B, H, m->eps);
-    linear(l.qkv, normed.data(), H, qkv.data(), B);
-    if (l.q_norm) norm_heads(qkv.data(), qkv_width, B, Hq, D, l.q_norm, m->eps);
-    if (l.k_norm) norm_heads(qkv.data() + q_width, qkv_width, B, Hkv, D, l.k_norm, m->eps);
-    rotary_inplace(qkv.data(), qkv_width, cos_sin[l.rope], B, Hq + Hkv, D);
+    add_rms_norm(i ? y.data() : nullptr, stream, l.input_norm, normed.data(), T, H, m->eps);
+    linear(l.qkv, normed.data(), H, qkv.data(), T);
+    if (l.q_norm) norm_heads(qkv.data(), qkv_width, T, Hq, D, l.q_norm, m->eps);
+    if (l.k_norm) norm_heads(qkv.data() + q_width, qkv_width, T, Hkv, D, l.k_norm, m->eps);
+    rotary_inplace(qkv.data(), qkv_width, cos_sin[l.rope], T, Hq + Hkv, D);
     write_kv_cache(m->cache_bf16, qkv.data() + q_width, qkv.data() + q_width + kv_width, qkv_width, l.k_cache,
-                   l.v_cache, g.slots, B, kv_width);
-    for (int64_t b = 0; b < B; ++b)  // the kernel reads q as dense [B, Hq, D]
-      std::copy(qkv.data() + b * qkv_width, qkv.data() + b * qkv_width + q_width, q.data() + b * q_width);
-    attention(q.data(), l.k_cache, l.v_cache, g.block_tables, g.max_blocks, seq_lens, attn.data(), B, Hq, Hkv, D,
-              m->block_size, m->scale, l.window);
-    linear(l.o, attn.data(), q_width, y.data(), B);
-    if (l.attn_out_norm) add_rms_norm(nullptr, y.data(), l.attn_out_norm, y.data(), B, H, m->eps);
-    add_rms_norm(y.data(), stream, l.mlp_norm, normed.data(), B, H, m->eps);
-    if (l.moe) {
-      fused_moe(l.moe, normed.data(), H, B, y.data());
-    } else {
-      linear(l.gate_up, normed.data(), H, gate_up.data(), B);
-      act_and_mul(gate_up.data(), 2 * I, B, I);
-      linear(l.down, gate_up.data(), 2 * I, y.data(), B);
+                   l.v_cache, g.slots, T, kv_width);
+    if (B > 0) {
+      for (int64_t b = 0; b < B; ++b)  // the kernel reads q as dense [B, Hq, D]
+        std::copy(qkv.data() + b * qkv_width, qkv.data() + b * qkv_width + q_width, q.data() + b * q_width);
+      attention(q.data(), l.k_cache, l.v_cache, g.block_tables, g.max_blocks, seq_lens, attn.data(), B, Hq, Hkv, D,
+                m->block_size, m->scale, l.window);
     }
-    if (l.mlp_out_norm) add_rms_norm(nullptr, y.data(), l.mlp_out_norm, y.data(), B, H, m->eps);
+    if (P > 0)
+      paged_prefill_attention(int(m->cache_bf16), qkv.data(), qkv_width, l.k_cache, l.v_cache, g.prefill_block_tables,
+                              g.prefill_max_blocks, spans, spans + P, spans + 2 * P, attn.data(), P, Hq, Hkv, D,
+                              m->block_size, m->scale, l.window);
+    linear(l.o, attn.data(), q_width, y.data(), T);
+    if (l.attn_out_norm) add_rms_norm(nullptr, y.data(), l.attn_out_norm, y.data(), T, H, m->eps);
+    add_rms_norm(y.data(), stream, l.mlp_norm, normed.data(), T, H, m->eps);
+    if (l.moe) {
+      fused_moe(l.moe, normed.data(), H, T, y.data());
+    } else {
+      linear(l.gate_up, normed.data(), H, gate_up.data(), T);
+      act_and_mul(gate_up.data(), 2 * I, T, I);
+      linear(l.down, gate_up.data(), 2 * I, y.data(), T);
+    }
+    if (l.mlp_out_norm) add_rms_norm(nullptr, y.data(), l.mlp_out_norm, y.data(), T, H, m->eps);
   }
-  add_rms_norm(y.data(), stream, m->final_norm, out, B, H, m->eps);
+  add_rms_norm(y.data(), stream, m->final_norm, out, T, H, m->eps);
   return 0;
 }
 

@@ -139,11 +139,15 @@ typedef struct DecoderDesc {
   const float* final_norm;
 } DecoderDesc;
 
-/* One KV cache group's view of a step: slots [B], block tables [B, max_blocks]. */
+/* One KV cache group's view of a step of T tokens, B decodes first, then P multi-token
+ * requests: slots [T]; the decodes' block tables [B, max_blocks]; the others' [P,
+ * prefill_max_blocks] (null when P is 0). */
 typedef struct StepGroup {
   const int64_t* slots;
   const int64_t* block_tables;
   int64_t max_blocks;
+  const int64_t* prefill_block_tables;
+  int64_t prefill_max_blocks;
 } StepGroup;
 
 /* --- what this library is (abi.cpp) --- */
@@ -224,11 +228,14 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
 
 /* --- a whole decoder step (decoder.cpp) --- */
 
-/* stream [B, hidden]: embeddings in, residual stream out; cos_sin: two [B, 2, D] tables
- * (global, local); groups: one per KV cache group; seq_lens [B]; out [B, hidden]: the final
- * norm's output. */
+/* A step of T tokens: B decodes (one token each) first, then P requests of several tokens
+ * (prefill chunks, speculative verification). stream [T, hidden]: embeddings in, residual
+ * stream out; cos_sin: two [T, 2, D] tables (global, local); groups: one per KV cache group;
+ * seq_lens [B]: the decodes' keys; spans [3, P]: per multi-token request its first row, its
+ * row count and its keys after the step (null when P is 0); out [T, hidden]: the final norm's
+ * output. */
 int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_sin, const StepGroup* groups,
-                  const int64_t* seq_lens, int64_t B, float* out);
+                  const int64_t* seq_lens, const int64_t* spans, int64_t T, int64_t B, int64_t P, float* out);
 
 /* --- compute probes for bench roofline (probe.cpp): every OpenMP thread runs the loop --- */
 

@@ -75,7 +75,7 @@ class CausalLM(nn.Module):
         if self.native_decoder is None:
             self.native_decoder = NativeDecoder.of(self) or False
         x = self.embed(input_ids)
-        if self.native_decoder and attn_metadata[0].num_decodes == input_ids.shape[0]:
+        if self.native_decoder:
             tables = self.rotary_emb.cos_sin[positions]
             local = tables if self.rotary_emb_local is None else self.rotary_emb_local.cos_sin[positions]
             hidden = self.native_decoder(x, (tables, local), kv_caches, attn_metadata)

@@ -1,12 +1,13 @@
-"""Decode steps in one native call (``csrc/decoder.cpp``): the Llama family (Llama, SmolLM2,
+"""Model steps in one native call (``csrc/decoder.cpp``): the Llama family (Llama, SmolLM2,
 Qwen2, Qwen3, Mistral, Phi-3, and the mixtures of experts Qwen3-MoE and Mixtral) and Gemma 3.
 
 At batch 1 a decode step is about 300 small kernels: 4 GEMVs, the norms, RoPE, the K/V write,
 attention and the gated activation per layer. Called one at a time from the modules, the
 Python, ctypes and argument checks around each cost as much as the kernel itself;
 ``kernels.decoder.decode_layers`` runs the same kernels in the same order from C++, so its outputs equal
-the modules' bit for bit, for one call per step. Steps with prefill tokens, and models it
-does not cover, run the modules.
+the modules' bit for bit, for one call per step. Prefill chunks and speculative verification
+(requests of several tokens) run in the same call beside the decodes. Models it does not cover,
+and blocks larger than the prefill kernel takes in a step with such requests, run the modules.
 
 A model opts in with two class attributes: its decoder layer's ``NATIVE_NORMS`` (which of
 its norm modules fills which ``LayerDesc`` slot; a module that is None, as Llama's
@@ -100,17 +101,19 @@ class NativeDecoder:
         kv_caches: list[KVCache],
         attn_metadata: list[AttentionMetadata],
     ) -> torch.Tensor | None:
-        """The model's forward for a step of decode tokens only: ``stream`` [T, hidden] its
-        (scaled) embeddings, ``cos_sin`` the global and local RoPE tables' rows for its
-        positions ([T, 2, 1, head_dim] each); the final hidden states, or None, with nothing
-        computed, for any other step."""
+        """The model's forward for a step: ``stream`` [T, hidden] its (scaled) embeddings,
+        ``cos_sin`` the global and local RoPE tables' rows for its positions ([T, 2, 1,
+        head_dim] each); the final hidden states, or None, with nothing computed, for a step
+        the kernels cannot take (multi-token requests with blocks larger than
+        ``kernels.attention.MAX_PREFILL_BLOCK``, caches they cannot read)."""
         # Layers of one KV cache group share one metadata object: number the groups by it.
         numbering: dict[int, int] = {}
         layer_groups = [numbering.setdefault(id(meta), len(numbering)) for meta in attn_metadata]
         metas = list({id(meta): meta for meta in attn_metadata}.values())
-        if any(meta.num_decodes != stream.shape[0] for meta in metas):
-            return None
         if kv_caches is not self.kv_caches and not self._bind(kv_caches):
+            return None
+        prefills = metas[0].prefills
+        if prefills and self.desc.block_size > attention.MAX_PREFILL_BLOCK:
             return None
         if layer_groups != self.layer_groups:
             for desc, group in zip(self.layers, layer_groups, strict=True):
@@ -123,6 +126,8 @@ class NativeDecoder:
             [meta.slot_mapping for meta in metas],
             [meta.decode_block_tables for meta in metas],
             metas[0].decode_seq_lens,
+            [meta.prefill_block_tables for meta in metas] if prefills else None,
+            metas[0].prefill_spans,
         )
 
     def _bind(self, kv_caches: list[KVCache]) -> bool:
