@@ -3,14 +3,13 @@
 import os
 from typing import TYPE_CHECKING
 
-# How long OpenMP threads spin at a barrier before sleeping. A decode step is hundreds of
-# small parallel regions a few microseconds apart: sleeping waiters (OMP_WAIT_POLICY=PASSIVE)
-# pay a wake-up at each, and endless spinning stalls whenever another process holds a core;
-# a bounded spin (about 10,000 iterations) keeps the quiet-machine speed without the stalls
-# (docs/benchmarks.md, GOMP_SPINCOUNT). Set before torch loads libgomp; a user's own
-# OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# OpenMP threads (torch's, and the kernels' roofline probes) sleep when they wait instead of
+# spinning: the kernels split their work over their own thread team (csrc/parallel.h), so a
+# step holds few OpenMP regions, and spinning OpenMP waiters take the cores the team runs on
+# (docs/benchmarks.md, "Threads on shared cores"). Set before torch loads libgomp; a user's
+# own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+if "GOMP_SPINCOUNT" not in os.environ:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
