@@ -6,6 +6,7 @@ dtype; models it does not cover run the modules."""
 
 from __future__ import annotations
 
+import ctypes
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import transformers
 
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE
-from pagedllm.kernels import decoder, library
+from pagedllm.kernels import abi, decoder, library
 from pagedllm.kernels import linear as kernels
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.layers.quantization.model import quantize_model
@@ -129,3 +130,19 @@ def test_descriptor_refuses_a_packing_of_another_shape() -> None:
         kernels.linear_desc(kernels.LINEAR_W8A8, (w8a8[0], w8a8[1][:-1], w8a8[2]), None, 40, 64)
     with pytest.raises(ValueError, match="unknown linear kind"):
         kernels.linear_desc(7, packed, None, 40, 64)
+
+
+def test_profile_times_every_part_and_changes_nothing(cases) -> None:
+    """``DecoderDesc.profile`` (``bench step``): the same logits, each dense part's time counted;
+    the team's job counter and hand-off probe answer."""
+    if not library.available():
+        pytest.skip("no native kernels here")
+    model, config = _load(cases["qwen2-float32"])
+    expected = run_steps(model, config, SINGLE)
+    profile = (ctypes.c_int64 * abi.CONSTANTS["PAGEDLLM_PROFILE_PARTS"])()
+    model.native_decoder.desc.profile = ctypes.addressof(profile)
+    lib = library.native_library()
+    jobs = lib.team_jobs()
+    assert torch.equal(run_steps(model, config, SINGLE), expected)
+    assert all(profile[part] > 0 for part in range(9)) and profile[9] == 0  # no MoE block
+    assert lib.team_jobs() >= jobs and lib.probe_team_handoff(5) == 5

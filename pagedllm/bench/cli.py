@@ -15,6 +15,8 @@ _BENCHES = (
      "--quantization and --quantize-lm-head)", "quant", True),
     ("long-context", "prefill tok/s, TTFT and decode tok/s at batch 1 and 8 as the context grows, per KV dtype",
      "long_context", True),
+    ("step", "where a decode step's time goes: the native call part by part, the team's hand-offs, logits, "
+     "sampler and the Python around them", "step", True),
     ("kv-memory", "KV blocks held per long request, sliding-window release on vs off", "kv_memory", False),
     ("roofline", "this CPU's float32 FLOP/s, int8 OP/s and memory bandwidth, measured", "roofline", False),
     ("serve", "load-test an OpenAI-compatible server", "serve", False),

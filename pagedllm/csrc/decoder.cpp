@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <chrono>
 #include <vector>
 
 #include "head_dims.h"
@@ -59,6 +60,18 @@ void norm_heads(float* x, int64_t ld, int64_t B, int64_t heads, int64_t D, const
   for (int64_t b = 0; b < B; ++b) add_rms_norm(nullptr, x + b * ld, weight, x + b * ld, heads, D, eps);
 }
 
+// The parts DecoderDesc.profile times, in pagedllm_abi.h's order.
+enum Part { kNorms, kQkv, kRope, kKvWrite, kAttention, kO, kGateUp, kAct, kDown, kMoe };
+
+// Runs f; when the decoder is profiled, adds its wall time to the part's slot.
+template <typename F>
+inline void timed(const DecoderDesc* m, Part part, F f) {
+  if (!m->profile) return f();
+  const auto start = std::chrono::steady_clock::now();
+  f();
+  m->profile[part] += std::chrono::nanoseconds(std::chrono::steady_clock::now() - start).count();
+}
+
 }  // namespace
 
 extern "C" {
@@ -77,36 +90,44 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
   for (int64_t i = 0; i < m->num_layers; ++i) {
     const LayerDesc& l = m->layers[i];
     const StepGroup& g = groups[l.group];
-    add_rms_norm(i ? y.data() : nullptr, stream, l.input_norm, normed.data(), T, H, m->eps);
-    linear(l.qkv, normed.data(), H, qkv.data(), T);
-    if (l.q_norm) norm_heads(qkv.data(), qkv_width, T, Hq, D, l.q_norm, m->eps);
-    if (l.k_norm) norm_heads(qkv.data() + q_width, qkv_width, T, Hkv, D, l.k_norm, m->eps);
-    rotary_inplace(qkv.data(), qkv_width, cos_sin[l.rope], T, Hq + Hkv, D);
-    write_kv_cache(m->cache_bf16, qkv.data() + q_width, qkv.data() + q_width + kv_width, qkv_width, l.k_cache,
-                   l.v_cache, g.slots, T, kv_width);
-    if (B > 0) {
-      for (int64_t b = 0; b < B; ++b)  // the kernel reads q as dense [B, Hq, D]
-        std::copy(qkv.data() + b * qkv_width, qkv.data() + b * qkv_width + q_width, q.data() + b * q_width);
-      attention(q.data(), l.k_cache, l.v_cache, g.block_tables, g.max_blocks, seq_lens, attn.data(), B, Hq, Hkv, D,
-                m->block_size, m->scale, l.window);
-    }
-    if (P > 0)
-      paged_prefill_attention(int(m->cache_bf16), qkv.data(), qkv_width, l.k_cache, l.v_cache, g.prefill_block_tables,
-                              g.prefill_max_blocks, spans, spans + P, spans + 2 * P, attn.data(), P, Hq, Hkv, D,
-                              m->block_size, m->scale, l.window);
-    linear(l.o, attn.data(), q_width, y.data(), T);
-    if (l.attn_out_norm) add_rms_norm(nullptr, y.data(), l.attn_out_norm, y.data(), T, H, m->eps);
-    add_rms_norm(y.data(), stream, l.mlp_norm, normed.data(), T, H, m->eps);
+    timed(m, kNorms, [&] { add_rms_norm(i ? y.data() : nullptr, stream, l.input_norm, normed.data(), T, H, m->eps); });
+    timed(m, kQkv, [&] { linear(l.qkv, normed.data(), H, qkv.data(), T); });
+    timed(m, kNorms, [&] {
+      if (l.q_norm) norm_heads(qkv.data(), qkv_width, T, Hq, D, l.q_norm, m->eps);
+      if (l.k_norm) norm_heads(qkv.data() + q_width, qkv_width, T, Hkv, D, l.k_norm, m->eps);
+    });
+    timed(m, kRope, [&] { rotary_inplace(qkv.data(), qkv_width, cos_sin[l.rope], T, Hq + Hkv, D); });
+    timed(m, kKvWrite, [&] {
+      write_kv_cache(m->cache_bf16, qkv.data() + q_width, qkv.data() + q_width + kv_width, qkv_width, l.k_cache,
+                     l.v_cache, g.slots, T, kv_width);
+    });
+    timed(m, kAttention, [&] {
+      if (B > 0) {
+        for (int64_t b = 0; b < B; ++b)  // the kernel reads q as dense [B, Hq, D]
+          std::copy(qkv.data() + b * qkv_width, qkv.data() + b * qkv_width + q_width, q.data() + b * q_width);
+        attention(q.data(), l.k_cache, l.v_cache, g.block_tables, g.max_blocks, seq_lens, attn.data(), B, Hq, Hkv,
+                  D, m->block_size, m->scale, l.window);
+      }
+      if (P > 0)
+        paged_prefill_attention(int(m->cache_bf16), qkv.data(), qkv_width, l.k_cache, l.v_cache,
+                                g.prefill_block_tables, g.prefill_max_blocks, spans, spans + P, spans + 2 * P,
+                                attn.data(), P, Hq, Hkv, D, m->block_size, m->scale, l.window);
+    });
+    timed(m, kO, [&] { linear(l.o, attn.data(), q_width, y.data(), T); });
+    timed(m, kNorms, [&] {
+      if (l.attn_out_norm) add_rms_norm(nullptr, y.data(), l.attn_out_norm, y.data(), T, H, m->eps);
+      add_rms_norm(y.data(), stream, l.mlp_norm, normed.data(), T, H, m->eps);
+    });
     if (l.moe) {
-      fused_moe(l.moe, normed.data(), H, T, y.data());
+      timed(m, kMoe, [&] { fused_moe(l.moe, normed.data(), H, T, y.data()); });
     } else {
-      linear(l.gate_up, normed.data(), H, gate_up.data(), T);
-      act_and_mul(gate_up.data(), 2 * I, T, I);
-      linear(l.down, gate_up.data(), 2 * I, y.data(), T);
+      timed(m, kGateUp, [&] { linear(l.gate_up, normed.data(), H, gate_up.data(), T); });
+      timed(m, kAct, [&] { act_and_mul(gate_up.data(), 2 * I, T, I); });
+      timed(m, kDown, [&] { linear(l.down, gate_up.data(), 2 * I, y.data(), T); });
     }
-    if (l.mlp_out_norm) add_rms_norm(nullptr, y.data(), l.mlp_out_norm, y.data(), T, H, m->eps);
+    if (l.mlp_out_norm) timed(m, kNorms, [&] { add_rms_norm(nullptr, y.data(), l.mlp_out_norm, y.data(), T, H, m->eps); });
   }
-  add_rms_norm(y.data(), stream, m->final_norm, out, T, H, m->eps);
+  timed(m, kNorms, [&] { add_rms_norm(y.data(), stream, m->final_norm, out, T, H, m->eps); });
   return 0;
 }
 

@@ -121,6 +121,12 @@ typedef struct LayerDesc {
   int64_t rope;   /* which cos/sin table: 0 global, 1 local (Gemma 3's sliding layers) */
 } LayerDesc;
 
+/* The parts of a decode_layers step that DecoderDesc.profile times, in its order: the RMSNorms
+ * (input, post-attention, q/k heads, sandwich and final), the q/k/v GEMM, RoPE, the K/V write,
+ * attention (decode and prefill), the o GEMM, the gate/up GEMM, the gated activation, the down
+ * GEMM, the mixture-of-experts blocks. */
+#define PAGEDLLM_PROFILE_PARTS 10
+
 /* A whole decoder: sizes, activation, KV cache groups, layers and final norm. */
 typedef struct DecoderDesc {
   int64_t num_layers;
@@ -137,6 +143,7 @@ typedef struct DecoderDesc {
   float scale;
   const LayerDesc* layers; /* [num_layers] */
   const float* final_norm;
+  int64_t* profile; /* null, or [PAGEDLLM_PROFILE_PARTS]: nanoseconds per part, added by each call */
 } DecoderDesc;
 
 /* One KV cache group's view of a step of T tokens, B decodes first, then P multi-token
@@ -245,6 +252,14 @@ int64_t probe_add_chain(int64_t n);
 float probe_fma_f32(int64_t n);
 /* Per thread n steps of 8 independent vector-layer int8 dots: 1024 n int8 OP per thread. */
 int64_t probe_dot_i8(int64_t n);
+
+/* --- the kernels' thread team (parallel.cpp) --- */
+
+/* Jobs the team has run split over threads since the library loaded (serial ones not counted). */
+int64_t team_jobs(void);
+/* n empty jobs of one chunk per thread on the team: what handing a job out and waiting for it
+ * costs. Returns n. */
+int64_t probe_team_handoff(int64_t n);
 
 #ifdef __cplusplus
 }

@@ -8,6 +8,8 @@
 // Helpers are detached and the team is never freed: nothing runs at process exit.
 #include "parallel.h"
 
+#include "pagedllm_abi.h"
+
 #include <omp.h>
 #include <pthread.h>
 
@@ -60,6 +62,7 @@ struct Team {
   std::atomic<uint32_t> generation{0};  // what idle helpers wait on
   std::atomic<int> sleepers{0};
   std::atomic<bool> caller_asleep{false};
+  std::atomic<int64_t> jobs{0};  // jobs run split over threads
 };
 
 Team* team = new Team;  // never freed: detached helpers may still be waiting on it at exit
@@ -131,6 +134,7 @@ void run(int64_t n, int64_t grain, Body body, const void* ctx) {
   t.ticket.store(static_cast<uint64_t>(generation) << 32);
   t.generation.store(generation);
   if (t.sleepers.load() > 0) t.generation.notify_all();
+  t.jobs.fetch_add(1, std::memory_order_relaxed);
 
   work(t, generation);
   const uint32_t all = static_cast<uint32_t>(chunks);
@@ -143,3 +147,15 @@ void run(int64_t n, int64_t grain, Body body, const void* ctx) {
 }
 
 }  // namespace par
+
+extern "C" {
+
+int64_t team_jobs(void) { return par::team->jobs.load(std::memory_order_relaxed); }
+
+int64_t probe_team_handoff(int64_t n) {
+  const int64_t threads = par::team_size();
+  for (int64_t i = 0; i < n; ++i) par::parallel_for(threads, [](int64_t) {}, 2, 1);
+  return n;
+}
+
+}  // extern "C"
