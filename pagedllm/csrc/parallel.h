@@ -21,10 +21,11 @@ using Body = void (*)(const void* ctx, int64_t begin, int64_t end);
 // thread included; returns when every item is done. Serial when the team has one thread,
 // there is one chunk, the caller is itself inside a parallel_for, or another thread's
 // parallel_for holds the team.
-void run(int64_t n, int64_t grain, Body body, const void* ctx);
+// Hidden: the library exports the header's C functions and nothing else.
+__attribute__((visibility("hidden"))) void run(int64_t n, int64_t grain, Body body, const void* ctx);
 
 // The team size a parallel_for started now would have (1 inside a parallel_for).
-int team_size();
+__attribute__((visibility("hidden"))) int team_size();
 
 // f(i) for every i in [0, n): split over the team when n >= min_n, in chunks of `grain`
 // items (0: about four chunks per thread, so a slow thread's last chunk is short).
