@@ -45,9 +45,10 @@ case "$target" in
     export QEMU_LD_PREFIX=/usr/aarch64-linux-gnu
     compile "$out" aarch64-linux-gnu-g++ -march=armv8.2-a+dotprod
     run "$out" aarch64-linux-gnu-g++ qemu-aarch64 -march=armv8.2-a+dotprod
-    # Without dotprod only the int8 dot product differs: rebuild the GEMMs alone.
+    # Without dotprod only the int8 dot product differs: rebuild the GEMMs alone (moe.cpp's too).
     aarch64-linux-gnu-g++ "${common[@]}" -march=armv8-a -c "$csrc/linear.cpp" -o "$out/linear.o"
     aarch64-linux-gnu-g++ "${common[@]}" -march=armv8-a -c "$csrc/kquant.cpp" -o "$out/kquant.o"
+    aarch64-linux-gnu-g++ "${common[@]}" -march=armv8-a -c "$csrc/moe.cpp" -o "$out/moe.o"
     run "$out" aarch64-linux-gnu-g++ qemu-aarch64 -march=armv8-a
     ;;
   native)

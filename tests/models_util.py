@@ -7,6 +7,7 @@ Test modules import from here, never from one another.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -19,6 +20,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.kv_cache_groups import kv_cache_groups
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
+from tests.utils import random_gguf_blocks
 
 PREFILL_BLOCK_SIZE = 16
 GEMMA3_WINDOW = 5  # the tiny Gemma 3's sliding window: shorter than the tests' requests
@@ -120,9 +122,57 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, hf: torch.nn.Module, tokens: list[str] | None = None) -> None:
-    """Save an HF llama/qwen2/qwen3/phi3 model as an F32 GGUF the way llama.cpp's converter would
-    (eos id 2; ``tokens`` as the token list when given)."""
+# Types gguf.quants quantizes (the K-quants it only dequantizes).
+_QUANTIZABLE = {gguf.GGMLQuantizationType[t] for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")}
+
+
+def random_weight_blocks(
+    qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...], std: float = 0.1, seed: int = 0
+) -> tuple[np.ndarray, torch.Tensor]:
+    """GGUF blocks of ``qtype`` for a random weight of ``shape`` (rows of ``shape[-1]``, any
+    leading dims, a 3-D expert stack too), weights of std about ``std``: gguf.quants' quantization
+    of normal weights where it has one, else random blocks (``random_gguf_blocks``, their d
+    scaled to the std). Returns (blocks [*shape[:-1], row bytes] uint8, gguf.quants'
+    dequantization of them [*shape] float32: the file's exact weights)."""
+    rows, k = math.prod(shape[:-1]), shape[-1]
+
+    def values(blocks: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).view(shape)
+
+    if qtype in _QUANTIZABLE:
+        gen = torch.Generator().manual_seed(seed)
+        blocks = gguf.quants.quantize((torch.randn(rows, k, generator=gen) * std).numpy(), qtype)
+    else:
+        unit = values(random_gguf_blocks(qtype, rows, k, seed).numpy()).std().item()
+        blocks = random_gguf_blocks(qtype, rows, k, seed, scale=std / unit).numpy()
+    return blocks.reshape(*shape[:-1], -1), values(blocks)
+
+
+def stored_weights(
+    hf: torch.nn.Module, types: dict[str, gguf.GGMLQuantizationType], std: float = 0.1
+) -> dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]]:
+    """Random GGUF blocks (``random_weight_blocks``) for the HF model's 2-D parameters named in
+    ``types``, each parameter set to their dequantization; ``write_gguf``'s ``blocks``."""
+    blocks = {}
+    with torch.no_grad():
+        for i, (name, qtype) in enumerate(types.items()):
+            param = hf.get_parameter(name)
+            stored, values = random_weight_blocks(qtype, tuple(param.shape), std, seed=i)
+            blocks[name] = (qtype, stored)
+            param.copy_(values)
+    return blocks
+
+
+def write_gguf(
+    path: Path,
+    hf: torch.nn.Module,
+    tokens: list[str] | None = None,
+    blocks: dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]] | None = None,
+) -> None:
+    """Save an HF llama/qwen2/qwen3/phi3 model as a GGUF the way llama.cpp's converter would
+    (eos id 2; ``tokens`` as the token list when given): F32 tensors, except the parameters
+    named in ``blocks`` (HF names: (type, blocks [rows, row bytes] in HF's row order), e.g.
+    ``stored_weights``'), written as those blocks."""
     c = hf.config
     writer = gguf.GGUFWriter(path, c.model_type)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -143,7 +193,7 @@ def write_gguf(path: Path, hf: torch.nn.Module, tokens: list[str] | None = None)
     if tokens:
         writer.add_token_list(tokens)
     for name, tensor in hf.state_dict().items():
-        w = tensor.numpy()
+        qtype, w = (blocks or {}).get(name, (None, tensor.numpy()))
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, _, suffix = rest.rpartition(".")
@@ -155,7 +205,7 @@ def write_gguf(path: Path, hf: torch.nn.Module, tokens: list[str] | None = None)
             gguf_name = _GGUF_TOP_LEVEL[name]
             if gguf_name == "output.weight" and c.tie_word_embeddings:
                 continue
-        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -23,18 +23,18 @@ import transformers
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import ModelShard, check_tensor_parallel_size
-from pagedllm.kernels import library
+from pagedllm.kernels import kquant, library
 from pagedllm.kernels.moe import fused_moe
 from pagedllm.layers.fused_moe import FusedMoE, route
 from pagedllm.layers.linear import PackedLinear
 from pagedllm.layers.quantization.linear import KQuantLinear, W4A8Linear, W8A8Linear
 from pagedllm.layers.quantization.weights import quantize_q4a8
 from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
-from pagedllm.models import native_decoder
+from pagedllm.models import gguf_loader, native_decoder
 from pagedllm.models.moe import MoEForCausalLM
 from pagedllm.models.native_decoder import NativeDecoder
 from pagedllm.platforms.cpu import auto_linears
-from tests.models_util import prefill_logits, randomize_vectors
+from tests.models_util import prefill_logits, random_weight_blocks, randomize_vectors
 from tests.tensor_parallel_ranks import Case, load, reference, run_group, run_steps
 from tests.utils import pool_is_whole
 
@@ -54,16 +54,18 @@ COMMON = dict(
 # Head size 64 (the native decode attention's smallest): the one-call decoder runs the decode
 # steps. Qwen3-MoE: 8 experts, the top-2 weights left unnormalized, layer 1 dense (its
 # ``mlp_only_layers``). Mixtral: 4 experts, a sliding window on every layer.
-CONFIGS = {
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=192,
-        moe_intermediate_size=64, num_experts=8, norm_topk_prob=False, mlp_only_layers=[1], rope_theta=1e6,
+CONFIG_ARGS = {
+    "qwen3_moe": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=192, moe_intermediate_size=64,
+        num_experts=8, norm_topk_prob=False, mlp_only_layers=[1], rope_theta=1e6,
     ),
-    "mixtral": lambda: transformers.MixtralConfig(
-        **COMMON, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, num_local_experts=4,
+    "mixtral": dict(
+        num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, num_local_experts=4,
         sliding_window=WINDOW, rope_theta=1e4,
     ),
 }
+CONFIG_CLASSES = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}
+CONFIGS = {arch: lambda arch=arch, **changes: CONFIG_CLASSES[arch](**(COMMON | CONFIG_ARGS[arch] | changes)) for arch in CONFIG_ARGS}
 HF_CLASSES = {"qwen3_moe": transformers.Qwen3MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM}
 
 
@@ -270,12 +272,73 @@ def _q8_0(w: np.ndarray) -> np.ndarray:
     return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
 
 
-def test_q8_0_gguf_keeps_attention_as_stored_and_requantizes_the_experts(tiny, tmp_path: Path, monkeypatch) -> None:
-    """``--dtype auto`` on a Q8_0 file (llama.cpp's router left F32): attention, the dense MLP
-    and the lm_head run from the file's blocks (the K-quant GEMM), each expert is dequantized
-    and requantized to w8a8 for ``csrc/moe.cpp``; the one-call decoder takes both kinds in one
-    ``decode_layers`` and gives the modules' logits bit for bit; the logits stay within int8
-    activations' rounding of transformers' on the file's own weights."""
+def _assert_layers_match_on_our_inputs(
+    hf: torch.nn.Module, model: torch.nn.Module, config, ids: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each of our layers that runs GGUF blocks (``KQuantLinear``, ``W4A8Linear``) and each MoE
+    block, on the inputs our prefill of ``ids`` gave it, equals transformers' (the file's
+    weights: gguf.quants' dequantization) on the same inputs within int8 activations' rounding;
+    an MoE block on the same experts as ours.
+
+    Layer by layer, not on the logits: a random tiny model amplifies the activations' rounding
+    through its layers unevenly (Mixtral's, without q/k norms, attends almost one-hot, so a
+    rounding can move a token's attention to another key), and a router near a tie may pick
+    another expert for the rounded input: discrete changes no tolerance on the logits bounds.
+    Transformers' router keeps its own weights for our experts (``route`` recomputes our choice
+    from the block's input in float32, as the kernel's router: sums in another order could
+    flip only a tie within float32 rounding)."""
+    records: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor]] = []
+
+    def record(name: str):
+        def hook(module: torch.nn.Module, args: tuple[torch.Tensor], out: torch.Tensor) -> None:
+            records.append((name, module, args[0].float().clone(), out.float().clone()))
+        return hook
+
+    hooks = [
+        module.register_forward_hook(record(name)) for name, module in model.named_modules()
+        if isinstance(module, FusedMoE) or (isinstance(module, KQuantLinear | W4A8Linear) and ".experts." not in name)
+    ]
+    try:
+        prefill_logits(model, config, ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert any(isinstance(m, FusedMoE) for _, m, _, _ in records)
+
+    def forced(gate: torch.nn.Module, experts: torch.Tensor, renormalize: bool):
+        def forward(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.weight.shape[1]), gate.weight)
+            weights = logits.float().softmax(-1).gather(-1, experts)
+            if renormalize:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights, experts
+        return forward
+
+    with torch.inference_mode():
+        for name, module, x, y in records:
+            if isinstance(module, FusedMoE):
+                logits = torch.nn.functional.linear(x, module.gate.weight.float())
+                experts = route(logits, module.top_k, module.renormalize)[1]
+                block = hf.model.layers[int(name.split(".")[1])].mlp
+                with monkeypatch.context() as mp:
+                    mp.setattr(block.gate, "forward", forced(block.gate, experts, module.renormalize))
+                    expected = block(x[None])[0]
+            else:
+                prefix, _, last = name.rpartition(".")
+                parts = model.packed_modules_mapping.get(last, [last])
+                weight = torch.cat([hf.get_parameter(".".join(filter(None, ["model" * bool(prefix), prefix, p, "weight"]))) for p in parts])
+                expected = x @ weight.T
+            error = ((y - expected).norm() / expected.norm()).item()
+            # int8 activations (1% typical); an expert or a part's rows out of place: ~100%.
+            assert error < 0.02, (name, error)
+
+
+def test_q8_0_gguf_runs_every_matrix_as_stored(tiny, tmp_path: Path, monkeypatch) -> None:
+    """``--dtype auto`` on a Q8_0 file (llama.cpp's router left F32) at the tiny widths (experts
+    of 64): attention, the dense MLP, the lm_head and each expert run from the file's blocks
+    (the K-quant GEMM; the experts inside ``csrc/moe.cpp``); the one-call decoder gives the
+    modules' logits bit for bit; each layer stays within int8 activations' rounding of
+    transformers' on the file's own weights (``_assert_layers_match_on_our_inputs``)."""
     if not library.available() or auto_linears() == "float32":
         pytest.skip("GGUF blocks as stored need the native kernels (not scalar)")
     arch, hf, _ = tiny
@@ -303,7 +366,7 @@ def test_q8_0_gguf_keeps_attention_as_stored_and_requantizes_the_experts(tiny, t
     assert all(isinstance(m, KQuantLinear) for m in stored)
     moe = model.layers[0].mlp
     assert isinstance(moe, FusedMoE) and moe.gate.weight.dtype == torch.float32
-    assert all(isinstance(m, W8A8Linear) for e in moe.experts for m in (e.gate_up_proj, e.down_proj))
+    assert all(isinstance(m, KQuantLinear) for e in moe.experts for m in (e.gate_up_proj, e.down_proj))
     assert moe.native_block() is not None and NativeDecoder.of(model) is not None
     calls = []
     decode_layers = native_decoder.decode_layers
@@ -312,13 +375,106 @@ def test_q8_0_gguf_keeps_attention_as_stored_and_requantizes_the_experts(tiny, t
     assert calls  # the decode-only steps ran in one call
     model.native_decoder = False
     torch.testing.assert_close(got, run_steps(model, config, SINGLE), atol=0, rtol=0)
-    ids = PROMPTS[2]
-    with torch.inference_mode():
-        expected = hf(torch.tensor([ids])).logits[0]
-    error = (prefill_logits(model, config, ids) - expected).norm() / expected.norm()
-    # int8 activations, and a top-k choice they flip near a tie (mixtral: 0.11 measured); an
-    # expert or a part's rows out of place would be off by ~100%.
-    assert error < 0.25
+    _assert_layers_match_on_our_inputs(hf, model, config, PROMPTS[2], monkeypatch)
+
+
+# The experts of a Q4_K_M-like file, per MoE layer (gate, up, down): K-quants and the other
+# formats kept as stored, and Q4_0 / Q4_1 (kept as w4a8, the same codes and scales).
+Q = gguf.GGMLQuantizationType
+_EXPERT_TYPES = {
+    "qwen3_moe": {0: (Q.Q4_K, Q.Q4_K, Q.Q6_K), 2: (Q.Q5_K, Q.Q4_K, Q.Q8_0)},
+    "mixtral": {0: (Q.Q4_K, Q.Q5_K, Q.Q6_K), 1: (Q.Q4_0, Q.Q4_0, Q.Q4_1), 2: (Q.Q8_0, Q.Q8_0, Q.Q5_0)},
+}
+_STORED = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0)
+
+
+def _expert_gguf(arch: str, path: Path, monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
+    """A random model of the architecture at widths the K-quants take (hidden and expert width
+    256) written to ``path`` as GGUF: experts as ``_EXPERT_TYPES``' blocks (3-D stacks), other
+    matrices Q8_0, router and vectors F32. Returns the transformers model holding gguf.quants'
+    dequantization of every block (the file's exact weights)."""
+    torch.manual_seed(0)
+    changes = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
+    if arch == "mixtral":
+        changes |= dict(num_attention_heads=4, num_key_value_heads=2)
+    hf = HF_CLASSES[arch](CONFIGS[arch](**changes)).eval()
+    randomize_vectors(hf)
+    stacks: dict[str, tuple[Q, np.ndarray]] = {}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim == 2 and not name.endswith("mlp.gate.weight"):
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(_q8_0(p.numpy()), Q.Q8_0)).view(p.shape))
+        for i, (gate_t, up_t, down_t) in _EXPERT_TYPES[arch].items():
+            experts = hf.model.layers[i].mlp.experts
+            num, rows, cols = experts.down_proj.shape
+            seed = 10 * i
+            gate, gate_w = random_weight_blocks(gate_t, (num, cols, rows), seed=seed)
+            up, up_w = random_weight_blocks(up_t, (num, cols, rows), seed=seed + 1)
+            down, down_w = random_weight_blocks(down_t, (num, rows, cols), seed=seed + 2)
+            experts.gate_up_proj.copy_(torch.cat([gate_w, up_w], dim=1))
+            experts.down_proj.copy_(down_w)
+            for proj, qtype, blocks in (("gate", gate_t, gate), ("up", up_t, up), ("down", down_t, down)):
+                stacks[f"blk.{i}.ffn_{proj}_exps.weight"] = (qtype, blocks)
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_blocks(self, name: str, tensor: np.ndarray, **kwargs) -> None:
+        if name in stacks:
+            return add_tensor(self, name, stacks[name][1], raw_dtype=stacks[name][0])
+        if tensor.ndim < 2 or "ffn_gate_inp" in name:
+            return add_tensor(self, name, tensor, **kwargs)
+        return add_tensor(self, name, _q8_0(tensor), raw_dtype=Q.Q8_0)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_tensor", add_blocks)
+        _write_gguf(path, hf)
+    return hf
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_gguf_experts_run_as_stored(arch: str, tmp_path: Path, monkeypatch) -> None:
+    """``--dtype auto`` on a file whose experts are K-quant (and Q8_0 / Q5_0) 3-D stacks runs
+    each expert from the file's own blocks, byte for byte, never dequantizing them at load
+    (Q4_0 / Q4_1 experts keep their codes as w4a8); every MoE layer is one native call, the
+    one-call decoder takes the model and gives the modules' logits bit for bit, and each layer
+    stays within int8 activations' rounding of transformers' on gguf.quants' dequantization
+    (``_assert_layers_match_on_our_inputs``)."""
+    if not library.available() or auto_linears() == "float32":
+        pytest.skip("GGUF blocks as stored need the native kernels (not scalar)")
+    path = tmp_path / f"{arch}-experts.gguf"
+    hf = _expert_gguf(arch, path, monkeypatch)
+    dequantized: list[str] = []
+    dequantize = gguf_loader.GGUFFile.dequantize
+    with monkeypatch.context() as mp:
+        mp.setattr(gguf_loader.GGUFFile, "dequantize", lambda f, name, *a: dequantized.append(name) or dequantize(f, name, *a))
+        model, config = load(Case(arch, str(path), ("w4a8", 32, True, False)), SINGLE)  # what --dtype auto sets
+    f = gguf_loader.GGUFFile(path)
+    for i, types in _EXPERT_TYPES[arch].items():
+        moe = model.layers[i].mlp
+        assert isinstance(moe, FusedMoE) and moe.native_block() is not None
+        names = [f"blk.{i}.ffn_{proj}_exps.weight" for proj in ("gate", "up", "down")]
+        if types[0] not in _STORED:
+            assert all(isinstance(m, W4A8Linear) for e in moe.experts for m in (e.gate_up_proj, e.down_proj))
+            continue
+        assert not set(names) & set(dequantized)
+        for e, expert in enumerate(moe.experts):
+            gate_up, down = expert.gate_up_proj, expert.down_proj
+            assert isinstance(gate_up, KQuantLinear) and isinstance(down, KQuantLinear)
+            expected = [(int(types[0]), f.blocks(names[0])[e]), (int(types[1]), f.blocks(names[1])[e])]
+            if types[0] == types[1]:  # one part of both
+                expected = [(int(types[0]), torch.cat([expected[0][1], expected[1][1]]))]
+            got = gate_up.stored.parts + down.stored.parts
+            expected.append((int(types[2]), f.blocks(names[2])[e]))
+            assert [q for q, _ in got] == [q for q, _ in expected]
+            assert all(torch.equal(b, want.flatten(1)) for (_, b), (_, want) in zip(got, expected, strict=True))
+    assert NativeDecoder.of(model) is not None
+    calls = []
+    decode_layers = native_decoder.decode_layers
+    monkeypatch.setattr(native_decoder, "decode_layers", lambda *a: calls.append(1) or decode_layers(*a))
+    got = run_steps(model, config, SINGLE)
+    assert calls  # the decode-only steps ran in one call
+    model.native_decoder = False
+    torch.testing.assert_close(got, run_steps(model, config, SINGLE), atol=0, rtol=0)
+    _assert_layers_match_on_our_inputs(hf, model, config, PROMPTS[2], monkeypatch)
 
 
 # --- tensor parallelism --------------------------------------------------------------------
@@ -406,6 +562,54 @@ def test_fused_kernel_matches_the_experts_one_by_one(native_isa: str, kind: str,
         torch.testing.assert_close(got, moe._forward_experts(x), atol=1e-5, rtol=1e-5)
         # Batch-invariant: each token alone gives its row.
         torch.testing.assert_close(fused_moe(block, x[-1:]), got[-1:], atol=0, rtol=0)
+
+
+# Experts as GGUF blocks (gate, up, down types; None: w8a8, a packed kind beside them).
+_BLOCK_EXPERTS = [(Q.Q4_K, Q.Q5_K, Q.Q6_K), (Q.Q6_K, Q.Q6_K, Q.Q4_K), (Q.Q8_0, Q.Q5_0, Q.Q8_0), None]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_fused_kernel_with_gguf_block_experts(native_isa: str, renormalize: bool) -> None:
+    """Experts run from GGUF blocks as stored (a gate/up of two formats, a down of a third),
+    mixed with w8a8 ones: one native call equals each active expert's own layer on its
+    tokens, is batch-invariant, and stays within int8 activations' rounding of the float
+    formula on gguf.quants' dequantized weights."""
+    size, experts = 256, 8  # the K-quants' super-block
+    torch.manual_seed(4)
+    moe = FusedMoE(size, size, experts, 2, renormalize, torch.float32)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.1)
+    dense = []
+    for e, expert in enumerate(moe.experts):
+        types = _BLOCK_EXPERTS[e % len(_BLOCK_EXPERTS)]
+        if types is None:
+            weights = [torch.randn(2 * size, size) * 0.1, torch.randn(size, size) * 0.1]
+            expert.gate_up_proj, expert.down_proj = W8A8Linear(weights[0]), W8A8Linear(weights[1])
+            dense.append(weights)
+            continue
+        (gate, gate_w), (up, up_w), (down, down_w) = (
+            random_weight_blocks(t, (size, size), seed=3 * e + j) for j, t in enumerate(types)
+        )
+        parts = [(int(types[0]), torch.from_numpy(gate)), (int(types[1]), torch.from_numpy(up))]
+        expert.gate_up_proj = KQuantLinear(kquant.StoredWeight(parts, size))
+        expert.down_proj = KQuantLinear(kquant.StoredWeight([(int(types[2]), torch.from_numpy(down))], size))
+        dense.append([torch.cat([gate_w, up_w]), down_w])
+    block = moe.native_block()
+    assert block is not None
+    gen = torch.Generator().manual_seed(5)
+    for tokens in (1, 3, 80):
+        x = torch.randn(tokens, size, generator=gen)
+        got = fused_moe(block, x)
+        torch.testing.assert_close(got, moe._forward_experts(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fused_moe(block, x[-1:]), got[-1:], atol=0, rtol=0)
+        weights, chosen = route(torch.nn.functional.linear(x, moe.gate.weight), 2, renormalize)
+        exact = torch.zeros(tokens, size, dtype=torch.float64)
+        for t in range(tokens):
+            for j in range(2):
+                gate_up, down = (w.double() for w in dense[chosen[t, j]])
+                gate, up = (gate_up @ x[t].double()).chunk(2)
+                exact[t] += weights[t, j].double() * (down @ (torch.nn.functional.silu(gate) * up))
+        assert (got.double() - exact).norm() / exact.norm() < 0.02  # int8 activations (and w8a8 weights)
 
 
 def test_fused_kernel_float32_matches_dense_pytorch(native_isa: str) -> None:

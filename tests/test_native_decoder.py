@@ -1,13 +1,14 @@
 """The one-call decoder (``models/native_decoder.py``, ``csrc/decoder.cpp``): every step of
 llama, qwen2, qwen3 and gemma3 models (sliding windows, several KV cache groups), prefills,
 decodes beside a prefill chunk at an offset and beside a two-token request, gives the modules'
-logits bit for bit, on every ISA this CPU runs, for each packed linear kind and K/V cache
-dtype; models it does not cover run the modules."""
+logits bit for bit, on every ISA this CPU runs, for each linear kind (packed float32, w8a8,
+w4a8, GGUF blocks as stored) and K/V cache dtype; models it does not cover run the modules."""
 
 from __future__ import annotations
 
 import ctypes
 
+import gguf
 import pytest
 import torch
 import transformers
@@ -17,20 +18,37 @@ from pagedllm.distributed.parallel_state import SINGLE
 from pagedllm.kernels import abi, decoder, library
 from pagedllm.kernels import linear as kernels
 from pagedllm.quantization_config import QuantizationConfig
+from pagedllm.layers.quantization.linear import KQuantLinear
 from pagedllm.layers.quantization.model import quantize_model
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models import native_decoder
 from pagedllm.models.native_decoder import NativeDecoder
-from tests.models_util import GEMMA3_WINDOW, gemma3_config, randomize_vectors, tiny_gemma3, tiny_llama, write_q4_gguf
+from tests.models_util import (
+    GEMMA3_WINDOW, gemma3_config, randomize_vectors, stored_weights, tiny_gemma3, tiny_llama, write_gguf, write_q4_gguf,
+)
 from tests.native_isa import ISAS, on_isa
 from tests.tensor_parallel_ranks import SEQ_LENS, STEPS, Case, load, run_steps
+
+Q = gguf.GGMLQuantizationType
+# A Q4_K_M-like llama: every projection a GGUF block format the K-quant GEMM reads as stored,
+# fused q/k/v and gate/up of mixed formats.
+_KQUANT_TYPES = {
+    f"model.layers.{i}.{name}.weight": qtype for i, types in enumerate([
+        (Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q4_K, Q.Q5_K, Q.Q6_K),
+        (Q.Q5_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q8_0, Q.Q8_0, Q.Q4_K),
+    ]) for name, qtype in zip(
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+         "mlp.up_proj", "mlp.down_proj"), types, strict=True,
+    )
+}
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     """Head size 64 (the decode kernel's smallest): qwen2 with q/k/v bias and 3 query heads
-    per KV head; qwen3 with q/k head norms and head_dim 64 of hidden 128 / 4 heads; a 4-bit GGUF llama (its blocks kept by w4a8, as ``--dtype auto`` does);
-    gemma3 with 6 query heads on 1 KV head, sliding windows shorter than the requests."""
+    per KV head; qwen3 with q/k head norms and head_dim 64 of hidden 128 / 4 heads; a 4-bit GGUF
+    llama (its blocks kept by w4a8, as ``--dtype auto`` does) and a K-quant one (its blocks run
+    as stored); gemma3 with 6 query heads on 1 KV head, sliding windows shorter than the requests."""
     root = tmp_path_factory.mktemp("native-decoder")
     torch.manual_seed(0)
     qwen2_config = transformers.Qwen2Config(
@@ -54,6 +72,11 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
         num_key_value_heads=2, tie_word_embeddings=True,
     )
     write_q4_gguf(root / "llama-q4.gguf", llama)
+    llama_kquant = tiny_llama(
+        vocab_size=250, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )
+    write_gguf(root / "llama-kquant.gguf", llama_kquant, blocks=stored_weights(llama_kquant, _KQUANT_TYPES))
     gemma = tiny_gemma3(vocab_size=131, hidden_size=96, intermediate_size=192, num_attention_heads=6,
                         final_logit_softcapping=1.0)
     torch.save((_our_config_of(gemma), gemma.state_dict()), root / "gemma3.pt")
@@ -62,6 +85,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
         "qwen2-w8a8": Case("qwen2-w8a8", str(root / "qwen2"), ("w8a8", 32, True)),
         "qwen3-float32": Case("qwen3-float32", str(root / "qwen3")),
         "llama-q4-w4a8": Case("llama-q4-w4a8", str(root / "llama-q4.gguf"), ("w4a8", 32, True, False)),
+        "llama-kquant": Case("llama-kquant", str(root / "llama-kquant.gguf"), ("w4a8", 32, True, False)),
         "gemma3-float32": Case("gemma3-float32", state=str(root / "gemma3.pt")),
         "gemma3-w8a8": Case("gemma3-w8a8", state=str(root / "gemma3.pt"), quant=("w8a8", 32, True)),
     }
@@ -86,13 +110,17 @@ def _load(case: Case) -> tuple[torch.nn.Module, ModelConfig]:
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "name", ["qwen2-float32", "qwen2-w8a8", "qwen3-float32", "llama-q4-w4a8", "gemma3-float32", "gemma3-w8a8"]
+    "name",
+    ["qwen2-float32", "qwen2-w8a8", "qwen3-float32", "llama-q4-w4a8", "llama-kquant", "gemma3-float32", "gemma3-w8a8"],
 )
 @pytest.mark.parametrize("isa", ISAS)
 def test_one_call_equals_the_modules(cases, isa: str, name: str, kv_dtype: torch.dtype, monkeypatch) -> None:
     with on_isa(isa):
         model, config = _load(cases[name])
         assert NativeDecoder.of(model) is not None
+        if name == "llama-kquant":  # every projection from the file's blocks
+            layers = [layer.self_attn.qkv_proj for layer in model.layers] + [layer.mlp.down_proj for layer in model.layers]
+            assert all(isinstance(m, KQuantLinear) for m in layers)
         calls = []
         decode_layers = decoder.decode_layers
         monkeypatch.setattr(native_decoder, "decode_layers", lambda *a: calls.append(out := decode_layers(*a)) or out)

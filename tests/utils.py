@@ -172,10 +172,11 @@ def many_properties(n: int) -> dict:
     return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
 
 
-def random_gguf_blocks(qtype, n: int, k: int, seed: int = 0):
+def random_gguf_blocks(qtype, n: int, k: int, seed: int = 0, scale: float = 1.0):
     """[n, row bytes] uint8 GGUF blocks of ggml type ``qtype`` (Q8_0, Q5_0, Q4_K, Q5_K, Q6_K)
     for rows of k weights: random codes, scales and mins (every bit pattern), finite float16
-    d (and a positive dmin) of a small model's magnitude."""
+    d (and a positive dmin) of a small model's magnitude times ``scale`` (the same codes for
+    any ``scale`` of one seed)."""
     import gguf
     import torch
 
@@ -188,9 +189,10 @@ def random_gguf_blocks(qtype, n: int, k: int, seed: int = 0):
         return (torch.randn(n, k // elems, 1, generator=gen) * scale).half().view(torch.uint8)
 
     if qtype in (q.Q4_K, q.Q5_K):
-        blocks[..., 0:2], blocks[..., 2:4] = half(1e-3), half(1e-3).view(torch.float16).abs().view(torch.uint8)
+        blocks[..., 0:2] = half(1e-3 * scale)
+        blocks[..., 2:4] = half(1e-3 * scale).view(torch.float16).abs().view(torch.uint8)
     elif qtype == q.Q6_K:
-        blocks[..., 208:210] = half(1e-3)
+        blocks[..., 208:210] = half(1e-3 * scale)
     else:
-        blocks[..., 0:2] = half(1e-2)
+        blocks[..., 0:2] = half(1e-2 * scale)
     return blocks.view(n, -1)

@@ -49,8 +49,12 @@ bool supported(const DecoderDesc* m, int64_t P) {
     const LayerDesc& layer = m->layers[i];
     if (layer.group < 0 || layer.group >= m->num_groups || layer.rope < 0 || layer.rope > 1) return false;
     if (layer.moe && !moe_supported(*layer.moe)) return false;
-    for (const LinearDesc* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+    for (const LinearDesc* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
+      if (layer.moe && (l == &layer.gate_up || l == &layer.down)) continue;
       if (l->kind < PAGEDLLM_LINEAR_F32 || l->kind > PAGEDLLM_LINEAR_KQUANT) return false;
+      if (l->kind == PAGEDLLM_LINEAR_KQUANT && !kquant::fits(*static_cast<const KQuantWeight*>(l->w), l->n, l->k))
+        return false;
+    }
   }
   return true;
 }

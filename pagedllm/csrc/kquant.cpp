@@ -1,243 +1,18 @@
-// GGUF weights multiplied as the file stores them: Q4_K, Q5_K and Q6_K super-blocks of 256
-// weights, Q8_0 and Q5_0 blocks of 32 (the block structs of llama.cpp's ggml-common.h), each
-// row of a weight [N, K] being its blocks one after another. Nothing is repacked, so a GEMV
-// reads exactly the file's bytes per weight (Q4_K 4.5 bits, Q6_K 6.56, Q5_0 5.5, Q8_0 8.5).
-//
-// Arithmetic (llama.cpp's Q4_K x Q8_K family): x is quantized once per call, per row and
-// group of 32, symmetric to int8 (vec.h's quantize_group, as the w8a8 / w4a8 GEMMs do), with
-// each 16 codes' sum. A weight is w = ws * q + off per 16 weights, with q the stored unsigned
-// code and ws, off from the block's scales:
-//   Q4_K, Q5_K  ws = d * sc (6-bit), off = -dmin * m (6-bit), per 32; q in [0, 15] / [0, 31]
-//   Q6_K        ws = d * sc (int8), off = -32 ws, per 16; q in [0, 63]
-//   Q5_0        ws = d, off = -16 d, per 32; q in [0, 31]
-//   Q8_0        ws = d, off = 0, per 32; q the stored int8 (the only signed codes)
-// so y = sum over 64-weight chunks of (int8 dot products of q and x codes, 4 per int32 lane)
-// * ws * x scale, plus sum over 16-weight pieces of off * (x scale * code sum). The unit of the
-// loops is 256 weights (a super-block, or 8 blocks of 32): its 16 pieces' ws and off fill one
-// F32x16 each, and its 4 chunks one U8x64 each, decoded in registers by the vector layer.
-//
-// Threads split the output rows (16-row spans, over the parts of a fused weight). Each row's
+// The K-quant GEMM of one layer and the blocks' dequantization (formats and arithmetic:
+// kquant.h). Threads split the output rows (16-row spans, over the parts of a fused weight). Each row's
 // decoded chunk is used by kGemmRowsKQ activation rows at once; x's codes are read in chunks
 // of rows that fit in L2, so a batch-1 step reads each weight byte once and a prefill reads
 // it once per chunk of rows.
 #include <stdint.h>
 
 #include <algorithm>
-#include <cstring>
-#include <utility>
 #include <vector>
 
+#include "kquant.h"
 #include "pagedllm_abi.h"
 #include "parallel.h"
-#include "vec.h"
 
-using namespace vec;
-
-namespace {
-
-constexpr int64_t UNIT = 256;   // weights per loop unit: a super-block, or 8 blocks of 32
-constexpr int64_t CHUNK = 64;   // weights per U8x64
-constexpr int64_t XF = 32;      // floats per unit of a quantized x row: 16 scales, then 16 sums
-constexpr int64_t SPAN = 16;    // output rows per unit of thread work
-
-// A float16 (at p, unaligned) in every lane.
-inline F32x16 splat_f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  uint16_t lanes[16];
-  std::fill(lanes, lanes + 16, h);
-  return load_f16(lanes);
-}
-
-// Per 16 weights of a unit of 8 blocks of 32 (`chunks` of them real, two blocks each): each
-// block's float16 d at byte 0, twice; zero past the real blocks.
-inline F32x16 block_scales(const uint8_t* b, int64_t block_bytes, int chunks) {
-  uint16_t d[16] = {};
-  for (int i = 0; i < 2 * chunks; ++i) {
-    std::memcpy(&d[2 * i], b + i * block_bytes, 2);
-    d[2 * i + 1] = d[2 * i];
-  }
-  return load_f16(d);
-}
-
-// Q4_K and Q5_K: d, dmin (float16) at bytes 0 and 2, then 8 scales and 8 mins of 6 bits in 12
-// bytes (scales 0-3 and mins 0-3 in the low 6 bits of bytes 0-7, the rest split between the
-// low / high nibbles of bytes 8-11 and the top 2 bits of bytes 0-7).
-inline void scales_mins(const uint8_t* b, F32x16& ws, F32x16& off) {
-  const uint8_t* s = b + 4;
-  uint8_t sc[16], mn[16];
-  for (int j = 0; j < 8; ++j) {
-    const uint8_t a = j < 4 ? s[j] & 63 : uint8_t((s[j + 4] & 0x0F) | (s[j - 4] >> 6) << 4);
-    const uint8_t m = j < 4 ? s[j + 4] & 63 : uint8_t((s[j + 4] >> 4) | (s[j] >> 6) << 4);
-    sc[2 * j] = sc[2 * j + 1] = a;
-    mn[2 * j] = mn[2 * j + 1] = m;
-  }
-  ws = mul(splat_f16(b), load_u8_f32(sc));
-  off = sub(zero(), mul(splat_f16(b + 2), load_u8_f32(mn)));
-}
-
-// Each format: kElems weights in kBytes per block; unit(row, u): unit u's first byte;
-// scales(b, chunks, ws, off): ws and off per 16 weights of the unit (`chunks` of its 4 chunks
-// real); codes(b, c): chunk c's 64 codes; kSigned: codes are s8 (else u8 in [0, 127]).
-
-struct Q4K {  // d, dmin, scales[12], qs[128]: chunk c = qs[32c..] low nibbles, then high
-  static constexpr int64_t kElems = 256, kBytes = 144;
-  static constexpr bool kSigned = false;
-  static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
-  static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) { scales_mins(b, ws, off); }
-  static U8x64 codes(const uint8_t* b, int c) { return shr_and_halves(dup32(b + 16 + 32 * c), 0, 4, 0x0F); }
-};
-
-struct Q5K {  // d, dmin, scales[12], qh[32], qs[128]: Q4_K's nibbles, bit 2c / 2c + 1 of qh the fifth
-  static constexpr int64_t kElems = 256, kBytes = 176;
-  static constexpr bool kSigned = false;
-  static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
-  static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) { scales_mins(b, ws, off); }
-  static U8x64 codes(const uint8_t* b, int c) {
-    const U8x64 low = shr_and_halves(dup32(b + 48 + 32 * c), 0, 4, 0x0F);
-    return or_u8(low, shl_u8(shr_and_halves(dup32(b + 16), 2 * c, 2 * c + 1, 1), 4));
-  }
-};
-
-struct Q6K {  // ql[128], qh[64], scales[16] (int8), d: per half h of 128, ql[64h..] low nibbles
-  // (chunk 2h) then high (2h + 1); qh[32h..] bits 0-1, 2-3 (chunk 2h), 4-5, 6-7 (2h + 1) on top
-  static constexpr int64_t kElems = 256, kBytes = 210;
-  static constexpr bool kSigned = false;
-  static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
-  static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) {
-    ws = mul(splat_f16(b + 208), load_s8_f32(reinterpret_cast<const int8_t*>(b + 192)));
-    off = mul(ws, set1(-32.f));
-  }
-  static U8x64 codes(const uint8_t* b, int c) {
-    const int h = c / 2, q = c % 2;
-    const U8x64 low = shr_and(load_u8x64(b + 64 * h), 4 * q, 0x0F);
-    return or_u8(low, shl_u8(shr_and_halves(dup32(b + 128 + 32 * h), 4 * q, 4 * q + 2, 3), 4));
-  }
-};
-
-struct Q80 {  // d, qs[32] (int8)
-  static constexpr int64_t kElems = 32, kBytes = 34;
-  static constexpr bool kSigned = true;
-  static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * 8 * kBytes; }
-  static void scales(const uint8_t* b, int chunks, F32x16& ws, F32x16& off) {
-    ws = block_scales(b, kBytes, chunks);
-    off = zero();
-  }
-  static U8x64 codes(const uint8_t* b, int c) { return load_2x32(b + 2 * c * kBytes + 2, b + (2 * c + 1) * kBytes + 2); }
-};
-
-struct Q50 {  // d, qh (32 fifth bits), qs[16]: weight j < 16 in the low nibble of qs[j], j + 16 in its high one
-  static constexpr int64_t kElems = 32, kBytes = 22;
-  static constexpr bool kSigned = false;
-  static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * 8 * kBytes; }
-  static void scales(const uint8_t* b, int chunks, F32x16& ws, F32x16& off) {
-    ws = block_scales(b, kBytes, chunks);
-    off = mul(ws, set1(-16.f));
-  }
-  static U8x64 codes(const uint8_t* b, int c) {
-    const uint8_t *x = b + 2 * c * kBytes, *y = x + kBytes;
-    uint32_t hx, hy;
-    std::memcpy(&hx, x + 2, 4), std::memcpy(&hy, y + 2, 4);
-    return or_u8(nibbles_2x16(x + 6, y + 6), bits_to_bytes(hx | uint64_t(hy) << 32, 0x10));
-  }
-};
-
-// fn(Format{}) for a type the GEMM takes; false for any other.
-template <typename Fn>
-bool with_format(int64_t type, Fn fn) {
-  switch (type) {
-    case PAGEDLLM_GGML_Q4_K: return fn(Q4K{}), true;
-    case PAGEDLLM_GGML_Q5_K: return fn(Q5K{}), true;
-    case PAGEDLLM_GGML_Q6_K: return fn(Q6K{}), true;
-    case PAGEDLLM_GGML_Q8_0: return fn(Q80{}), true;
-    case PAGEDLLM_GGML_Q5_0: return fn(Q50{}), true;
-    default: return false;
-  }
-}
-
-int64_t row_bytes(int64_t type, int64_t K) {
-  int64_t bytes = 0;
-  with_format(type, [&](auto f) {
-    using F = decltype(f);
-    if (K > 0 && K % (F::kElems == UNIT ? UNIT : CHUNK) == 0) bytes = K / F::kElems * F::kBytes;
-  });
-  return bytes;
-}
-
-// x [M, K] (stride ldx) -> codes [M][Kp] (Kp: K rounded up to UNIT, zeros past K) and per row
-// and unit XF floats: each 16 codes' scale, then each 16 codes' sum times that scale.
-void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* codes, float* f) {
-  const int64_t kp = (K + UNIT - 1) / UNIT * UNIT, lf = kp / UNIT * XF;
-  par::parallel_for(M, [&](int64_t m) {
-    int8_t* row = codes + m * kp;
-    for (int64_t g = 0; g < kp / 32; ++g) {
-      float* uf = f + m * lf + g / 8 * XF;
-      const int64_t p = g % 8 * 2;
-      if (g * 32 >= K) {
-        std::memset(row + g * 32, 0, 32);
-        uf[p] = uf[p + 1] = uf[16 + p] = uf[17 + p] = 0.f;
-        continue;
-      }
-      const GroupCodes q = quantize_group(x + m * ldx, K, g * 32);
-      store_i8(row + g * 32, q.lo);
-      store_i8(row + g * 32 + 16, q.hi);
-      uf[p] = uf[p + 1] = q.scale;
-      uf[16 + p] = q.scale * reduce_add(to_f32(q.lo));  // exact integer sums
-      uf[17 + p] = q.scale * reduce_add(to_f32(q.hi));
-    }
-  }, 17);
-}
-
-// y[r * ldy] = row w . x row r (+ *bias) for R rows of quantized x (codes stride kp, floats stride lf).
-template <class F, int R>
-void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, const float* xf, int64_t lf, const float* bias,
-          float* y, int64_t ldy) {
-  F32x16 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = zero();
-  const int64_t units = (K + UNIT - 1) / UNIT;
-  for (int64_t u = 0; u < units; ++u) {
-    const int chunks = int(std::min(UNIT, K - u * UNIT) / CHUNK);
-    const uint8_t* b = F::unit(w, u);
-    F32x16 ws, off, s[R];
-    F::scales(b, chunks, ws, off);
-    for (int r = 0; r < R; ++r) {
-      const float* f = xf + r * lf + u * XF;
-      s[r] = mul(ws, load(f));
-      acc[r] = fma(off, load(f + 16), acc[r]);
-    }
-    auto chunk = [&](int c) {
-      const U8x64 q = F::codes(b, c);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = xq + r * kp + u * UNIT + c * CHUNK;
-        I32x16 p;
-        if constexpr (F::kSigned) p = dot_s8s8(zero_i32(), q, x);
-        else p = dot_u8s8(zero_i32(), q, x);
-        acc[r] = fma(to_f32(p), expand4(s[r], c), acc[r]);
-      }
-    };
-    if (chunks == 4) {
-      chunk(0), chunk(1), chunk(2), chunk(3);
-    } else {
-      for (int c = 0; c < chunks; ++c) chunk(c);
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * ldy] = reduce_add(acc[r]) + (bias ? *bias : 0.f);
-}
-
-// One weight row against M rows of quantized x: tiles of kGemmRowsKQ, then the rest.
-template <class F>
-void row_times_x(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, const float* xf, int64_t lf, int64_t M,
-                 const float* bias, float* y, int64_t ldy) {
-  constexpr int R = kGemmRowsKQ;
-  int64_t m = 0;
-  for (; m + R <= M; m += R) tile<F, R>(w, K, xq + m * kp, kp, xf + m * lf, lf, bias, y + m * ldy, ldy);
-  const int64_t rest = M - m;
-  [&]<int... I>(std::integer_sequence<int, I...>) {
-    ((rest == I + 1 ? (tile<F, I + 1>(w, K, xq + m * kp, kp, xf + m * lf, lf, bias, y + m * ldy, ldy), 0) : 0), ...);
-  }(std::make_integer_sequence<int, R - 1>{});
-}
-
-}  // namespace
+using namespace kquant;
 
 extern "C" {
 
@@ -245,41 +20,17 @@ int64_t kquant_row_bytes(int64_t type, int64_t K) { return row_bytes(type, K); }
 
 int linear_kquant(const float* x, int64_t ldx, const KQuantWeight* w, const float* bias, float* y, int64_t M, int64_t N,
                   int64_t K) {
-  if (w->num_parts < 1 || w->num_parts > PAGEDLLM_KQUANT_MAX_PARTS) return -1;
-  struct Span {
-    int64_t part, n0, n1, col;  // rows [n0, n1) of the part; col: the part's first output column
-  };
-  std::vector<Span> spans;
-  int64_t col = 0;
-  for (int64_t p = 0; p < w->num_parts; ++p) {
-    const KQuantPart& part = w->parts[p];
-    if (row_bytes(part.type, K) == 0 || part.rows < 0) return -1;
-    for (int64_t n0 = 0; n0 < part.rows; n0 += SPAN) spans.push_back({p, n0, std::min(n0 + SPAN, part.rows), col});
-    col += part.rows;
-  }
-  if (col != N) return -1;
+  if (!fits(*w, N, K)) return -1;
   if (M <= 0 || N == 0) return 0;
-  const int64_t kp = (K + UNIT - 1) / UNIT * UNIT, lf = kp / UNIT * XF;
-  std::vector<int8_t> xq(static_cast<size_t>(M * kp));
-  std::vector<float> xf(static_cast<size_t>(M * lf));
-  quantize_rows(x, ldx, M, K, xq.data(), xf.data());
+  const std::vector<Span> spans = spans_of(*w);
+  const QuantizedX xq(x, ldx, M, K);
   // Rows of x in chunks whose codes fit in L2, each chunk over every weight row.
-  const int64_t chunk = std::max<int64_t>(kGemmRowsKQ, 262144 / kp / kGemmRowsKQ * kGemmRowsKQ);
-  const int64_t num_spans = static_cast<int64_t>(spans.size());
+  const int64_t chunk = chunk_rows(xq.kp), num_spans = static_cast<int64_t>(spans.size());
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
     par::parallel_for(num_spans, [&](int64_t s) {
       const Span& span = spans[s];
-      const KQuantPart& part = w->parts[span.part];
-      with_format(part.type, [&](auto f) {
-        using F = decltype(f);
-        const int64_t rb = K / F::kElems * F::kBytes;
-        for (int64_t n = span.n0; n < span.n1; ++n) {
-          const int64_t c = span.col + n;
-          row_times_x<F>(static_cast<const uint8_t*>(part.blocks) + n * rb, K, xq.data() + m0 * kp, kp,
-                         xf.data() + m0 * lf, lf, rows, bias ? bias + c : nullptr, y + m0 * N + c, N);
-        }
-      });
+      rows_times_x(w->parts[span.part], span.n0, span.n1, span.col, K, xq, m0, rows, bias, y, N);
     });
   }
   return 0;

@@ -6,23 +6,37 @@
 // hidden] float32. Per token t: p = softmax(router x_t) over all experts; the top_k experts
 // by p (the lower index first among equal ones), weights p_e, divided by their sum when
 // `renormalize`; y_t = sum over its experts, in ascending expert order, of
-// w_e * down_e(silu(gate_e x_t) * up_e x_t). Experts may mix the GEMM kinds (float32, w8a8,
-// w4a8: linear.cpp's formats, the same micro-kernels, gemm.h); an int8 expert quantizes its
-// inputs per row and group of 32 as linear.cpp does, so an expert computes for a token
-// exactly what its layer alone would. A token's output depends only on that token (rows
-// never mix, and its sum runs in expert order): results are batch-invariant.
+// w_e * down_e(silu(gate_e x_t) * up_e x_t). Experts may mix the GEMM kinds: float32, w8a8 and
+// w4a8 panels (linear.cpp's formats, the same micro-kernels, gemm.h) and GGUF blocks as stored
+// (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, a fused gate/up's parts each in its own format: kquant.cpp's
+// layers, the same tiles, kquant.h). An int8 expert quantizes its inputs per row and group of
+// 32 as its layer alone does, so an expert computes for a token exactly what its layer alone
+// would. A token's output depends only on that token (rows never mix, and its sum runs in
+// expert order): results are batch-invariant.
 //
 // Work split over the threads. Tokens are sorted by expert into R = T * top_k rows (an
 // expert's rows consecutive, in token order). The gate/up GEMM is then ONE parallel loop over
-// work items, each item one 32-column panel of one active expert's weight over a chunk of that
-// expert's rows (chunks sized so the rows' activations stay in L2); items are handed out
-// dynamically, so no thread owns an expert. The down GEMM is a second such loop. A batch-1
-// decode step that touches 8 experts of intermediate I and hidden H thus runs 8 * 2I / 32
-// gate/up items (Qwen3-30B-A3B: 384) and then 8 * H / 32 down items (512) over all threads:
-// with 16 threads every thread streams about 1/16 of the 8 experts' weights, each weight byte
-// read once, and the step waits on 2 barriers for the experts (plus the router's), not 16.
-// Experts that got no token cost nothing; prefill batches reuse each panel over an expert's
-// rows chunk as the dense GEMM does.
+// work items, each item one slice of one active expert's weight over a chunk of that expert's
+// rows (chunks sized so the rows' activations stay in L2): a 32-column panel for the packed
+// kinds, a span of 16 weight rows for GGUF blocks (kquant.h's unit). Items are claimed one at
+// a time by the thread team (parallel.h), so no thread owns an expert. The down GEMM is a
+// second such loop.
+//
+// A batch-1 decode step that touches 8 experts (Qwen3-30B-A3B: hidden H = 2048, expert
+// intermediate I = 768, top-8 of 128) thus runs:
+//   1. the router GEMV [128, 2048] (float32, split over its 4 panels) and the top-8 choice;
+//   2. the token's row copied 8 times (one row per expert), each copy quantized per kind in use;
+//   3. one loop over 8 * 2I / 16 = 768 gate/up items of Q4_K (8 * 2I / 32 = 384 for packed
+//      kinds), each 16 rows x 2048 weights = 18 KiB of blocks;
+//   4. SiLU-and-mul on the 8 rows (one thread: under 64 rows), their quantization;
+//   5. one loop over 8 * H / 16 = 1024 down items (512 packed), each 16 rows x 768 weights
+//      (Q6_K: 9.8 KiB);
+//   6. the weighted sum of the 8 rows into y.
+// With 16 threads each thread streams about 1/16 of the 8 experts' weights, each weight byte
+// read once, and the step waits on 2 parallel loops for the experts (plus the router's), not
+// 16 (and in each only for items a thread claimed).
+// Experts that got no token cost nothing; prefill batches reuse each panel or span over an
+// expert's rows chunk as the dense GEMMs do.
 #include <stdint.h>
 
 #include <algorithm>
@@ -30,6 +44,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "kquant.h"
 #include "moe.h"
 #include "pagedllm_abi.h"
 #include "parallel.h"
@@ -40,31 +55,40 @@ namespace {
 
 constexpr int64_t kParallelRows = 64;  // fewer rows: their elementwise passes run on one thread
 
-// R rows of K floats (stride ld) in every form the active experts' kinds read: the floats, and
-// gemm.h's quantize_rows codes for tile_w8a8 (w8) and tile_q4a8 (q4), each empty where no
-// active expert takes it.
+// R rows of K floats (stride ld) in every form the active experts' kinds read: the floats,
+// gemm.h's quantize_rows codes for tile_w8a8 (w8) and tile_q4a8 (q4), and kquant.h's for
+// GGUF blocks as stored (kq), each empty where no active expert takes it.
 struct Acts {
   const float* f32;
   int64_t ld, K, G, kq;
   QuantizedRows w8, q4;
+  kquant::QuantizedX kqx;
 
-  Acts(const float* x, int64_t ld_, int64_t R, int64_t K_, bool need_w8, bool need_q4)
+  Acts(const float* x, int64_t ld_, int64_t R, int64_t K_, bool need_w8, bool need_q4, bool need_kq)
       : f32(x),
         ld(ld_),
         K(K_),
         G((K_ + QG - 1) / QG),
         kq((K_ + QG - 1) / QG * QG / 4),
         w8(need_w8 ? quantize_rows<false>(x, ld_, R, K_) : QuantizedRows{}),
-        q4(need_q4 ? quantize_rows<true>(x, ld_, R, K_) : QuantizedRows{}) {}
+        q4(need_q4 ? quantize_rows<true>(x, ld_, R, K_) : QuantizedRows{}),
+        kqx(need_kq ? kquant::QuantizedX(x, ld_, R, K_) : kquant::QuantizedX{}) {}
 };
 
-// One work item: panel `panel` of expert `expert`'s layer over its rows [row0, row0 + rows).
+// One work item: of expert `expert`'s layer, one 32-column panel `panel` (packed kinds) or
+// one span of up to 16 weight rows (GGUF blocks as stored), over its rows [row0, row0 + rows).
 struct Item {
   int64_t expert, row0, rows, panel;
+  kquant::Span span;
 };
 
 // y[row0.., panel columns] (row stride ldy) for one item of layer l.
 void run_item(const LinearDesc& l, const Acts& a, const Item& it, float* y, int64_t ldy) {
+  if (l.kind == PAGEDLLM_LINEAR_KQUANT) {
+    const KQuantPart& part = static_cast<const KQuantWeight*>(l.w)->parts[it.span.part];
+    kquant::rows_times_x(part, it.span.n0, it.span.n1, it.span.col, a.K, a.kqx, it.row0, it.rows, l.bias, y, ldy);
+    return;
+  }
   const int64_t p = it.panel, ncols = std::min(NB, l.n - p * NB), G = a.G, kq = a.kq;
   const float* bias = l.bias ? l.bias + p * NB : nullptr;
   float* out = y + it.row0 * ldy + p * NB;
@@ -105,13 +129,20 @@ void grouped_gemm(const LinearDesc* layers, const std::vector<int64_t>& start, c
     const int64_t count = start[e + 1] - start[e];
     if (count == 0) continue;
     const LinearDesc& l = layers[e];
+    if (l.kind == PAGEDLLM_LINEAR_KQUANT) {
+      const std::vector<kquant::Span> spans = kquant::spans_of(*static_cast<const KQuantWeight*>(l.w));
+      const int64_t chunk = kquant::chunk_rows(a.kqx.kp);
+      for (int64_t r0 = 0; r0 < count; r0 += chunk)
+        for (const kquant::Span& span : spans) items.push_back({e, start[e] + r0, std::min(chunk, count - r0), 0, span});
+      continue;
+    }
     const int64_t chunk = l.kind == PAGEDLLM_LINEAR_F32 ? chunk_rows_f32(a.K) : chunk_rows_i8(a.kq);
     const int64_t panels = (l.n + NB - 1) / NB;
     for (int64_t r0 = 0; r0 < count; r0 += chunk)
-      for (int64_t p = 0; p < panels; ++p) items.push_back({e, start[e] + r0, std::min(chunk, count - r0), p});
+      for (int64_t p = 0; p < panels; ++p) items.push_back({e, start[e] + r0, std::min(chunk, count - r0), p, {}});
   }
   const int64_t n = static_cast<int64_t>(items.size());
-par::parallel_for(n, [&](int64_t i) { run_item(layers[items[i].expert], a, items[i], y, ldy); }, 2, 1);
+  par::parallel_for(n, [&](int64_t i) { run_item(layers[items[i].expert], a, items[i], y, ldy); }, 2, 1);
 }
 
 bool any_kind(const LinearDesc* layers, const std::vector<int64_t>& start, int64_t kind) {
@@ -165,21 +196,23 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
   for (int64_t s = 0; s < R; ++s) token_of[row_of[s] = next[choice[s]]++] = s / k;
 
   std::vector<float> xs(R * H), h(R * 2 * I), out(R * H);
-par::parallel_for(R, [&](int64_t r) { std::copy(x + token_of[r] * ldx, x + token_of[r] * ldx + H, xs.data() + r * H); }, kParallelRows);
+  par::parallel_for(
+      R, [&](int64_t r) { std::copy(x + token_of[r] * ldx, x + token_of[r] * ldx + H, xs.data() + r * H); },
+      kParallelRows);
   {
     const Acts a(xs.data(), H, R, H, any_kind(m->gate_up, start, PAGEDLLM_LINEAR_W8A8),
-                 any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q4A8));
+                 any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q4A8), any_kind(m->gate_up, start, PAGEDLLM_LINEAR_KQUANT));
     grouped_gemm(m->gate_up, start, a, h.data(), 2 * I);
   }
   silu_and_mul(h.data(), 2 * I, R, I);
   {
     const Acts a(h.data(), 2 * I, R, I, any_kind(m->down, start, PAGEDLLM_LINEAR_W8A8),
-                 any_kind(m->down, start, PAGEDLLM_LINEAR_Q4A8));
+                 any_kind(m->down, start, PAGEDLLM_LINEAR_Q4A8), any_kind(m->down, start, PAGEDLLM_LINEAR_KQUANT));
     grouped_gemm(m->down, start, a, out.data(), H);
   }
 
   // y_t = sum of its experts' outputs, weighted, in ascending expert order.
-par::parallel_for(T, [&](int64_t t) {
+  par::parallel_for(T, [&](int64_t t) {
     for (int64_t i = 0; i < H; i += 16) {
       F32x16 acc = zero();
       for (int64_t j = 0; j < k; ++j)

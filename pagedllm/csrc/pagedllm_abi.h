@@ -88,7 +88,8 @@ typedef struct LinearDesc {
  * PAGEDLLM_LINEAR_F32; its logits are softmaxed over all experts and the top_k kept,
  * renormalized to sum to 1 when `renormalize`), and per expert a gate/up layer
  * [2 intermediate, hidden] (gate rows first) and a down layer [hidden, intermediate], each of
- * kind F32, W8A8 or Q4A8 (not KQUANT); `intermediate` is this rank's share. */
+ * any kind (KQUANT: GGUF blocks as stored, as linear_kquant takes them); `intermediate` is
+ * this rank's share. */
 typedef struct MoeDesc {
   int64_t num_experts;
   int64_t top_k;

@@ -3,10 +3,12 @@ each a SwiGLU MLP, and their outputs are summed weighted by the router's probabi
 
 The experts are ordinary linear layers (``experts.{e}.gate_up_proj`` / ``down_proj``), so
 loading, packing (``pack_linears``) and quantization (``quantize_model``) treat them as any
-other; the router (``gate``) is not a linear layer and stays float. Where every expert is on
-our packed kernels (float32, w8a8, w4a8) and activations are float32, the whole block is one
-native call (``kernels/moe.py``, ``csrc/moe.cpp``: tokens grouped by expert, each active
-expert's GEMMs over its tokens only); otherwise PyTorch runs it expert by expert.
+other (a GGUF file's experts run from its blocks as stored under ``--dtype auto``,
+``models/gguf_linears``); the router (``gate``) is not a linear layer and stays float. Where
+every expert is on our native kernels (packed float32, w8a8, w4a8, or GGUF blocks as stored)
+and activations are float32, the whole block is one native call (``kernels/moe.py``,
+``csrc/moe.cpp``: tokens grouped by expert, each active expert's GEMMs over its tokens only);
+otherwise PyTorch runs it expert by expert.
 
 Tensor parallelism (as vLLM without expert parallelism): every rank holds every expert's
 share of the intermediate dimension (gate/up rows column-parallel, down columns
@@ -21,13 +23,13 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.kernels import library
+from pagedllm.kernels.kquant import LINEAR_KQUANT
 from pagedllm.kernels.linear import LINEAR_F32, LINEAR_Q4A8, LINEAR_W8A8, linear_desc, linear_pack_f32
 from pagedllm.kernels.moe import NativeMoE, fused_moe
 from pagedllm.layers.activation import SiluAndMul
 
-# The packed kinds csrc/moe.cpp runs an expert on (not GGUF blocks as stored: the loader
-# requantizes a file's experts, ``models/gguf_linears``).
-_MOE_KINDS = (LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8)
+# The layer kinds csrc/moe.cpp runs an expert on.
+_MOE_KINDS = (LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8, LINEAR_KQUANT)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +98,8 @@ class FusedMoE(nn.Module):
 
     def native_block(self) -> NativeMoE | None:
         """The block as one native call's descriptor, or None where it cannot be (no native
-        kernels, a float router not in float32, an expert layer not on the packed float32 / w8a8 /
-        w4a8 kernels, e.g. GGUF blocks as stored)."""
+        kernels, a float router not in float32, an expert layer not on the native kernels: an
+        ``nn.Linear`` of another dtype, weight-only int8 / int4)."""
         if self._native is None:
             layers = [layer for expert in self.experts for layer in (expert.gate_up_proj, expert.down_proj)]
             weight = self.gate.weight

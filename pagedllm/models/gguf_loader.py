@@ -144,10 +144,11 @@ class GGUFFile:
         return found
 
     def blocks(self, name: str) -> torch.Tensor:
-        """A 2-D tensor's stored bytes, a view of the file: [rows, blocks per row, bytes per block] uint8."""
+        """A tensor's stored bytes, a view of the file: [*leading dims, rows, blocks per row,
+        bytes per block] uint8 (a 3-D expert stack: [experts, rows, blocks per row, bytes])."""
         info = self.tensors[name]
         raw = self._data[info.offset : info.offset + info.nbytes]
-        return raw.view(info.shape[0], -1, GGML_QUANT_SIZES[info.qtype][1])
+        return raw.view(*info.shape[:-1], -1, GGML_QUANT_SIZES[info.qtype][1])
 
     def dequantize(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor as a new torch tensor of its (torch-order) shape, in ``dtype``."""

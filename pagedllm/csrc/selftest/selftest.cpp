@@ -6,6 +6,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -359,6 +360,24 @@ float gguf_weight(int64_t type, const uint8_t* row, int64_t e) {
   return from_f16(b) * float(sc) * float(q) - from_f16(b + 2) * float(mn);
 }
 
+// N rows of K weights of GGUF type `type` as random bytes, d = 2^-10 (and dmin = 2^-11).
+std::vector<uint8_t> random_blocks(Rng& rng, int64_t type, int64_t N, int64_t K) {
+  const bool super = type == PAGEDLLM_GGML_Q4_K || type == PAGEDLLM_GGML_Q5_K || type == PAGEDLLM_GGML_Q6_K;
+  const int64_t rb = kquant_row_bytes(type, K), block = super ? 256 : 32, block_bytes = rb / (K / block);
+  std::vector<uint8_t> w(N * rb);
+  for (uint8_t& byte : w) {
+    rng.s ^= rng.s << 13, rng.s ^= rng.s >> 7, rng.s ^= rng.s << 17;
+    byte = uint8_t(rng.s >> 56);
+  }
+  for (int64_t i = 0; i < N * K / block; ++i) {
+    uint8_t* b = w.data() + i * block_bytes;
+    uint8_t* d = type == PAGEDLLM_GGML_Q6_K ? b + 208 : b;
+    d[0] = 0x00, d[1] = 0x14;  // 2^-10
+    if (type == PAGEDLLM_GGML_Q4_K || type == PAGEDLLM_GGML_Q5_K) b[2] = 0x00, b[3] = 0x10;  // dmin 2^-11
+  }
+  return w;
+}
+
 // GGUF blocks as stored: random bytes (d = 2^-10, dmin = 2^-11) dequantized and multiplied by
 // linear_kquant, against the layouts read in plain C++ and int8 activations.
 void test_kquant() {
@@ -369,18 +388,7 @@ void test_kquant() {
   const char* names[] = {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0"};
   for (int t = 0; t < 5; ++t) {
     const int64_t type = types[t], K = t < 3 ? 512 : 640, rb = kquant_row_bytes(type, K);
-    const int64_t block = t < 3 ? 256 : 32, block_bytes = rb / (K / block);
-    std::vector<uint8_t> w(N * rb);
-    for (uint8_t& byte : w) {
-      rng.s ^= rng.s << 13, rng.s ^= rng.s >> 7, rng.s ^= rng.s << 17;
-      byte = uint8_t(rng.s >> 56);
-    }
-    for (int64_t i = 0; i < N * K / block; ++i) {
-      uint8_t* b = w.data() + i * block_bytes;
-      uint8_t* d = type == PAGEDLLM_GGML_Q6_K ? b + 208 : b;
-      d[0] = 0x00, d[1] = 0x14;  // 2^-10
-      if (t < 2) b[2] = 0x00, b[3] = 0x10;  // dmin 2^-11
-    }
+    const std::vector<uint8_t> w = random_blocks(rng, type, N, K);
     std::vector<float> ref_w(N * K), dq(N * K);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t k = 0; k < K; ++k) ref_w[n * K + k] = gguf_weight(type, w.data() + n * rb, k);
@@ -495,6 +503,55 @@ void test_parallel() {
   check("parallel_for: four callers at once", float(wrong.load()), 0.f);
 }
 
+// fused_moe with experts as GGUF blocks (gate/up Q4_K + Q5_K parts; down Q6_K or Q8_0) against
+// the same experts one token at a time through linear_kquant and silu_and_mul: the grouping by
+// expert changes nothing in a token's rows. 7 tokens of 4 experts, top 2 of the softmax.
+void test_moe_kquant() {
+  Rng rng;
+  const int64_t T = 7, E = 4, top = 2, H = 256, I = 256;
+  const auto x = rng.normals(T * H), router = rng.normals(E * H);
+  std::vector<float> packed_router((E + 31) / 32 * 32 * H);
+  linear_pack_f32(router.data(), packed_router.data(), E, H);
+  std::vector<std::vector<uint8_t>> gate(E), up(E), down(E);
+  std::vector<KQuantWeight> gu_w(E), d_w(E);
+  std::vector<LinearDesc> gu_desc(E), d_desc(E);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t down_type = e % 2 ? PAGEDLLM_GGML_Q8_0 : PAGEDLLM_GGML_Q6_K;
+    gate[e] = random_blocks(rng, PAGEDLLM_GGML_Q4_K, I, H), up[e] = random_blocks(rng, PAGEDLLM_GGML_Q5_K, I, H);
+    down[e] = random_blocks(rng, down_type, H, I);
+    gu_w[e] = {};
+    gu_w[e].num_parts = 2;
+    gu_w[e].parts[0] = {PAGEDLLM_GGML_Q4_K, I, gate[e].data()}, gu_w[e].parts[1] = {PAGEDLLM_GGML_Q5_K, I, up[e].data()};
+    d_w[e] = {};
+    d_w[e].num_parts = 1, d_w[e].parts[0] = {down_type, H, down[e].data()};
+    gu_desc[e] = {PAGEDLLM_LINEAR_KQUANT, 2 * I, H, &gu_w[e], nullptr, nullptr, nullptr};
+    d_desc[e] = {PAGEDLLM_LINEAR_KQUANT, H, I, &d_w[e], nullptr, nullptr, nullptr};
+  }
+  const MoeDesc m = {E, top, 0, H, I, {PAGEDLLM_LINEAR_F32, E, H, packed_router.data(), nullptr, nullptr, nullptr},
+                     gu_desc.data(), d_desc.data()};
+  std::vector<float> y(T * H), ref(T * H, 0.f), h(2 * I), out(H);
+  const int status = fused_moe(&m, x.data(), H, T, y.data());
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> logit(E), p(E);
+    double sum = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t k = 0; k < H; ++k) logit[e] += double(router[e * H + k]) * x[t * H + k];
+    }
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(logit[e]));
+    std::vector<int64_t> order = {0, 1, 2, 3};
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return logit[a] > logit[b]; });
+    std::sort(order.begin(), order.begin() + top);  // summed in ascending expert order
+    for (int64_t j = 0; j < top; ++j) {
+      const int64_t e = order[j];
+      linear_kquant(x.data() + t * H, H, &gu_w[e], nullptr, h.data(), 1, 2 * I, H);
+      silu_and_mul(h.data(), 2 * I, 1, I);
+      linear_kquant(h.data(), 2 * I, &d_w[e], nullptr, out.data(), 1, H, I);
+      for (int64_t n = 0; n < H; ++n) ref[t * H + n] += float(p[e] / sum) * out[n];
+    }
+  }
+  check("fused_moe GGUF-block experts", status == 0 ? max_error(y, ref) : 1e9f, 1e-4f);
+}
+
 }  // namespace
 
 int main() {
@@ -503,6 +560,7 @@ int main() {
   test_kquant();
   test_elementwise();
   test_moe();
+  test_moe_kquant();
   for (int64_t window : {0, 5}) {
     test_attention<float>(false, window);
     test_attention<uint16_t>(true, window);
