@@ -57,7 +57,7 @@ constexpr int64_t kParallelRows = 64;  // fewer rows: their elementwise passes r
 
 // R rows of K floats (stride ld) in every form the active experts' kinds read: the floats,
 // gemm.h's quantize_rows codes for tile_w8a8 (w8) and tile_q4a8 (q4), and kquant.h's for
-// GGUF blocks as stored (kq), each empty where no active expert takes it.
+// GGUF blocks as stored (kqx), each empty where no active expert takes it.
 struct Acts {
   const float* f32;
   int64_t ld, K, G, kq;
@@ -82,7 +82,7 @@ struct Item {
   kquant::Span span;
 };
 
-// y[row0.., panel columns] (row stride ldy) for one item of layer l.
+// y[row0.., the item's panel or span columns] (row stride ldy) for one item of layer l.
 void run_item(const LinearDesc& l, const Acts& a, const Item& it, float* y, int64_t ldy) {
   if (l.kind == PAGEDLLM_LINEAR_KQUANT) {
     const KQuantPart& part = static_cast<const KQuantWeight*>(l.w)->parts[it.span.part];
