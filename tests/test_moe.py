@@ -31,9 +31,11 @@ from pagedllm.layers.quantization.linear import KQuantLinear, W4A8Linear, W8A8Li
 from pagedllm.layers.quantization.weights import quantize_q4a8
 from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
 from pagedllm.models import gguf_loader, native_decoder
+from pagedllm.models.gguf_linears import gguf_linears
 from pagedllm.models.moe import MoEForCausalLM
 from pagedllm.models.native_decoder import NativeDecoder
 from pagedllm.platforms.cpu import auto_linears
+from pagedllm.quantization_config import QuantizationConfig
 from tests.models_util import prefill_logits, random_weight_blocks, randomize_vectors
 from tests.tensor_parallel_ranks import Case, load, reference, run_group, run_steps
 from tests.utils import pool_is_whole
@@ -475,6 +477,29 @@ def test_gguf_experts_run_as_stored(arch: str, tmp_path: Path, monkeypatch) -> N
     model.native_decoder = False
     torch.testing.assert_close(got, run_steps(model, config, SINGLE), atol=0, rtol=0)
     _assert_layers_match_on_our_inputs(hf, model, config, PROMPTS[2], monkeypatch)
+
+
+def test_gguf_expert_shards_keep_whole_blocks(tmp_path: Path, monkeypatch) -> None:
+    """At 2 ranks each expert's gate/up rows split and stay as stored; a down projection stays
+    as stored where each rank's 128 columns are whole blocks of its format (Q8_0's 32, Q5_0's
+    32) and is requantized where they cut a 256-weight super-block (Q6_K), its stack then
+    dequantized at load like any requantized tensor."""
+    if not library.available():
+        pytest.skip("GGUF blocks as stored need the native kernels")
+    path = tmp_path / "qwen3_moe-experts.gguf"
+    _expert_gguf("qwen3_moe", path, monkeypatch)
+    f = gguf_loader.GGUFFile(path)
+    out = gguf_linears(f, gguf_loader.gguf_config(f), QuantizationConfig("w4a8", 32, True, False), TPGroup(1, 2))
+    layer0, layer2 = (f"layers.{i}.mlp.experts.5" for i in (0, 2))
+    assert [(q, b.shape[0]) for q, b in out.kept[f"{layer0}.gate_up_proj"].parts] == [(int(Q.Q4_K), 256)]
+    assert f"{layer0}.down_proj" not in out.kept
+    assert [(q, b.shape[0]) for q, b in out.kept[f"{layer2}.gate_up_proj"].parts] == [(int(Q.Q5_K), 128), (int(Q.Q4_K), 128)]
+    down = out.kept[f"{layer2}.down_proj"]
+    assert (down.in_features, down.out_features) == (128, 256)
+    # Rank 1's columns 128..255 of expert 5: the second half of each row's Q8_0 blocks.
+    assert torch.equal(down.parts[0][1], f.blocks("blk.2.ffn_down_exps.weight")[5][:, 4:].flatten(1))
+    assert "blk.0.ffn_down_exps.weight" not in out.stored_tensors
+    assert {"blk.0.ffn_gate_exps.weight", "blk.2.ffn_down_exps.weight"} <= out.stored_tensors
 
 
 # --- tensor parallelism --------------------------------------------------------------------
