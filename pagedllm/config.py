@@ -80,6 +80,8 @@ class EngineConfig:
     # dtype of the K/V caches; None: the model's dtype. dtype "auto" sets bfloat16 on the native
     # kernels (decode attention is bound by reading K/V, and half the bytes is twice the context
     # per GiB); on the PyTorch fallback it leaves None, as casting would cost a pass per layer.
+    # torch.int8 or torch.float8_e4m3fn: 8-bit codes with a float32 scale per token and KV head
+    # (core/kv_cache_config.py), about half bfloat16's bytes.
     kv_cache_dtype: torch.dtype | None = None
     max_model_len: int | None = None  # None: min(model's context, 8192)
     block_size: int = 16
@@ -188,6 +190,30 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return _DTYPES[dtype.lower()]
     except KeyError:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}") from None
+
+
+# --kv-cache-dtype's names beyond parse_dtype's: the 8-bit caches (vLLM's names for fp8).
+_KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def parse_kv_cache_dtype(name: str | torch.dtype) -> torch.dtype | None:
+    """Map a K/V cache dtype name to a torch dtype; None for "auto" (as the engine's dtype decides).
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    if name.lower() == "auto":
+        return None
+    if name.lower() in _KV_CACHE_DTYPES:
+        return _KV_CACHE_DTYPES[name.lower()]
+    try:
+        return parse_dtype(name)
+    except ValueError:
+        raise ValueError(
+            f"kv_cache_dtype must be auto, float32, bfloat16, float16, int8 or fp8 (fp8_e4m3), got {name!r}"
+        ) from None
 
 
 def parse_memory(value: str | int | float) -> int:

@@ -17,8 +17,9 @@ compile() {  # dir, cxx, flags...: every kernel translation unit and the self-te
   for src in "$csrc"/*.cpp "$csrc/selftest/selftest.cpp"; do
     name=$(basename "$src" .cpp)
     if [ "$name" = paged_attention ]; then
-      "$cxx" "${common[@]}" "$@" -DPAGED_ATTENTION_BF16=1 -c "$src" -o "$dir/${name}_bf16.o" & pids+=($!)
-      "$cxx" "${common[@]}" "$@" -DPAGED_ATTENTION_BF16=0 -c "$src" -o "$dir/${name}_f32.o" & pids+=($!)
+      for kind in 0 1 2 3; do  # pagedllm_abi.h's PAGEDLLM_CACHE_*
+        "$cxx" "${common[@]}" "$@" -DPAGED_ATTENTION_CACHE=$kind -c "$src" -o "$dir/${name}_$kind.o" & pids+=($!)
+      done
     else
       "$cxx" "${common[@]}" "$@" -c "$src" -o "$dir/$name.o" & pids+=($!)
     fi

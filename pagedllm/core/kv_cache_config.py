@@ -5,6 +5,19 @@ each worker allocates its own share of the cache from it (with tensor parallelis
 holds the K/V of its own KV heads only, so a block is ``1 / tp`` of the bytes per rank when
 the KV heads split, and the same budget buys ``tp`` times the blocks), the live view draws
 its groups. Nothing recomputes it.
+
+A block holds, per layer of a group, K and V rows of ``block_size`` slots x ``num_kv_heads``
+heads. A head's row is ``head_dim`` values in the cache's dtype, or, in the 8-bit caches
+(int8, fp8 e4m3), ``head_dim`` one-byte codes followed by the row's float32 scale
+(``KV_SCALE_BYTES``; value = code x scale), so a block's bytes count its scales.
+
+The scale's granularity is one per token and KV head, set when the row is written (its max
+|x| maps to the largest code: 127, or e4m3's 448) and never changed. Why: keys carry a few
+large channels and tokens differ in magnitude by orders (the first token's keys, outliers), so
+a scale shared by a block or the whole tensor leaves most rows a handful of codes, and a block
+scale would have to be raised, re-quantizing its earlier rows, when a later token outgrows it;
+a per-row scale costs 4 bytes per ``head_dim`` (6% at 64) and keeps the write a single pass.
+The perplexity it keeps: docs/benchmarks.md ("An 8-bit KV cache").
 """
 
 from __future__ import annotations
@@ -14,6 +27,17 @@ import torch
 
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layers_per_block, max_request_tokens
+
+# The 8-bit caches, and the bytes after each head's codes in their rows: its float32 scale
+# (the kernels' PAGEDLLM_KV_SCALE_BYTES, pagedllm_abi.h; tests/test_kv_cache_8bit.py checks they agree).
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
+KV_SCALE_BYTES = 4
+
+
+def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` in one head's row of a cache: ``head_dim``, plus the scale's bytes
+    in an 8-bit cache."""
+    return head_dim + KV_SCALE_BYTES if dtype in QUANTIZED_KV_DTYPES else head_dim
 
 
 class KVCacheConfig(msgspec.Struct, frozen=True):
@@ -26,7 +50,8 @@ class KVCacheConfig(msgspec.Struct, frozen=True):
         num_layers: the model's layers.
         num_kv_heads: KV heads each rank stores (replicated heads counted once per rank).
         head_dim: elements per head.
-        dtype: the caches' torch dtype, by name ("float32", "bfloat16", "float16").
+        dtype: the caches' torch dtype, by name ("float32", "bfloat16", "float16", "int8",
+            "float8_e4m3fn").
         max_model_len: the longest request (prompt + output, tokens) whose blocks fit.
     """
 
@@ -61,6 +86,11 @@ class KVCacheConfig(msgspec.Struct, frozen=True):
         return getattr(torch, self.dtype)
 
     @property
+    def row_width(self) -> int:
+        """Elements of ``torch_dtype`` per head and slot (``kv_row_width``)."""
+        return kv_row_width(self.head_dim, self.torch_dtype)
+
+    @property
     def bytes_per_block(self) -> int:
         """Bytes of one block on one rank: K and V of ``block_size`` slots in each layer of a group."""
         return block_bytes(self.groups, self.block_size, self.num_kv_heads, self.head_dim, self.torch_dtype)
@@ -75,7 +105,7 @@ def block_bytes(
     groups: list[KVCacheGroup], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * layers_per_block(groups) * block_size * num_kv_heads * head_dim * elem
+    return 2 * layers_per_block(groups) * block_size * num_kv_heads * kv_row_width(head_dim, dtype) * elem
 
 
 def kv_heads_per_rank(model_config: ModelConfig, tp_size: int) -> int:

@@ -45,6 +45,7 @@ bool supported(const DecoderDesc* m, int64_t P) {
   const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
   if (!head_dims::supported(D) || Hkv <= 0 || Hq % Hkv || Hq / Hkv > PAGEDLLM_MAX_GROUP) return false;
   if (P > 0 && m->block_size > PAGEDLLM_MAX_PREFILL_BLOCK) return false;
+  if (m->cache_kind < PAGEDLLM_CACHE_F32 || m->cache_kind > PAGEDLLM_CACHE_FP8) return false;
   for (int64_t i = 0; i < m->num_layers; ++i) {
     const LayerDesc& layer = m->layers[i];
     if (layer.group < 0 || layer.group >= m->num_groups || layer.rope < 0 || layer.rope > 1) return false;
@@ -89,7 +90,11 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
   const int64_t q_width = Hq * D, kv_width = Hkv * D, qkv_width = q_width + 2 * kv_width, I = m->intermediate;
   std::vector<float> normed(T * H), qkv(T * qkv_width), q(B * q_width), attn(T * q_width), y(T * H),
       gate_up(T * 2 * I);
-  auto attention = m->cache_bf16 ? paged_decode_attention_bf16 : paged_decode_attention_f32;
+  using Attention = decltype(&paged_decode_attention_f32);
+  const Attention attention = m->cache_kind == PAGEDLLM_CACHE_BF16   ? paged_decode_attention_bf16
+                              : m->cache_kind == PAGEDLLM_CACHE_INT8 ? paged_decode_attention_int8
+                              : m->cache_kind == PAGEDLLM_CACHE_FP8  ? paged_decode_attention_fp8
+                                                                     : paged_decode_attention_f32;
   auto act_and_mul = m->gelu ? gelu_tanh_and_mul : silu_and_mul;
   for (int64_t i = 0; i < m->num_layers; ++i) {
     const LayerDesc& l = m->layers[i];
@@ -102,8 +107,8 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
     });
     timed(m, kRope, [&] { rotary_inplace(qkv.data(), qkv_width, cos_sin[l.rope], T, Hq + Hkv, D); });
     timed(m, kKvWrite, [&] {
-      write_kv_cache(m->cache_bf16, qkv.data() + q_width, qkv.data() + q_width + kv_width, qkv_width, l.k_cache,
-                     l.v_cache, g.slots, T, kv_width);
+      write_kv_cache(int(m->cache_kind), qkv.data() + q_width, qkv.data() + q_width + kv_width, qkv_width,
+                     l.k_cache, l.v_cache, g.slots, T, Hkv, D);
     });
     timed(m, kAttention, [&] {
       if (B > 0) {
@@ -113,7 +118,7 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
                   D, m->block_size, m->scale, l.window);
       }
       if (P > 0)
-        paged_prefill_attention(int(m->cache_bf16), qkv.data(), qkv_width, l.k_cache, l.v_cache,
+        paged_prefill_attention(int(m->cache_kind), qkv.data(), qkv_width, l.k_cache, l.v_cache,
                                 g.prefill_block_tables, g.prefill_max_blocks, spans, spans + P, spans + 2 * P,
                                 attn.data(), P, Hq, Hkv, D, m->block_size, m->scale, l.window);
     });

@@ -7,7 +7,10 @@
 #include <stdint.h>
 
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 
+#include "kv_rows.h"
 #include "pagedllm_abi.h"
 #include "parallel.h"
 #include "vec.h"
@@ -27,12 +30,44 @@ inline void store_row(uint16_t* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) store_bf16_first(dst + i, load_first(src + i, n - i), n - i);
 }
 
+// One head's D values (D a multiple of 16) as codes and their scale (kv_rows.h): scale =
+// max|x| / the code's largest magnitude, code = x * (that / max|x|) rounded to nearest even.
+inline void store_row(int8_t* dst, const float* src, int64_t D) {
+  F32x16 amax = zero();
+  for (int64_t i = 0; i < D; i += 16) amax = max(amax, abs(load(src + i)));
+  const float a = reduce_max(amax), scale = a / 127.f;
+  const F32x16 inv = set1(a > 0.f ? 127.f / a : 0.f);
+  for (int64_t i = 0; i < D; i += 16) store_i8(dst + i, round_i32(mul(load(src + i), inv)));
+  std::memcpy(dst + D, &scale, sizeof(scale));
+}
+inline void store_row(kv::E4M3* dst, const float* src, int64_t D) {
+  F32x16 amax = zero();
+  for (int64_t i = 0; i < D; i += 16) amax = max(amax, abs(load(src + i)));
+  const float a = reduce_max(amax), scale = a / 448.f;
+  const F32x16 inv = set1(a > 0.f ? 448.f / a : 0.f);
+  alignas(64) float y[16];
+  for (int64_t i = 0; i < D; i += 16) {
+    store(y, mul(load(src + i), inv));
+    for (int j = 0; j < 16; ++j) dst[i + j].bits = kv::encode_e4m3(y[j]);
+  }
+  std::memcpy(dst + D, &scale, sizeof(scale));
+}
+
+// Float rows are written whole (Hkv * D values), 8-bit ones head by head.
 template <typename T>
 void write_kv(const float* k, const float* v, int64_t ld, T* k_cache, T* v_cache, const int64_t* slots, int64_t n,
-              int64_t width) {
+              int64_t Hkv, int64_t D) {
+  const int64_t row = kv::row_width<T>(D);
   par::parallel_for(n, [&](int64_t t) {
-    store_row(k_cache + slots[t] * width, k + t * ld, width);
-    store_row(v_cache + slots[t] * width, v + t * ld, width);
+    if constexpr (kv::kQuantized<T>) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        store_row(k_cache + (slots[t] * Hkv + h) * row, k + t * ld + h * D, D);
+        store_row(v_cache + (slots[t] * Hkv + h) * row, v + t * ld + h * D, D);
+      }
+    } else {
+      store_row(k_cache + slots[t] * Hkv * D, k + t * ld, Hkv * D);
+      store_row(v_cache + slots[t] * Hkv * D, v + t * ld, Hkv * D);
+    }
   }, kParallelRows);
 }
 
@@ -100,15 +135,25 @@ void silu_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I) { act_and_mu
 // The same with GELU's tanh approximation (Gemma 3's MLP): gate <- gelu_tanh(gate) * up.
 void gelu_tanh_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I) { act_and_mul<gelu_tanh>(gate_up, ld, T, I); }
 
-// This step's K and V (n rows of `width` = Hkv * D floats, row stride ld) into their cache
-// slots: k_cache[slots[t]] = k[t], likewise V, in the cache's dtype (float32, or bfloat16
-// rounded to nearest even when cache_bf16).
-void write_kv_cache(int cache_bf16, const float* k, const float* v, int64_t ld, void* k_cache, void* v_cache,
-                    const int64_t* slots, int64_t n, int64_t width) {
-  if (cache_bf16)
-    write_kv(k, v, ld, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), slots, n, width);
-  else
-    write_kv(k, v, ld, static_cast<float*>(k_cache), static_cast<float*>(v_cache), slots, n, width);
+// This step's K and V (n rows of Hkv heads of D floats, row stride ld) into their cache
+// slots: k_cache[slots[t]] = k[t], likewise V, in the cache's kind (float32; bfloat16 rounded
+// to nearest even; int8 or fp8 e4m3 codes with a scale per head, kv_rows.h). The 8-bit rows
+// are quantized here, once: nothing rewrites a slot's row until its block is freed.
+int write_kv_cache(int cache_kind, const float* k, const float* v, int64_t ld, void* k_cache, void* v_cache,
+                   const int64_t* slots, int64_t n, int64_t Hkv, int64_t D) {
+  auto run = [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    if (kv::kQuantized<T> && D % 16) return -1;
+    write_kv(k, v, ld, static_cast<T*>(k_cache), static_cast<T*>(v_cache), slots, n, Hkv, D);
+    return 0;
+  };
+  switch (cache_kind) {
+    case PAGEDLLM_CACHE_F32: return run(static_cast<float*>(nullptr));
+    case PAGEDLLM_CACHE_BF16: return run(static_cast<uint16_t*>(nullptr));
+    case PAGEDLLM_CACHE_INT8: return run(static_cast<int8_t*>(nullptr));
+    case PAGEDLLM_CACHE_FP8: return run(static_cast<kv::E4M3*>(nullptr));
+    default: return -1;
+  }
 }
 
 // out[r] = the first index of the largest of x[r, 0..n) (rows of stride n), as torch.argmax.

@@ -2,7 +2,8 @@
 // through the block table (no gather, no padding). Kwon et al. 2023, "Efficient Memory
 // Management for Large Language Model Serving with PagedAttention", §4.1.
 //
-// Layouts: q, out [B, Hq, D] float32; caches [num_blocks, BS, Hkv, D] float32 or bfloat16; block_tables [B, max_blocks];
+// Layouts: q, out [B, Hq, D] float32; caches [num_blocks, BS, Hkv, row] float32, bfloat16, int8
+// or fp8 e4m3 (an 8-bit row: D codes and the row's scale, kv_rows.h); block_tables [B, max_blocks];
 // seq_lens [B]; window > 0: only the last `window` keys are read (sliding-window attention;
 // keys at positions < seq_len - window are never touched), 0: all.
 // Work is split over (request, kv head) pairs, so the G = Hq / Hkv query heads that share a
@@ -15,10 +16,12 @@
 //   its 16 scores (about 3 uops a key, against ~10 for a horizontal sum each), on which the
 //   softmax then works in place.
 // Scores and accumulators are float32 whatever the storage dtype (bfloat16 rows are widened
-// 16 values at a time). Written on the vector layer (vec.h): one source for every ISA.
+// 16 values at a time; 8-bit codes too, unscaled: a key's scale multiplies its score once, a
+// value's its softmax weight). Written on the vector layer (vec.h): one source for every ISA.
 #include <cstdint>
 
 #include "head_dims.h"
+#include "kv_rows.h"
 #include "pagedllm_abi.h"
 #include "parallel.h"
 #include "vec.h"
@@ -29,14 +32,10 @@ namespace {
 
 constexpr int kTile = 16;     // keys scored together: one per lane
 
-// A row of D values as D/16 float32 vectors.
-template <int D>
-inline void load_row(const float* p, F32x16* v) {
-  for (int c = 0; c < D / 16; ++c) v[c] = load(p + 16 * c);
-}
-template <int D>
-inline void load_row(const uint16_t* p, F32x16* v) {
-  for (int c = 0; c < D / 16; ++c) v[c] = load_bf16(p + 16 * c);
+// A row of D values (8-bit: codes, unscaled) as D/16 float32 vectors.
+template <int D, typename T>
+inline void load_row(const T* p, F32x16* v) {
+  for (int c = 0; c < D / 16; ++c) v[c] = kv::load16(p + 16 * c);
 }
 
 // scores[g] = q[g] . k for the N keys whose rows are at offsets rows[S0 .. S0 + N) in cache,
@@ -50,6 +49,7 @@ inline void tile_scores(const F32x16 (&q)[G][D / 16], const T* cache, const int6
     for (int g = 0; g < G; ++g) {
       F32x16 d = mul(q[g][0], k[0]);
       for (int c = 1; c < D / 16; ++c) d = fma(q[g][c], k[c], d);
+      if constexpr (kv::kQuantized<T>) d = mul(d, set1(kv::row_scale(cache + rows[S0], D)));
       scores[g] = d;
     }
   } else {
@@ -65,7 +65,7 @@ inline void tile_scores(const F32x16 (&q)[G][D / 16], const T* cache, const int6
 template <int Locality, int D, typename T>
 inline void prefetch_rows(const T* k_cache, const T* v_cache, const int64_t* rows) {
   for (int s = 0; s < kTile; ++s)
-    for (int line = 0; line < D * int(sizeof(T)); line += 64) {
+    for (int line = 0; line < kv::row_width<T>(D) * int(sizeof(T)); line += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(k_cache + rows[s]) + line, 0, Locality);
       __builtin_prefetch(reinterpret_cast<const char*>(v_cache + rows[s]) + line, 0, Locality);
     }
@@ -79,7 +79,8 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
                       int64_t BS, float scale, int64_t window) {
   constexpr int ND = D / 16;
   const int64_t Hq = Hkv * G;
-  const int64_t stride = Hkv * D;  // between consecutive slots of one head
+  constexpr int64_t RW = kv::row_width<T>(D);  // elements of a head's row
+  const int64_t stride = Hkv * RW;              // between consecutive slots of one head
   par::parallel_for(B * Hkv, [&](int64_t item) {
     const int64_t b = item / Hkv, h = item % Hkv;
     const int64_t S = seq_lens[b];
@@ -102,12 +103,12 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
     auto look_up = [&](int64_t t0, int64_t* off) {
       const int64_t lo = t0 > first ? t0 : first, last = (t0 + kTile < S ? t0 + kTile : S) - 1;
       if (lo / BS == last / BS) {
-        const int64_t base = (table[lo / BS] * BS + lo % BS - lo) * stride + h * D;  // + stride * position
+        const int64_t base = (table[lo / BS] * BS + lo % BS - lo) * stride + h * RW;  // + stride * position
         for (int s = 0; s < kTile; ++s) off[s] = base + stride * (t0 + s < lo ? lo : t0 + s > last ? last : t0 + s);
       } else {
         for (int s = 0; s < kTile; ++s) {
           const int64_t x = t0 + s < lo ? lo : t0 + s > last ? last : t0 + s;
-          off[s] = (table[x / BS] * BS + x % BS) * stride + h * D;
+          off[s] = (table[x / BS] * BS + x % BS) * stride + h * RW;
         }
       }
     };
@@ -147,8 +148,9 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
       for (int s = lo; s < hi; ++s) {
         F32x16 v[ND];
         load_row<D>(v_cache + cur[s], v);
+        const float vs = kv::row_scale(v_cache + cur[s], D);
         for (int g = 0; g < G; ++g) {
-          const F32x16 w = set1(p[g][s]);
+          const F32x16 w = set1(p[g][s] * vs);
           for (int c = 0; c < ND; ++c) acc[g][c] = fma(w, v[c], acc[g][c]);
         }
       }
@@ -186,11 +188,18 @@ int dispatch(const void* q, const void* kc, const void* vc, const int64_t* bt, i
 
 }  // namespace
 
-// Built twice (kernels/build.py), once per cache dtype: each build is 24 instantiations
-// of the kernel, about half a minute of the compiler, and two builds run on two cores.
-#if PAGED_ATTENTION_BF16
+// Built once per cache kind (kernels/build.py, PAGED_ATTENTION_CACHE = a PAGEDLLM_CACHE_*):
+// each build is 24 instantiations of the kernel, about half a minute of the compiler, and the
+// builds run on as many cores.
+#if PAGED_ATTENTION_CACHE == PAGEDLLM_CACHE_BF16
 #define PAGED_ATTENTION_ENTRY paged_decode_attention_bf16
 using CacheT = uint16_t;
+#elif PAGED_ATTENTION_CACHE == PAGEDLLM_CACHE_INT8
+#define PAGED_ATTENTION_ENTRY paged_decode_attention_int8
+using CacheT = int8_t;
+#elif PAGED_ATTENTION_CACHE == PAGEDLLM_CACHE_FP8
+#define PAGED_ATTENTION_ENTRY paged_decode_attention_fp8
+using CacheT = kv::E4M3;
 #else
 #define PAGED_ATTENTION_ENTRY paged_decode_attention_f32
 using CacheT = float;

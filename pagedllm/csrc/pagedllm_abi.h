@@ -6,7 +6,9 @@
  * with one type per declaration, and prototypes with named parameters, one per line or not.
  *
  * Layouts: tensors are row-major; "bf16" caches hold bfloat16 as uint16_t; every int64_t
- * array is contiguous. Functions returning int return 0 on success and -1 (nothing written)
+ * array is contiguous. K/V caches are [blocks, block_size, Hkv, row] of a cache kind
+ * (PAGEDLLM_CACHE_*): row = D values, or for the 8-bit kinds D one-byte codes followed by the
+ * row's float32 scale (PAGEDLLM_KV_SCALE_BYTES; value = code * scale; csrc/kv_rows.h). Functions returning int return 0 on success and -1 (nothing written)
  * for a shape or kind they do not cover.
  */
 #pragma once
@@ -38,6 +40,13 @@
 #define PAGEDLLM_GGML_Q4_K 12
 #define PAGEDLLM_GGML_Q5_K 13
 #define PAGEDLLM_GGML_Q6_K 14
+/* K/V cache kinds (cache_kind arguments, DecoderDesc.cache_kind). */
+#define PAGEDLLM_CACHE_F32 0
+#define PAGEDLLM_CACHE_BF16 1
+#define PAGEDLLM_CACHE_INT8 2
+#define PAGEDLLM_CACHE_FP8 3
+/* Bytes after each head's D codes in an 8-bit cache's row: its float32 scale. */
+#define PAGEDLLM_KV_SCALE_BYTES 4
 /* Row blocks of other formats one K-quant weight may stack (a fused q/k/v). */
 #define PAGEDLLM_KQUANT_MAX_PARTS 4
 
@@ -115,7 +124,7 @@ typedef struct LayerDesc {
   LinearDesc gate_up;
   LinearDesc down;
   const MoeDesc* moe; /* a mixture of experts in place of gate_up and down, or null */
-  void* k_cache; /* [blocks, block_size, Hkv, D], float32 or bf16 (DecoderDesc.cache_bf16) */
+  void* k_cache; /* [blocks, block_size, Hkv, row] of DecoderDesc.cache_kind */
   void* v_cache;
   int64_t window; /* attend to the last `window` keys; 0: all */
   int64_t group;  /* its KV cache group: which StepGroup holds its slots and block tables */
@@ -137,7 +146,7 @@ typedef struct DecoderDesc {
   int64_t head_dim;
   int64_t intermediate;
   int64_t block_size;
-  int64_t cache_bf16;
+  int64_t cache_kind; /* PAGEDLLM_CACHE_* */
   int64_t gelu;       /* 0: SiLU-and-mul, 1: GELU (tanh)-and-mul */
   int64_t num_groups; /* KV cache groups: the StepGroups passed */
   float eps;
@@ -168,18 +177,25 @@ const char* pagedllm_requires(void);
 
 /* --- decode and prefill attention (paged_attention.cpp, prefill_attention.cpp) --- */
 
-/* q, out [B, Hq, D] float32; caches [blocks, BS, Hkv, D] float32 (_f32) or bf16 (_bf16);
- * block_tables [B, max_blocks]; seq_lens [B]; window > 0: only the last `window` keys. */
+/* q, out [B, Hq, D] float32; caches [blocks, BS, Hkv, row] float32 (_f32), bf16 (_bf16), int8
+ * (_int8) or fp8 e4m3 (_fp8); block_tables [B, max_blocks]; seq_lens [B]; window > 0: only the
+ * last `window` keys. */
 int paged_decode_attention_bf16(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                                 int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq,
                                 int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window);
 int paged_decode_attention_f32(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                                int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq,
                                int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window);
-/* q: rows of Hq * D float32 at stride ldq; per request r < R its block table, first query
- * row, query count and keys after this step; out [rows, Hq * D], only requests' rows written;
- * window > 0: a query at p sees keys p - window + 1 .. p. */
-int paged_prefill_attention(int cache_bf16, const float* q, int64_t ldq, const void* k_cache, const void* v_cache,
+int paged_decode_attention_int8(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                                int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq,
+                                int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window);
+int paged_decode_attention_fp8(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                               int64_t max_blocks, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq,
+                               int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window);
+/* q: rows of Hq * D float32 at stride ldq; caches of cache_kind; per request r < R its block
+ * table, first query row, query count and keys after this step; out [rows, Hq * D], only
+ * requests' rows written; window > 0: a query at p sees keys p - window + 1 .. p. */
+int paged_prefill_attention(int cache_kind, const float* q, int64_t ldq, const void* k_cache, const void* v_cache,
                             const int64_t* block_tables, int64_t max_blocks, const int64_t* query_starts,
                             const int64_t* query_lens, const int64_t* seq_lens, float* out, int64_t R, int64_t Hq,
                             int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window);
@@ -222,9 +238,11 @@ void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int6
 /* gate_up: T rows (stride ld) of [gate I, up I]; gate <- act(gate) * up in place. */
 void silu_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I);
 void gelu_tanh_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I);
-/* k_cache[slots[t]] = k[t], v likewise (n rows of `width` floats, stride ld), converted. */
-void write_kv_cache(int cache_bf16, const float* k, const float* v, int64_t ld, void* k_cache, void* v_cache,
-                    const int64_t* slots, int64_t n, int64_t width);
+/* k_cache[slots[t]] = k[t], v likewise (n rows of Hkv heads of D floats, stride ld), in the
+ * cache's kind (8-bit: quantized per head with its scale); -1 (nothing written) for an unknown
+ * kind, or an 8-bit one with D not a multiple of 16. */
+int write_kv_cache(int cache_kind, const float* k, const float* v, int64_t ld, void* k_cache, void* v_cache,
+                   const int64_t* slots, int64_t n, int64_t Hkv, int64_t D);
 /* out[r] = the first index of the largest of x[r, 0..n). */
 void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
 

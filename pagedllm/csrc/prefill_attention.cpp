@@ -9,13 +9,16 @@
 // broadcast elements; an online softmax per lane (running max and sum in registers) rescales
 // the output, kept transposed ([D][16 lanes]) in L1. Work items are (request, KV head, tile).
 // Masked scores are dropped by lane masks, so a lane whose keys all lie in later blocks gets
-// weight 0, not exp(0). All arithmetic float32, whatever the storage dtype.
+// weight 0, not exp(0). All arithmetic float32, whatever the storage dtype: a block's K/V rows
+// are widened (8-bit codes times their row's scale, kv_rows.h) into L1 once per tile.
 #include <stdint.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "head_dims.h"
+#include "kv_rows.h"
 #include "pagedllm_abi.h"
 #include "parallel.h"
 #include "vec.h"
@@ -30,11 +33,11 @@ constexpr int kMaxBlock = PAGEDLLM_MAX_PREFILL_BLOCK;
 // where they fit in registers (AVX-512), else four (each already 2-4 registers).
 constexpr int kChains = kF32Regs >= 32 ? 8 : 4;
 
-inline void load_row(float* dst, const float* src, int64_t D) {
-  for (int64_t d = 0; d < D; d += 16) store(dst + d, load(src + d));
-}
-inline void load_row(float* dst, const uint16_t* src, int64_t D) {  // bfloat16 -> float32
-  for (int64_t d = 0; d < D; d += 16) store(dst + d, load_bf16(src + d));
+// One head's row as D float32 values.
+template <typename T>
+inline void load_row(float* dst, const T* src, int64_t D) {
+  const float s = kv::row_scale(src, D);
+  for (int64_t d = 0; d < D; d += 16) store(dst + d, kv::load16_scaled(src + d, s));
 }
 
 template <typename T, int D>
@@ -42,7 +45,8 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
                        int64_t max_blocks, const int64_t* query_starts, const int64_t* query_lens,
                        const int64_t* seq_lens, float* out, int64_t R, int64_t Hq, int64_t Hkv, int64_t BS,
                        float scale, int64_t window) {
-  const int64_t G = Hq / Hkv, stride = Hkv * D;  // stride: between consecutive slots of one head
+  constexpr int64_t RW = kv::row_width<T>(D);  // elements of a head's row
+  const int64_t G = Hq / Hkv, stride = Hkv * RW;  // stride: between consecutive slots of one head
   // Items: (request, KV head, tile of 16 query vectors), tiles of a request in order.
   std::vector<int64_t> first_item(R + 1, 0);
   for (int64_t r = 0; r < R; ++r) first_item[r + 1] = first_item[r] + Hkv * ((query_lens[r] * G + kLanes - 1) / kLanes);
@@ -82,7 +86,7 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
 
     for (int64_t blk = lo_key / BS; blk * BS < hi_key; ++blk) {
       const int64_t k0 = std::max(blk * BS, lo_key), k1 = std::min((blk + 1) * BS, hi_key), nk = k1 - k0;
-      const int64_t base = table[blk] * BS * stride + h * D;
+      const int64_t base = table[blk] * BS * stride + h * RW;
       // Keys in groups of kChains, one chain each; a partial group is padded with zero keys
       // that the masks drop.
       const int64_t nkc = (nk + kChains - 1) / kChains * kChains;
@@ -152,18 +156,25 @@ int dispatch(const float* q, int64_t ldq, const void* kc, const void* vc, const 
 }  // namespace
 
 // q: rows of Hq * D float32 at row stride ldq (this step's queries, flattened over requests);
-// caches [num_blocks, BS, Hkv, D] float32 or bfloat16; per request r < R: block_tables
+// caches [num_blocks, BS, Hkv, row] of cache_kind (kv_rows.h); per request r < R: block_tables
 // [R, max_blocks], query_starts (first row in q and out), query_lens (n), seq_lens (context
 // after this step; the queries are its last n positions). out: [rows, Hq * D] float32, only
 // the requests' rows written. window > 0: a query at p sees keys p - window + 1 .. p.
-// Returns -1 (nothing written) for an unsupported shape.
-int paged_prefill_attention(int cache_bf16, const float* q, int64_t ldq, const void* k_cache, const void* v_cache,
+// Returns -1 (nothing written) for an unsupported shape or cache kind.
+int paged_prefill_attention(int cache_kind, const float* q, int64_t ldq, const void* k_cache, const void* v_cache,
                             const int64_t* block_tables, int64_t max_blocks, const int64_t* query_starts,
                             const int64_t* query_lens, const int64_t* seq_lens, float* out, int64_t R, int64_t Hq,
                             int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window) {
-  if (cache_bf16)
-    return dispatch<uint16_t>(q, ldq, k_cache, v_cache, block_tables, max_blocks, query_starts, query_lens, seq_lens,
-                              out, R, Hq, Hkv, D, BS, scale, window);
-  return dispatch<float>(q, ldq, k_cache, v_cache, block_tables, max_blocks, query_starts, query_lens, seq_lens, out,
-                         R, Hq, Hkv, D, BS, scale, window);
+  auto run = [&](auto* typed) {
+    return dispatch<std::remove_pointer_t<decltype(typed)>>(q, ldq, k_cache, v_cache, block_tables, max_blocks,
+                                                           query_starts, query_lens, seq_lens, out, R, Hq, Hkv, D, BS,
+                                                           scale, window);
+  };
+  switch (cache_kind) {
+    case PAGEDLLM_CACHE_F32: return run(static_cast<float*>(nullptr));
+    case PAGEDLLM_CACHE_BF16: return run(static_cast<uint16_t*>(nullptr));
+    case PAGEDLLM_CACHE_INT8: return run(static_cast<int8_t*>(nullptr));
+    case PAGEDLLM_CACHE_FP8: return run(static_cast<kv::E4M3*>(nullptr));
+    default: return -1;
+  }
 }

@@ -40,6 +40,8 @@
 //           pairs fit in int16); dot_s8s8 the same with w as s8 (x in [-127, 127]).
 //           load_u8_f32 / load_s8_f32 (16 bytes widened to float), expand4(v, c): lane l =
 //           v[4 c + l / 4] (the scale of each 16-byte quarter of a U8x64, per 4-lane dot sum).
+//   fp8     load_e4m3 (16 bytes of float8 e4m3, OCP's "e4m3fn": bias 7, subnormals, no
+//           infinities, 0x7F / 0xFF NaN and never stored by us, widened to float32 exactly)
 #pragma once
 
 #include <stdint.h>

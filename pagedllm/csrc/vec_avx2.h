@@ -217,6 +217,17 @@ inline F32x16 load_s8_f32(const int8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
 }
+// e4m3's bits moved into float16's, as in vec_avx512.h, converted by F16C, times 2^8.
+inline F32x16 load_e4m3(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  auto half = [](__m128i bytes) {  // the low 8 bytes
+    const __m128i w = _mm_cvtepu8_epi16(bytes);
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+  };
+  return {half(b), half(_mm_srli_si128(b, 8))};
+}
 inline F32x16 expand4(F32x16 a, int c) {
   const __m256 src = c < 2 ? a.lo : a.hi;
   const __m256i o = _mm256_set1_epi32(4 * (c % 2));

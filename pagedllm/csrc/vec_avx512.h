@@ -163,6 +163,15 @@ inline F32x16 load_u8_f32(const uint8_t* p) {
 inline F32x16 load_s8_f32(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
+// e4m3's bits moved into float16's (sign to bit 15, exponent and mantissa to bits 7-13: an
+// exponent biased by 7 where float16's is by 15, so the float16 is the value * 2^-8, subnormals
+// included), converted by the hardware, times 2^8.
+inline F32x16 load_e4m3(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return {_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f))};
+}
 inline F32x16 expand4(F32x16 a, int c) {
   const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * c), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
   return {_mm512_permutexvar_ps(idx, a.v)};

@@ -233,6 +233,19 @@ inline F32x16 load_s8_f32(const int8_t* p) {
   return {{vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vcvtq_f32_s32(vmovl_high_s16(lo)),
            vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), vcvtq_f32_s32(vmovl_high_s16(hi))}};
 }
+// e4m3's bits moved into float16's, as in vec_avx512.h, converted by the hardware, times 2^8.
+inline F32x16 load_e4m3(const uint8_t* p) {
+  const uint8x16_t b = vld1q_u8(p);
+  auto half = [](uint16x8_t w) {
+    return vorrq_u16(vshlq_n_u16(vandq_u16(w, vdupq_n_u16(0x80)), 8), vshlq_n_u16(vandq_u16(w, vdupq_n_u16(0x7F)), 7));
+  };
+  const uint16x8_t lo = half(vmovl_u8(vget_low_u8(b))), hi = half(vmovl_high_u8(b));
+  const float32x4_t k = vdupq_n_f32(256.f);
+  return {{vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(lo))), k),
+           vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(lo))), k),
+           vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(hi))), k),
+           vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(hi))), k)}};
+}
 inline F32x16 expand4(F32x16 a, int c) {
   const float32x4_t s = a.v[c];
   return {{vdupq_laneq_f32(s, 0), vdupq_laneq_f32(s, 1), vdupq_laneq_f32(s, 2), vdupq_laneq_f32(s, 3)}};

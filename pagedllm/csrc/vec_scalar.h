@@ -192,6 +192,13 @@ inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
 }
 inline F32x16 load_u8_f32(const uint8_t* p) { return lanes([p](int i) { return float(p[i]); }); }
 inline F32x16 load_s8_f32(const int8_t* p) { return lanes([p](int i) { return float(p[i]); }); }
+inline F32x16 load_e4m3(const uint8_t* p) {
+  return lanes([p](int i) {
+    const int e = (p[i] >> 3) & 0xF, m = p[i] & 7;
+    const float a = e ? std::ldexp(float(8 + m), e - 10) : std::ldexp(float(m), -9);  // 2^(e-7) (1 + m/8); subnormal m 2^-9
+    return p[i] & 0x80 ? -a : a;
+  });
+}
 inline F32x16 expand4(F32x16 a, int c) { return lanes([&](int i) { return a.v[4 * c + i / 4]; }); }
 inline I32x16 dot_u8s8(I32x16 acc, const U8x64& w, const int8_t* x) {
   for (int l = 0; l < 16; ++l)

@@ -81,7 +81,7 @@ class AsyncLLM:
             self.tokenizer, self.max_model_len, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(self.num_engines)
+        self.metrics = EngineMetrics(self.num_engines, self.kv_config)
         self.stat_logger = StatLogger() if log_stats else None
         self.live_view = LiveView.for_engine(config, self.kv_config) if config.live_view else None
         self.dead_error: EngineDeadError | None = None  # set once no core is left

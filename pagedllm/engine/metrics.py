@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.engine.messages import SchedulerStats
 from pagedllm.engine.output_processor import TokenTiming
 from pagedllm.outputs import RequestOutput
@@ -45,11 +46,19 @@ class EngineMetrics:
 
     Args:
         num_engines: the data-parallel cores (each gets its gauges' series from the start).
+        kv_config: one core's KV cache (every core's is alike), stated as vLLM's
+            ``cache_config_info``: a gauge of 1 whose labels are the cache's dtype, block size,
+            block count and bytes per block; None: not stated.
     """
 
-    def __init__(self, num_engines: int = 1) -> None:
+    def __init__(self, num_engines: int = 1, kv_config: KVCacheConfig | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        if kv_config is not None:
+            labels = {"cache_dtype": kv_config.dtype, "block_size": str(kv_config.block_size),
+                      "num_gpu_blocks": str(kv_config.num_blocks), "bytes_per_block": str(kv_config.bytes_per_block)}
+            Gauge("pagedllm:cache_config_info", "The KV cache's configuration (labels); always 1.", list(labels),
+                  registry=r).labels(**labels).set(1)
         self.running = Gauge(
             "pagedllm:num_requests_running", "Requests in the running batch.", ["engine"], registry=r
         )

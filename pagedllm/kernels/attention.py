@@ -4,6 +4,11 @@ prefill_attention.cpp, elementwise.cpp's write_kv_cache).
 ``decode_attention_supported`` and ``prefill_attention_supported`` say, from a layer's head
 counts and size, whether the kernels cover it; the calls themselves raise on tensors outside
 their contract (``kernels.args``).
+
+Caches are [num_blocks, block_size, num_kv_heads, row]: row = head_dim values (float32,
+bfloat16), or in the 8-bit caches (int8, float8_e4m3fn) head_dim codes and the row's float32
+scale (``core.kv_cache_config.kv_row_width``), read as stored: the kernels widen codes in
+registers and apply the scale there.
 """
 
 from __future__ import annotations
@@ -13,11 +18,36 @@ import functools
 
 import torch
 
+from pagedllm.core.kv_cache_config import kv_row_width
 from pagedllm.kernels import abi
 from pagedllm.kernels.args import check_cpu, check_index, ptr, require
 from pagedllm.kernels.library import native_library
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16)  # the K/V cache dtypes the kernels read
+# The K/V cache dtypes the kernels read, each its pagedllm_abi.h cache kind.
+_CACHE_KINDS = {
+    torch.float32: abi.CONSTANTS["PAGEDLLM_CACHE_F32"],
+    torch.bfloat16: abi.CONSTANTS["PAGEDLLM_CACHE_BF16"],
+    torch.int8: abi.CONSTANTS["PAGEDLLM_CACHE_INT8"],
+    torch.float8_e4m3fn: abi.CONSTANTS["PAGEDLLM_CACHE_FP8"],
+}
+CACHE_DTYPES = tuple(_CACHE_KINDS)
+_DECODE_ENTRIES = {
+    torch.float32: "paged_decode_attention_f32",
+    torch.bfloat16: "paged_decode_attention_bf16",
+    torch.int8: "paged_decode_attention_int8",
+    torch.float8_e4m3fn: "paged_decode_attention_fp8",
+}
+
+
+def cache_kind(dtype: torch.dtype) -> int:
+    """The kernels' cache kind (``PAGEDLLM_CACHE_*``) of a K/V cache dtype.
+
+    Raises:
+        ValueError: for a dtype the kernels do not read.
+    """
+    if dtype not in _CACHE_KINDS:
+        raise ValueError(f"the native kernels read K/V caches of {CACHE_DTYPES}, not {dtype}")
+    return _CACHE_KINDS[dtype]
 MAX_PREFILL_BLOCK = abi.CONSTANTS["PAGEDLLM_MAX_PREFILL_BLOCK"]  # largest block size of the prefill kernel
 
 
@@ -58,7 +88,8 @@ def paged_decode_attention(
     Args:
         q: [B, num_heads, head_dim], float (the kernel computes in float32); heads as
             ``decode_attention_supported`` accepts.
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16, contiguous.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, row] of a ``CACHE_DTYPES``
+            dtype, contiguous (row: see the module docstring).
         block_tables: [B, max_blocks] int64, contiguous; seq_lens: [B] int64 (keys per request).
         window: > 0: attend only to the last ``window`` keys; 0: all keys.
 
@@ -77,7 +108,7 @@ def paged_decode_attention(
     check_index(seq_lens, "seq_lens", (b,))
     q32 = q.float().contiguous()
     out = torch.empty_like(q32)
-    kernel = lib.paged_decode_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.paged_decode_attention_f32
+    kernel = getattr(lib, _DECODE_ENTRIES[k_cache.dtype])
     status = kernel(
         ptr(q32), ptr(k_cache), ptr(v_cache), ptr(block_tables), block_tables.shape[1], ptr(seq_lens),
         ptr(out), b, hq, k_cache.shape[2], d, k_cache.shape[1], scale, window,
@@ -101,8 +132,8 @@ def paged_prefill_attention(
 
     Args:
         q: [T, num_heads, head_dim] float32, heads contiguous (rows at any stride).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or
-            bfloat16, contiguous, block_size <= ``MAX_PREFILL_BLOCK``, already holding this
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, row] of a ``CACHE_DTYPES``
+            dtype, contiguous, block_size <= ``MAX_PREFILL_BLOCK``, already holding this
             step's K/V.
         block_tables: [R, max_blocks] int64, contiguous: each prefill request's blocks.
         spans: [3, R] int64, contiguous: per request its first query row, query count and keys.
@@ -125,7 +156,7 @@ def paged_prefill_attention(
     if out.shape != (t, hq * d) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be contiguous float32 [{t}, {hq * d}], got {out.dtype} {list(out.shape)}")
     status = lib.paged_prefill_attention(
-        int(k_cache.dtype == torch.bfloat16), ptr(q), q.stride(0), ptr(k_cache), ptr(v_cache),
+        cache_kind(k_cache.dtype), ptr(q), q.stride(0), ptr(k_cache), ptr(v_cache),
         ptr(block_tables), block_tables.shape[1], ptr(spans[0]), ptr(spans[1]), ptr(spans[2]),
         ptr(out), r, hq, k_cache.shape[2], d, k_cache.shape[1], scale, window,
     )
@@ -137,11 +168,12 @@ def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """``k_cache`` / ``v_cache`` slot ``slot_mapping[t]`` = row t of k / v, converted to the
-    cache's dtype in one pass.
+    cache's dtype in one pass (8-bit caches: each head quantized with its own scale, once).
 
     Args:
         k, v: [T, num_kv_heads, head_dim] float32, heads contiguous, one row stride for both.
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16, contiguous.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, row] of a ``CACHE_DTYPES``
+            dtype, contiguous.
         slot_mapping: [T] int64, each < num_blocks * block_size.
 
     Raises:
@@ -156,25 +188,27 @@ def write_kv_cache(
         or k.stride(1) != d or v.stride(1) != d or k.stride(2) != 1 or v.stride(2) != 1
     ):
         raise ValueError(f"k, v must be float32 rows of contiguous heads at one stride, got {k.dtype}, {v.dtype}")
-    if v.shape != k.shape or k_cache.shape[2:] != (hkv, d):
-        raise ValueError(f"k, v {list(k.shape)}, {list(v.shape)} do not fit the cache {list(k_cache.shape)}")
     _check_cache(k_cache, v_cache, hkv, d)
+    if v.shape != k.shape or k_cache.shape[2] != hkv:
+        raise ValueError(f"k, v {list(k.shape)}, {list(v.shape)} do not fit the cache {list(k_cache.shape)}")
     check_index(slot_mapping, "slot_mapping", (t,))
-    lib.write_kv_cache(
-        int(k_cache.dtype == torch.bfloat16), ptr(k), ptr(v), k.stride(0), ptr(k_cache), ptr(v_cache),
-        ptr(slot_mapping), t, hkv * d,
+    status = lib.write_kv_cache(
+        cache_kind(k_cache.dtype), ptr(k), ptr(v), k.stride(0), ptr(k_cache), ptr(v_cache),
+        ptr(slot_mapping), t, hkv, d,
     )
+    if status != 0:
+        raise ValueError(f"no K/V write for a {k_cache.dtype} cache of head size {d}")
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, head_dim: int) -> None:
-    """K and V caches alike, contiguous, of a dtype the kernels read and of head_dim, with a KV
-    head count dividing num_heads."""
+    """K and V caches alike, contiguous, of a dtype the kernels read and rows of head_dim, with a
+    KV head count dividing num_heads."""
     if (
         k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
         or k_cache.dtype not in CACHE_DTYPES or not k_cache.is_contiguous() or not v_cache.is_contiguous()
-        or k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]
+        or k_cache.shape[3] != kv_row_width(head_dim, k_cache.dtype) or num_heads % k_cache.shape[2]
     ):
         raise ValueError(
-            f"kv cache: need two contiguous float32 or bfloat16 [blocks, block_size, kv_heads | {num_heads}, "
-            f"{head_dim}] of one dtype, got {list(k_cache.shape)} {k_cache.dtype}, {list(v_cache.shape)} {v_cache.dtype}"
+            f"kv cache: need two contiguous [blocks, block_size, kv_heads | {num_heads}, row of {head_dim}] of one "
+            f"dtype of {CACHE_DTYPES}, got {list(k_cache.shape)} {k_cache.dtype}, {list(v_cache.shape)} {v_cache.dtype}"
         )

@@ -42,8 +42,9 @@ logger = logging.getLogger("pagedllm")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 PREBUILT = Path(__file__).resolve().parent / "prebuilt"
-# Sources built more than once, with these defines: the decode attention once per cache dtype.
-_VARIANTS = {"paged_attention.cpp": [["-DPAGED_ATTENTION_BF16=1"], ["-DPAGED_ATTENTION_BF16=0"]]}
+# Sources built more than once, with these defines: the decode attention once per cache kind
+# (pagedllm_abi.h's PAGEDLLM_CACHE_*: float32, bfloat16, int8, fp8).
+_VARIANTS = {"paged_attention.cpp": [[f"-DPAGED_ATTENTION_CACHE={kind}"] for kind in range(4)]}
 _COMPILE_TIMEOUT_S = 600
 _MAX_ERROR_LINES = 10
 # About the compiler's CPU time for one variant, all translation units together (see

@@ -12,6 +12,11 @@ place through the block tables (``csrc/``) or PyTorch (``PagedAttention`` picks 
   grouped-query heads folded into the query-length axis (K/V never repeated per head).
 - prefill or chunked prefill (several query tokens): all such requests in one call, causal
   with the chunk's offset into its context. PyTorch: one SDPA call per request.
+
+An 8-bit cache (int8, float8_e4m3fn; rows of codes and a scale, ``core/kv_cache_config.py``)
+is quantized once, when this step's K/V are written, and read as stored on both paths: the
+PyTorch one dequantizes the rows it gathers (and reads a first chunk's K/V from the cache,
+as the kernels do, rather than the step's unquantized ones).
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedllm.core.kv_cache_config import QUANTIZED_KV_DTYPES
 from pagedllm.kernels import attention as kernels
 from pagedllm.layers.custom_op import CustomOp
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, row] (kv_row_width)
 
 
 @dataclass
@@ -136,8 +142,9 @@ class PagedAttention(CustomOp):
 
     Call: ``attn(q, k, v, kv_cache, meta)``.
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (this step's tokens).
-        kv_cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim], in
-            q's dtype or bfloat16 (read back in q's dtype).
+        kv_cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, row], in
+            q's dtype or bfloat16 (read back in q's dtype), or 8-bit (row: head_dim codes and
+            the scale, ``core.kv_cache_config.kv_row_width``).
         meta: the step's metadata (slot mapping, decode batch, prefill list).
         Returns [T, num_heads * head_dim], same dtype as q.
     """
@@ -201,11 +208,33 @@ class PagedAttention(CustomOp):
 
 
 def _write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V ([T, num_kv_heads, head_dim]) into their cache slots (in the cache's dtype)."""
-    k_cache, v_cache = kv_cache
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Scatter this step's K/V ([T, num_kv_heads, head_dim]) into their cache slots (in the
+    cache's dtype; 8-bit: quantized rows, as the native write stores them)."""
+    for x, cache in zip((k, v), kv_cache):
+        if cache.dtype in QUANTIZED_KV_DTYPES:  # index_copy_ lacks float8: bytes are copied
+            cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, _quantize_rows(x, cache.dtype))
+        else:
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+
+def _quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [T, H, D] as 8-bit cache rows [T, H, D + 4] (as uint8 bytes): per row, scale = max|x| /
+    the largest code (127; e4m3: 448), codes = x * (that / max|x|) rounded to nearest even,
+    then the float32 scale's bytes; the native write's arithmetic, step for step."""
+    limit = 127.0 if dtype == torch.int8 else 448.0
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    y = x * torch.where(amax > 0, limit / amax, 0.0)
+    codes = y.round().to(torch.int8) if dtype == torch.int8 else y.clamp(-limit, limit).to(dtype)
+    return torch.cat([codes.view(torch.uint8), (amax / limit).view(torch.uint8)], -1)
+
+
+def _cache_values(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., row] as values [..., head_dim] in ``dtype`` (8-bit: codes x scale)."""
+    if rows.dtype not in QUANTIZED_KV_DTYPES:
+        return rows.to(dtype)
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    return (rows[..., :head_dim].float() * scale).to(dtype)
 
 
 def _prefill_torch(
@@ -223,11 +252,13 @@ def _prefill_torch(
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k.shape[1]
     block_size = k_cache.shape[1]
+    as_stored = k_cache.dtype in QUANTIZED_KV_DTYPES  # a first chunk reads its K/V from the cache too
     for i, p in enumerate(meta.prefills):
         rows = slice(p.query_start, p.query_start + p.query_len)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         first_query = p.seq_len - p.query_len
         chunked = first_query > 0  # a later chunk or a cache hit: causal with an offset
+        gather = chunked or as_stored
         mask = None
         if chunked and not (window and p.seq_len > window):
             mask = meta.window_masks.get((i, 0))
@@ -242,18 +273,18 @@ def _prefill_torch(
                 q_pos = torch.arange(first_query, p.seq_len)[:, None]
                 k_pos = torch.arange(key_start, p.seq_len)[None, :]
                 mask = meta.window_masks[(i, window)] = (k_pos <= q_pos) & (k_pos > q_pos - window)
-            if not chunked:
+            if not gather:
                 keys, values = k[rows], v[rows]
             else:
                 first_block = key_start // block_size
-                skip = first_block * block_size
-                keys = k_cache[p.block_ids[first_block:]].flatten(0, 1)[key_start - skip : p.seq_len - skip].to(q.dtype)
-                values = v_cache[p.block_ids[first_block:]].flatten(0, 1)[key_start - skip : p.seq_len - skip].to(q.dtype)
-        elif not chunked:  # whole context is this chunk: use it directly, no gather
+                span = slice(key_start - first_block * block_size, p.seq_len - first_block * block_size)
+                keys = _cache_values(k_cache[p.block_ids[first_block:]].flatten(0, 1)[span], head_dim, q.dtype)
+                values = _cache_values(v_cache[p.block_ids[first_block:]].flatten(0, 1)[span], head_dim, q.dtype)
+        elif not gather:  # whole context is this chunk: use it directly, no gather
             keys, values = k[rows], v[rows]
         else:
-            keys = k_cache[p.block_ids].flatten(0, 1)[: p.seq_len].to(q.dtype)
-            values = v_cache[p.block_ids].flatten(0, 1)[: p.seq_len].to(q.dtype)
+            keys = _cache_values(k_cache[p.block_ids].flatten(0, 1)[: p.seq_len], head_dim, q.dtype)
+            values = _cache_values(v_cache[p.block_ids].flatten(0, 1)[: p.seq_len], head_dim, q.dtype)
         keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
         values = values.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
@@ -281,8 +312,8 @@ def _decode_attention_torch(
     num_kv_heads = k_cache.shape[2]
     tables = meta.decode_block_tables
     # [b, L, Hkv, D] -> [b, Hkv, L, D]; the G query heads of a KV head ride the query axis.
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+    keys = _cache_values(k_cache[tables].flatten(1, 2).transpose(1, 2), head_dim, q.dtype)
+    values = _cache_values(v_cache[tables].flatten(1, 2).transpose(1, 2), head_dim, q.dtype)
     query = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # The padding mask (keys past each request's length), built on first use by this fallback only.
     mask = meta.window_masks.get((-1, window))

@@ -22,6 +22,7 @@ import ctypes
 import torch
 from torch import nn
 
+from pagedllm.core.kv_cache_config import kv_row_width
 from pagedllm.kernels import attention, library
 from pagedllm.kernels.decoder import DecoderDesc, LayerDesc, decode_layers
 from pagedllm.layers.attention import AttentionMetadata, KVCache
@@ -133,18 +134,18 @@ class NativeDecoder:
     def _bind(self, kv_caches: list[KVCache]) -> bool:
         """Point the layers at these caches; False where the kernels cannot read them."""
         first = kv_caches[0][0]
-        if first.dtype not in (torch.float32, torch.bfloat16):
+        if first.dtype not in attention.CACHE_DTYPES:
             return False
         for (k, v) in kv_caches:
             if not (k.shape == v.shape == first.shape and k.dtype == v.dtype == first.dtype):
                 return False
             if not (k.is_contiguous() and v.is_contiguous() and k.device.type == v.device.type == "cpu"):
                 return False
-        if first.shape[2:] != (self.desc.num_kv_heads, self.desc.head_dim):
+        if first.shape[2:] != (self.desc.num_kv_heads, kv_row_width(self.desc.head_dim, first.dtype)):
             return False
         for desc, (k, v) in zip(self.layers, kv_caches, strict=True):
             desc.k_cache, desc.v_cache = k.data_ptr(), v.data_ptr()
         self.desc.block_size = first.shape[1]
-        self.desc.cache_bf16 = int(first.dtype == torch.bfloat16)
+        self.desc.cache_kind = attention.cache_kind(first.dtype)
         self.kv_caches = kv_caches
         return True

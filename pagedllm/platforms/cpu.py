@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.config import parse_dtype
+from pagedllm.config import parse_dtype, parse_kv_cache_dtype
 from pagedllm.kernels import library
 
 
@@ -23,18 +23,13 @@ def dtype_settings(
     the figures: docs/benchmarks.md ("Small batches at the memory roofline", "PyTorch
     fallback"). Where ``quantization`` names a mode (even "none"), the linear layers are as
     that says. An explicit dtype: that dtype throughout. ``kv_cache_dtype`` other than "auto"
-    overrides the K/V dtype.
+    overrides the K/V dtype ("int8", "fp8" / "fp8_e4m3": the 8-bit caches).
 
     Raises:
         ValueError: for an unknown dtype name or K/V dtype.
     """
     auto = isinstance(dtype, str) and dtype.lower() == "auto"
-    kv = None
-    if kv_cache_dtype != "auto":
-        try:
-            kv = parse_dtype(kv_cache_dtype)
-        except ValueError:
-            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {kv_cache_dtype!r}") from None
+    kv = parse_kv_cache_dtype(kv_cache_dtype)
     if auto and library.active_isa() is None:  # the PyTorch fallback: K/V in the model's dtype, never cast
         fallback: dict[str, object] = {"dtype": torch.float32, "kv_cache_dtype": kv, "quantization": quantization}
         if quantization is None:  # weight-only int8, the GGUF's own blocks kept, the lm_head too

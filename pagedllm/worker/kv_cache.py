@@ -11,7 +11,8 @@ from pagedllm.layers.attention import AttentionMetadata
 
 
 def allocate_kv_caches(kv: KVCacheConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim] in ``kv.dtype``.
+    """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, kv.row_width] in
+    ``kv.dtype`` (the 8-bit caches' rows: head_dim codes, then the scale's bytes).
 
     ``num_kv_heads`` is this rank's share (``kv.num_kv_heads``). The ``j``-th layer of every
     KV cache group gets the same tensors (see ``core/kv_cache_groups.py``): block ids, not
@@ -19,11 +20,12 @@ def allocate_kv_caches(kv: KVCacheConfig) -> list[tuple[torch.Tensor, torch.Tens
     tensors of its own.
 
     The memory comes from numpy's calloc: zero pages the OS maps lazily, so start-up does
-    not touch gigabytes, and never-written slots read as 0.0 (masked padding must not be NaN).
+    not touch gigabytes, and never-written slots read as 0.0 (masked padding must not be NaN; an
+    8-bit row's codes and scale are 0 too).
     """
     num_slots = layers_per_block(kv.groups)
     dtype = kv.torch_dtype
-    shape = (kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim)
+    shape = (kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.row_width)
     per_layer = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     raw = torch.from_numpy(np.zeros(2 * num_slots * per_layer, dtype=np.uint8))
     flat = raw.view(dtype).view(num_slots, 2, *shape)

@@ -228,8 +228,8 @@ void test_elementwise() {
     std::vector<uint16_t> kb(slots_n * width, 0), vb(slots_n * width, 0);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t i = 0; i < width; ++i) kr[slots[t] * width + i] = k[t * width + i], vr[slots[t] * width + i] = v[t * width + i];
-    write_kv_cache(0, k.data(), v.data(), width, kc.data(), vc.data(), slots, T, width);
-    write_kv_cache(1, k.data(), v.data(), width, kb.data(), vb.data(), slots, T, width);
+    write_kv_cache(PAGEDLLM_CACHE_F32, k.data(), v.data(), width, kc.data(), vc.data(), slots, T, 1, width);
+    write_kv_cache(PAGEDLLM_CACHE_BF16, k.data(), v.data(), width, kb.data(), vb.data(), slots, T, 1, width);
     float bf_error = 0.f;
     for (size_t i = 0; i < kb.size(); ++i)
       bf_error = std::fmax(bf_error, float(kb[i] != to_bf16(kr[i])) + float(vb[i] != to_bf16(vr[i])));
@@ -311,13 +311,106 @@ void test_attention(bool bf16, int64_t window) {
     std::vector<float> out(rows * Hq * D), ref(rows * Hq * D);
     const int64_t bt[6] = {table[0][0], table[0][1], table[0][2], table[1][0], table[1][1], table[1][2]};
     const int64_t starts[2] = {0, n[0]}, sl[2] = {S[0], S[1]};
-    const int status = paged_prefill_attention(bf16, q.data(), Hq * D, kc.data(), vc.data(), bt, 3, starts, n, sl,
+    const int status = paged_prefill_attention(bf16 ? PAGEDLLM_CACHE_BF16 : PAGEDLLM_CACHE_F32, q.data(), Hq * D, kc.data(), vc.data(), bt, 3, starts, n, sl,
                                                out.data(), 2, Hq, Hkv, D, BS, scale, window);
     for (int r = 0; r < 2; ++r)
       attention_reference(q.data() + starts[r] * Hq * D, kd[r], vd[r], n[r], S[r], Hq, Hkv, D, scale, window,
                           ref.data() + starts[r] * Hq * D);
     std::snprintf(name, sizeof(name), "prefill attention %s window %lld", bf16 ? "bf16" : "f32", (long long)window);
     check(name, status == 0 ? max_error(out, ref) : 1e9f, 1e-4f);
+  }
+}
+
+// An e4m3 code's value, from its definition (bias 7, subnormals, no infinities).
+float from_e4m3(uint8_t c) {
+  const int e = (c >> 3) & 15, m = c & 7;
+  const float a = e ? std::ldexp(1.f + m / 8.f, e - 7) : std::ldexp(m / 8.f, -6);
+  return c & 0x80 ? -a : a;
+}
+
+// The value of element d of an 8-bit cache row (D codes, then the float32 scale).
+float from_row8(int kind, const int8_t* row, int64_t D, int64_t d) {
+  float s;
+  std::memcpy(&s, row + D, 4);
+  return (kind == PAGEDLLM_CACHE_INT8 ? float(row[d]) : from_e4m3(uint8_t(row[d]))) * s;
+}
+
+// 8-bit caches: K/V written by write_kv_cache (checked against the inputs at the code's
+// rounding), then the decode and prefill attention against the reference over the K/V as
+// stored; and every e4m3 code read back through a one-key prefill (its output is V's row).
+void test_attention_8bit(int kind, int64_t window) {
+  Rng rng;
+  const char* kname = kind == PAGEDLLM_CACHE_INT8 ? "int8" : "fp8";
+  const int64_t BS = 16, Hq = 6, Hkv = 2, D = 64, RW = D + PAGEDLLM_KV_SCALE_BYTES, blocks = 16;
+  const float scale = 0.125f;
+  const int64_t S[2] = {37, 21}, n[2] = {1, 9};
+  const int64_t table[2][3] = {{4, 9, 1}, {12, 0, 7}};
+  std::vector<int8_t> kc(blocks * BS * Hkv * RW), vc(kc.size());
+  std::vector<float> kd[2], vd[2];
+  float write_error = 0.f;
+  for (int r = 0; r < 2; ++r) {
+    const auto k = rng.normals(S[r] * Hkv * D), v = rng.normals(S[r] * Hkv * D);
+    std::vector<int64_t> slots(S[r]);
+    for (int64_t j = 0; j < S[r]; ++j) slots[j] = table[r][j / BS] * BS + j % BS;
+    write_kv_cache(kind, k.data(), v.data(), Hkv * D, kc.data(), vc.data(), slots.data(), S[r], Hkv, D);
+    kd[r].resize(k.size()), vd[r].resize(v.size());
+    for (int64_t j = 0; j < S[r]; ++j)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int8_t *krow = kc.data() + (slots[j] * Hkv + h) * RW, *vrow = vc.data() + (slots[j] * Hkv + h) * RW;
+        float amax_k = 0.f, amax_v = 0.f;
+        for (int64_t d = 0; d < D; ++d)
+          amax_k = std::fmax(amax_k, std::fabs(k[(j * Hkv + h) * D + d])), amax_v = std::fmax(amax_v, std::fabs(v[(j * Hkv + h) * D + d]));
+        for (int64_t d = 0; d < D; ++d) {
+          const int64_t e = (j * Hkv + h) * D + d;
+          kd[r][e] = from_row8(kind, krow, D, d), vd[r][e] = from_row8(kind, vrow, D, d);
+          // int8: half a step of max|x| / 127; e4m3: half a unit in the last place (2^-4 of the value), or of 2^-9 * max|x| / 448
+          const float tk = kind == PAGEDLLM_CACHE_INT8 ? amax_k / 254.f : std::fmax(std::fabs(k[e]) / 16.f, amax_k / 448.f / 1024.f);
+          const float tv = kind == PAGEDLLM_CACHE_INT8 ? amax_v / 254.f : std::fmax(std::fabs(v[e]) / 16.f, amax_v / 448.f / 1024.f);
+          write_error = std::fmax(write_error, std::fmax(std::fabs(kd[r][e] - k[e]) / tk, std::fabs(vd[r][e] - v[e]) / tv));
+        }
+      }
+  }
+  char name[64];
+  std::snprintf(name, sizeof(name), "write_kv_cache %s (error / half a step)", kname);
+  check(name, write_error, 1.0001f);
+  {
+    const auto q = rng.normals(Hq * D);
+    std::vector<float> out(Hq * D), ref(Hq * D);
+    const int64_t bt[3] = {table[0][0], table[0][1], table[0][2]}, sl[1] = {S[0]};
+    const int status = (kind == PAGEDLLM_CACHE_INT8 ? paged_decode_attention_int8 : paged_decode_attention_fp8)(
+        q.data(), kc.data(), vc.data(), bt, 3, sl, out.data(), 1, Hq, Hkv, D, BS, scale, window);
+    attention_reference(q.data(), kd[0], vd[0], 1, S[0], Hq, Hkv, D, scale, window, ref.data());
+    std::snprintf(name, sizeof(name), "decode attention %s window %lld", kname, (long long)window);
+    check(name, status == 0 ? max_error(out, ref) : 1e9f, 1e-4f);
+  }
+  {
+    const int64_t rows = n[0] + n[1];
+    const auto q = rng.normals(rows * Hq * D);
+    std::vector<float> out(rows * Hq * D), ref(rows * Hq * D);
+    const int64_t bt[6] = {table[0][0], table[0][1], table[0][2], table[1][0], table[1][1], table[1][2]};
+    const int64_t starts[2] = {0, n[0]}, sl[2] = {S[0], S[1]};
+    const int status = paged_prefill_attention(kind, q.data(), Hq * D, kc.data(), vc.data(), bt, 3, starts, n, sl,
+                                               out.data(), 2, Hq, Hkv, D, BS, scale, window);
+    for (int r = 0; r < 2; ++r)
+      attention_reference(q.data() + starts[r] * Hq * D, kd[r], vd[r], n[r], S[r], Hq, Hkv, D, scale, window,
+                          ref.data() + starts[r] * Hq * D);
+    std::snprintf(name, sizeof(name), "prefill attention %s window %lld", kname, (long long)window);
+    check(name, status == 0 ? max_error(out, ref) : 1e9f, 1e-4f);
+  }
+  if (kind == PAGEDLLM_CACHE_FP8 && window == 0) {  // every code but the NaNs, 64 per one-key V row
+    float code_error = 0.f;
+    for (int part = 0; part < 4; ++part) {
+      std::vector<int8_t> k1(RW, 0), v1(RW, 0);
+      const float s = 0.5f;
+      std::memcpy(v1.data() + D, &s, 4), std::memcpy(k1.data() + D, &s, 4);
+      for (int64_t d = 0; d < D; ++d) v1[d] = int8_t((part * 64 + d) % 256 == 0x7F || part * 64 + d == 0xFF ? 0 : part * 64 + d);
+      std::vector<float> q1(D, 1.f), out(D);
+      const int64_t bt[1] = {0}, starts[1] = {0}, one[1] = {1};
+      paged_prefill_attention(kind, q1.data(), D, k1.data(), v1.data(), bt, 1, starts, one, one, out.data(), 1, 1, 1, D,
+                              1, 1.f, 0);
+      for (int64_t d = 0; d < D; ++d) code_error = std::fmax(code_error, std::fabs(out[d] - from_e4m3(uint8_t(v1[d])) * s));
+    }
+    check("fp8 e4m3: every code read back", code_error, 0.f);
   }
 }
 
@@ -564,6 +657,8 @@ int main() {
   for (int64_t window : {0, 5}) {
     test_attention<float>(false, window);
     test_attention<uint16_t>(true, window);
+    test_attention_8bit(PAGEDLLM_CACHE_INT8, window);
+    test_attention_8bit(PAGEDLLM_CACHE_FP8, window);
   }
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;

@@ -1,0 +1,78 @@
+// The K/V cache's row formats, per cache kind (pagedllm_abi.h's PAGEDLLM_CACHE_*): how the
+// attention kernels read one head's row of D values and how the K/V write stores it.
+// - float32, bfloat16: D values.
+// - int8, fp8 (e4m3): D one-byte codes, then the row's float32 scale (PAGEDLLM_KV_SCALE_BYTES);
+//   value = code * scale. One scale per token and KV head, set when the row is written (the
+//   row's max |x| maps to the code's largest magnitude: 127, or e4m3's 448) and never changed:
+//   a row is quantized once, and a block's rows never share a scale that a later token could
+//   outgrow. The scale sits after its codes, in the row's own cache lines.
+// Kernels take the row's codes unscaled (load16) and fold the scale into one multiply per row
+// (a score, a softmax weight) where they can, or widen it scaled (load16_scaled).
+#pragma once
+
+#include <stdint.h>
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#include "pagedllm_abi.h"
+#include "vec.h"
+
+namespace kv {
+
+struct E4M3 {  // one fp8 e4m3 code
+  uint8_t bits;
+};
+
+template <typename T>
+inline constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, E4M3>;
+
+// Elements of T from one head's row to the next in a slot (D, or D + the scale's bytes).
+template <typename T>
+constexpr int64_t row_width(int64_t D) {
+  return kQuantized<T> ? D + PAGEDLLM_KV_SCALE_BYTES : D;
+}
+
+// The scale of the row at p (1 for float rows).
+template <typename T>
+inline float row_scale(const T* p, int64_t D) {
+  if constexpr (kQuantized<T>) {
+    float s;
+    std::memcpy(&s, p + D, sizeof(s));
+    return s;
+  } else {
+    return 1.f;
+  }
+}
+
+// 16 values of a row from p, widened to float32 (codes unscaled).
+inline vec::F32x16 load16(const float* p) { return vec::load(p); }
+inline vec::F32x16 load16(const uint16_t* p) { return vec::load_bf16(p); }
+inline vec::F32x16 load16(const int8_t* p) { return vec::load_s8_f32(p); }
+inline vec::F32x16 load16(const E4M3* p) { return vec::load_e4m3(&p->bits); }
+
+// The same times the row's scale s (the values as stored; s = 1 for float rows is skipped).
+template <typename T>
+inline vec::F32x16 load16_scaled(const T* p, float s) {
+  if constexpr (kQuantized<T>) return vec::mul(load16(p), vec::set1(s));
+  else return load16(p);
+}
+
+// float -> e4m3 rounded to nearest even, |y| saturated at 448 (y finite), as torch's
+// float8_e4m3fn conversion rounds.
+inline uint8_t encode_e4m3(float y) {
+  uint32_t u;
+  std::memcpy(&u, &y, sizeof(u));
+  const uint8_t sign = uint8_t((u >> 24) & 0x80);
+  const float a = y < 0.f ? -y : y;
+  if (a >= 448.f) return sign | 0x7E;
+  if (a < 0.015625f) return sign | uint8_t(std::nearbyint(a * 512.f));  // below 2^-6: steps of 2^-9 (8: 2^-6)
+  uint32_t b;
+  std::memcpy(&b, &a, sizeof(b));
+  b += 0x7FFFF + ((b >> 20) & 1);  // to 3 mantissa bits, nearest even
+  const uint32_t code = ((((b >> 23) - 120) << 3) | ((b >> 20) & 7));  // exponent rebiased 127 -> 7
+  return sign | uint8_t(code > 0x7E ? 0x7E : code);
+}
+
+}  // namespace kv
