@@ -192,8 +192,10 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}") from None
 
 
-# --kv-cache-dtype's names beyond parse_dtype's: the 8-bit caches (vLLM's names for fp8).
-_KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# --kv-cache-dtype's names beyond parse_dtype's: the 8-bit caches (vLLM's names for fp8, and torch's).
+_KV_CACHE_DTYPES = {
+    "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+}
 
 
 def parse_kv_cache_dtype(name: str | torch.dtype) -> torch.dtype | None:

@@ -225,10 +225,12 @@ def bf16_tokens() -> list[list[int]]:
         return _texts(llm, PROMPTS)
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8"])
-def test_greedy_outputs_agree_with_the_bf16_cache(kv: str, bf16_tokens: list[list[int]]) -> None:
-    """Tokens of the default model's greedy outputs that equal the bfloat16 cache's, up to the
-    first difference: measured 1.0 (int8) and 1.0 (fp8) of 8 x 24 (docs/benchmarks.md)."""
+@pytest.mark.parametrize("kv,floor", [("int8", 0.45), ("fp8", 0.3)])
+def test_greedy_outputs_agree_with_the_bf16_cache(kv: str, floor: float, bf16_tokens: list[list[int]]) -> None:
+    """The share of the default model's greedy tokens (8 prompts x 24, --dtype auto) equal to
+    the bfloat16 cache's up to each output's first difference, against a floor well below the
+    measured share (docs/benchmarks.md, "An 8-bit KV cache": a float32 cache's agreement with
+    bfloat16 is itself well short of 1 on this model's near ties)."""
     with LLM(kv_cache_dtype=kv, kv_cache_memory="64MiB") as llm:
         assert llm.engine.core.kv_config.dtype == str(parse_kv_cache_dtype(kv)).removeprefix("torch.")
         tokens = _texts(llm, PROMPTS)
@@ -237,7 +239,7 @@ def test_greedy_outputs_agree_with_the_bf16_cache(kv: str, bf16_tokens: list[lis
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         agree += n
     fraction = agree / sum(len(b) for b in bf16_tokens)
-    assert fraction >= 0.6, fraction
+    assert fraction >= floor, fraction
 
 
 def test_prefix_hits_preemption_and_speculation_equal_plain_runs() -> None:
@@ -302,12 +304,13 @@ def test_two_ranks_equal_one_rank(tmp_path) -> None:
     assert tokens == ref
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8"])
-def test_default_model_perplexity_within_one_percent_of_bf16(kv: str) -> None:
+@pytest.mark.slow  # about 30 s per engine on two shared cores
+def test_default_model_perplexity_within_one_percent_of_bf16() -> None:
     """`bench perplexity`'s text at a 2048-token window (the default model, --dtype auto)."""
     results = {}
-    for dtype in ("bfloat16", kv):
-        with LLM(kv_cache_dtype=dtype, kv_cache_memory="64MiB", max_model_len=2048) as llm:
+    for kv in ("bfloat16", "int8", "fp8"):
+        with LLM(kv_cache_dtype=kv, kv_cache_memory="64MiB", max_model_len=2048) as llm:
             ids = llm.get_tokenizer().encode(DEFAULT_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)
-            results[dtype] = perplexity(llm, ids, 2048, 1024, dtype).perplexity
-    assert abs(results[kv] / results["bfloat16"] - 1) < 0.01, results
+            results[kv] = perplexity(llm, ids, 2048, 1024, kv).perplexity
+    for kv in ("int8", "fp8"):
+        assert abs(results[kv] / results["bfloat16"] - 1) < 0.01, results

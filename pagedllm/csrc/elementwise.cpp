@@ -35,7 +35,7 @@ inline void store_row(uint16_t* dst, const float* src, int64_t n) {
 inline void store_row(int8_t* dst, const float* src, int64_t D) {
   F32x16 amax = zero();
   for (int64_t i = 0; i < D; i += 16) amax = max(amax, abs(load(src + i)));
-  const float a = reduce_max(amax), scale = a / 127.f;
+  const float a = reduce_max(amax), scale = a * (1.f / 127.f);  // as written: -ffast-math would make it so
   const F32x16 inv = set1(a > 0.f ? 127.f / a : 0.f);
   for (int64_t i = 0; i < D; i += 16) store_i8(dst + i, round_i32(mul(load(src + i), inv)));
   std::memcpy(dst + D, &scale, sizeof(scale));
@@ -43,7 +43,7 @@ inline void store_row(int8_t* dst, const float* src, int64_t D) {
 inline void store_row(kv::E4M3* dst, const float* src, int64_t D) {
   F32x16 amax = zero();
   for (int64_t i = 0; i < D; i += 16) amax = max(amax, abs(load(src + i)));
-  const float a = reduce_max(amax), scale = a / 448.f;
+  const float a = reduce_max(amax), scale = a * (1.f / 448.f);
   const F32x16 inv = set1(a > 0.f ? 448.f / a : 0.f);
   alignas(64) float y[16];
   for (int64_t i = 0; i < D; i += 16) {

@@ -226,7 +226,7 @@ def _quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     amax = x.abs().amax(-1, keepdim=True)
     y = x * torch.where(amax > 0, limit / amax, 0.0)
     codes = y.round().to(torch.int8) if dtype == torch.int8 else y.clamp(-limit, limit).to(dtype)
-    return torch.cat([codes.view(torch.uint8), (amax / limit).view(torch.uint8)], -1)
+    return torch.cat([codes.view(torch.uint8), (amax * (1.0 / limit)).view(torch.uint8)], -1)
 
 
 def _cache_values(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -18,7 +18,7 @@ import time
 import msgspec
 import torch
 
-from pagedllm.config import EngineConfig, parse_dtype
+from pagedllm.config import EngineConfig, parse_kv_cache_dtype
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed.cpu_budget import pin_to, restore
@@ -56,8 +56,8 @@ def _enc_hook(obj: object) -> object:
 
 
 def _dec_hook(type_: type, obj: object) -> object:
-    if type_ is torch.dtype:
-        return parse_dtype(obj)
+    if type_ is torch.dtype:  # a name _enc_hook wrote: any engine or K/V cache dtype's
+        return parse_kv_cache_dtype(obj)
     raise NotImplementedError(f"cannot decode {type_}")
 
 
