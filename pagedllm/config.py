@@ -194,7 +194,10 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 # --kv-cache-dtype's names beyond parse_dtype's: the 8-bit caches (vLLM's names for fp8, and torch's).
 _KV_CACHE_DTYPES = {
-    "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
 

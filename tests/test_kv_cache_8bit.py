@@ -102,8 +102,8 @@ def _random_step(dtype: torch.dtype, window: int, poison_scale: float, seed: int
         table = [free.pop() for _ in range(-(-total // block_size))]
         kk, vv = torch.randn(total, hkv, d) * 3, torch.randn(total, hkv, d)
         kk[:, :, 5] += 20  # an outlier channel, as real keys have
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(cached)], dtype=torch.long)
-        _write_kv_torch(kk[:cached], vv[:cached], (k_cache, v_cache), slots)
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(cached)]
+        _write_kv_torch(kk[:cached], vv[:cached], (k_cache, v_cache), torch.tensor(slots, dtype=torch.long))
         if window:
             first_key = max(0, cached - window + 1)  # the first query's window start
             table = [poison if (i + 1) * block_size <= first_key else b for i, b in enumerate(table)]
@@ -195,7 +195,8 @@ def test_every_e4m3_code_reads_back(isa: str) -> None:
         decoded = kernels.paged_decode_attention(
             q, k_cache, v_cache, torch.arange(4).view(4, 1), torch.ones(4, dtype=torch.long), 1.0
         )
-    torch.testing.assert_close(decoded.view(4, d), codes.view(torch.float8_e4m3fn).float().view(4, d) * 0.75, rtol=0, atol=0)
+    expected = codes.view(torch.float8_e4m3fn).float().view(4, d) * 0.75
+    torch.testing.assert_close(decoded.view(4, d), expected, rtol=0, atol=0)
 
 
 # --- the engine ---------------------------------------------------------------------------

@@ -46,7 +46,9 @@ class EngineArgs:
         "bfloat16 K/V cache; without native kernels, float32 activations and K/V around weight-only int8 linear layers "
         "and lm_head) | float32 (exact) | bfloat16 | float16",
     )
-    kv_cache_dtype: str = _flag("auto", "auto (as --dtype decides) | float32 | bfloat16 | float16 | int8 | fp8 (fp8_e4m3)")
+    kv_cache_dtype: str = _flag(
+        "auto", "auto (as --dtype decides) | float32 | bfloat16 | float16 | int8 | fp8 (fp8_e4m3)"
+    )
     max_model_len: int | None = _flag(
         None, "longest request (prompt + output) in tokens; None: the model's context, at most 8192", type=positive_int
     )

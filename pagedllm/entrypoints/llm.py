@@ -33,7 +33,8 @@ class LLM:
             layers and lm_head; see
             ``platforms.cpu.dtype_settings``),
             "float32" (float32 only: exact, outputs independent of batching), "bfloat16" or
-            "float16". ``kv_cache_dtype="float32"`` (or another dtype, or "int8", "fp8": the 8-bit caches) overrides the K/V cache's.
+            "float16". ``kv_cache_dtype="float32"`` (or another dtype, or "int8", "fp8": the
+            8-bit caches) overrides the K/V cache's.
         max_model_len: longest prompt + output; default the model's context, at most 8192.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget per step.

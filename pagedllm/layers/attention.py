@@ -212,7 +212,8 @@ def _write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_ma
     cache's dtype; 8-bit: quantized rows, as the native write stores them)."""
     for x, cache in zip((k, v), kv_cache):
         if cache.dtype in QUANTIZED_KV_DTYPES:  # index_copy_ lacks float8: bytes are copied
-            cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, _quantize_rows(x, cache.dtype))
+            rows = _quantize_rows(x, cache.dtype)
+            cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
         else:
             cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
 
