@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 if "GOMP_SPINCOUNT" not in os.environ:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputsParams
@@ -18,7 +19,7 @@ from pagedllm.structured_output import StructuredOutputsParams
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 

@@ -112,6 +112,13 @@ class EngineConfig:
     # How long a rank may keep the others waiting in a collective (a hung rank) before the step
     # fails with an engine error; a rank that exits fails the step at once.
     worker_timeout_s: float = 120.0
+    # LoRA adapters (pagedllm/models/lora_adapter.py), vLLM's flags: requests may name an adapter;
+    # at most max_loras distinct ones run in one step, of rank at most max_lora_rank; each rank
+    # keeps max_cpu_loras loaded (None: max_loras), the least recently used dropped beyond.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # "module:Class" of a ModelRunner subclass every rank runs instead of ModelRunner ("": none);
     # tests inject faults with one. Default: $PAGEDLLM_MODEL_RUNNER_CLS.
     model_runner_cls: str = field(default_factory=lambda: os.environ.get(MODEL_RUNNER_CLS_ENV, ""))
@@ -144,6 +151,12 @@ class EngineConfig:
             )
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("the uni executor runs one rank: use mp or ray for tensor_parallel_size > 1")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {self.max_loras} and {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if not self.worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be positive, got {self.worker_timeout_s}")
         if self.ray_placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):

@@ -14,3 +14,8 @@ class InvalidParamError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class LoRAError(ValueError):
+    """A LoRA adapter that cannot be served: unreadable, unsupported, too large a rank, or
+    made for another base model (the server's 400); the message names the problem."""

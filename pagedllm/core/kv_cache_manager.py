@@ -8,7 +8,7 @@ released block's entry stays in the table as ``NULL_BLOCK_ID`` (never read: atte
 starts at the window), so positions are never renumbered.
 
 Prefix caching follows vLLM V1's design: only full blocks are cached; a block's key chains
-its parent's key, its token ids and the request's ``cache_salt``, plus the group's index
+its parent's key, its token ids, the request's ``cache_salt`` and LoRA adapter, plus the group's index
 (the same tokens have other K/V in other layers); a new request reuses the longest run of
 cached blocks of its prompt that every group can serve, always leaving its last prompt
 token to compute so there are logits to sample from. A global group must hold the whole
@@ -29,8 +29,8 @@ NULL_BLOCK_ID = 0  # table entry of a released sliding-window block; attention n
 _GLOBAL = (KVCacheGroup((), 0),)
 
 
-def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
-    """SHA-256 of (parent hash, token ids, salt): the chained key of one full block.
+def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None, lora: str | None = None) -> bytes:
+    """SHA-256 of (parent hash, token ids, salt, LoRA adapter key): the chained key of one full block.
 
     SHA-256 is collision resistant (no known collisions; 2**128 work for a birthday
     collision), so a key hit is taken as equal tokens without comparing them. Token ids are
@@ -38,8 +38,11 @@ def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> 
     """
     h = hashlib.sha256(parent or b"\x00")
     h.update(array("q", token_ids).tobytes())
-    if salt is not None and parent is None:  # the chain carries the salt to every later block
-        h.update(b"salt:" + salt.encode())
+    if parent is None:  # the chain carries salt and adapter to every later block
+        if salt is not None:
+            h.update(b"salt:" + salt.encode())
+        if lora is not None:
+            h.update(b"\x00lora:" + lora.encode())
     return h.digest()
 
 
@@ -268,7 +271,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], request.cache_salt))
+            lora = None if request.lora_request is None else request.lora_request.cache_key
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], request.cache_salt, lora))
 
     def _cache_full_blocks(self, request: Request, tables: list[list[KVCacheBlock | None]], num_full: int) -> None:
         start = self.num_hashed_blocks.get(request.request_id, 0)

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.request import StructuredOutputRequest
 
@@ -54,6 +55,7 @@ class Request:
         max_model_len: int,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -65,6 +67,7 @@ class Request:
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = room if max_tokens is None else min(max_tokens, room)
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # the adapter it runs with; None: the base model
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -71,6 +71,8 @@ class Scheduler:
         max_num_seqs: cap on running requests.
         max_num_batched_tokens: token budget per step.
         max_model_len: longest sequence (prompt + output) a request may reach.
+        max_loras: most distinct LoRA adapters among the running requests (None: no cap); a
+            waiting request of another adapter waits until one of them has no request left.
     """
 
     def __init__(
@@ -79,8 +81,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        max_loras: int | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -145,15 +149,22 @@ class Scheduler:
             except Exception as e:  # this request's fault: it leaves self.running, so i stays
                 self._fail(out, request, e)
 
-        compiling: deque[Request] = deque()  # grammars not compiled yet: skipped, order kept
+        # Grammars not compiled yet, adapters beyond max_loras: skipped this step, order kept.
+        deferred: deque[Request] = deque()
+        adapters = {r.lora_request.id for r in self.running if r.lora_request is not None}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if out.preempted:  # no room for newcomers in a step that had to preempt
                 break
             request = self.waiting[0]
             try:
                 if request.structured_output is not None and not request.structured_output.is_ready:
-                    compiling.append(self.waiting.popleft())
+                    deferred.append(self.waiting.popleft())
                     continue
+                lora = request.lora_request
+                if lora is not None and self.max_loras is not None and lora.id not in adapters:
+                    if len(adapters) >= self.max_loras:
+                        deferred.append(self.waiting.popleft())
+                        continue
                 blocks, num_hit = [], 0
                 if request.num_computed_tokens == 0:
                     blocks, num_hit = self.kv_cache.get_computed_blocks(request)
@@ -169,11 +180,13 @@ class Scheduler:
                     request.num_cached_tokens = num_hit
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+                if lora is not None:
+                    adapters.add(lora.id)
                 self._schedule(out, request, num_new)
                 budget -= num_new
             except Exception as e:
                 self._fail(out, request, e)
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(deferred))
         if out.scheduled:  # an empty step runs nothing, so nothing reaches the workers
             out.finished_req_ids, self.freed_req_ids = self.freed_req_ids, []
         return out

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.dp_client import DPAsyncMPClient
+from pagedllm.engine.lora_check import LoRAChecker
 from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.engine.metrics import EngineMetrics, sum_stats
 from pagedllm.engine.output_processor import OutputProcessor
@@ -25,6 +26,7 @@ from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.live_view.view import LiveView
 from pagedllm.models.loader import load_tokenizer, resolve_model
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -78,7 +80,8 @@ class AsyncLLM:
         self.num_blocks = self.kv_config.num_blocks
         self.block_size = self.kv_config.block_size
         self.processor = Processor(
-            self.tokenizer, self.max_model_len, self.model_config.vocab_size, self.model_config.eos_token_ids
+            self.tokenizer, self.max_model_len, self.model_config.vocab_size, self.model_config.eos_token_ids,
+            LoRAChecker(config, self.model_config),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.num_engines, self.kv_config)
@@ -128,7 +131,12 @@ class AsyncLLM:
 
     # -- requests ------------------------------------------------------------------------
     def prepare(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> PreparedRequest:
         """Validate and tokenize without queueing, so a batch can be checked before any of it runs.
 
@@ -136,7 +144,9 @@ class AsyncLLM:
             ValueError: for invalid input; the message says what and the allowed range.
         """
         text, token_ids = self.processor.tokenize(prompt)
-        return PreparedRequest(request_id, text, self.processor.process(request_id, token_ids, params, cache_salt))
+        return PreparedRequest(
+            request_id, text, self.processor.process(request_id, token_ids, params, cache_salt, lora_request)
+        )
 
     async def generate(self, request: PreparedRequest, stream: bool = False) -> AsyncIterator[RequestOutput]:
         """Queue a prepared request and yield its outputs: deltas if ``stream``, else one final output.

@@ -70,7 +70,8 @@ class EngineCore:
         )
         self.kv_cache = KVCacheManager(kv.num_blocks, kv.block_size, config.enable_prefix_caching, kv.groups)
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            config.max_loras if config.enable_lora else None,
         )
         self.executor = create_executor(config, kv)
         self.model_config = self.executor.model_config
@@ -108,6 +109,7 @@ class EngineCore:
             self.max_model_len,
             cache_salt=req.cache_salt,
             arrival_time=req.arrival_time,
+            lora_request=req.lora_request,
         )
         if req.sampling_params.structured_outputs is not None:
             request.structured_output = self.structured.request_state(req.sampling_params.structured_outputs)

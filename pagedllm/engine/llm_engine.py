@@ -6,12 +6,14 @@ import time
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
+from pagedllm.engine.lora_check import LoRAChecker
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.live_view.view import LiveView
 from pagedllm.models.loader import load_tokenizer, resolve_model
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -39,7 +41,8 @@ class LLMEngine:
         model_config = self.core.model_config
         self.max_model_len = self.core.max_model_len
         self.processor = Processor(
-            self.tokenizer, self.max_model_len, model_config.vocab_size, model_config.eos_token_ids
+            self.tokenizer, self.max_model_len, model_config.vocab_size, model_config.eos_token_ids,
+            LoRAChecker(config, model_config),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLogger() if log_stats else None
@@ -50,7 +53,12 @@ class LLMEngine:
         self.core.shutdown()
 
     def prepare(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, list[EngineCoreRequest]]:
         """Validate and tokenize a request without queueing it: (prompt text, core requests).
 
@@ -58,7 +66,7 @@ class LLMEngine:
             ValueError: for invalid input.
         """
         text, token_ids = self.processor.tokenize(prompt)
-        return text, self.processor.process(request_id, token_ids, params, cache_salt)
+        return text, self.processor.process(request_id, token_ids, params, cache_salt, lora_request)
 
     def submit(self, request_id: str, text: str | None, core_requests: list[EngineCoreRequest], stream: bool = False) -> None:
         """Queue a request made by ``prepare``."""
@@ -75,9 +83,10 @@ class LLMEngine:
         params: SamplingParams,
         stream: bool = False,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate, tokenize and queue a request (ValueError on invalid input)."""
-        text, core_requests = self.prepare(request_id, prompt, params, cache_salt)
+        text, core_requests = self.prepare(request_id, prompt, params, cache_salt, lora_request)
         self.submit(request_id, text, core_requests, stream)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

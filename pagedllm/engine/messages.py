@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from pagedllm.live_view.records import StepRecord
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestError, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -19,6 +20,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_ids: list[int]
     arrival_time: float
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -7,8 +7,10 @@ from collections.abc import Sequence
 
 import msgspec
 
+from pagedllm.engine.lora_check import LoRAChecker
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.errors import InvalidParamError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.structured_output import backend
 
@@ -23,10 +25,14 @@ class Processor:
         max_model_len: longest prompt + output the engine serves.
         vocab_size: token ids must lie in [0, vocab_size).
         eos_token_ids: ids that end generation unless ``ignore_eos``.
+        lora: the check of requests' LoRA adapters (None: a request naming one fails).
     """
 
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int], lora: LoRAChecker | None = None
+    ) -> None:
         self.tokenizer = tokenizer
+        self.lora = lora
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -70,6 +76,7 @@ class Processor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """Validate one request and return its ``n`` engine-core requests ("{id}-{i}").
 
@@ -77,7 +84,9 @@ class Processor:
             InvalidParamError (a ValueError naming the field): empty prompt, token ids outside
                 the vocabulary (prompt, stop_token_ids, logit_bias, allowed_token_ids),
                 prompt + max_tokens beyond max_model_len (the message gives the numbers), or
-                ``structured_outputs`` that do not compile (``structured_outputs.json``, ...).
+                ``structured_outputs`` that do not compile (``structured_outputs.json``, ...),
+                a ``lora_request`` with LoRA disabled.
+            LoRAError (a ValueError): an adapter that cannot be read or does not fit the model.
         """
         if not isinstance(params, SamplingParams):
             raise InvalidParamError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
@@ -94,6 +103,10 @@ class Processor:
                 backend.check(params.structured_outputs)
             except InvalidParamError as e:
                 raise InvalidParamError(f"structured_outputs.{e.param}", str(e)) from None
+        if lora_request is not None:
+            if self.lora is None:
+                raise InvalidParamError("lora_request", "LoRA adapters are not enabled (--enable-lora)")
+            self.lora.check(lora_request)
         if params.bad_words:
             params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
@@ -112,6 +125,8 @@ class Processor:
                 seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
                 child = msgspec.structs.replace(params, n=1, seed=seed)
             requests.append(
-                EngineCoreRequest(f"{request_id}-{i}", prompt_token_ids, child, self.eos_token_ids, now, cache_salt)
+                EngineCoreRequest(
+                    f"{request_id}-{i}", prompt_token_ids, child, self.eos_token_ids, now, cache_salt, lora_request
+                )
             )
         return requests

@@ -15,6 +15,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.chat_template import chat_prompt
 from pagedllm.live_view.trace import write_trace
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.errors import InvalidParamError
 from pagedllm.sampling_params import SamplingParams, check_text
@@ -106,12 +107,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; return outputs in input order.
 
         Args:
             prompts: a string, a token-id list, or a list of either.
             sampling_params: one for all prompts, or one per prompt.
+            lora_request: the LoRA adapter of all prompts, or one (or None: the base model)
+                per prompt; needs ``enable_lora=True``.
 
         Raises:
             ValueError: if any prompt or parameter is invalid (an ``InvalidParamError`` naming
@@ -124,7 +128,7 @@ class LLM:
             )
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._generate(prompts, sampling_params, use_tqdm)
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def chat(
         self,
@@ -161,6 +165,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         texts: Sequence[str] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """``generate`` for a list of prompts; ``texts``: the text each token-id prompt was
         rendered from (a chat template's), for the outputs' ``prompt``."""
@@ -169,9 +174,14 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) else lora_request
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora_request")
         # Validate everything before queueing anything.
         ids = [str(next(self._counter)) for _ in prompts]
-        prepared = [self.engine.prepare(i, p, sp) for i, p, sp in zip(ids, prompts, params)]
+        prepared = [
+            self.engine.prepare(i, p, sp, lora_request=lr) for i, p, sp, lr in zip(ids, prompts, params, loras, strict=True)
+        ]
         for k, (request_id, (text, core_requests)) in enumerate(zip(ids, prepared)):
             self.engine.submit(request_id, text if texts is None else texts[k], core_requests)
         return self._run(ids, use_tqdm)

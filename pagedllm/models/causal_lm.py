@@ -11,6 +11,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.distributed.sharding import ModelShard
 from pagedllm.layers.attention import AttentionMetadata, KVCache
+from pagedllm.layers.lora import LoRABatch
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
 from pagedllm.models.native_decoder import NativeDecoder
 
@@ -47,6 +48,9 @@ class CausalLM(nn.Module):
         # Decode-only steps in one native call, built on the first such step (after loading
         # and quantization have put the final layers in place); False: never (tests compare).
         self.native_decoder: NativeDecoder | None | bool = None
+        # The step's LoRA adapter runs where LoRA layers are installed (``models/lora_model.py``);
+        # a step with any runs the modules (the one-call decoder has no LoRA).
+        self.lora_batch: LoRABatch | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, hidden_size] inputs of the first layer."""
@@ -75,7 +79,8 @@ class CausalLM(nn.Module):
         if self.native_decoder is None:
             self.native_decoder = NativeDecoder.of(self) or False
         x = self.embed(input_ids)
-        if self.native_decoder:
+        lora = self.lora_batch is not None and bool(self.lora_batch.segments)
+        if self.native_decoder and not lora:
             tables = self.rotary_emb.cos_sin[positions]
             local = tables if self.rotary_emb_local is None else self.rotary_emb_local.cos_sin[positions]
             hidden = self.native_decoder(x, (tables, local), kv_caches, attn_metadata)

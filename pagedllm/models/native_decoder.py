@@ -26,6 +26,12 @@ from pagedllm.core.kv_cache_config import kv_row_width
 from pagedllm.kernels import attention, library
 from pagedllm.kernels.decoder import DecoderDesc, LayerDesc, decode_layers
 from pagedllm.layers.attention import AttentionMetadata, KVCache
+from pagedllm.layers.lora import LoRALinear
+
+
+def _base(linear: nn.Module) -> nn.Module:
+    """The base layer of a LoRA layer (the one-call decoder runs steps without adapters), else the layer."""
+    return linear.base if isinstance(linear, LoRALinear) else linear
 
 
 def _is_moe(mlp: nn.Module) -> bool:
@@ -51,11 +57,11 @@ class NativeDecoder:
                 if norm is not None:
                     setattr(desc, slot, norm.weight.data_ptr())
             attn, mlp = layer.self_attn, layer.mlp
-            desc.qkv, desc.o = attn.qkv_proj.native_desc(), attn.o_proj.native_desc()
+            desc.qkv, desc.o = _base(attn.qkv_proj).native_desc(), _base(attn.o_proj).native_desc()
             if _is_moe(mlp):
                 desc.moe = ctypes.pointer(mlp.native_block().desc)
             else:
-                desc.gate_up, desc.down = mlp.gate_up_proj.native_desc(), mlp.down_proj.native_desc()
+                desc.gate_up, desc.down = _base(mlp.gate_up_proj).native_desc(), _base(mlp.down_proj).native_desc()
             desc.window = getattr(attn, "window", 0)
             desc.rope = int(getattr(layer, "is_sliding", False))
         self.desc = DecoderDesc(
@@ -82,7 +88,7 @@ class NativeDecoder:
         decode attention lacks."""
         shard = model.shard
         linears = [
-            m for layer in model.layers
+            _base(m) for layer in model.layers
             for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
             + (() if _is_moe(layer.mlp) else (layer.mlp.gate_up_proj, layer.mlp.down_proj))
         ]

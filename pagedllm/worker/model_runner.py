@@ -40,6 +40,7 @@ from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.structured_output.bitmask import PendingMasks, fill_bitmask
 from pagedllm.structured_output.grammar import short_error
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
+from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.step_input import BlockTableMirror, SamplePlan, StepInput
 
 logger = logging.getLogger("pagedllm")
@@ -78,6 +79,7 @@ class ModelRunner:
         kv: the KV cache geometry (this rank's share).
         tp: this rank's tensor-parallel group; every rank runs :meth:`forward`, rank 0 alone
             :meth:`sample`.
+        lora: the rank's LoRA adapters (``--enable-lora``), or None.
     """
 
     def __init__(
@@ -86,8 +88,10 @@ class ModelRunner:
         config: ModelConfig,
         kv: KVCacheConfig,
         tp: TPGroup = SINGLE,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.tp = tp
         self.tables = BlockTableMirror(len(kv.groups))
         self.config = config
@@ -122,6 +126,8 @@ class ModelRunner:
             self.groups, self.config.num_layers, query_lens, seq_lens,
             [self.tables[r.req_id] for r in step.requests], self.block_size,
         )
+        if self.lora is not None:
+            self.lora.begin_step(step.requests)
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), self.kv_caches, meta
         )

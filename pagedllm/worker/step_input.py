@@ -18,22 +18,25 @@ import msgspec
 
 from pagedllm.core.kv_events import BlockTableUpdate
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedllm.lora_request import LoRARequest
 
 
 class RequestTokens(msgspec.Struct, array_like=True):
     """One scheduled request's share of the step: its tokens sit at positions
-    ``num_computed_before, num_computed_before + 1, ...``."""
+    ``num_computed_before, num_computed_before + 1, ...``; ``lora``: its adapter, or None."""
 
     req_id: str
     num_computed_before: int
     token_ids: list[int]
+    lora: LoRARequest | None = None
 
 
 class StepInput(msgspec.Struct, array_like=True):
     """One step for every rank, or the order to stop.
 
     Attributes:
-        requests: the scheduled requests in forward order (decodes first).
+        requests: the scheduled requests in forward order: decodes first, each kind ordered
+            by LoRA adapter id (the base model's first), so each adapter's tokens form runs.
         block_updates: changes to the block tables of those requests, applied in order.
         finished_req_ids: requests whose tables are dropped, before the updates apply.
         logit_rows: rows of the step's hidden states the logits are computed for, in order.
@@ -70,8 +73,12 @@ class SamplePlan:
 
 def build_step(sched: SchedulerOutput) -> tuple[StepInput, SamplePlan]:
     """The step every rank runs for ``sched``, and rank 0's plan for its logits."""
-    # Decodes first: the attention batches them in one call.
-    order = sorted(range(len(sched.scheduled)), key=lambda i: sched.scheduled[i].num_new_tokens != 1)
+    # Decodes first: the attention batches them in one call; then by adapter: one LoRA run each.
+    def key(i: int) -> tuple[bool, int]:
+        s = sched.scheduled[i]
+        return s.num_new_tokens != 1, 0 if s.request.lora_request is None else s.request.lora_request.id
+
+    order = sorted(range(len(sched.scheduled)), key=key)
     requests: list[RequestTokens] = []
     updates: list[BlockTableUpdate] = []
     plan = SamplePlan()
@@ -87,7 +94,7 @@ def build_step(sched: SchedulerOutput) -> tuple[StepInput, SamplePlan]:
         tokens = request.all_token_ids[start:end] + s.spec_token_ids
         first = num_tokens
         num_tokens += len(tokens)
-        requests.append(RequestTokens(request.request_id, start, tokens))
+        requests.append(RequestTokens(request.request_id, start, tokens, request.lora_request))
         updates += s.block_updates
         if request.sampling_params.prompt_logprobs is not None:
             # Token p + 1 is predicted from position p, up to the prompt's last token.

@@ -25,6 +25,7 @@ from pagedllm.distributed.cpu_budget import pin_to, restore
 from pagedllm.distributed.parallel_state import SINGLE, destroy_tensor_parallel, init_tensor_parallel
 from pagedllm.distributed.step_channel import StepReceiver, StepSender
 from pagedllm.models.loader import load_model, resolve_model
+from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.worker.step_input import StepInput, build_step
 
@@ -100,7 +101,11 @@ class Worker:
             model, self.model_config = load_model(
                 resolve_model(config.model), config.dtype, config.quantization_config(), tp=self.tp
             )
-            self.runner = model_runner_class(config.model_runner_cls)(model, self.model_config, kv, self.tp)
+            lora = (
+                LoRAManager(model, self.model_config, config.max_lora_rank, config.max_cpu_loras)
+                if config.enable_lora else None
+            )
+            self.runner = model_runner_class(config.model_runner_cls)(model, self.model_config, kv, self.tp, lora)
         except BaseException:
             self.close()
             raise

@@ -1,0 +1,251 @@
+"""LoRA adapters against transformers + peft: adapters made here with ``peft`` on a tiny random
+llama (B randomized so that they change the outputs), served by ``LLM`` in float32 and
+compared with peft's merged model; a batch mixing adapters and the base model equals each
+request alone; the prefix cache never serves one adapter's blocks to another; bad adapters
+fail with errors that name the problem."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+
+from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.errors import InvalidParamError, LoRAError
+from pagedllm.models.loader import load_tokenizer, resolve_model
+from tests.models_util import randomize_vectors
+from tests.utils import assert_pool_whole
+
+MAX_TOKENS = 12
+_GEN = torch.Generator().manual_seed(11)
+_SHARED = torch.randint(3, 256, (20,), generator=_GEN).tolist()
+PROMPTS = [
+    torch.randint(3, 256, (6,), generator=_GEN).tolist(),
+    _SHARED + torch.randint(3, 256, (7,), generator=_GEN).tolist(),
+    _SHARED + torch.randint(3, 256, (13,), generator=_GEN).tolist(),
+]
+# head_dim 64: decode steps without adapters run the one-call native decoder.
+LLAMA = dict(
+    vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rope_theta=1e4,
+)
+ADAPTERS = {
+    "all": LoraConfig(
+        r=8, lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
+    "qv_rslora": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True),
+    "mlp_o": LoraConfig(
+        r=16, lora_alpha=8, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"],
+        rank_pattern={"down_proj": 6}, alpha_pattern={"down_proj": 12},
+    ),
+}
+
+
+def _greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[transformers.LlamaForCausalLM, Path]:
+    """(HF model, its checkpoint folder with SmolLM2's tokenizer)."""
+    path = tmp_path_factory.mktemp("base")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    randomize_vectors(hf)
+    hf.save_pretrained(path)
+    load_tokenizer(resolve_model("smollm2")).save_pretrained(path)
+    return hf, path
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """Name -> (PEFT adapter folder, transformers model with the adapter merged)."""
+    hf, _ = base
+    out = {}
+    for i, (name, config) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + i)
+        model = get_peft_model(copy.deepcopy(hf), copy.deepcopy(config))
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "lora_B" in pname:  # peft starts B at zero: the adapter would change nothing
+                    p.normal_(0.0, 0.3)
+        path = tmp_path_factory.mktemp(f"lora-{name}")
+        model.save_pretrained(path)
+        out[name] = (path, model.merge_and_unload().eval())
+    return out
+
+
+def _reference(hf: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        ref = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+        )
+    return ref.sequences[0, len(prompt):].tolist(), [step[0].float().log_softmax(-1) for step in ref.logits]
+
+
+def _assert_matches(hf: torch.nn.Module, prompt: list[int], ours) -> None:
+    """Our greedy tokens equal transformers' until the first near-tie, logprobs close."""
+    ref_tokens, ref_logprobs = _reference(hf, prompt)
+    for i, (a, b) in enumerate(zip(ours.token_ids, ref_tokens, strict=True)):
+        if a != b:  # allowed only at a near-tie, and then the rest may differ
+            top2 = ref_logprobs[i].topk(2).values
+            assert (top2[0] - top2[1]).item() < 1e-3, f"diverged at {i}"
+            return
+        assert math.isclose(ours.logprobs[i][a].logprob, ref_logprobs[i][a].item(), abs_tol=1e-3), i
+
+
+def _lora(adapters, name: str) -> LoRARequest:
+    return LoRARequest(name, list(ADAPTERS).index(name) + 1, str(adapters[name][0]))
+
+
+@pytest.fixture(scope="module")
+def llm(base):
+    _, path = base
+    engine = LLM(
+        model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, block_size=8,
+        max_num_batched_tokens=16, enable_lora=True, max_loras=4, max_lora_rank=16,
+    )
+    yield engine
+    engine.shutdown()
+
+
+def test_each_adapter_matches_peft_merged(llm, base, adapters) -> None:
+    """Greedy tokens and logprobs of each adapter equal transformers' on peft's merged weights
+    (chunked prefill: 16-token steps), and each adapter changes the base model's tokens."""
+    hf, _ = base
+    base_out = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, base_out, strict=True):
+        _assert_matches(hf, prompt, out.outputs[0])
+    for name, (_, merged) in adapters.items():
+        outs = llm.generate(PROMPTS, _greedy(), use_tqdm=False, lora_request=_lora(adapters, name))
+        for prompt, out in zip(PROMPTS, outs, strict=True):
+            _assert_matches(merged, prompt, out.outputs[0])
+        assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in base_out], name
+    assert_pool_whole(llm.engine.core)
+
+
+def test_mixed_batch_equals_each_alone(llm, adapters) -> None:
+    """Three adapters and the base model in one batch (decodes and prefill chunks of several
+    adapters in the same steps): each request's tokens are those it gets alone, its logprobs
+    within float32 rounding (the LoRA matmuls' sums may be ordered by the rows in the call)."""
+    loras = [None, *(_lora(adapters, name) for name in ADAPTERS)]
+    prompts = [p for p in PROMPTS for _ in loras]
+    per_prompt = [lr for _ in PROMPTS for lr in loras]
+    llm.engine.core.reset_prefix_cache()
+    mixed = llm.generate(prompts, _greedy(), use_tqdm=False, lora_request=per_prompt)
+    for prompt, lora, out in zip(prompts, per_prompt, mixed, strict=True):
+        llm.engine.core.reset_prefix_cache()
+        alone = llm.generate([prompt], _greedy(), use_tqdm=False, lora_request=lora)[0].outputs[0]
+        together = out.outputs[0]
+        assert together.token_ids == alone.token_ids, lora
+        for tok, a, b in zip(alone.token_ids, together.logprobs, alone.logprobs, strict=True):
+            assert math.isclose(a[tok].logprob, b[tok].logprob, abs_tol=1e-4), lora
+    assert_pool_whole(llm.engine.core)
+
+
+def test_prefix_cache_never_shared_across_adapters(llm, adapters) -> None:
+    """The same prompt under another adapter (or none) hits nothing; under the same adapter it
+    hits its full blocks."""
+    core = llm.engine.core
+    core.reset_prefix_cache()
+    prompt = PROMPTS[2]
+    full_blocks = (len(prompt) - 1) // 8 * 8
+
+    def hits(lora) -> int:
+        before = core.kv_cache.prefix_hits
+        llm.generate([prompt], _greedy(2), use_tqdm=False, lora_request=lora)
+        return core.kv_cache.prefix_hits - before
+
+    a, b = _lora(adapters, "all"), _lora(adapters, "qv_rslora")
+    assert hits(a) == 0
+    assert hits(b) == 0
+    assert hits(None) == 0
+    assert hits(LoRARequest("all", 99, a.path)) == 0  # another id: another adapter for the cache
+    assert hits(a) == full_blocks
+    assert hits(None) == full_blocks
+    assert_pool_whole(core)
+
+
+def test_max_loras_one_runs_adapters_in_turn_and_reloads(base, adapters) -> None:
+    """With one adapter per step and one kept loaded, a mixed batch still equals the merged
+    models (requests of other adapters wait; evicted adapters are read again)."""
+    _, path = base
+    engine = LLM(
+        model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, block_size=8,
+        enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=16,
+    )
+    names = list(ADAPTERS) * 2
+    outs = engine.generate([PROMPTS[0]] * len(names), _greedy(), use_tqdm=False,
+                           lora_request=[_lora(adapters, n) for n in names])
+    for name, out in zip(names, outs, strict=True):
+        _assert_matches(adapters[name][1], PROMPTS[0], out.outputs[0])
+    assert len(engine.engine.core.executor.runner.lora.loaded) == 1
+    assert_pool_whole(engine.engine.core)
+    engine.shutdown()
+
+
+def _write_adapter(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return path
+
+
+def _q_tensors(r: int, hidden: int = 128, out: int = 128) -> dict[str, torch.Tensor]:
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    return {f"{prefix}.lora_A.weight": torch.randn(r, hidden), f"{prefix}.lora_B.weight": torch.randn(out, r)}
+
+
+@pytest.mark.parametrize(
+    "config, tensors, message",
+    [
+        ({"r": 32, "lora_alpha": 32}, _q_tensors(32), "rank 32 exceeds max_lora_rank 16"),
+        ({"r": 4, "lora_alpha": 8}, _q_tensors(4, hidden=96, out=96), "another base model"),
+        ({"r": 4, "lora_alpha": 8, "modules_to_save": ["lm_head"]}, _q_tensors(4), "modules_to_save"),
+        ({"r": 4, "lora_alpha": 8, "use_dora": True}, _q_tensors(4), "DoRA"),
+        ({"r": 8, "lora_alpha": 8}, _q_tensors(4), "do not have rank r=8"),
+        ({"r": 4}, {"base_model.model.lm_head.lora_A.weight": torch.randn(4, 128),
+                    "base_model.model.lm_head.lora_B.weight": torch.randn(256, 4)}, "not a LoRA update"),
+    ],
+)
+def test_bad_adapters_fail_their_request_with_the_reason(llm, tmp_path, config, tensors, message) -> None:
+    path = _write_adapter(tmp_path / "bad", config, tensors)
+    with pytest.raises(LoRAError, match=message):
+        llm.generate([PROMPTS[0]], _greedy(), use_tqdm=False, lora_request=LoRARequest("bad", 50, str(path)))
+    assert llm.generate([PROMPTS[0]], _greedy(2), use_tqdm=False)[0].outputs[0].token_ids  # still serving
+
+
+def test_corrupt_and_missing_files(llm, adapters, tmp_path) -> None:
+    good = adapters["all"][0]
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_bytes((good / "adapter_config.json").read_bytes())
+    (corrupt / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes()[:200])
+    with pytest.raises(LoRAError, match="cannot read .*adapter_model.safetensors"):
+        llm.generate([PROMPTS[0]], _greedy(), use_tqdm=False, lora_request=LoRARequest("c", 60, str(corrupt)))
+    (corrupt / "adapter_config.json").write_text("{not json")
+    with pytest.raises(LoRAError, match="cannot read .*adapter_config.json"):
+        llm.generate([PROMPTS[0]], _greedy(), use_tqdm=False, lora_request=LoRARequest("c", 61, str(corrupt)))
+    with pytest.raises(LoRAError, match="is not a folder"):
+        llm.generate([PROMPTS[0]], _greedy(), use_tqdm=False, lora_request=LoRARequest("m", 62, str(tmp_path / "no")))
+    assert_pool_whole(llm.engine.core)
+
+
+def test_lora_request_without_enable_lora_is_refused(base, adapters) -> None:
+    _, path = base
+    engine = LLM(model=str(path), dtype="float32", kv_cache_memory="4MiB", max_model_len=64, block_size=8)
+    with pytest.raises(InvalidParamError, match="enable-lora"):
+        engine.generate([PROMPTS[0]], _greedy(), use_tqdm=False, lora_request=_lora(adapters, "all"))
+    engine.shutdown()
