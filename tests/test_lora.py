@@ -11,6 +11,8 @@ import json
 import math
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 import transformers
@@ -20,7 +22,7 @@ from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.errors import InvalidParamError, LoRAError
 from pagedllm.models.loader import load_tokenizer, resolve_model
 from tests.models_util import randomize_vectors
-from tests.utils import assert_pool_whole
+from tests.utils import API_KEY, assert_pool_whole, start_server, stop_server, wait_idle
 
 MAX_TOKENS = 12
 _GEN = torch.Generator().manual_seed(11)
@@ -249,3 +251,90 @@ def test_lora_request_without_enable_lora_is_refused(base, adapters) -> None:
     with pytest.raises(InvalidParamError, match="enable-lora"):
         engine.generate([PROMPTS[0]], _greedy(), use_tqdm=False, lora_request=_lora(adapters, "all"))
     engine.shutdown()
+
+
+# -- the server -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(base, adapters, tmp_path_factory):
+    _, path = base
+    srv = start_server(
+        tmp_path_factory.mktemp("server"), "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "8MiB",
+        "--api-key", API_KEY, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
+        "--lora-modules", f"all={adapters['all'][0]}", f"qv={adapters['qv_rslora'][0]}", model=str(path),
+    )
+    yield srv
+    stop_server(srv)
+
+
+def _text(llm, prompt: list[int], lora: LoRARequest | None) -> str:
+    """The offline engine's greedy text (tested above against peft's merged model)."""
+    return llm.generate([prompt], _greedy(), use_tqdm=False, lora_request=lora)[0].outputs[0].text
+
+
+def test_server_selects_adapters_by_model(server, llm, base, adapters) -> None:
+    _, path = base
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {str(path), "all", "qv"}
+    assert models["all"].parent == str(path) and models["all"].root == str(adapters["all"][0])
+    assert getattr(models[str(path)], "parent", None) is None
+    for model, lora in ((str(path), None), ("all", _lora(adapters, "all")), ("qv", _lora(adapters, "qv_rslora"))):
+        out = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0)
+        assert out.choices[0].text == _text(llm, PROMPTS[1], lora), model
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt=PROMPTS[0], max_tokens=2)
+
+
+def test_server_load_and_unload_while_streams_run(server, llm, base, adapters) -> None:
+    """An adapter loaded while two streams run serves at once; unloading the adapter of a
+    running stream leaves that stream whole; afterwards new requests for it get 404."""
+    _, path = base
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    streams = [
+        client.completions.create(model=m, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0.0, stream=True)
+        for m in ("all", str(path))
+    ]
+    texts = [next(iter(s)).choices[0].text for s in streams]  # both running
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": str(adapters["mlp_o"][0])})
+    assert r.status_code == 200, r.text
+    out = client.completions.create(model="mlp", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0)
+    assert out.choices[0].text == _text(llm, PROMPTS[0], _lora(adapters, "mlp_o"))
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "all"}).status_code == 200
+    for i, s in enumerate(streams):
+        texts[i] += "".join(chunk.choices[0].text for chunk in s)
+    assert texts == [_text(llm, PROMPTS[2], _lora(adapters, "all")), _text(llm, PROMPTS[2], None)]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="all", prompt=PROMPTS[0], max_tokens=2)
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "all"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+    # Loaded again under its name: served again, with its own id.
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "all", "lora_path": str(adapters["all"][0])}).status_code == 200
+    out = client.completions.create(model="all", prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0.0)
+    assert out.choices[0].text == texts[0]
+    wait_idle(http)
+
+
+def test_server_bad_adapters_get_400_naming_the_problem(server, adapters, tmp_path) -> None:
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    big = _write_adapter(tmp_path / "big", {"r": 32, "lora_alpha": 32}, _q_tensors(32))
+    other = _write_adapter(tmp_path / "other", {"r": 4, "lora_alpha": 8}, _q_tensors(4, hidden=96, out=96))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_text("{}")
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    for name, path, message in (
+        ("big", big, "rank 32 exceeds max_lora_rank 16"),
+        ("other", other, "another base model"),
+        ("corrupt", corrupt, "cannot read"),
+        ("missing", tmp_path / "missing", "is not a folder"),
+        ("qv", adapters["qv_rslora"][0], "already in use"),
+    ):
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        assert r.status_code == 400, (name, r.text)
+        assert message in r.json()["error"]["message"], name
+    assert httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "y"}).status_code == 401
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "never"}).status_code == 404
+    r = http.post("/v1/completions", json={"model": "big", "prompt": PROMPTS[0], "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"

@@ -86,6 +86,12 @@ class EngineArgs:
         "STRICT_PACK", "Ray placement group strategy for the ranks (one bundle each)",
         choices=("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
     )
+    enable_lora: bool = _flag(False, "serve LoRA adapters (PEFT folders) on top of the model", action="store_true")
+    max_loras: int = _flag(1, "most distinct LoRA adapters in one engine step", type=positive_int)
+    max_lora_rank: int = _flag(16, "largest LoRA rank an adapter may have", type=positive_int)
+    max_cpu_loras: int | None = _flag(
+        None, "LoRA adapters kept loaded, least recently used dropped beyond (default: --max-loras)", type=positive_int
+    )
     worker_timeout_s: float = _flag(
         120.0, "seconds the tensor-parallel ranks wait for a hung rank in a collective before the engine fails",
         type=finite_float,

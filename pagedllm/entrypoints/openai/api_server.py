@@ -33,15 +33,18 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.live_view_routes import live_view_router
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, guard_sse
+from pagedllm.entrypoints.openai.serving_lora import ServingLoRA
 
 logger = logging.getLogger("pagedllm")
 
@@ -177,10 +180,22 @@ def build_app(
     max_request_body_bytes: int = 16 * 1024**2,
     tool_call_parser: str = "hermes",
     chat_template: str | None = None,
+    lora_modules: list[tuple[str, str]] = (),
 ) -> FastAPI:
     """The FastAPI app over a started-or-not engine (the app's lifespan starts and stops it);
     ``tool_call_parser`` names the format of "auto" tool calls (``tool_parsers.TOOL_PARSERS``),
-    ``chat_template`` a Jinja template's text to use instead of the model's."""
+    ``chat_template`` a Jinja template's text to use instead of the model's, ``lora_modules``
+    the (name, PEFT folder) of the LoRA adapters served from the start (``--enable-lora``).
+
+    Raises:
+        ValueError: a LoRA module that cannot be served (LoRA off, a bad adapter, a name twice).
+    """
+    loras = ServingLoRA(engine, served_model_name)
+    for name, path in lora_modules:
+        try:
+            loras.load(name, path)
+        except OpenAIError as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -189,8 +204,8 @@ def build_app(
         engine.shutdown()
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
-    completion = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name, TOOL_PARSERS[tool_call_parser], chat_template)
+    completion = OpenAIServingCompletion(engine, served_model_name, loras)
+    chat = OpenAIServingChat(engine, served_model_name, TOOL_PARSERS[tool_call_parser], chat_template, loras)
     v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")
@@ -204,7 +219,21 @@ def build_app(
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
         card = ModelCard(id=served_model_name, root=engine.config.model, max_model_len=engine.max_model_len)
-        return ModelList(data=[card]).model_dump(mode="json")
+        adapters = [
+            ModelCard(id=lora.name, root=lora.path, parent=served_model_name, max_model_len=engine.max_model_len)
+            for lora in loras.adapters.values()
+        ]
+        return ModelList(data=[card, *adapters]).model_dump(mode="json")
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, str]:
+        loras.load(body.lora_name, body.lora_path)
+        return {"status": "success", "message": f"LoRA adapter {body.lora_name!r} loaded"}
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, str]:
+        loras.unload(body.lora_name)
+        return {"status": "success", "message": f"LoRA adapter {body.lora_name!r} unloaded"}
 
     app.include_router(v1)
 

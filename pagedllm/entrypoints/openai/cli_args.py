@@ -55,6 +55,12 @@ def check_serve_args(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise ValueError(f"--max-request-body-size: {e}") from None
     grammar_limits(args)
+    from pagedllm.entrypoints.openai.serving_lora import parse_lora_module
+
+    for item in args.lora_modules:
+        parse_lora_module(item)
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     if args.grammar_workers < 1:
         raise ValueError(f"--grammar-workers must be at least 1, got {args.grammar_workers}")
 
@@ -87,6 +93,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                         help="engine-core processes, each a full replica with its own KV cache and its share of "
                         "the cores; requests go to the least-loaded one, or to the one holding their prefix")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT folders) served from the start, each selected by its NAME in the "
+                        "`model` field (needs --enable-lora)")
     add_chat_template_arg(parser)
     parser.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                         help='format of the tool calls a model writes, read for tool_choice "auto", where the chat '
@@ -188,8 +197,10 @@ def run_serve(args: argparse.Namespace) -> None:
         logger.error("%s", e)
         sys.exit(1)
     try:
+        from pagedllm.entrypoints.openai.serving_lora import parse_lora_module
+
         app = build_app(engine, name, args.api_key, max_body, args.tool_call_parser,
-                        load_chat_template(args.chat_template))
+                        load_chat_template(args.chat_template), [parse_lora_module(m) for m in args.lora_modules])
         server = ApiServer(
             uvicorn.Config(
                 app, host=args.host, port=args.port, access_log=not args.disable_access_log,

@@ -216,6 +216,15 @@ class TokenizeRequest(RequestModel):
     return_token_strs: bool = False
 
 
+class LoadLoRAAdapterRequest(RequestModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    lora_name: str
+
+
 class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
@@ -334,6 +343,7 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
 
 

@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     sse,
     top_n,
 )
+from pagedllm.entrypoints.openai.serving_lora import ServingLoRA
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.generic import GenericToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
@@ -60,7 +61,7 @@ class OpenAIServingChat(OpenAIServing):
     """Handles chat completions requests, streaming or not.
 
     Args:
-        engine, served_model_name: as ``OpenAIServing``.
+        engine, served_model_name, loras: as ``OpenAIServing``.
         tool_parser: the format "auto" tool calls are read in (``tool_parsers.TOOL_PARSERS``)
             where the chat template has a tool section. Where it has none, tools, calls and
             results take pagedllm's generic format (``generic_tools``), read by ``GenericToolParser``.
@@ -68,8 +69,8 @@ class OpenAIServingChat(OpenAIServing):
     """
 
     def __init__(self, engine: AsyncLLM, served_model_name: str, tool_parser: type[ToolParser] = HermesToolParser,
-                 chat_template: str | None = None) -> None:
-        super().__init__(engine, served_model_name)
+                 chat_template: str | None = None, loras: ServingLoRA | None = None) -> None:
+        super().__init__(engine, served_model_name, loras)
         self.chat_template = chat_template
         self.generic_tools = not supports_tools(self.tokenizer, chat_template)
         self.tool_parser = GenericToolParser if self.generic_tools else tool_parser
@@ -101,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         if req.tool_mode == "auto":  # call markers such as Qwen's <tool_call> are special tokens: the parser needs them
             params = msgspec.structs.replace(params, skip_special_tokens=False)
-        return self.prepare(random_id("chatcmpl"), token_ids, params, req.cache_salt)
+        return self.prepare(random_id("chatcmpl"), token_ids, params, req.cache_salt, req.model)
 
     def render(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[ChatTool] | None = None,

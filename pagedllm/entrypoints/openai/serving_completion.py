@@ -89,7 +89,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = req.logprobs or 0
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = self.sampling_params(req, 0, max_tokens, req.logprobs, prompt_logprobs)
-        return self.prepare(request_id, prompt, params, req.cache_salt)
+        return self.prepare(request_id, prompt, params, req.cache_salt, req.model)
 
     # -- running -----------------------------------------------------------------------------
     async def _stream(

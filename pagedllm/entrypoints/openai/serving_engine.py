@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel
 
@@ -15,7 +15,11 @@ from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestModel, SamplingRequest
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.serving_lora import ServingLoRA
 
 T = TypeVar("T")
 
@@ -78,18 +82,24 @@ class OpenAIServing:
 
     Args:
         engine: the running engine.
-        served_model_name: the only ``model`` value requests may name.
+        served_model_name: the base model's name in the ``model`` field.
+        loras: the LoRA adapters requests may name instead (None: none).
     """
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_name: str, loras: ServingLoRA | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.loras = loras
         self.tokenizer = engine.tokenizer
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter ``model`` names, None for the base model; 404 for anything else."""
+        if self.loras is not None:
+            return self.loras.resolve(model)
         if model is not None and model != self.served_model_name:
             raise OpenAIError(404, f"the model `{model}` does not exist; this server serves `{self.served_model_name}`",
                               "NotFoundError", "model")
+        return None
 
     def check_request(self, req: RequestModel) -> None:
         """The request's own checks (text, field combinations), then its model.
@@ -151,11 +161,14 @@ class OpenAIServing:
             raise OpenAIError.bad_request(e) from None
 
     def prepare(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None,
+        model: str | None = None,
     ) -> PreparedRequest:
-        """Validate and tokenize one prompt (400 naming the field on invalid input)."""
+        """Validate and tokenize one prompt for ``model`` (the base or an adapter): 400 naming
+        the field on invalid input, 404 for an unknown model."""
+        lora = self.check_model(model)
         try:
-            return self.engine.prepare(request_id, prompt, params, cache_salt)
+            return self.engine.prepare(request_id, prompt, params, cache_salt, lora)
         except ValueError as e:
             raise OpenAIError.bad_request(e) from None
 

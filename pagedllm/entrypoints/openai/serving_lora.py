@@ -1,0 +1,80 @@
+"""The server's LoRA adapters by name: ``--lora-modules`` at start, ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` at run time; the OpenAI ``model`` field selects one.
+
+Each load gets a new id, so an adapter loaded again under the same name (other files) never
+shares prefix-cache blocks or a worker's loaded weights with the one before. Unloading only
+stops new requests from naming the adapter: requests already running keep theirs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.errors import LoRAError
+from pagedllm.lora_request import LoRARequest
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """``--lora-modules`` item: ``name=path`` -> (name, path).
+
+    Raises:
+        ValueError: no ``=``, or an empty name or path.
+    """
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules takes name=path items, got {text!r}")
+    return name, path
+
+
+class ServingLoRA:
+    """Args:
+        engine: the engine (its front end checks adapters: ``processor.lora``).
+        base_name: the served model's name (no adapter may take it).
+    """
+
+    def __init__(self, engine: AsyncLLM, base_name: str) -> None:
+        self.engine = engine
+        self.base_name = base_name
+        self.adapters: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
+
+    def load(self, name: str, path: str) -> LoRARequest:
+        """Check the adapter at ``path`` and serve it as ``name``.
+
+        Raises:
+            OpenAIError: 400 where LoRA is off, the name is taken, or the adapter cannot run
+                (unreadable, unsupported, rank above ``--max-lora-rank``, another base model).
+        """
+        if not self.engine.config.enable_lora:
+            raise OpenAIError(400, "LoRA adapters are not enabled: start the server with --enable-lora", param="lora_name")
+        if not name or name == self.base_name or name in self.adapters:
+            raise OpenAIError(400, f"the model name {name!r} is already in use or empty", param="lora_name")
+        lora = LoRARequest(name, next(self._ids), path)
+        try:
+            self.engine.processor.lora.check(lora)
+        except (LoRAError, ValueError) as e:
+            raise OpenAIError(400, f"cannot load LoRA adapter {name!r}: {e}", param="lora_path") from None
+        self.adapters[name] = lora
+        return lora
+
+    def unload(self, name: str) -> None:
+        """Stop serving ``name`` (404 if no such adapter is loaded)."""
+        if self.adapters.pop(name, None) is None:
+            raise OpenAIError(404, f"no LoRA adapter named {name!r} is loaded", "NotFoundError", "lora_name")
+
+    def resolve(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names; None for the base model (or no model).
+
+        Raises:
+            OpenAIError: 404 for a name that is neither the base model nor a loaded adapter.
+        """
+        if model is None or model == self.base_name:
+            return None
+        lora = self.adapters.get(model)
+        if lora is None:
+            served = ", ".join(f"`{n}`" for n in [self.base_name, *self.adapters])
+            raise OpenAIError(404, f"the model `{model}` does not exist; this server serves {served}",
+                              "NotFoundError", "model")
+        return lora
