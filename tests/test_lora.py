@@ -338,3 +338,17 @@ def test_server_bad_adapters_get_400_naming_the_problem(server, adapters, tmp_pa
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "never"}).status_code == 404
     r = http.post("/v1/completions", json={"model": "big", "prompt": PROMPTS[0], "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_two_ranks_match_peft_merged(base, adapters) -> None:
+    """Tensor parallelism at 2: column-parallel B rows and row-parallel A columns per rank; a
+    batch mixing the adapters and the base still equals the merged models."""
+    hf, path = base
+    names = [None, *ADAPTERS]
+    with LLM(model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, block_size=8,
+             tensor_parallel_size=2, enable_lora=True, max_loras=3, max_lora_rank=16) as engine:
+        outs = engine.generate([PROMPTS[1]] * len(names), _greedy(), use_tqdm=False,
+                               lora_request=[None if n is None else _lora(adapters, n) for n in names])
+        for name, out in zip(names, outs, strict=True):
+            _assert_matches(hf if name is None else adapters[name][1], PROMPTS[1], out.outputs[0])
+        assert_pool_whole(engine.engine.core)

@@ -10,6 +10,8 @@ _BENCHES = (
     ("spec", "decode tokens/s with speculative decoding off vs on", "spec", True),
     ("structured", "structured outputs: grammar compile time, per-step mask cost, constrained vs free tok/s",
      "structured", True),
+    ("lora", "decode tokens/s with 0, 1, 4, 16 LoRA adapters in a batch, and one at batch 1, against the base",
+     "lora", True),
     ("perplexity", "sliding-window perplexity of a text (prompt logprobs)", "perplexity", True),
     ("quant", "decode tokens/s of fp32, bf16, int8 and int4 weights side by side (--modes overrides --dtype, "
      "--quantization and --quantize-lm-head)", "quant", True),

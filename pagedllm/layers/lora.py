@@ -2,8 +2,9 @@
 
 A step's tokens are ordered so that each adapter's tokens form runs (``LoRABatch.segments``);
 per run, a projection adds ``(x @ A.T) @ B.T`` (B pre-scaled): one shrink into the summed
-rank of the layer's parts, then one expand per part into its slice of the output (a fused
-q/k/v or gate/up layer has one part per projection). Tokens of the base model, and layers
+rank of the layer's parts (a fused q/k/v or gate/up layer has one part per projection, each
+with its own A), then one expand through the parts' B laid block-diagonally (each part's
+rank columns feed only its slice of the output; zeros elsewhere), two matmuls per run. Tokens of the base model, and layers
 an adapter does not target, get nothing added; a step without adapters runs the base layer
 alone. The base may be any linear layer (float32, int8/int4, w8a8, w4a8, GGUF blocks).
 """
@@ -31,8 +32,8 @@ class LoRABatch:
 
 @dataclass
 class _LayerAdapter:
-    a: torch.Tensor  # [sum of the parts' ranks, in_features]
-    expand: list[tuple[int, int, int, int, torch.Tensor]]  # (out start, out stop, rank start, rank stop, B.T)
+    a_t: torch.Tensor  # [in_features, R]: the parts' A stacked, R the sum of their ranks
+    b_t: torch.Tensor  # [R, out_features]: each part's B.T in its rank rows and output columns
 
 
 class LoRALinear(nn.Module):
@@ -55,16 +56,19 @@ class LoRALinear(nn.Module):
     def set_adapter(self, adapter_id: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:
         """Install adapter ``adapter_id``'s update: part index -> (A [r, in_features], B
         [part's out_features, r], scaled), cast to ``dtype`` (the activations')."""
-        a_rows, expand, r0 = [], [], 0
-        for index in sorted(parts):
+        order = sorted(parts)
+        rank = sum(parts[i][0].shape[0] for i in order)
+        b_t = torch.zeros(rank, self.part_slices[-1][1], dtype=dtype)
+        r0 = 0
+        for index in order:
             a, b = parts[index]
             start, stop = self.part_slices[index]
-            if b.shape[0] != stop - start:
-                raise ValueError(f"part {index} has {b.shape[0]} outputs, expected {stop - start}")
-            a_rows.append(a)
-            expand.append((start, stop, r0, r0 + a.shape[0], b.to(dtype).t().contiguous()))
+            if b.shape != (stop - start, a.shape[0]):
+                raise ValueError(f"part {index}: B is {list(b.shape)}, expected {[stop - start, a.shape[0]]}")
+            b_t[r0 : r0 + a.shape[0], start:stop] = b.t()
             r0 += a.shape[0]
-        self.adapters[adapter_id] = _LayerAdapter(torch.cat(a_rows).to(dtype).contiguous(), expand)
+        a_t = torch.cat([parts[i][0] for i in order]).t().to(dtype).contiguous()
+        self.adapters[adapter_id] = _LayerAdapter(a_t, b_t)
 
     def remove_adapter(self, adapter_id: int) -> None:
         self.adapters.pop(adapter_id, None)
@@ -76,10 +80,7 @@ class LoRALinear(nn.Module):
             layer = self.adapters.get(adapter_id)
             if layer is None:  # the adapter leaves this layer alone
                 continue
-            h = x[start:stop] @ layer.a.t()
-            rows = y[start:stop]
-            for o0, o1, r0, r1, bt in layer.expand:
-                rows[:, o0:o1].addmm_(h[:, r0:r1], bt)
+            y[start:stop].addmm_(x[start:stop] @ layer.a_t, layer.b_t)
         return y
 
     def extra_repr(self) -> str:
