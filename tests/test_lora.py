@@ -121,6 +121,39 @@ def llm(base):
     engine.shutdown()
 
 
+@pytest.mark.usefixtures("native_isa")
+@pytest.mark.parametrize("runs", [[(0, 1, 0), (1, 2, 1), (2, 3, 2)], [(0, 5, 1), (5, 40, 0), (40, 41, 2)]])
+def test_lora_kernel_matches_torch(runs: list[tuple[int, int, int]]) -> None:
+    """lora_sgmv against (x A.T) B.T per run, ranks 8, 0 (skipped) and 19 (a partial chunk),
+    x and y with strided rows; each run's rows alone give the same bits."""
+    from pagedllm.kernels.lora import lora_sgmv
+
+    torch.manual_seed(0)
+    k, n, t = 70, 45, runs[-1][1]
+    ranks = [8, 0, 19]
+    mats = [(torch.randn(k, r), torch.randn(r, n)) for r in ranks]
+    x = torch.randn(t, 2 * k)[:, :k]
+    y0 = torch.randn(t, n + 3)[:, :n]
+
+    def run(rows: list[tuple[int, int, int]], y: torch.Tensor) -> None:
+        lora_sgmv(x, y, torch.tensor([[a, b] for a, b, _ in rows]),
+                  torch.tensor([mats[m][0].data_ptr() for *_, m in rows]),
+                  torch.tensor([mats[m][1].data_ptr() for *_, m in rows]), torch.tensor([ranks[m] for *_, m in rows]))
+
+    y = y0.clone()
+    run(runs, y)
+    ref = y0.clone()
+    for a, b, m in runs:
+        ref[a:b] += (x[a:b].double() @ mats[m][0].double() @ mats[m][1].double()).float()
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    for a, b, m in runs:  # one run alone: the same bits
+        alone = y0.clone()
+        run([(a, b, m)], alone)
+        assert torch.equal(alone[a:b], y[a:b])
+    with pytest.raises(ValueError, match="rank outside"):
+        lora_sgmv(x, y, torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([0]), torch.tensor([10**6]))
+
+
 def test_each_adapter_matches_peft_merged(llm, base, adapters) -> None:
     """Greedy tokens and logprobs of each adapter equal transformers' on peft's merged weights
     (chunked prefill: 16-token steps), and each adapter changes the base model's tokens."""
@@ -139,7 +172,7 @@ def test_each_adapter_matches_peft_merged(llm, base, adapters) -> None:
 def test_mixed_batch_equals_each_alone(llm, adapters) -> None:
     """Three adapters and the base model in one batch (decodes and prefill chunks of several
     adapters in the same steps): each request's tokens are those it gets alone, its logprobs
-    within float32 rounding (the LoRA matmuls' sums may be ordered by the rows in the call)."""
+    within float32 rounding (its prompt is cut into other chunks in a mixed batch)."""
     loras = [None, *(_lora(adapters, name) for name in ADAPTERS)]
     prompts = [p for p in PROMPTS for _ in loras]
     per_prompt = [lr for _ in PROMPTS for lr in loras]
@@ -351,4 +384,20 @@ def test_two_ranks_match_peft_merged(base, adapters) -> None:
                                lora_request=[None if n is None else _lora(adapters, n) for n in names])
         for name, out in zip(names, outs, strict=True):
             _assert_matches(hf if name is None else adapters[name][1], PROMPTS[1], out.outputs[0])
+        assert_pool_whole(engine.engine.core)
+
+
+def test_speculative_decoding_verifies_with_the_adapter(base, adapters) -> None:
+    """n-gram drafts (which know nothing of adapters) verified by the adapter's model: greedy
+    outputs still equal the merged models'."""
+    hf, path = base
+    names = [None, "all", "mlp_o"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    with LLM(model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, block_size=8,
+             speculative_config=spec, enable_lora=True, max_loras=2, max_lora_rank=16) as engine:
+        outs = engine.generate([PROMPTS[0]] * len(names), _greedy(), use_tqdm=False,
+                               lora_request=[None if n is None else _lora(adapters, n) for n in names])
+        assert engine.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+        for name, out in zip(names, outs, strict=True):
+            _assert_matches(hf if name is None else adapters[name][1], PROMPTS[0], out.outputs[0])
         assert_pool_whole(engine.engine.core)

@@ -49,6 +49,8 @@
 #define PAGEDLLM_KV_SCALE_BYTES 4
 /* Row blocks of other formats one K-quant weight may stack (a fused q/k/v). */
 #define PAGEDLLM_KQUANT_MAX_PARTS 4
+/* The largest summed LoRA rank of one projection's update (lora_sgmv). */
+#define PAGEDLLM_LORA_MAX_RANK 512
 
 #ifdef __cplusplus
 extern "C" {
@@ -251,6 +253,16 @@ void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
 /* y [T, hidden] = the block of x [T, hidden] (row stride ldx): each token's top_k experts'
  * SwiGLU outputs, weighted by their router probabilities and summed. */
 int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y);
+
+/* --- LoRA (lora.cpp) --- */
+
+/* y[t] (row stride ldy, N outputs) += (x[t] A_s^T) B_s^T for every token t of each segment s,
+ * the tokens [segments[2 s], segments[2 s + 1]) (rows of x, stride ldx, K inputs); a_t[s],
+ * b_t[s]: addresses of float32 A_s^T [K, ranks[s]] and B_s^T [ranks[s], N], row-major; a
+ * segment of rank 0 is skipped. Returns -1 (nothing written) for a rank outside [0,
+ * PAGEDLLM_LORA_MAX_RANK] or a reversed segment. */
+int lora_sgmv(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, int64_t N, const int64_t* segments,
+              int64_t num_segments, const int64_t* a_t, const int64_t* b_t, const int64_t* ranks);
 
 /* --- a whole decoder step (decoder.cpp) --- */
 

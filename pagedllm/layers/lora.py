@@ -4,7 +4,10 @@ A step's tokens are ordered so that each adapter's tokens form runs (``LoRABatch
 per run, a projection adds ``(x @ A.T) @ B.T`` (B pre-scaled): one shrink into the summed
 rank of the layer's parts (a fused q/k/v or gate/up layer has one part per projection, each
 with its own A), then one expand through the parts' B laid block-diagonally (each part's
-rank columns feed only its slice of the output; zeros elsewhere), two matmuls per run. Tokens of the base model, and layers
+rank columns feed only its slice of the output; zeros elsewhere). Where the native kernels
+run and activations are float32, all runs of a projection go through one call
+(``kernels.lora.lora_sgmv``, each token's update from its own row alone); elsewhere two
+PyTorch matmuls per run. Tokens of the base model, and layers
 an adapter does not target, get nothing added; a step without adapters runs the base layer
 alone. The base may be any linear layer (float32, int8/int4, w8a8, w4a8, GGUF blocks).
 """
@@ -15,6 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from pagedllm.kernels import library
+from pagedllm.kernels.lora import MAX_RANK, lora_sgmv
 
 
 @dataclass
@@ -28,6 +34,15 @@ class LoRABatch:
     """
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)
+    key: tuple[int, ...] = ()  # the runs' adapter ids
+    runs: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.int64))  # [S, 2] (first, end)
+    native: bool = field(default_factory=library.available)  # the native kernel runs here
+
+    def set(self, segments: list[tuple[int, int, int]]) -> None:
+        """The next step's runs."""
+        self.segments = segments
+        self.key = tuple(lid for _, _, lid in segments)
+        self.runs = torch.tensor([[a, b] for a, b, _ in segments], dtype=torch.int64).reshape(-1, 2)
 
 
 @dataclass
@@ -52,6 +67,8 @@ class LoRALinear(nn.Module):
         starts = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
         self.part_slices = [(s, s + n) for s, n in zip(starts, part_sizes, strict=True)]
         self.adapters: dict[int, _LayerAdapter] = {}
+        # The kernel's per-run arguments (A.T and B.T addresses, ranks) for the runs' adapters.
+        self._native_args: tuple[tuple[int, ...], tuple[torch.Tensor, ...]] | None = None
 
     def set_adapter(self, adapter_id: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:
         """Install adapter ``adapter_id``'s update: part index -> (A [r, in_features], B
@@ -67,21 +84,42 @@ class LoRALinear(nn.Module):
                 raise ValueError(f"part {index}: B is {list(b.shape)}, expected {[stop - start, a.shape[0]]}")
             b_t[r0 : r0 + a.shape[0], start:stop] = b.t()
             r0 += a.shape[0]
+        if rank > MAX_RANK:
+            raise ValueError(f"the summed rank {rank} of this layer's parts exceeds {MAX_RANK}")
         a_t = torch.cat([parts[i][0] for i in order]).t().to(dtype).contiguous()
         self.adapters[adapter_id] = _LayerAdapter(a_t, b_t)
+        self._native_args = None
 
     def remove_adapter(self, adapter_id: int) -> None:
         self.adapters.pop(adapter_id, None)
+        self._native_args = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] (rows may be strided) -> [T, out_features] in x's dtype."""
         y = self.base(x)
-        for start, stop, adapter_id in self.batch.segments:
+        batch = self.batch
+        if not batch.segments:
+            return y
+        if batch.native and x.dtype == torch.float32:
+            lora_sgmv(x, y, batch.runs, *self._args(batch.key))
+            return y
+        for start, stop, adapter_id in batch.segments:
             layer = self.adapters.get(adapter_id)
             if layer is None:  # the adapter leaves this layer alone
                 continue
             y[start:stop].addmm_(x[start:stop] @ layer.a_t, layer.b_t)
         return y
+
+    def _args(self, key: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """(A.T addresses, B.T addresses, ranks) of the runs' adapters (``key``: their ids),
+        kept while the adapters and the runs' order stay the same (decode steps in a row)."""
+        if self._native_args is None or self._native_args[0] != key:
+            layers = [self.adapters.get(lid) for lid in key]
+            a = [0 if la is None else la.a_t.data_ptr() for la in layers]
+            b = [0 if la is None else la.b_t.data_ptr() for la in layers]
+            ranks = [0 if la is None else la.a_t.shape[1] for la in layers]
+            self._native_args = (key, tuple(torch.tensor(v, dtype=torch.int64) for v in (a, b, ranks)))
+        return self._native_args[1]
 
     def extra_repr(self) -> str:
         return f"parts={[stop - start for start, stop in self.part_slices]}, adapters={sorted(self.adapters)}"

@@ -54,7 +54,7 @@ class LoRAManager:
                 else:
                     segments.append((start, end, lid))
             start = end
-        self.lora_model.batch.segments = segments
+        self.lora_model.batch.set(segments)
         for lid in [lid for lid in self.loaded if lid not in used][: max(0, len(self.loaded) - self.max_cpu_loras)]:
             del self.loaded[lid]
             self.lora_model.remove(lid)
