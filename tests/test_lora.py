@@ -188,6 +188,25 @@ def test_mixed_batch_equals_each_alone(llm, adapters) -> None:
     assert_pool_whole(llm.engine.core)
 
 
+def test_one_call_decoder_equals_the_modules(llm, adapters) -> None:
+    """Decode steps with adapters in the one-call native decoder give the modules' logprobs
+    bit for bit (the same kernels in the same order)."""
+    model = llm.engine.core.executor.runner.model
+    loras = [None, *(_lora(adapters, name) for name in ADAPTERS)]
+    runs = []
+    for native in (None, False):
+        model.native_decoder = native  # None: built on the next decode step
+        llm.engine.core.reset_prefix_cache()
+        runs.append(llm.generate([PROMPTS[1]] * len(loras), _greedy(), use_tqdm=False, lora_request=loras))
+    assert model.native_decoder is False
+    model.native_decoder = None
+    for a, b in zip(*runs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == [
+            lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)
+        ]
+
+
 def test_prefix_cache_never_shared_across_adapters(llm, adapters) -> None:
     """The same prompt under another adapter (or none) hits nothing; under the same adapter it
     hits its full blocks."""

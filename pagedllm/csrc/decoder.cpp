@@ -11,7 +11,8 @@
 // call cost about as much as the kernel; one call per step removes that, as llama.cpp's graph
 // does (figures: docs/benchmarks.md, "where a small GEMV's time goes"). A speculative
 // verification step of 1 + k tokens is as small, and a busy server's steps mix decodes with
-// prefill chunks: both run here too.
+// prefill chunks: both run here too. A step with LoRA adapters adds each projection's updates
+// right after its GEMM (lora_sgmv), as the modules' LoRA layers do.
 #include <stdint.h>
 
 #include <algorithm>
@@ -40,6 +41,15 @@ void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t 
   }
 }
 
+// y += the step's LoRA updates of layer i's projection p (nothing without adapters).
+void lora(const DecoderDesc* m, int64_t i, int64_t p, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K,
+          int64_t N) {
+  const LoRAStep* s = m->lora;
+  if (s == nullptr) return;
+  const int64_t at = (4 * i + p) * s->num_runs;
+  lora_sgmv(x, ldx, y, ldy, K, N, s->runs, s->num_runs, s->a_t + at, s->b_t + at, s->ranks + at);
+}
+
 // Everything the kernels below could refuse, checked before anything is written.
 bool supported(const DecoderDesc* m, int64_t P) {
   const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
@@ -56,6 +66,12 @@ bool supported(const DecoderDesc* m, int64_t P) {
       if (l->kind == PAGEDLLM_LINEAR_KQUANT && !kquant::fits(*static_cast<const KQuantWeight*>(l->w), l->n, l->k))
         return false;
     }
+  }
+  if (const LoRAStep* s = m->lora) {
+    for (int64_t r = 0; r < s->num_runs; ++r)
+      if (s->runs[2 * r] < 0 || s->runs[2 * r + 1] < s->runs[2 * r]) return false;
+    for (int64_t j = 0; j < 4 * m->num_layers * s->num_runs; ++j)
+      if (s->ranks[j] < 0 || s->ranks[j] > PAGEDLLM_LORA_MAX_RANK) return false;
   }
   return true;
 }
@@ -86,6 +102,9 @@ extern "C" {
 int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_sin, const StepGroup* groups,
                   const int64_t* seq_lens, const int64_t* spans, int64_t T, int64_t B, int64_t P, float* out) {
   if (!supported(m, P)) return -1;
+  if (const LoRAStep* s = m->lora)
+    for (int64_t r = 0; r < s->num_runs; ++r)
+      if (s->runs[2 * r + 1] > T) return -1;
   const int64_t H = m->hidden, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
   const int64_t q_width = Hq * D, kv_width = Hkv * D, qkv_width = q_width + 2 * kv_width, I = m->intermediate;
   std::vector<float> normed(T * H), qkv(T * qkv_width), q(B * q_width), attn(T * q_width), y(T * H),
@@ -100,7 +119,10 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
     const LayerDesc& l = m->layers[i];
     const StepGroup& g = groups[l.group];
     timed(m, kNorms, [&] { add_rms_norm(i ? y.data() : nullptr, stream, l.input_norm, normed.data(), T, H, m->eps); });
-    timed(m, kQkv, [&] { linear(l.qkv, normed.data(), H, qkv.data(), T); });
+    timed(m, kQkv, [&] {
+      linear(l.qkv, normed.data(), H, qkv.data(), T);
+      lora(m, i, 0, normed.data(), H, qkv.data(), qkv_width, H, qkv_width);
+    });
     timed(m, kNorms, [&] {
       if (l.q_norm) norm_heads(qkv.data(), qkv_width, T, Hq, D, l.q_norm, m->eps);
       if (l.k_norm) norm_heads(qkv.data() + q_width, qkv_width, T, Hkv, D, l.k_norm, m->eps);
@@ -122,7 +144,10 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
                                 g.prefill_block_tables, g.prefill_max_blocks, spans, spans + P, spans + 2 * P,
                                 attn.data(), P, Hq, Hkv, D, m->block_size, m->scale, l.window);
     });
-    timed(m, kO, [&] { linear(l.o, attn.data(), q_width, y.data(), T); });
+    timed(m, kO, [&] {
+      linear(l.o, attn.data(), q_width, y.data(), T);
+      lora(m, i, 1, attn.data(), q_width, y.data(), H, q_width, H);
+    });
     timed(m, kNorms, [&] {
       if (l.attn_out_norm) add_rms_norm(nullptr, y.data(), l.attn_out_norm, y.data(), T, H, m->eps);
       add_rms_norm(y.data(), stream, l.mlp_norm, normed.data(), T, H, m->eps);
@@ -130,9 +155,15 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
     if (l.moe) {
       timed(m, kMoe, [&] { fused_moe(l.moe, normed.data(), H, T, y.data()); });
     } else {
-      timed(m, kGateUp, [&] { linear(l.gate_up, normed.data(), H, gate_up.data(), T); });
+      timed(m, kGateUp, [&] {
+        linear(l.gate_up, normed.data(), H, gate_up.data(), T);
+        lora(m, i, 2, normed.data(), H, gate_up.data(), 2 * I, H, 2 * I);
+      });
       timed(m, kAct, [&] { act_and_mul(gate_up.data(), 2 * I, T, I); });
-      timed(m, kDown, [&] { linear(l.down, gate_up.data(), 2 * I, y.data(), T); });
+      timed(m, kDown, [&] {
+        linear(l.down, gate_up.data(), 2 * I, y.data(), T);
+        lora(m, i, 3, gate_up.data(), 2 * I, y.data(), H, I, H);
+      });
     }
     if (l.mlp_out_norm) timed(m, kNorms, [&] { add_rms_norm(nullptr, y.data(), l.mlp_out_norm, y.data(), T, H, m->eps); });
   }

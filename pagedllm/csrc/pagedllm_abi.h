@@ -133,11 +133,24 @@ typedef struct LayerDesc {
   int64_t rope;   /* which cos/sin table: 0 global, 1 local (Gemma 3's sliding layers) */
 } LayerDesc;
 
-/* The parts of a decode_layers step that DecoderDesc.profile times, in its order: the RMSNorms
+/* The parts of a decode_layers step that DecoderDesc.profile times (a projection's LoRA update
+ * counted with its GEMM), in its order: the RMSNorms
  * (input, post-attention, q/k heads, sandwich and final), the q/k/v GEMM, RoPE, the K/V write,
  * attention (decode and prefill), the o GEMM, the gate/up GEMM, the gated activation, the down
  * GEMM, the mixture-of-experts blocks. */
 #define PAGEDLLM_PROFILE_PARTS 10
+
+/* A step's LoRA updates for decode_layers (lora_sgmv per projection): num_runs runs of
+ * tokens, runs [num_runs, 2] (first, end); for layer i, projection p (0 qkv, 1 o, 2 gate_up,
+ * 3 down) and run s, entry (4 i + p) num_runs + s of a_t, b_t (addresses of float32 A^T
+ * [K, rank], B^T [rank, N]) and ranks (0: nothing added). */
+typedef struct LoRAStep {
+  int64_t num_runs;
+  const int64_t* runs;
+  const int64_t* a_t;
+  const int64_t* b_t;
+  const int64_t* ranks;
+} LoRAStep;
 
 /* A whole decoder: sizes, activation, KV cache groups, layers and final norm. */
 typedef struct DecoderDesc {
@@ -156,6 +169,7 @@ typedef struct DecoderDesc {
   const LayerDesc* layers; /* [num_layers] */
   const float* final_norm;
   int64_t* profile; /* null, or [PAGEDLLM_PROFILE_PARTS]: nanoseconds per part, added by each call */
+  const LoRAStep* lora; /* the step's LoRA updates, or null: none */
 } DecoderDesc;
 
 /* One KV cache group's view of a step of T tokens, B decodes first, then P multi-token

@@ -12,7 +12,9 @@ import torch
 from pagedllm.kernels import abi
 from pagedllm.kernels.args import check_cpu, check_index, ptr, require
 
-LayerDesc, DecoderDesc, _StepGroup = (abi.STRUCTS[name] for name in ("LayerDesc", "DecoderDesc", "StepGroup"))
+LayerDesc, DecoderDesc, LoRAStep, _StepGroup = (
+    abi.STRUCTS[name] for name in ("LayerDesc", "DecoderDesc", "LoRAStep", "StepGroup")
+)
 
 
 def decode_layers(
@@ -31,7 +33,8 @@ def decode_layers(
 
     Args:
         decoder: the model's weights, sizes and K/V caches (``models/native_decoder.py``);
-            heads as ``kernels.attention.decode_attention_supported`` accepts.
+            heads as ``kernels.attention.decode_attention_supported`` accepts; its ``lora``,
+            where set, the step's LoRA updates (runs within the T tokens).
         stream: [T, hidden] float32, contiguous: the tokens' (scaled) embeddings; on return
             the residual stream (as the modules leave it).
         cos_sin: the global and the local RoPE table's rows, each [T, 2, 1, head_dim] float32,

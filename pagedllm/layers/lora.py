@@ -35,6 +35,7 @@ class LoRABatch:
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     key: tuple[int, ...] = ()  # the runs' adapter ids
+    version: int = 0  # counts changes to the installed adapters
     runs: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.int64))  # [S, 2] (first, end)
     native: bool = field(default_factory=library.available)  # the native kernel runs here
 
@@ -101,7 +102,7 @@ class LoRALinear(nn.Module):
         if not batch.segments:
             return y
         if batch.native and x.dtype == torch.float32:
-            lora_sgmv(x, y, batch.runs, *self._args(batch.key))
+            lora_sgmv(x, y, batch.runs, *self.native_args(batch.key))
             return y
         for start, stop, adapter_id in batch.segments:
             layer = self.adapters.get(adapter_id)
@@ -110,7 +111,7 @@ class LoRALinear(nn.Module):
             y[start:stop].addmm_(x[start:stop] @ layer.a_t, layer.b_t)
         return y
 
-    def _args(self, key: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    def native_args(self, key: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """(A.T addresses, B.T addresses, ranks) of the runs' adapters (``key``: their ids),
         kept while the adapters and the runs' order stay the same (decode steps in a row)."""
         if self._native_args is None or self._native_args[0] != key:

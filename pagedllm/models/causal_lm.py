@@ -48,8 +48,7 @@ class CausalLM(nn.Module):
         # Decode-only steps in one native call, built on the first such step (after loading
         # and quantization have put the final layers in place); False: never (tests compare).
         self.native_decoder: NativeDecoder | None | bool = None
-        # The step's LoRA adapter runs where LoRA layers are installed (``models/lora_model.py``);
-        # a step with any runs the modules (the one-call decoder has no LoRA).
+        # The step's LoRA adapter runs where LoRA layers are installed (``models/lora_model.py``).
         self.lora_batch: LoRABatch | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -79,11 +78,10 @@ class CausalLM(nn.Module):
         if self.native_decoder is None:
             self.native_decoder = NativeDecoder.of(self) or False
         x = self.embed(input_ids)
-        lora = self.lora_batch is not None and bool(self.lora_batch.segments)
-        if self.native_decoder and not lora:
+        if self.native_decoder:
             tables = self.rotary_emb.cos_sin[positions]
             local = tables if self.rotary_emb_local is None else self.rotary_emb_local.cos_sin[positions]
-            hidden = self.native_decoder(x, (tables, local), kv_caches, attn_metadata)
+            hidden = self.native_decoder(x, (tables, local), kv_caches, attn_metadata, self.lora_batch)
             if hidden is not None:
                 return hidden
         cos_sin = self.rotary_emb(positions)

@@ -3,14 +3,15 @@
 ``LoRAModel(model)`` wraps each decoder layer's ``qkv_proj``, ``o_proj``, ``gate_up_proj``
 and ``down_proj`` (whatever their base layers are, after quantization and packing) in a
 ``LoRALinear`` sharing one ``LoRABatch``; adapters are then installed and removed by id.
-A step with adapter runs in ``model.lora_batch`` runs the modules, not the one-call native
-decoder (``CausalLM.forward``).
+The step's adapter runs sit in ``model.lora_batch``, which the modules and the one-call
+native decoder read.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.errors import LoRAError
 from pagedllm.layers.lora import LoRABatch, LoRALinear
 from pagedllm.models.lora_adapter import LoRAAdapter
 
@@ -34,7 +35,9 @@ class LoRAModel:
         for i, layer in enumerate(model.layers):
             for parent_name, name in _MODULES:
                 parent = getattr(layer, parent_name)
-                base = getattr(parent, name)
+                base = getattr(parent, name, None)
+                if base is None:  # a mixture of experts has no gate/up/down of its own
+                    continue
                 wrapped = LoRALinear(base, parts.get(name, [base.out_features]), self.batch)
                 setattr(parent, name, wrapped)
                 self.linears[(i, name)] = wrapped
@@ -45,9 +48,14 @@ class LoRAModel:
         grouped: dict[tuple[int, str], dict[int, tuple]] = {}
         for (layer, module, index), part in adapter.layer_parts(self.model.shard).items():
             grouped.setdefault((layer, module), {})[index] = (part.a, part.b)
+        missing = sorted(key for key in grouped if key not in self.linears)
+        if missing:
+            raise LoRAError(f"the adapter updates layer {missing[0][0]}'s {missing[0][1]}, which this model does not have")
         for key, parts in grouped.items():
             self.linears[key].set_adapter(adapter_id, parts, self.model.dtype)
+        self.batch.version += 1
 
     def remove(self, adapter_id: int) -> None:
         for linear in self.linears.values():
             linear.remove_adapter(adapter_id)
+        self.batch.version += 1

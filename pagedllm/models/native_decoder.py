@@ -24,9 +24,9 @@ from torch import nn
 
 from pagedllm.core.kv_cache_config import kv_row_width
 from pagedllm.kernels import attention, library
-from pagedllm.kernels.decoder import DecoderDesc, LayerDesc, decode_layers
+from pagedllm.kernels.decoder import DecoderDesc, LayerDesc, LoRAStep, decode_layers
 from pagedllm.layers.attention import AttentionMetadata, KVCache
-from pagedllm.layers.lora import LoRALinear
+from pagedllm.layers.lora import LoRABatch, LoRALinear
 
 
 def _base(linear: nn.Module) -> nn.Module:
@@ -50,6 +50,11 @@ class NativeDecoder:
         self.model = model
         config, shard = model.config, model.shard
         self.layers = (LayerDesc * config.num_layers)()
+        # Per layer: its qkv, o, gate_up and down LoRA layers (None: not one; empty: no LoRA layers).
+        self.lora_linears: list[LoRALinear | None] = []
+        self.lora_step = LoRAStep()
+        self._lora_key: tuple | None = None
+        self._lora_arrays: tuple[torch.Tensor, ...] = ()
         for desc, layer in zip(self.layers, model.layers, strict=True):
             for slot, path in type(layer).NATIVE_NORMS.items():
                 parent, _, name = path.rpartition(".")
@@ -63,6 +68,8 @@ class NativeDecoder:
             else:
                 desc.gate_up, desc.down = _base(mlp.gate_up_proj).native_desc(), _base(mlp.down_proj).native_desc()
             desc.window = getattr(attn, "window", 0)
+            projections = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+            self.lora_linears += [m if isinstance(m, LoRALinear) else None for m in projections]
             desc.rope = int(getattr(layer, "is_sliding", False))
         self.desc = DecoderDesc(
             num_layers=config.num_layers,
@@ -107,12 +114,14 @@ class NativeDecoder:
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_caches: list[KVCache],
         attn_metadata: list[AttentionMetadata],
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor | None:
         """The model's forward for a step: ``stream`` [T, hidden] its (scaled) embeddings,
         ``cos_sin`` the global and local RoPE tables' rows for its positions ([T, 2, 1,
-        head_dim] each); the final hidden states, or None, with nothing computed, for a step
-        the kernels cannot take (multi-token requests with blocks larger than
-        ``kernels.attention.MAX_PREFILL_BLOCK``, caches they cannot read)."""
+        head_dim] each), ``lora`` the step's adapter runs (the model's LoRA layers'); the final
+        hidden states, or None, with nothing computed, for a step the kernels cannot take
+        (multi-token requests with blocks larger than ``kernels.attention.MAX_PREFILL_BLOCK``,
+        caches they cannot read)."""
         # Layers of one KV cache group share one metadata object: number the groups by it.
         numbering: dict[int, int] = {}
         layer_groups = [numbering.setdefault(id(meta), len(numbering)) for meta in attn_metadata]
@@ -126,6 +135,7 @@ class NativeDecoder:
             for desc, group in zip(self.layers, layer_groups, strict=True):
                 desc.group = group
             self.layer_groups, self.desc.num_groups = layer_groups, len(metas)
+        self.desc.lora = self._lora(lora) if lora is not None and lora.segments else None
         return decode_layers(
             self.desc,
             stream,
@@ -136,6 +146,22 @@ class NativeDecoder:
             [meta.prefill_block_tables for meta in metas] if prefills else None,
             metas[0].prefill_spans,
         )
+
+    def _lora(self, lora: LoRABatch) -> ctypes.POINTER(LoRAStep):
+        """The step's LoRA updates for the kernel, rebuilt when the runs' adapters or the
+        installed adapters change (kept across decode steps of the same batch)."""
+        key = (lora.key, lora.version)
+        step = self.lora_step
+        if key != self._lora_key:
+            none = (torch.zeros(len(lora.key), dtype=torch.int64),) * 3
+            # Per projection: (A.T addresses, B.T addresses, ranks); zeros where no LoRA layer is.
+            args = [none if m is None else m.native_args(lora.key) for m in self.lora_linears]
+            self._lora_arrays = tuple(torch.cat([a[j] for a in args]) for j in range(3))
+            step.num_runs = len(lora.key)
+            step.a_t, step.b_t, step.ranks = (t.data_ptr() for t in self._lora_arrays)
+            self._lora_key = key
+        step.runs = lora.runs.data_ptr()  # the runs' lengths change as requests come and go
+        return ctypes.pointer(step)
 
     def _bind(self, kv_caches: list[KVCache]) -> bool:
         """Point the layers at these caches; False where the kernels cannot read them."""
