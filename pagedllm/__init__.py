@@ -19,7 +19,9 @@ from pagedllm.structured_output import StructuredOutputsParams
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+]
 __version__ = "0.1.0"
 
 

@@ -152,7 +152,9 @@ class EngineConfig:
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("the uni executor runs one rank: use mp or ray for tensor_parallel_size > 1")
         if self.max_loras < 1 or self.max_lora_rank < 1:
-            raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {self.max_loras} and {self.max_lora_rank}")
+            raise ValueError(
+                f"max_loras and max_lora_rank must be at least 1, got {self.max_loras} and {self.max_lora_rank}"
+            )
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         if self.max_cpu_loras < self.max_loras:

@@ -420,3 +420,27 @@ def test_speculative_decoding_verifies_with_the_adapter(base, adapters) -> None:
         for name, out in zip(names, outs, strict=True):
             _assert_matches(hf if name is None else adapters[name][1], PROMPTS[0], out.outputs[0])
         assert_pool_whole(engine.engine.core)
+
+
+def test_phi3_fused_projections(tmp_path) -> None:
+    """An adapter on Phi-3's fused qkv_proj and gate_up_proj (one A, B split like the fused
+    weight) equals transformers + peft merged."""
+    sizes = {k: v for k, v in LLAMA.items() if k != "rope_theta"}
+    config = transformers.Phi3Config(**sizes, pad_token_id=0, sliding_window=None)
+    torch.manual_seed(3)
+    hf = transformers.Phi3ForCausalLM(config).eval()
+    randomize_vectors(hf)
+    hf.save_pretrained(tmp_path / "base")
+    load_tokenizer(resolve_model("smollm2")).save_pretrained(tmp_path / "base")
+    model = get_peft_model(copy.deepcopy(hf), LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path / "lora")
+    merged = model.merge_and_unload().eval()
+    with LLM(model=str(tmp_path / "base"), dtype="float32", kv_cache_memory="4MiB", max_model_len=64, block_size=8,
+             enable_lora=True, max_lora_rank=4) as engine:
+        out = engine.generate([PROMPTS[1]], _greedy(), use_tqdm=False,
+                              lora_request=LoRARequest("phi", 1, str(tmp_path / "lora")))[0]
+    _assert_matches(merged, PROMPTS[1], out.outputs[0])

@@ -53,11 +53,9 @@ class LoRAAdapter:
     """An adapter read from a PEFT folder and checked against a base model.
 
     Attributes:
-        rank: the largest r of its modules.
         parts: (layer, HF projection name) -> its update, whole-model sizes.
     """
 
-    rank: int
     parts: dict[tuple[int, str], LoRAPart]
 
     def layer_parts(self, shard: ModelShard) -> dict[tuple[int, str, int], LoRAPart]:
@@ -145,6 +143,7 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
 
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    module_keys: dict[tuple[int, str], str] = {}  # the module's name in the file, for the patterns
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             for key in f.keys():
@@ -156,7 +155,7 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
                     )
                 layer, proj, which = int(m.group(1)), m.group(2), m.group(3)
                 pairs.setdefault((layer, proj), {})[which] = f.get_tensor(key).float()
-                pairs[(layer, proj)]["key"] = key  # type: ignore[assignment]
+                module_keys[(layer, proj)] = key.rsplit(".lora_", 1)[0]
     except LoRAError:
         raise
     except Exception as e:  # safetensors raises its own types for a truncated or garbled file
@@ -166,7 +165,6 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
 
     sizes = _sizes(config)
     parts: dict[tuple[int, str], LoRAPart] = {}
-    max_r = 0
     for (layer, proj), pair in sorted(pairs.items()):
         where = f"layer {layer} {proj}"
         if "A" not in pair or "B" not in pair:
@@ -176,7 +174,7 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
         if proj not in sizes and proj not in _FUSED_HF:
             raise LoRAError(f"{where}: LoRA on {proj} is not supported (only q/k/v/o and gate/up/down projections)")
         a, b = pair["A"], pair["B"]
-        module_key = pair["key"].rsplit(".lora_", 1)[0]  # type: ignore[union-attr]
+        module_key = module_keys[(layer, proj)]
         mr = int(_pattern_value(rank_pattern, module_key, r))
         malpha = float(_pattern_value(alpha_pattern, module_key, alpha))
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != mr or b.shape[1] != mr:
@@ -185,7 +183,6 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
             )
         if mr > max_rank:
             raise LoRAError(f"{where}: LoRA rank {mr} exceeds max_lora_rank {max_rank}")
-        max_r = max(max_r, mr)
         scale = malpha / (math.sqrt(mr) if rslora else mr)
         names = _FUSED_HF.get(proj, (proj,))
         out_sizes = [sizes[n][0] for n in names]
@@ -197,4 +194,4 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
             )
         for name, piece in zip(names, (b * scale).split(out_sizes), strict=True):
             parts[(layer, name)] = LoRAPart(a, piece.contiguous())
-    return LoRAAdapter(max_r, parts)
+    return LoRAAdapter(parts)
