@@ -1,4 +1,4 @@
-"""LoRA on any linear layer, many adapters in one batch (Punica's SGMV idea, in PyTorch).
+"""LoRA on any linear layer, many adapters in one batch (Punica's SGMV idea).
 
 A step's tokens are ordered so that each adapter's tokens form runs (``LoRABatch.segments``);
 per run, a projection adds ``(x @ A.T) @ B.T`` (B pre-scaled): one shrink into the summed
@@ -7,9 +7,8 @@ with its own A), then one expand through the parts' B laid block-diagonally (eac
 rank columns feed only its slice of the output; zeros elsewhere). Where the native kernels
 run and activations are float32, all runs of a projection go through one call
 (``kernels.lora.lora_sgmv``, each token's update from its own row alone); elsewhere two
-PyTorch matmuls per run. Tokens of the base model, and layers
-an adapter does not target, get nothing added; a step without adapters runs the base layer
-alone. The base may be any linear layer (float32, int8/int4, w8a8, w4a8, GGUF blocks).
+PyTorch matmuls per run. Tokens of the base model, and layers an adapter does not target,
+get nothing added; a step without adapters runs the base layer alone. The base may be any linear layer (float32, int8/int4, w8a8, w4a8, GGUF blocks).
 """
 
 from __future__ import annotations
