@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "pagedllm_abi.h"
+#include "parallel.h"
 #include "vec.h"
 
 using namespace vec;
@@ -47,15 +48,14 @@ int lora_sgmv(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, int
     tokens += segments[2 * s + 1] - segments[2 * s];
   }
   // Token i of the call: the segment it falls in, by a walk (segments are few).
-#pragma omp parallel for schedule(static) if (tokens >= kParallelTokens)
-  for (int64_t i = 0; i < tokens; ++i) {
+  par::parallel_for(tokens, [&](int64_t i) {
     int64_t s = 0, first = 0;
     while (i >= first + segments[2 * s + 1] - segments[2 * s]) first += segments[2 * s + 1] - segments[2 * s], ++s;
-    if (ranks[s] == 0) continue;
+    if (ranks[s] == 0) return;
     const int64_t t = segments[2 * s] + i - first;
     lora_token(x + t * ldx, y + t * ldy, reinterpret_cast<const float*>(a_t[s]), reinterpret_cast<const float*>(b_t[s]),
                K, N, ranks[s]);
-  }
+  }, kParallelTokens);
   return 0;
 }
 
