@@ -109,8 +109,9 @@ inline void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const 
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* pg = panel + g * Q4_BYTES;
     __builtin_prefetch(pg + 4 * Q4_BYTES);
-    I32x16 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero_i32();
+    Q4Sum acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = q4sum_zero();
+#pragma GCC unroll 8
     for (int64_t k = 0; k < quads; ++k) {
       if (k % 2 == 0) __builtin_prefetch(pg + 4 * Q4_BYTES + 64 * (k / 2 + 1));
       const Q4W w = dot_q4_load(pg + k * 64);
@@ -120,8 +121,8 @@ inline void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const 
     const F32x16 d0 = load_f16(dm), d1 = load_f16(dm + 16), m0 = load_f16(dm + NB), m1 = load_f16(dm + NB + 16);
     for (int r = 0; r < R; ++r) {
       const F32x16 s = set1(xscale[r * G + g]), t = set1(xsum[r * G + g]);
-      out[r][0] = fma(to_f32(acc[r][0]), mul(d0, s), fma(m0, t, out[r][0]));
-      out[r][1] = fma(to_f32(acc[r][1]), mul(d1, s), fma(m1, t, out[r][1]));
+      out[r][0] = fma(to_f32(q4sum_i32(acc[r][0])), mul(d0, s), fma(m0, t, out[r][0]));
+      out[r][1] = fma(to_f32(q4sum_i32(acc[r][1])), mul(d1, s), fma(m1, t, out[r][1]));
     }
   }
   store<R>(out, y, ldy, ncols);

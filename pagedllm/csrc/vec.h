@@ -25,9 +25,11 @@
 //           as plain s8), load_f16 (16 float16 widened), I32x16 zero_i32, Q4W dot_q4_load(64
 //           bytes of nibbles: byte i holds column i/4's code i%4 in its low nibble, column
 //           16 + i/4's in its high one; loaded once, used by every row), DotQ4X dot_q4_prepare(a
-//           quad of 4 s8 codes), dot_q4(lo, hi, DotQ4X, Q4W): lo[l] += sum_j x[j] * low
-//           nibble of byte 4 l + j, hi[l] the same with the high nibbles (codes in [0, 15] are
-//           u8 and s8 alike: no offset or sign trick)
+//           quad of 4 s8 codes), Q4Sum (one group's partial sums of 16 columns, in whatever
+//           width the ISA adds them: int16 pairs on AVX2) q4sum_zero, dot_q4(lo, hi, DotQ4X,
+//           Q4W): lo[l] += sum_j x[j] * low nibble of byte 4 l + j, hi[l] the same with the
+//           high nibbles (codes in [0, 15] are u8 and s8 alike: no offset or sign trick), at
+//           most QG / 4 = 8 times per Q4Sum (a group), then I32x16 q4sum_i32(Q4Sum)
 //   GGUF    (the K-quant GEMM, kGemmRowsKQ rows per tile) U8x64, 64 bytes in order:
 //           load_u8x64, store_u8x64, load_2x32(a, b) (32 bytes of each), dup32(p) (the same 32
 //           bytes twice), nibbles_2x16(a, b) (16 bytes of each as their low then their high

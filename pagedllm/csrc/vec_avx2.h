@@ -16,13 +16,21 @@ namespace vec {
 inline constexpr const char* kName = "avx2";
 inline constexpr int kF32Regs = 8;
 inline constexpr int kGemmRowsF32 = 3;  // 12 ymm accumulators; weights come from L1 as FMA operands
-inline constexpr int kGemmRowsI8 = 2;
-inline constexpr int kGemmRowsQ4 = 2;
+inline constexpr int kGemmRowsI8 = 1;  // 8 accumulators (4 int32, 4 float32) + 2 x + 4 w registers
+inline constexpr int kGemmRowsQ4 = 2;  // 8 int16 accumulators + 8 float32: the rest spill, weights come from L1
 inline constexpr int kGemmRowsKQ = 2;
 
 struct F32x16 { __m256 lo, hi; };
 struct I32x16 { __m256i lo, hi; };
 struct M16 { __m256 lo, hi; };
+
+// Pins each accumulator of an integer dot product after every step: otherwise GCC regroups a
+// micro-tile's integer adds into trees of products that 16 ymm registers cannot hold, and
+// spills them to the stack (docs/benchmarks.md, int8 prefill GEMMs, has the cost).
+template <typename... V>
+inline void keep_in_registers(V&... v) {
+  ([&] { __asm__("" : "+x"(v)); }(), ...);
+}
 
 inline F32x16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline F32x16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
@@ -152,7 +160,11 @@ inline __m256i dot8(__m256i acc, const DotX& x, const int8_t* w) {
   const __m256i sw = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), x.x);
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x.ax, sw), _mm256_set1_epi16(1)));
 }
-inline I32x16 dot(I32x16 acc, const DotX& x, const int8_t* w) { return {dot8(acc.lo, x, w), dot8(acc.hi, x, w + 32)}; }
+inline I32x16 dot(I32x16 acc, const DotX& x, const int8_t* w) {
+  I32x16 r{dot8(acc.lo, x, w), dot8(acc.hi, x, w + 32)};
+  keep_in_registers(r.lo, r.hi);
+  return r;
+}
 
 inline void store_i8(int8_t* p, I32x16 a) { store_codes(p, a); }  // codes are plain s8 here
 struct Q4W { __m256i lo0, lo1, hi0, hi1; };  // columns 0-7, 8-15, 16-23, 24-31
@@ -164,12 +176,19 @@ inline Q4W dot_q4_load(const uint8_t* nibbles64) {
 }
 struct DotQ4X { __m256i x; };  // the 4 s8 codes, in every lane
 inline DotQ4X dot_q4_prepare(const int32_t* quad) { return {_mm256_set1_epi32(*quad)}; }
-inline __m256i dot_q4_8(__m256i acc, __m256i w, __m256i x) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+// A group's sums as int16 pairs (columns 0-7, 8-15): each vpmaddubsw pair of a code in
+// [0, 15] and an x in [-127, 127] is at most 3810 in magnitude, so a group's 8 quads add up to
+// 30480 without overflow and the widening vpmaddwd runs once per group, not once per quad.
+struct Q4Sum { __m256i lo, hi; };
+inline Q4Sum q4sum_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline I32x16 q4sum_i32(Q4Sum s) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_madd_epi16(s.lo, ones), _mm256_madd_epi16(s.hi, ones)};
 }
-inline void dot_q4(I32x16& lo, I32x16& hi, DotQ4X x, const Q4W& w) {
-  lo = {dot_q4_8(lo.lo, w.lo0, x.x), dot_q4_8(lo.hi, w.lo1, x.x)};
-  hi = {dot_q4_8(hi.lo, w.hi0, x.x), dot_q4_8(hi.hi, w.hi1, x.x)};
+inline void dot_q4(Q4Sum& lo, Q4Sum& hi, DotQ4X x, const Q4W& w) {
+  lo = {_mm256_add_epi16(lo.lo, _mm256_maddubs_epi16(w.lo0, x.x)), _mm256_add_epi16(lo.hi, _mm256_maddubs_epi16(w.lo1, x.x))};
+  hi = {_mm256_add_epi16(hi.lo, _mm256_maddubs_epi16(w.hi0, x.x)), _mm256_add_epi16(hi.hi, _mm256_maddubs_epi16(w.hi1, x.x))};
+  keep_in_registers(lo.lo, lo.hi, hi.lo, hi.hi);
 }
 
 // Bytes of GGUF blocks (the K-quant GEMM): two ymm, bytes 0-31 and 32-63.

@@ -118,15 +118,21 @@ inline Q4W dot_q4_load(const uint8_t* nibbles64) {
 struct DotQ4X { __m512i x; };  // the 4 s8 codes, in every lane
 inline DotQ4X dot_q4_prepare(const int32_t* quad) { return {_mm512_set1_epi32(*quad)}; }
 #ifdef __AVX512VNNI__
-inline void dot_q4(I32x16& lo, I32x16& hi, DotQ4X x, const Q4W& w) {
+using Q4Sum = I32x16;  // vpdpbusd sums into int32 directly
+inline Q4Sum q4sum_zero() { return zero_i32(); }
+inline I32x16 q4sum_i32(Q4Sum s) { return s; }
+inline void dot_q4(Q4Sum& lo, Q4Sum& hi, DotQ4X x, const Q4W& w) {
   lo.v = _mm512_dpbusd_epi32(lo.v, w.lo, x.x);
   hi.v = _mm512_dpbusd_epi32(hi.v, w.hi, x.x);
 }
 #else
-inline void dot_q4(I32x16& lo, I32x16& hi, DotQ4X x, const Q4W& w) {
-  const __m512i ones = _mm512_set1_epi16(1);
-  lo.v = _mm512_add_epi32(lo.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.lo, x.x), ones));
-  hi.v = _mm512_add_epi32(hi.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.hi, x.x), ones));
+struct Q4Sum { __m512i v; };  // int16 pair sums, widened once per group (as vec_avx2.h's)
+inline Q4Sum q4sum_zero() { return {_mm512_setzero_si512()}; }
+inline I32x16 q4sum_i32(Q4Sum s) { return {_mm512_madd_epi16(s.v, _mm512_set1_epi16(1))}; }
+inline void dot_q4(Q4Sum& lo, Q4Sum& hi, DotQ4X x, const Q4W& w) {
+  lo.v = _mm512_add_epi16(lo.v, _mm512_maddubs_epi16(w.lo, x.x));
+  hi.v = _mm512_add_epi16(hi.v, _mm512_maddubs_epi16(w.hi, x.x));
+  __asm__("" : "+v"(lo.v), "+v"(hi.v));  // as vec_avx2.h's keep_in_registers
 }
 #endif
 

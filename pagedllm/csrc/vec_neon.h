@@ -181,7 +181,10 @@ inline Q4W dot_q4_load(const uint8_t* nibbles64) {
 }
 using DotQ4X = DotX;
 inline DotQ4X dot_q4_prepare(const int32_t* quad) { return dot_prepare(quad); }
-inline void dot_q4(I32x16& lo, I32x16& hi, DotQ4X x, const Q4W& w) {
+using Q4Sum = I32x16;  // sdot (or the widening multiplies) sums into int32 directly
+inline Q4Sum q4sum_zero() { return zero_i32(); }
+inline I32x16 q4sum_i32(Q4Sum s) { return s; }
+inline void dot_q4(Q4Sum& lo, Q4Sum& hi, DotQ4X x, const Q4W& w) {
   for (int i = 0; i < 4; ++i) lo.v[i] = dot4(lo.v[i], w.lo[i], x.x), hi.v[i] = dot4(hi.v[i], w.hi[i], x.x);
 }
 

@@ -148,7 +148,10 @@ inline Q4W dot_q4_load(const uint8_t* nibbles64) {
 }
 using DotQ4X = DotX;
 inline DotQ4X dot_q4_prepare(const int32_t* quad) { return dot_prepare(quad); }
-inline void dot_q4(I32x16& lo, I32x16& hi, const DotQ4X& x, const Q4W& w) {
+using Q4Sum = I32x16;
+inline Q4Sum q4sum_zero() { return I32x16{}; }
+inline I32x16 q4sum_i32(const Q4Sum& s) { return s; }
+inline void dot_q4(Q4Sum& lo, Q4Sum& hi, const DotQ4X& x, const Q4W& w) {
   for (int l = 0; l < 16; ++l)
     for (int j = 0; j < 4; ++j) lo.v[l] += int32_t(x.x[j]) * w.lo[4 * l + j], hi.v[l] += int32_t(x.x[j]) * w.hi[4 * l + j];
 }
