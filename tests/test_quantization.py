@@ -39,6 +39,7 @@ from pagedllm.models.gguf_loader import GGUFFile, gguf_config
 from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.kernels import kquant
+from pagedllm.kernels import linear as linear_kernels
 from pagedllm.models import gguf_loader
 from pagedllm.models.native_decoder import NativeDecoder
 from tests.models_util import prefill_logits, write_gguf
@@ -442,7 +443,12 @@ def test_perplexity_through_prompt_logprobs() -> None:
     assert full.perplexity == pytest.approx(float(nll.exp()), rel=1e-4)
 
 
-@pytest.mark.parametrize("n,k", [(5, 7), (40, 64), (96, 577)])
+# N, K with ragged panels and groups; the batches cover M = 1, partial micro-tiles on every
+# ISA (1 to 4 rows per tile), several tiles, and (at K = 200) more rows than one L2 chunk holds.
+INT8_SHAPES = [(5, 7), (40, 64), (96, 577), (100, 200)]
+
+
+@pytest.mark.parametrize("n,k", INT8_SHAPES)
 def test_w8a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
     """Integer sums of int8 weights and int8 activations, each symmetric per group of 32 input
     features, scaled per group: equal to the same scheme in float64, on every ISA's kernels."""
@@ -458,7 +464,7 @@ def test_w8a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
         return torch.round(g / scale.clamp_min(1e-300)), scale
 
     wq, ws = groups(w)
-    for m in (1, 7, 13, 64):
+    for m in (1, 7, 13, 64) if k != 200 else (3, 17, 1402):
         x = torch.randn(m, k, generator=gen) * torch.linspace(0.1, 3, k)
         x[0] = 0.0  # an all-zero row stays exact
         x[1:, 3] = 1e3  # an outlier costs precision in its own group only
@@ -470,7 +476,7 @@ def test_w8a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
         assert (layer(x) - exact).norm() / exact.norm() < 0.01
 
 
-@pytest.mark.parametrize("n,k", [(5, 7), (40, 64), (96, 577)])
+@pytest.mark.parametrize("n,k", INT8_SHAPES)
 def test_w4a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
     """4-bit weights ``d * q + m`` (float16 d, m) per group of 32 against int8 activations,
     symmetric per group of 32, with each group's code sum for the m term (llama.cpp's
@@ -486,7 +492,7 @@ def test_w4a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
     pad = -k % 32
     wq = torch.nn.functional.pad(qw.q.double(), (0, pad)).view(n, groups, 32)
     d, mins = qw.scales.double(), qw.mins.double()
-    for m in (1, 2, 5, 13, 64):
+    for m in (1, 2, 5, 13, 64) if k != 200 else (3, 17, 1402):
         wide = torch.randn(m, k + 9, generator=gen) * torch.cat([torch.linspace(0.1, 3, k), torch.ones(9)])
         x = wide[:, :k]  # rows at stride k + 9
         x[0] = 0.0  # an all-zero row stays exact
@@ -505,6 +511,21 @@ def test_w4a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
         assert torch.equal(y[0], b)
         exact = torch.nn.functional.linear(x, w, b)
         assert (y - exact).norm() / exact.norm() < 0.1  # 4-bit weights: about 4% on Gaussian ones
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int8_gemms_exact_at_the_largest_codes(sign, native_isa) -> None:
+    """Every product at its largest: 4-bit codes 15 (int8 weight codes 127) against activation
+    codes all 127 of one sign (x = +-127: scale 1): no partial sum overflows on any ISA (AVX2
+    adds a group's 4-bit products in int16), so y is exact, at K = 256 and 96 and M = 5."""
+    for k in (256, 96):
+        m, n, groups = 5, 40, k // 32
+        x = torch.full((m, k), sign * 127)
+        codes = torch.full((n, k), 15, dtype=torch.uint8)
+        q4 = linear_kernels.linear_pack_q4a8(codes, torch.ones(n, groups), torch.zeros(n, groups))
+        assert torch.equal(linear_kernels.linear_q4a8(x, q4, None, n), torch.full((m, n), sign * 15 * 127 * k))
+        w8 = linear_kernels.linear_pack_w8a8(torch.full((n, k), 127.0))
+        assert torch.equal(linear_kernels.linear_w8a8(x, w8, None, n), torch.full((m, n), sign * 127 * 127 * k))
 
 
 def test_w4a8_takes_gguf_q4_blocks_as_stored(native_isa) -> None:

@@ -21,6 +21,8 @@ _BENCHES = (
      "sampler and the Python around them", "step", True),
     ("kv-memory", "KV blocks held per long request, sliding-window release on vs off", "kv_memory", False),
     ("roofline", "this CPU's float32 FLOP/s, int8 OP/s and memory bandwidth, measured", "roofline", False),
+    ("gemm", "a decoder layer's prefill GEMMs: float32, w8a8, w4a8, K-quants and PyTorch's float32 and int8 matmul",
+     "gemm", False),
     ("serve", "load-test an OpenAI-compatible server", "serve", False),
     ("detokenize", "the incremental detokenizer, microseconds per token", "detokenize", False),
 )

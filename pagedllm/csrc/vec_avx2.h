@@ -17,7 +17,7 @@ inline constexpr const char* kName = "avx2";
 inline constexpr int kF32Regs = 8;
 inline constexpr int kGemmRowsF32 = 3;  // 12 ymm accumulators; weights come from L1 as FMA operands
 inline constexpr int kGemmRowsI8 = 1;  // 8 accumulators (4 int32, 4 float32) + 2 x + 4 w registers
-inline constexpr int kGemmRowsQ4 = 2;  // 8 int16 accumulators + 8 float32: the rest spill, weights come from L1
+inline constexpr int kGemmRowsQ4 = 2;  // 8 int16 accumulators; the 8 float32 ones wait in L1 between groups
 inline constexpr int kGemmRowsKQ = 2;
 
 struct F32x16 { __m256 lo, hi; };
