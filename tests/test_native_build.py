@@ -223,9 +223,10 @@ def test_dtype_auto_by_isa(isa: str | None, linears: str, monkeypatch: pytest.Mo
     assert cpu.dtype_settings("auto")["quantization"] == expected
 
 
-def test_w8a8_is_bit_identical_on_every_isa() -> None:
-    """The int8 dot products are exact and the float32 steps run in the same order on every
-    ISA, so a w8a8 layer's output (and perplexity) does not depend on the CPU kind."""
+def test_int8_gemms_are_bit_identical_on_every_isa() -> None:
+    """The int8 dot products are exact (w4a8's int16 partial sums on AVX2 too) and the float32
+    steps run in the same order on every ISA, so a w8a8 or w4a8 layer's output (and
+    perplexity) does not depend on the CPU kind."""
     from native_isa import ISAS
 
     from pagedllm.kernels import linear as kernels
@@ -233,17 +234,23 @@ def test_w8a8_is_bit_identical_on_every_isa() -> None:
 
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(70, 100, generator=gen), torch.randn(5, 100, generator=gen)
+    codes = torch.randint(0, 16, (70, 100), dtype=torch.uint8, generator=gen)
+    scales, mins = torch.rand(70, 4, generator=gen), -torch.rand(70, 4, generator=gen)
     outputs = {}
     for isa in ISAS:
         if native_library(isa) is None:
             continue
         with use_isa(isa):
-            outputs[isa] = kernels.linear_w8a8(x, kernels.linear_pack_w8a8(w), None, 70)
+            outputs[isa] = (
+                kernels.linear_w8a8(x, kernels.linear_pack_w8a8(w), None, 70),
+                kernels.linear_q4a8(x, kernels.linear_pack_q4a8(codes, scales, mins), None, 70),
+            )
     if len(outputs) < 2:
         pytest.skip(f"fewer than two ISAs build here: {sorted(outputs)}")
     first = next(iter(outputs.values()))
-    for isa, y in outputs.items():
-        assert torch.equal(y, first), isa
+    for isa, (y8, y4) in outputs.items():
+        assert torch.equal(y8, first[0]), isa
+        assert torch.equal(y4, first[1]), isa
 
 
 def test_processes_building_at_once_build_once(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
