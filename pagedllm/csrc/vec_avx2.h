@@ -16,7 +16,7 @@ namespace vec {
 inline constexpr const char* kName = "avx2";
 inline constexpr int kF32Regs = 8;
 inline constexpr int kGemmRowsF32 = 3;  // 12 ymm accumulators; weights come from L1 as FMA operands
-inline constexpr int kGemmRowsI8 = 1;  // 8 accumulators (4 int32, 4 float32) + 2 x + 4 w registers
+inline constexpr int kGemmRowsI8 = 2;
 inline constexpr int kGemmRowsQ4 = 2;  // 8 int16 accumulators; the 8 float32 ones wait in L1 between groups
 inline constexpr int kGemmRowsKQ = 2;
 
@@ -24,7 +24,7 @@ struct F32x16 { __m256 lo, hi; };
 struct I32x16 { __m256i lo, hi; };
 struct M16 { __m256 lo, hi; };
 
-// Pins each accumulator of an integer dot product after every step: otherwise GCC regroups a
+// Pins each accumulator of the 4-bit dot product after every step: otherwise GCC regroups a
 // micro-tile's integer adds into trees of products that 16 ymm registers cannot hold, and
 // spills them to the stack (docs/benchmarks.md, int8 prefill GEMMs, has the cost).
 template <typename... V>
@@ -160,11 +160,7 @@ inline __m256i dot8(__m256i acc, const DotX& x, const int8_t* w) {
   const __m256i sw = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), x.x);
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x.ax, sw), _mm256_set1_epi16(1)));
 }
-inline I32x16 dot(I32x16 acc, const DotX& x, const int8_t* w) {
-  I32x16 r{dot8(acc.lo, x, w), dot8(acc.hi, x, w + 32)};
-  keep_in_registers(r.lo, r.hi);
-  return r;
-}
+inline I32x16 dot(I32x16 acc, const DotX& x, const int8_t* w) { return {dot8(acc.lo, x, w), dot8(acc.hi, x, w + 32)}; }
 
 inline void store_i8(int8_t* p, I32x16 a) { store_codes(p, a); }  // codes are plain s8 here
 struct Q4W { __m256i lo0, lo1, hi0, hi1; };  // columns 0-7, 8-15, 16-23, 24-31
