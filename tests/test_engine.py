@@ -248,8 +248,10 @@ def test_dtype_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dtype_settings("auto", quantization="int4")["quantization"] == "int4"
     assert dtype_settings("float32") == {"dtype": torch.float32, "kv_cache_dtype": None, "quantization": "none"}
     assert dtype_settings("auto", "float32")["kv_cache_dtype"] == torch.float32
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32, bfloat16 or float16, got 'int8'"):
-        dtype_settings("auto", "int8")
+    assert dtype_settings("auto", "int8")["kv_cache_dtype"] == torch.int8
+    assert dtype_settings("auto", "fp8_e4m3")["kv_cache_dtype"] == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be auto, float32, bfloat16, float16, int8 or fp8 \(fp8_e4m3\), got 'int4'"):
+        dtype_settings("auto", "int4")
     with pytest.raises(ValueError, match="dtype must be one of"):
         dtype_settings("float8")
 
