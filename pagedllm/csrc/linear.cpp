@@ -34,7 +34,7 @@ namespace {
 template <typename F>
 void for_panels(int64_t N, const float* bias, F f) {
   const int64_t panels = (N + NB - 1) / NB;
-par::parallel_for(panels, [&](int64_t p) { f(p, N - p * NB < NB ? N - p * NB : NB, bias ? bias + p * NB : nullptr); });
+  par::parallel_for(panels, [&](int64_t p) { f(p, N - p * NB < NB ? N - p * NB : NB, bias ? bias + p * NB : nullptr); });
 }
 
 }  // namespace
@@ -44,7 +44,7 @@ extern "C" {
 // w: [N, K] float32 -> float32 panels [ceil(N/32)][K][32], zero padded.
 void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
   const int64_t panels = (N + NB - 1) / NB;
-par::parallel_for(panels, [&](int64_t p) {
+  par::parallel_for(panels, [&](int64_t p) {
     for (int64_t k = 0; k < K; ++k)
       for (int64_t c = 0; c < NB; ++c) packed[(p * K + k) * NB + c] = p * NB + c < N ? w[(p * NB + c) * K + k] : 0.f;
   });
@@ -56,7 +56,7 @@ par::parallel_for(panels, [&](int64_t p) {
 // accumulator starts there), all zero padded.
 void linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N, int64_t K) {
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4, panels = (N + NB - 1) / NB;
-par::parallel_for(panels, [&](int64_t p) {
+  par::parallel_for(panels, [&](int64_t p) {
     for (int64_t c = 0; c < NB; ++c) {
       const int64_t n = p * NB + c;
       for (int64_t g = 0; g < G; ++g) {
@@ -103,7 +103,7 @@ void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float*
 // code 0 and its x code is 0 too, so m counts only real k).
 void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K) {
   const int64_t G = (K + QG - 1) / QG, panels = (N + NB - 1) / NB;
-par::parallel_for(panels, [&](int64_t p) {
+  par::parallel_for(panels, [&](int64_t p) {
     for (int64_t g = 0; g < G; ++g) {
       uint8_t* pg = packed + (p * G + g) * Q4_BYTES;
       uint16_t* dm = reinterpret_cast<uint16_t*>(pg + Q4_NIBBLES);
