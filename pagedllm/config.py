@@ -89,6 +89,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None  # exact block count, for tests
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # most tokens one request computes per step; 0: no cap
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: all cores
@@ -133,6 +134,10 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be 0 (no cap) or positive, got {self.long_prefill_token_threshold}"
             )
         if self.live_view_steps < 1:
             raise ValueError(f"live_view_steps must be at least 1, got {self.live_view_steps}")

@@ -9,9 +9,10 @@ from tests.utils import assert_pool_whole
 EOS = 2
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=False):
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=False,
+                   long_prefill=0):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, max_num_seqs, budget, max_model_len)
+    return Scheduler(kv, max_num_seqs, budget, max_model_len, long_prefill_token_threshold=long_prefill)
 
 
 def make_request(rid, n_prompt, max_model_len=256, **params):
@@ -46,6 +47,19 @@ def test_chunked_prefill_then_decode():
     chunks = [step(sched).scheduled[0].num_new_tokens for _ in range(6)]
     assert chunks == [32, 32, 32, 4, 1, 1]
     assert sched.num_unfinished == 0
+    assert_pool_whole(sched)
+
+
+def test_long_prefill_threshold_lets_prompts_advance_side_by_side():
+    sched = make_scheduler(budget=32, long_prefill=12)
+    sched.add_request(make_request(0, 30, max_tokens=2))
+    sched.add_request(make_request(1, 5, max_tokens=2))
+    first = step(sched).scheduled
+    assert [(s.request.request_id, s.num_new_tokens) for s in first] == [("0", 12), ("1", 5)]
+    second = step(sched).scheduled
+    assert [(s.request.request_id, s.num_new_tokens) for s in second] == [("0", 12), ("1", 1)]
+    while sched.num_unfinished:
+        assert all(s.num_new_tokens <= 12 for s in step(sched).scheduled)
     assert_pool_whole(sched)
 
 

@@ -2,8 +2,9 @@
 
 There is no prefill phase and no decode phase. Each step hands out a token budget
 (``max_num_batched_tokens``) and at most ``max_num_seqs`` running requests; every request
-is given ``min(num_tokens - num_computed_tokens, budget left)`` new tokens, running requests
-first, then waiting ones in arrival order (FCFS). A fresh request is a prefill, a long one is
+is given ``min(num_tokens - num_computed_tokens, budget left)`` new tokens (and at most
+``long_prefill_token_threshold`` when that is set), running requests first, then waiting ones
+in arrival order (FCFS). A fresh request is a prefill, a long one is
 a chunked prefill, one with a single token to go is a decode, a prefix-cache hit starts
 with ``num_computed_tokens > 0``. When a block cannot be allocated, the most recently
 admitted running request is preempted: its blocks are freed and it is recomputed later.
@@ -73,6 +74,8 @@ class Scheduler:
         max_model_len: longest sequence (prompt + output) a request may reach.
         max_loras: most distinct LoRA adapters among the running requests (None: no cap); a
             waiting request of another adapter waits until one of them has no request left.
+        long_prefill_token_threshold: most tokens one request computes in a step (0: no cap),
+            so that several long prompts advance side by side instead of one after another.
     """
 
     def __init__(
@@ -82,12 +85,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_loras: int | None = None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -129,7 +134,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             try:
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                num_new = self._num_new(request, budget)
                 num_drafts = self._num_drafts(request, num_new, budget)
                 while not self.kv_cache.allocate_slots(request, num_new, num_lookahead_tokens=num_drafts):
                     if num_drafts:  # drafts are optional: drop them before preempting anyone
@@ -169,7 +174,7 @@ class Scheduler:
                 if request.num_computed_tokens == 0:
                     blocks, num_hit = self.kv_cache.get_computed_blocks(request)
                 request.num_computed_tokens = num_hit
-                num_new = min(request.num_tokens - num_hit, budget)
+                num_new = self._num_new(request, budget)
                 if not self.kv_cache.allocate_slots(request, num_new, blocks):
                     request.num_computed_tokens = 0
                     if not self.running:  # every block is free or evictable: it never fits
@@ -219,6 +224,13 @@ class Scheduler:
         self._free(request)
         out.failed.append((request.request_id, RequestError.of(error) if isinstance(error, InvalidParamError)
                            else RequestError(f"scheduling failed: {type(error).__name__}: {error}")))
+
+    def _num_new(self, request: Request, budget: int) -> int:
+        """The tokens ``request`` computes this step from its ``num_computed_tokens`` on."""
+        num_new = request.num_tokens - request.num_computed_tokens
+        if 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        return min(num_new, budget)
 
     def _num_drafts(self, request: Request, num_new: int, budget: int) -> int:
         """How many of the request's draft tokens to verify this step (they follow its last token)."""

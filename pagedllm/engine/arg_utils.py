@@ -20,6 +20,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def finite_float(text: str) -> float:
     """argparse type: a finite float (NaN and infinities are refused)."""
     value = float(text)
@@ -54,6 +62,9 @@ class EngineArgs:
     )
     max_num_seqs: int = _flag(128, "most requests running at once", type=positive_int)
     max_num_batched_tokens: int = _flag(2048, "token budget of one engine step", type=positive_int)
+    long_prefill_token_threshold: int = _flag(
+        0, "most tokens one request computes in a step (0: no cap beyond the budget)", type=non_negative_int
+    )
     kv_cache_memory: str = _flag("2GiB", "KV cache budget, e.g. 2GiB or 512MiB")
     block_size: int = _flag(16, "tokens per KV block: 8 | 16 | 32 | 64 | 128", type=int)
     enable_prefix_caching: bool = _flag(

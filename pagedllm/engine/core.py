@@ -71,7 +71,7 @@ class EngineCore:
         self.kv_cache = KVCacheManager(kv.num_blocks, kv.block_size, config.enable_prefix_caching, kv.groups)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            config.max_loras if config.enable_lora else None,
+            config.max_loras if config.enable_lora else None, config.long_prefill_token_threshold,
         )
         self.executor = create_executor(config, kv)
         self.model_config = self.executor.model_config
