@@ -14,7 +14,9 @@ from that difference, medians over ``--repeats``:
 - the rest of the step: the Python around the native call (scheduling, the step's inputs,
   outputs and detokenization).
 At batch 1 it adds the weight bytes a step reads over its time: the GB/s to set beside
-``bench roofline``'s measured bandwidth. Models the one-call decoder does not cover report no
+``bench roofline``'s measured bandwidth. The run with 1 output token is the prompts' prefill
+(in steps of ``--max-num-batched-tokens``): its time, prompt tokens/s and parts are printed too,
+what a first token waits for. Models the one-call decoder does not cover report no
 parts.
 """
 
@@ -59,6 +61,26 @@ def _snapshot(profile, lib, timers: dict[str, _Timer]) -> list[float]:
     """Seconds per part, team jobs, seconds per timed Python call, now."""
     parts = [ns / 1e9 for ns in profile] if profile is not None else [0.0] * len(_PARTS)
     return [*parts, float(lib.team_jobs()), *(t.seconds for t in timers.values())]
+
+
+def _report(title: str, rows: list[list[float]], handoff: float) -> float:
+    """Print the medians of rows [wall seconds, parts..., team jobs, logits, sampler] part by part;
+    return the median wall seconds."""
+    median = [statistics.median(column) for column in zip(*rows)]
+    wall, parts = median[0], median[1 : 1 + len(_PARTS)]
+    jobs, (logits, sampler) = median[1 + len(_PARTS)], median[2 + len(_PARTS) :]
+    native = sum(parts)
+    print(f"\n{title}: {wall * 1e3:.2f} ms")
+    for name, seconds in zip(_PARTS, parts):
+        if seconds > 0:
+            print(f"  {name:<13} {seconds * 1e3:8.3f} ms  {100 * seconds / wall:5.1f}%")
+    print(f"  {'native call':<13} {native * 1e3:8.3f} ms  {100 * native / wall:5.1f}%  "
+          f"({jobs:.0f} team jobs: ~{jobs * handoff * 1e3:.2f} ms of hand-offs inside)")
+    print(f"  {'logits':<13} {logits * 1e3:8.3f} ms  {100 * logits / wall:5.1f}%")
+    print(f"  {'sampler':<13} {sampler * 1e3:8.3f} ms  {100 * sampler / wall:5.1f}%")
+    rest = wall - native - logits - sampler
+    print(f"  {'the rest':<13} {rest * 1e3:8.3f} ms  {100 * rest / wall:5.1f}%  (Python around the call)")
+    return wall
 
 
 def run(args: argparse.Namespace) -> None:
@@ -107,29 +129,20 @@ def run(args: argparse.Namespace) -> None:
     for batch in args.batch_sizes:
         prompts = torch.randint(0, vocab, (batch, args.context), generator=gen).tolist()
         generate(prompts, 2)  # warm
-        rows = []
+        prefills, decodes = [], []
         for _ in range(args.repeats):
             before = _snapshot(profile, lib, timers)
             first = generate(prompts, 1)
             middle = _snapshot(profile, lib, timers)
             full = generate(prompts, args.steps + 1)
             after = _snapshot(profile, lib, timers)
+            prefills.append([first, *(b - a for a, b in zip(before, middle))])
             per_step = [((c - b) - (b - a)) / args.steps for a, b, c in zip(before, middle, after)]
-            rows.append([(full - first) / args.steps, *per_step])
-        median = [statistics.median(column) for column in zip(*rows)]
-        step, parts = median[0], median[1 : 1 + len(_PARTS)]
-        jobs, (logits, sampler) = median[1 + len(_PARTS)], median[2 + len(_PARTS) :]
-        native = sum(parts)
-        print(f"\nbatch {batch}, context {args.context}: step {step * 1e3:.2f} ms ({batch / step:.1f} tok/s)")
-        for name, seconds in zip(_PARTS, parts):
-            if seconds > 0:
-                print(f"  {name:<13} {seconds * 1e3:8.3f} ms  {100 * seconds / step:5.1f}%")
-        print(f"  {'native call':<13} {native * 1e3:8.3f} ms  {100 * native / step:5.1f}%  "
-              f"({jobs:.0f} team jobs: ~{jobs * handoff * 1e3:.2f} ms of hand-offs inside)")
-        print(f"  {'logits':<13} {logits * 1e3:8.3f} ms  {100 * logits / step:5.1f}%")
-        print(f"  {'sampler':<13} {sampler * 1e3:8.3f} ms  {100 * sampler / step:5.1f}%")
-        rest = step - native - logits - sampler
-        print(f"  {'the rest':<13} {rest * 1e3:8.3f} ms  {100 * rest / step:5.1f}%  (Python around the call)")
+            decodes.append([(full - first) / args.steps, *per_step])
+        prefill = _report(f"batch {batch}, prefill of {batch} x {args.context} prompt tokens", prefills, handoff)
+        print(f"  prompt tokens/s {batch * args.context / prefill:.0f}")
+        step = _report(f"batch {batch}, context {args.context}, one decode step", decodes, handoff)
+        print(f"  {batch / step:.1f} tok/s")
         if batch == 1:
             print(f"  weights read at {weights / step / 1e9:.1f} GB/s")
     print(f"\nload average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
