@@ -102,12 +102,14 @@ def gemma3_config(c: transformers.Gemma3TextConfig) -> ModelConfig:
 
 # --- GGUF files as llama.cpp's convert_hf_to_gguf.py writes them ----------------------------
 
-_GGUF_NAMES = {
+# HF module names -> llama.cpp's tensor names in a block (blk.N.<name>.weight).
+GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # qwen3
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3, fused as stored
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
 }
 _GGUF_TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -117,7 +119,7 @@ _GGUF_TOP_LEVEL = {
 _Q4_TYPES = {"token_embd": gguf.GGMLQuantizationType.Q8_0}
 
 
-def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to llama q/k rows."""
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -163,6 +165,51 @@ def stored_weights(
     return blocks
 
 
+def gguf_writer(path: Path, arch: str, c: transformers.PretrainedConfig) -> gguf.GGUFWriter:
+    """A GGUF writer for ``arch`` holding the metadata every decoder's file has, from the HF
+    config ``c`` (eos id 2); the caller adds its architecture's own keys and the tensors."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_eos_token_id(2)
+    return writer
+
+
+def finish_gguf(writer: gguf.GGUFWriter) -> None:
+    """Write the header, metadata and tensors added to ``writer`` and close the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def assert_greedy_matches(hf: torch.nn.Module, prompt: list[int], ours, max_tokens: int) -> None:
+    """Our greedy ``CompletionOutput`` (``ours``, with logprobs) equals transformers' ``generate``
+    of ``max_tokens`` tokens until the first near-tie (top-2 logprobs within 1e-3), logprobs
+    within 1e-3 up to it."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        ref = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+        )
+    ref_tokens = ref.sequences[0, len(prompt) :].tolist()
+    ref_logprobs = [step[0].float().log_softmax(-1) for step in ref.logits]
+    assert len(set(ref_tokens)) > 1  # weights large enough that the tokens vary
+    for i, (a, b) in enumerate(zip(ours.token_ids, ref_tokens, strict=True)):
+        if a != b:  # allowed only at a near-tie, and then the rest may differ
+            top2 = ref_logprobs[i].topk(2).values
+            assert (top2[0] - top2[1]).item() < 1e-3, f"diverged at {i}"
+            return
+        assert math.isclose(ours.logprobs[i][a].logprob, ref_logprobs[i][a].item(), abs_tol=1e-3), i
+
+
 def write_gguf(
     path: Path,
     hf: torch.nn.Module,
@@ -174,22 +221,13 @@ def write_gguf(
     named in ``blocks`` (HF names: (type, blocks [rows, row bytes] in HF's row order), e.g.
     ``stored_weights``'), written as those blocks."""
     c = hf.config
-    writer = gguf.GGUFWriter(path, c.model_type)
+    writer = gguf_writer(path, c.model_type, c)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if head_dim != c.hidden_size // c.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if c.model_type == "phi3" and c.sliding_window:
         writer.add_sliding_window(c.sliding_window)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_eos_token_id(2)
     if tokens:
         writer.add_token_list(tokens)
     for name, tensor in hf.state_dict().items():
@@ -199,17 +237,14 @@ def write_gguf(
             module, _, suffix = rest.rpartition(".")
             if c.model_type == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = c.num_attention_heads if "q_proj" in module else c.num_key_value_heads
-                w = _llama_cpp_permute(w, heads)
-            gguf_name = f"blk.{layer}.{_GGUF_NAMES[module]}.{suffix}"
+                w = llama_cpp_permute(w, heads)
+            gguf_name = f"blk.{layer}.{GGUF_NAMES[module]}.{suffix}"
         else:
             gguf_name = _GGUF_TOP_LEVEL[name]
             if gguf_name == "output.weight" and c.tie_word_embeddings:
                 continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(w), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 def write_q4_gguf(path: Path, hf: torch.nn.Module) -> None:

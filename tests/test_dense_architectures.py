@@ -6,7 +6,6 @@ and Phi-3 also as GGUF files written the way llama.cpp's converter does."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import gguf
@@ -16,7 +15,7 @@ import transformers
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
-from tests.models_util import prefill_logits, randomize_vectors, write_gguf, write_q4_gguf
+from tests.models_util import assert_greedy_matches, prefill_logits, randomize_vectors, write_gguf, write_q4_gguf
 from tests.utils import pool_is_whole
 
 MAX_TOKENS = 16
@@ -85,24 +84,6 @@ def test_config_from_checkpoint(tiny) -> None:
     assert windows == ([WINDOW, WINDOW] if arch == "mistral" else [0, 0])
 
 
-def _assert_greedy_matches(hf: torch.nn.Module, prompt: list[int], ours) -> None:
-    """Our greedy tokens equal ``generate``'s until the first near-tie, logprobs close."""
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        ref = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
-        )
-    ref_tokens = ref.sequences[0, len(prompt) :].tolist()
-    ref_logprobs = [step[0].float().log_softmax(-1) for step in ref.logits]
-    assert len(set(ref_tokens)) > 1  # weights large enough that the tokens vary
-    for i, (a, b) in enumerate(zip(ours.token_ids, ref_tokens, strict=True)):
-        if a != b:  # allowed only at a near-tie, and then the rest may differ
-            top2 = ref_logprobs[i].topk(2).values
-            assert (top2[0] - top2[1]).item() < 1e-3, f"diverged at {i}"
-            return
-        assert math.isclose(ours.logprobs[i][a].logprob, ref_logprobs[i][a].item(), abs_tol=1e-3), i
-
 
 def test_greedy_matches_transformers_with_chunks_and_prefix_hits(tiny) -> None:
     """16-token chunks; the third prompt hits the second's cached blocks, and all three again
@@ -118,7 +99,7 @@ def test_greedy_matches_transformers_with_chunks_and_prefix_hits(tiny) -> None:
     first += llm.generate(PROMPTS[2:], params, use_tqdm=False)
     assert llm.engine.core.kv_cache.prefix_hits - hits >= 16  # the shared 24 tokens' full blocks
     for prompt, out in zip(PROMPTS, first, strict=True):
-        _assert_greedy_matches(hf, prompt, out.outputs[0])
+        assert_greedy_matches(hf, prompt, out.outputs[0], MAX_TOKENS)
     again = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     assert pool_is_whole(llm)

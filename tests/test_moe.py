@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from pathlib import Path
 
 import gguf
@@ -36,7 +35,10 @@ from pagedllm.models.moe import MoEForCausalLM
 from pagedllm.models.native_decoder import NativeDecoder
 from pagedllm.platforms.cpu import auto_linears
 from pagedllm.quantization_config import QuantizationConfig
-from tests.models_util import prefill_logits, random_weight_blocks, randomize_vectors
+from tests.models_util import (
+    GGUF_NAMES, assert_greedy_matches, finish_gguf, gguf_writer, llama_cpp_permute, prefill_logits,
+    random_weight_blocks, randomize_vectors,
+)
 from tests.tensor_parallel_ranks import Case, load, reference, run_group, run_steps
 from tests.utils import pool_is_whole
 
@@ -122,24 +124,6 @@ def test_stacked_expert_tensors_load_as_the_per_expert_checkpoint(tiny) -> None:
     torch.testing.assert_close(prefill_logits(saved, config, ids), expected, atol=5e-4, rtol=0)
 
 
-def _assert_greedy_matches(hf: torch.nn.Module, prompt: list[int], ours) -> None:
-    """Our greedy tokens equal ``generate``'s until the first near-tie, logprobs close."""
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        ref = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
-        )
-    ref_tokens = ref.sequences[0, len(prompt) :].tolist()
-    ref_logprobs = [step[0].float().log_softmax(-1) for step in ref.logits]
-    assert len(set(ref_tokens)) > 1  # weights large enough that the tokens vary
-    for i, (a, b) in enumerate(zip(ours.token_ids, ref_tokens, strict=True)):
-        if a != b:  # allowed only at a near-tie, and then the rest may differ
-            top2 = ref_logprobs[i].topk(2).values
-            assert (top2[0] - top2[1]).item() < 1e-3, f"diverged at {i}"
-            return
-        assert math.isclose(ours.logprobs[i][a].logprob, ref_logprobs[i][a].item(), abs_tol=1e-3), i
-
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
 
@@ -159,7 +143,7 @@ def test_greedy_matches_transformers_with_chunks_and_prefix_hits(tiny) -> None:
     if library.available():
         assert isinstance(llm.engine.core.executor.runner.model.native_decoder, NativeDecoder)
     for prompt, out in zip(PROMPTS, first, strict=True):
-        _assert_greedy_matches(hf, prompt, out.outputs[0])
+        assert_greedy_matches(hf, prompt, out.outputs[0], MAX_TOKENS)
     again = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     assert pool_is_whole(llm)
@@ -191,17 +175,10 @@ def test_preemption_and_ngram_speculation_give_the_same_tokens(tiny) -> None:
     assert pool_is_whole(spec)
     spec.shutdown()
     for prompt, out in zip(prompts[2:], outputs[2:], strict=True):
-        _assert_greedy_matches(hf, prompt, out.outputs[0])
+        assert_greedy_matches(hf, prompt, out.outputs[0], MAX_TOKENS)
 
 
 # --- GGUF, written as llama.cpp's converter writes these models --------------------------
-
-_GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
 
 
 def _write_gguf(path: Path, hf: torch.nn.Module) -> None:
@@ -210,16 +187,7 @@ def _write_gguf(path: Path, hf: torch.nn.Module) -> None:
     ``ffn_gate_inp``; Mixtral's q/k rows permuted as for llama, its window in the metadata."""
     c = hf.config
     qwen = c.model_type == "qwen3_moe"
-    writer = gguf.GGUFWriter(path, "qwen3moe" if qwen else "llama")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_eos_token_id(2)
+    writer = gguf_writer(path, "qwen3moe" if qwen else "llama", c)
     writer.add_expert_count(c.num_experts if qwen else c.num_local_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
     if c.sliding_window:  # Mixtral's, on every layer
@@ -247,12 +215,9 @@ def _write_gguf(path: Path, hf: torch.nn.Module) -> None:
         module, _, suffix = rest.rpartition(".")
         if not qwen and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = c.num_attention_heads if "q_proj" in module else c.num_key_value_heads
-            w = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
-        writer.add_tensor(f"blk.{layer}.{_GGUF_NAMES[module]}.{suffix}", np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            w = llama_cpp_permute(w, heads)
+        writer.add_tensor(f"blk.{layer}.{GGUF_NAMES[module]}.{suffix}", np.ascontiguousarray(w))
+    finish_gguf(writer)
 
 
 def test_gguf_as_llama_cpp_writes_it_matches_transformers(tiny, tmp_path: Path) -> None:
@@ -370,11 +335,17 @@ def test_q8_0_gguf_runs_every_matrix_as_stored(tiny, tmp_path: Path, monkeypatch
     assert isinstance(moe, FusedMoE) and moe.gate.weight.dtype == torch.float32
     assert all(isinstance(m, KQuantLinear) for e in moe.experts for m in (e.gate_up_proj, e.down_proj))
     assert moe.native_block() is not None and NativeDecoder.of(model) is not None
+    _assert_one_call_and_layers_match(hf, model, config, monkeypatch)
+
+
+def _assert_one_call_and_layers_match(hf, model, config, monkeypatch) -> None:
+    """The fixed schedule's decode-only steps run in one native call and equal the modules' bit
+    for bit; each layer matches transformers' on our inputs."""
     calls = []
     decode_layers = native_decoder.decode_layers
     monkeypatch.setattr(native_decoder, "decode_layers", lambda *a: calls.append(1) or decode_layers(*a))
     got = run_steps(model, config, SINGLE)
-    assert calls  # the decode-only steps ran in one call
+    assert calls
     model.native_decoder = False
     torch.testing.assert_close(got, run_steps(model, config, SINGLE), atol=0, rtol=0)
     _assert_layers_match_on_our_inputs(hf, model, config, PROMPTS[2], monkeypatch)
@@ -469,14 +440,7 @@ def test_gguf_experts_run_as_stored(arch: str, tmp_path: Path, monkeypatch) -> N
             assert [q for q, _ in got] == [q for q, _ in expected]
             assert all(torch.equal(b, want.flatten(1)) for (_, b), (_, want) in zip(got, expected, strict=True))
     assert NativeDecoder.of(model) is not None
-    calls = []
-    decode_layers = native_decoder.decode_layers
-    monkeypatch.setattr(native_decoder, "decode_layers", lambda *a: calls.append(1) or decode_layers(*a))
-    got = run_steps(model, config, SINGLE)
-    assert calls  # the decode-only steps ran in one call
-    model.native_decoder = False
-    torch.testing.assert_close(got, run_steps(model, config, SINGLE), atol=0, rtol=0)
-    _assert_layers_match_on_our_inputs(hf, model, config, PROMPTS[2], monkeypatch)
+    _assert_one_call_and_layers_match(hf, model, config, monkeypatch)
 
 
 def test_gguf_expert_shards_keep_whole_blocks(tmp_path: Path, monkeypatch) -> None:
