@@ -65,9 +65,12 @@ int64_t probe_dot_i8(int64_t n) {
     const DotX x = dot_prepare(reinterpret_cast<const int32_t*>(codes));
     I32x16 acc[kChains];
     for (int c = 0; c < kChains; ++c) acc[c] = zero_i32();
+    const int8_t* wp = w;
     for (int64_t i = 0; i < n; ++i) {
-      for (int c = 0; c < kChains; ++c) acc[c] = dot(acc[c], x, w);
-      __asm__ volatile("" : : "r"(w) : "memory");  // w may change: the dots are redone each step
+      // wp may point anywhere now: the dots are redone each step. (A "memory" clobber would
+      // also keep the accumulators in memory, a store and a load around every dot.)
+      __asm__ volatile("" : "+r"(wp));
+      for (int c = 0; c < kChains; ++c) acc[c] = dot(acc[c], x, wp);
     }
     F32x16 s = to_f32(acc[0]);
     for (int c = 1; c < kChains; ++c) s = add(s, to_f32(acc[c]));
