@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 
@@ -19,21 +21,41 @@ def allocate_kv_caches(kv: KVCacheConfig) -> list[tuple[torch.Tensor, torch.Tens
     tensors, keep the groups apart. With one group (every layer global) each layer has
     tensors of its own.
 
-    The memory comes from numpy's calloc: zero pages the OS maps lazily, so start-up does
-    not touch gigabytes, and never-written slots read as 0.0 (masked padding must not be NaN; an
-    8-bit row's codes and scale are 0 too).
+    The memory is zeros (``zeroed_memory``): never-written slots read as 0.0 (masked padding
+    must not be NaN; an 8-bit row's codes and scale are 0 too).
     """
     num_slots = layers_per_block(kv.groups)
     dtype = kv.torch_dtype
     shape = (kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.row_width)
     per_layer = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(2 * num_slots * per_layer, dtype=np.uint8))
+    raw = zeroed_memory(2 * num_slots * per_layer)
     flat = raw.view(dtype).view(num_slots, 2, *shape)
     caches: list[tuple[torch.Tensor, torch.Tensor]] = [None] * kv.num_layers  # type: ignore[list-item]
     for group in kv.groups:
         for j, layer in enumerate(group.layers):
             caches[layer] = (flat[j, 0], flat[j, 1])
     return caches
+
+
+# Linux 5.14's madvise: fault every page of the range in now, writable. Not in Python's mmap module.
+_MADV_POPULATE_WRITE = 23
+
+
+def zeroed_memory(nbytes: int) -> torch.Tensor:
+    """``nbytes`` zero bytes (uint8, 1-D) in an anonymous private mapping whose pages are
+    mapped now where the kernel can (``MADV_POPULATE_WRITE``: one pass at start-up), else
+    on first touch.
+
+    Why: a page first touched inside a step costs a page fault and the kernel's zeroing of it
+    in the K/V write, 4 KiB at a time, until the whole pool has been used once
+    (docs/benchmarks.md, "Where a step's time goes").
+    """
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(_MADV_POPULATE_WRITE)
+    except OSError:  # an older kernel: EINVAL; the pages come on first touch
+        pass
+    return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def build_attention_metadata(
