@@ -175,6 +175,25 @@ def test_a_silent_failing_compiler_is_reported(fresh: Path, monkeypatch: pytest.
     assert build.library_path("scalar").with_suffix(".failed").exists()
 
 
+def test_a_compile_past_the_time_limit_is_ended(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiler driver gets SIGTERM (gcc's then ends its cc1plus), the build says why and
+    leaves no failure marker (a busy machine, not a broken build)."""
+    slow = fresh / "slow-c++"
+    slow.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in --version) echo "slow c++ 1.0"; exit 0;; esac\n'
+        f"trap 'kill $child; echo ended >> {fresh}/ended; exit 1' TERM\n"
+        "sleep 60 & child=$!\nwait\n"
+    )
+    slow.chmod(0o755)
+    monkeypatch.setenv("CXX", str(slow))
+    monkeypatch.setattr(build, "_COMPILE_TIMEOUT_S", 1)
+    with pytest.raises(build.BuildFailed, match="ran past 1 s"):
+        build.load("scalar")
+    assert "ended" in (fresh / "ended").read_text()  # the compiles still queued were cancelled
+    assert not build.library_path("scalar").with_suffix(".failed").exists()
+
+
 def test_cpu_isa_forces_an_isa_and_rejects_others(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(library, "available_isas", lambda: ["avx512", "avx2", "scalar"])
     monkeypatch.setenv("CXX", str(fake_compiler(fresh, "never")))

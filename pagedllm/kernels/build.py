@@ -255,14 +255,25 @@ def _open(path: Path, marker: Path | None) -> ctypes.CDLL:
 def _run(command: list[str]) -> list[str]:
     """Run one compiler command; [] on success, else its error lines (or why it did not run)."""
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except OSError as e:
         return [f"cannot run the C++ compiler {command[0]!r} ({e.strerror}); install g++ or set CXX"]
-    if done.returncode == 0:
+    with proc:
+        try:
+            _, stderr = proc.communicate(timeout=_COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            # SIGTERM: the driver ends its cc1plus and assembler (a SIGKILL would leave them running).
+            proc.terminate()
+            try:
+                proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    if proc.returncode == 0:
         return []
-    lines = done.stderr.splitlines()
+    lines = stderr.splitlines()
     errors = list(dict.fromkeys(line for line in lines if "error:" in line)) or lines[-_MAX_ERROR_LINES:]
-    return errors[:_MAX_ERROR_LINES] or [f"{command[0]} exited with status {done.returncode} and no message"]
+    return errors[:_MAX_ERROR_LINES] or [f"{command[0]} exited with status {proc.returncode} and no message"]
 
 
 def _write_atomically(path: Path, text: str) -> None:
