@@ -120,6 +120,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # The adapters' A and B in memory: float32 or bfloat16 (None: the model's dtype). dtype
+    # "auto" sets bfloat16 on the native kernels (docs/benchmarks.md, "LoRA adapters").
+    lora_dtype: torch.dtype | None = None
     # "module:Class" of a ModelRunner subclass every rank runs instead of ModelRunner ("": none);
     # tests inject faults with one. Default: $PAGEDLLM_MODEL_RUNNER_CLS.
     model_runner_cls: str = field(default_factory=lambda: os.environ.get(MODEL_RUNNER_CLS_ENV, ""))
@@ -164,6 +167,8 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.lora_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"lora_dtype must be float32 or bfloat16, got {self.lora_dtype}")
         if not self.worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be positive, got {self.worker_timeout_s}")
         if self.ray_placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):

@@ -95,15 +95,16 @@ def _reference(hf: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[
     return ref.sequences[0, len(prompt):].tolist(), [step[0].float().log_softmax(-1) for step in ref.logits]
 
 
-def _assert_matches(hf: torch.nn.Module, prompt: list[int], ours) -> None:
-    """Our greedy tokens equal transformers' until the first near-tie, logprobs close."""
+def _assert_matches(hf: torch.nn.Module, prompt: list[int], ours, tol: float = 1e-3) -> None:
+    """Our greedy tokens equal transformers' until the first near-tie (top two within ``tol``),
+    logprobs within ``tol``."""
     ref_tokens, ref_logprobs = _reference(hf, prompt)
     for i, (a, b) in enumerate(zip(ours.token_ids, ref_tokens, strict=True)):
         if a != b:  # allowed only at a near-tie, and then the rest may differ
             top2 = ref_logprobs[i].topk(2).values
-            assert (top2[0] - top2[1]).item() < 1e-3, f"diverged at {i}"
+            assert (top2[0] - top2[1]).item() < tol, f"diverged at {i}"
             return
-        assert math.isclose(ours.logprobs[i][a].logprob, ref_logprobs[i][a].item(), abs_tol=1e-3), i
+        assert math.isclose(ours.logprobs[i][a].logprob, ref_logprobs[i][a].item(), abs_tol=tol), i
 
 
 def _lora(adapters, name: str) -> LoRARequest:
@@ -121,37 +122,71 @@ def llm(base):
     engine.shutdown()
 
 
+def _pack(parts: list[tuple[torch.Tensor, torch.Tensor] | None], widths: list[int], dtype: torch.dtype):
+    """lora_sgmv's A.T [K, R16] and flat B.T blocks [r, width16] of one adapter's parts
+    ((A.T [K, r], B.T [r, width]) or None) in ``dtype``, and its ranks [MAX_PARTS]."""
+    from pagedllm.kernels.lora import MAX_PARTS
+
+    used = [p for p in parts if p is not None]
+    k, rank = used[0][0].shape[0], sum(p[0].shape[1] for p in used)
+    a = torch.zeros(k, (rank + 15) // 16 * 16, dtype=dtype)
+    a[:, :rank] = torch.cat([p[0] for p in used], 1)
+    blocks = []
+    for p, w in zip(parts, widths, strict=True):
+        if p is not None:
+            block = torch.zeros(p[1].shape[0], (w + 15) // 16 * 16, dtype=dtype)
+            block[:, :w] = p[1]
+            blocks.append(block.flatten())
+    ranks = [0 if p is None else p[0].shape[1] for p in parts]
+    return a, torch.cat(blocks), ranks + [0] * (MAX_PARTS - len(ranks))
+
+
 @pytest.mark.usefixtures("native_isa")
-@pytest.mark.parametrize("runs", [[(0, 1, 0), (1, 2, 1), (2, 3, 2)], [(0, 5, 1), (5, 40, 0), (40, 41, 2)]])
-def test_lora_kernel_matches_torch(runs: list[tuple[int, int, int]]) -> None:
-    """lora_sgmv against (x A.T) B.T per run, ranks 8, 0 (skipped) and 19 (a partial chunk),
-    x and y with strided rows; each run's rows alone give the same bits."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("runs", [[(0, 1, 0), (1, 2, 1), (2, 3, 2)], [(0, 5, 1), (5, 40, 0), (40, 47, 2)]])
+def test_lora_kernel_matches_torch(runs: list[tuple[int, int, int]], dtype: torch.dtype) -> None:
+    """lora_sgmv against (x A.T) B.T per run and part (three parts of widths 45, 20, 13; ranks
+    8/0/19 with a partial chunk, 0 everywhere (skipped), 3/5/0), A and B in float32 or
+    bfloat16 (the reference from the same bfloat16 values: float32 rounding alone), x and y
+    with strided rows; each run alone, and a run cut into pieces (other micro-tiles), give
+    the same bits."""
     from pagedllm.kernels.lora import lora_sgmv
 
     torch.manual_seed(0)
-    k, n, t = 70, 45, runs[-1][1]
-    ranks = [8, 0, 19]
-    mats = [(torch.randn(k, r), torch.randn(r, n)) for r in ranks]
+    k, widths, t = 70, [45, 20, 13], runs[-1][1]
+    shapes = [[8, 0, 19], [0, 0, 0], [3, 5, 0]]
+    mats = [[None if r == 0 else (torch.randn(k, r).to(dtype), torch.randn(r, w).to(dtype))
+             for r, w in zip(rs, widths, strict=True)] for rs in shapes]
+    packed = [_pack(m, widths, dtype) if any(m) else (torch.zeros(1), torch.zeros(1), [0, 0, 0]) for m in mats]
     x = torch.randn(t, 2 * k)[:, :k]
-    y0 = torch.randn(t, n + 3)[:, :n]
+    y0 = torch.randn(t, sum(widths) + 3)[:, : sum(widths)]
 
     def run(rows: list[tuple[int, int, int]], y: torch.Tensor) -> None:
-        lora_sgmv(x, y, torch.tensor([[a, b] for a, b, _ in rows]),
-                  torch.tensor([mats[m][0].data_ptr() for *_, m in rows]),
-                  torch.tensor([mats[m][1].data_ptr() for *_, m in rows]), torch.tensor([ranks[m] for *_, m in rows]))
+        lora_sgmv(x, y, torch.tensor(widths), torch.tensor([[a, b] for a, b, _ in rows]),
+                  torch.tensor([packed[m][0].data_ptr() for *_, m in rows]),
+                  torch.tensor([packed[m][1].data_ptr() for *_, m in rows]),
+                  torch.tensor([packed[m][2] for *_, m in rows]), dtype=dtype)
 
     y = y0.clone()
     run(runs, y)
     ref = y0.clone()
     for a, b, m in runs:
-        ref[a:b] += (x[a:b].double() @ mats[m][0].double() @ mats[m][1].double()).float()
+        n0 = 0
+        for part, w in zip(mats[m], widths, strict=True):
+            if part is not None:
+                ref[a:b, n0 : n0 + w] += (x[a:b].double() @ part[0].double() @ part[1].double()).float()
+            n0 += w
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
-    for a, b, m in runs:  # one run alone: the same bits
+    for a, b, m in runs:  # one run alone, and cut after its first token: the same bits
         alone = y0.clone()
         run([(a, b, m)], alone)
         assert torch.equal(alone[a:b], y[a:b])
+        cut = y0.clone()
+        run([(a, a + 1, m), (a + 1, b, m)] if b > a + 1 else [(a, b, m)], cut)
+        assert torch.equal(cut[a:b], y[a:b])
     with pytest.raises(ValueError, match="rank outside"):
-        lora_sgmv(x, y, torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([0]), torch.tensor([10**6]))
+        lora_sgmv(x, y, torch.tensor(widths), torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([0]),
+                  torch.tensor([[10**6, 0, 0]]))
 
 
 def test_each_adapter_matches_peft_merged(llm, base, adapters) -> None:
@@ -292,9 +327,105 @@ def test_corrupt_and_missing_files(llm, adapters, tmp_path) -> None:
     (corrupt / "adapter_config.json").write_text("{not json")
     with pytest.raises(LoRAError, match="cannot read .*adapter_config.json"):
         llm.generate([PROMPTS[0]], _greedy(), use_tqdm=False, lora_request=LoRARequest("c", 61, str(corrupt)))
-    with pytest.raises(LoRAError, match="is not a folder"):
+    with pytest.raises(LoRAError, match="is neither a PEFT adapter folder nor a GGUF file"):
         llm.generate([PROMPTS[0]], _greedy(), use_tqdm=False, lora_request=LoRARequest("m", 62, str(tmp_path / "no")))
     assert_pool_whole(llm.engine.core)
+
+
+# llama.cpp's GGUF names of the HF projections (its converter's tensor map for llama).
+_GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def _write_gguf_adapter(path: Path, folder: Path, alpha: float, kind: str = "adapter", drop_rows: int = 0) -> Path:
+    """A GGUF LoRA file as llama.cpp's convert_lora_to_gguf.py writes one for a llama base, from
+    the PEFT folder's tensors (q/k B rows in llama.cpp's permuted order); ``kind``: its
+    general.type; ``drop_rows``: B rows cut off (an adapter for another base)."""
+    import re
+
+    import gguf
+    from safetensors.torch import load_file
+
+    heads = {"q_proj": LLAMA["num_attention_heads"], "k_proj": LLAMA["num_key_value_heads"]}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_type(kind)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    for key, t in sorted(load_file(folder / "adapter_model.safetensors").items()):
+        layer, proj, which = re.search(r"layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])", key).groups()
+        if which == "B" and proj in heads:  # llama.cpp's q/k row order: each head's two halves interleaved
+            n = heads[proj]
+            t = t.reshape(n, 2, t.shape[0] // n // 2, t.shape[1]).transpose(1, 2).reshape(t.shape)
+        if which == "B" and drop_rows:
+            t = t[drop_rows:]
+        writer.add_tensor(f"blk.{layer}.{_GGUF_NAMES[proj]}.weight.lora_{which.lower()}", t.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_adapter_equals_its_peft_folder(llm, adapters, tmp_path) -> None:
+    """A llama.cpp GGUF LoRA file of the "all" adapter (r 8, alpha 16: llama.cpp's alpha / r
+    is PEFT's scale) gives the PEFT folder's tokens and logprobs exactly, beside the folder in
+    one batch; a GGUF model file, another base's shapes and a truncated file fail naming why."""
+    folder = adapters["all"][0]
+    path = _write_gguf_adapter(tmp_path / "all.gguf", folder, 16.0)
+    outs = llm.generate([PROMPTS[1]] * 2, _greedy(), use_tqdm=False,
+                        lora_request=[_lora(adapters, "all"), LoRARequest("all-gguf", 70, str(path))])
+    a, b = (o.outputs[0] for o in outs)
+    assert a.token_ids == b.token_ids
+    assert [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] == [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)]
+    model_file = _write_gguf_adapter(tmp_path / "model.gguf", folder, 16.0, kind="model")
+    other = _write_gguf_adapter(tmp_path / "other.gguf", folder, 16.0, drop_rows=16)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[:-4000])
+    for i, (bad, message) in enumerate(((model_file, "not a GGUF LoRA adapter"), (other, "another base model"),
+                                        (truncated, "cannot read"))):
+        with pytest.raises(LoRAError, match=message):
+            llm.generate([PROMPTS[0]], _greedy(), use_tqdm=False, lora_request=LoRARequest("bad", 71 + i, str(bad)))
+    assert_pool_whole(llm.engine.core)
+
+
+def test_bfloat16_adapters_match_peft_with_bfloat16_weights(base, adapters) -> None:
+    """lora_dtype bfloat16 keeps A and B rounded to bfloat16 (the test adapters' scales are
+    powers of two, so rounding B before or after scaling is the same) and computes in float32:
+    greedy tokens and logprobs equal, within float32 rounding, to peft's merged model of the
+    same adapters with their lora_A and lora_B rounded to bfloat16."""
+    from peft import PeftModel
+
+    hf, path = base
+    with LLM(model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, block_size=8,
+             enable_lora=True, max_loras=3, max_lora_rank=16, lora_dtype="bfloat16") as engine:
+        names = list(ADAPTERS)
+        outs = engine.generate([PROMPTS[2]] * len(names), _greedy(), use_tqdm=False,
+                               lora_request=[_lora(adapters, n) for n in names])
+        for name, out in zip(names, outs, strict=True):
+            model = PeftModel.from_pretrained(copy.deepcopy(hf), str(adapters[name][0]))
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if "lora_" in pname:
+                        p.copy_(p.bfloat16().float())
+            _assert_matches(model.merge_and_unload().eval(), PROMPTS[2], out.outputs[0])
+        assert_pool_whole(engine.engine.core)
+
+
+def test_lora_dtype_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--lora-dtype auto: bfloat16 A and B under --dtype auto on the native kernels, else the
+    model's dtype (None); an explicit choice wins; other names are refused."""
+    from pagedllm.kernels import library
+    from pagedllm.platforms.cpu import lora_dtype_setting
+
+    monkeypatch.setattr(library, "active_isa", lambda: "avx512")
+    assert lora_dtype_setting("auto") == torch.bfloat16
+    assert lora_dtype_setting("float32") is None
+    assert lora_dtype_setting("auto", "float32") == torch.float32
+    assert lora_dtype_setting("float32", "bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="lora_dtype must be auto, float32 or bfloat16, got 'float16'"):
+        lora_dtype_setting("auto", "float16")
+    monkeypatch.setattr(library, "active_isa", lambda: None)
+    assert lora_dtype_setting("auto") is None
 
 
 def test_lora_request_without_enable_lora_is_refused(base, adapters) -> None:
@@ -334,6 +465,9 @@ def test_server_selects_adapters_by_model(server, llm, base, adapters) -> None:
     for model, lora in ((str(path), None), ("all", _lora(adapters, "all")), ("qv", _lora(adapters, "qv_rslora"))):
         out = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0)
         assert out.choices[0].text == _text(llm, PROMPTS[1], lora), model
+        assert out.model == model  # the name asked for, as vLLM answers
+        chunks = list(client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=2, stream=True))
+        assert {c.model for c in chunks} == {model}
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="nope", prompt=PROMPTS[0], max_tokens=2)
 
@@ -380,7 +514,7 @@ def test_server_bad_adapters_get_400_naming_the_problem(server, adapters, tmp_pa
         ("big", big, "rank 32 exceeds max_lora_rank 16"),
         ("other", other, "another base model"),
         ("corrupt", corrupt, "cannot read"),
-        ("missing", tmp_path / "missing", "is not a folder"),
+        ("missing", tmp_path / "missing", "is neither a PEFT adapter folder nor a GGUF file"),
         ("qv", adapters["qv_rslora"][0], "already in use"),
     ):
         r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})

@@ -5,7 +5,9 @@ written to a temporary folder for the model; a batch of ``--batch-size`` request
 decodes with 0, 1, 4, ... distinct adapters among them (``--adapter-counts``; the requests
 take them in turn), and one request decodes alone with and without an adapter. The decode
 rate is from runs of ``--output-len`` tokens minus runs of 1 (prefill and first token
-cancel out), medians over ``--repeats``, by wall clock and per CPU-second of the process.
+cancel out), medians over ``--repeats``, by wall clock and per CPU-second of the process;
+each repeat measures every case in turn, so that a ratio to the base compares runs of the
+same moment on a shared machine.
 """
 
 from __future__ import annotations
@@ -56,16 +58,19 @@ def _timed(llm, prompts: list[list[int]], loras: list, max_tokens: int) -> tuple
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def decode_rate(llm, prompts: list[list[int]], loras: list, output_len: int, repeats: int) -> tuple[float, float]:
-    """(wall tok/s, tok per CPU-second) of decode, medians over ``repeats``."""
-    _timed(llm, prompts, loras, 2)  # warm-up: adapters read, kernels touched
-    rates = []
+def decode_rates(llm, cases: list[tuple[list[list[int]], list]], output_len: int, repeats: int) -> list[tuple[float, float]]:
+    """Per case (prompts, their adapters): (wall tok/s, tok per CPU-second) of decode, medians
+    over ``repeats`` rounds that each measure every case in turn."""
+    for prompts, loras in cases:
+        _timed(llm, prompts, loras, 2)  # warm-up: adapters read, kernels touched
+    rates: list[list[tuple[float, float]]] = [[] for _ in cases]
     for _ in range(repeats):
-        first = _timed(llm, prompts, loras, 1)
-        full = _timed(llm, prompts, loras, output_len)
-        tokens = len(prompts) * (output_len - 1)
-        rates.append((tokens / (full[0] - first[0]), tokens / (full[1] - first[1])))
-    return tuple(statistics.median(r) for r in zip(*rates))  # type: ignore[return-value]
+        for (prompts, loras), out in zip(cases, rates, strict=True):
+            first = _timed(llm, prompts, loras, 1)
+            full = _timed(llm, prompts, loras, output_len)
+            tokens = len(prompts) * (output_len - 1)
+            out.append((tokens / (full[0] - first[0]), tokens / (full[1] - first[1])))
+    return [tuple(statistics.median(r) for r in zip(*case)) for case in rates]  # type: ignore[misc]
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -102,22 +107,19 @@ def run(args: argparse.Namespace) -> None:
             for k in range(most)
         ]
 
-        def measure(label: str, batch: list[list[int]], loras: list, reference: dict | None = None) -> dict:
-            wall, cpu = decode_rate(llm, batch, loras, args.output_len, args.repeats)
-            ratio = "" if reference is None else (
-                f" = {wall / reference['wall']:.2f}x base (wall), {cpu / reference['cpu']:.2f}x (CPU)"
+        cases = [(f"batch {len(prompts)}, {count} adapters", prompts,
+                  [adapters[j % count] if count else None for j in range(len(prompts))]) for count in counts]
+        cases += [("batch 1, base", prompts[:1], [None]), ("batch 1, one adapter", prompts[:1], [adapters[0]])]
+        rates = decode_rates(llm, [(batch, loras) for _, batch, loras in cases], args.output_len, args.repeats)
+        reference = None
+        for (label, batch, loras), (wall, cpu) in zip(cases, rates, strict=True):
+            if not any(loras):  # the base: what the next cases are measured against
+                reference = (wall, cpu)
+            ratio = "" if reference is None or not any(loras) else (
+                f" = {wall / reference[0]:.2f}x base (wall), {cpu / reference[1]:.2f}x (CPU)"
             )
             print(f"[{label:>26}] {wall:7.1f} tok/s wall, {cpu:7.1f} tok/CPU-s{ratio}", flush=True)
             results.append({"label": label, "batch": len(batch), "wall": wall, "cpu": cpu})
-            return results[-1]
-
-        base = None
-        for count in counts:
-            loras = [adapters[j % count] if count else None for j in range(len(prompts))]
-            result = measure(f"batch {len(prompts)}, {count} adapters", prompts, loras, base)
-            base = result if count == 0 else base
-        base1 = measure("batch 1, base", prompts[:1], [None])
-        measure("batch 1, one adapter", prompts[:1], [adapters[0]], base1)
     llm.shutdown()
     print(f"rank {args.rank}, threads {torch.get_num_threads()}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -41,13 +41,15 @@ void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t 
   }
 }
 
-// y += the step's LoRA updates of layer i's projection p (nothing without adapters).
+// y += the step's LoRA updates of layer i's projection p, its outputs in `num_parts` parts of
+// `widths` (nothing without adapters).
 void lora(const DecoderDesc* m, int64_t i, int64_t p, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K,
-          int64_t N) {
+          const int64_t* widths, int64_t num_parts) {
   const LoRAStep* s = m->lora;
   if (s == nullptr) return;
   const int64_t at = (4 * i + p) * s->num_runs;
-  lora_sgmv(x, ldx, y, ldy, K, N, s->runs, s->num_runs, s->a_t + at, s->b_t + at, s->ranks + at);
+  lora_sgmv(x, ldx, y, ldy, K, widths, num_parts, s->runs, s->num_runs, s->a + at, s->b + at,
+            s->ranks + at * PAGEDLLM_LORA_MAX_PARTS, s->dtype);
 }
 
 // Everything the kernels below could refuse, checked before anything is written.
@@ -70,8 +72,16 @@ bool supported(const DecoderDesc* m, int64_t P) {
   if (const LoRAStep* s = m->lora) {
     for (int64_t r = 0; r < s->num_runs; ++r)
       if (s->runs[2 * r] < 0 || s->runs[2 * r + 1] < s->runs[2 * r]) return false;
-    for (int64_t j = 0; j < 4 * m->num_layers * s->num_runs; ++j)
-      if (s->ranks[j] < 0 || s->ranks[j] > PAGEDLLM_LORA_MAX_RANK) return false;
+    if (s->dtype != PAGEDLLM_LORA_F32 && s->dtype != PAGEDLLM_LORA_BF16) return false;
+    for (int64_t j = 0; j < 4 * m->num_layers * s->num_runs; ++j) {
+      int64_t R = 0;
+      for (int64_t p = 0; p < PAGEDLLM_LORA_MAX_PARTS; ++p) {
+        const int64_t r = s->ranks[j * PAGEDLLM_LORA_MAX_PARTS + p];
+        if (r < 0) return false;
+        R += r;
+      }
+      if (R > PAGEDLLM_LORA_MAX_RANK) return false;
+    }
   }
   return true;
 }
@@ -107,6 +117,7 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
       if (s->runs[2 * r + 1] > T) return -1;
   const int64_t H = m->hidden, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
   const int64_t q_width = Hq * D, kv_width = Hkv * D, qkv_width = q_width + 2 * kv_width, I = m->intermediate;
+  const int64_t qkv_parts[3] = {q_width, kv_width, kv_width}, o_part[1] = {H}, gate_up_parts[2] = {I, I};
   std::vector<float> normed(T * H), qkv(T * qkv_width), q(B * q_width), attn(T * q_width), y(T * H),
       gate_up(T * 2 * I);
   using Attention = decltype(&paged_decode_attention_f32);
@@ -121,7 +132,7 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
     timed(m, kNorms, [&] { add_rms_norm(i ? y.data() : nullptr, stream, l.input_norm, normed.data(), T, H, m->eps); });
     timed(m, kQkv, [&] {
       linear(l.qkv, normed.data(), H, qkv.data(), T);
-      lora(m, i, 0, normed.data(), H, qkv.data(), qkv_width, H, qkv_width);
+      lora(m, i, 0, normed.data(), H, qkv.data(), qkv_width, H, qkv_parts, 3);
     });
     timed(m, kNorms, [&] {
       if (l.q_norm) norm_heads(qkv.data(), qkv_width, T, Hq, D, l.q_norm, m->eps);
@@ -146,7 +157,7 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
     });
     timed(m, kO, [&] {
       linear(l.o, attn.data(), q_width, y.data(), T);
-      lora(m, i, 1, attn.data(), q_width, y.data(), H, q_width, H);
+      lora(m, i, 1, attn.data(), q_width, y.data(), H, q_width, o_part, 1);
     });
     timed(m, kNorms, [&] {
       if (l.attn_out_norm) add_rms_norm(nullptr, y.data(), l.attn_out_norm, y.data(), T, H, m->eps);
@@ -157,12 +168,12 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
     } else {
       timed(m, kGateUp, [&] {
         linear(l.gate_up, normed.data(), H, gate_up.data(), T);
-        lora(m, i, 2, normed.data(), H, gate_up.data(), 2 * I, H, 2 * I);
+        lora(m, i, 2, normed.data(), H, gate_up.data(), 2 * I, H, gate_up_parts, 2);
       });
       timed(m, kAct, [&] { act_and_mul(gate_up.data(), 2 * I, T, I); });
       timed(m, kDown, [&] {
         linear(l.down, gate_up.data(), 2 * I, y.data(), T);
-        lora(m, i, 3, gate_up.data(), 2 * I, y.data(), H, I, H);
+        lora(m, i, 3, gate_up.data(), 2 * I, y.data(), H, I, o_part, 1);
       });
     }
     if (l.mlp_out_norm) timed(m, kNorms, [&] { add_rms_norm(nullptr, y.data(), l.mlp_out_norm, y.data(), T, H, m->eps); });

@@ -51,6 +51,11 @@
 #define PAGEDLLM_KQUANT_MAX_PARTS 4
 /* The largest summed LoRA rank of one projection's update (lora_sgmv). */
 #define PAGEDLLM_LORA_MAX_RANK 512
+/* Parts of one projection a LoRA update may have (a fused q/k/v: 3). */
+#define PAGEDLLM_LORA_MAX_PARTS 3
+/* Element types of LoRA A and B (lora_sgmv's dtype, LoRAStep.dtype). */
+#define PAGEDLLM_LORA_F32 0
+#define PAGEDLLM_LORA_BF16 1
 
 #ifdef __cplusplus
 extern "C" {
@@ -142,14 +147,17 @@ typedef struct LayerDesc {
 
 /* A step's LoRA updates for decode_layers (lora_sgmv per projection): num_runs runs of
  * tokens, runs [num_runs, 2] (first, end); for layer i, projection p (0 qkv, 1 o, 2 gate_up,
- * 3 down) and run s, entry (4 i + p) num_runs + s of a_t, b_t (addresses of float32 A^T
- * [K, rank], B^T [rank, N]) and ranks (0: nothing added). */
+ * 3 down) and run s, entry e = (4 i + p) num_runs + s of a and b (addresses of A and B as
+ * lora_sgmv takes them) and row e of ranks [4 num_layers num_runs, PAGEDLLM_LORA_MAX_PARTS]
+ * (the rank of each part: q, k, v; o; gate, up; down; 0: nothing added); dtype: A and B's
+ * PAGEDLLM_LORA_*. */
 typedef struct LoRAStep {
   int64_t num_runs;
   const int64_t* runs;
-  const int64_t* a_t;
-  const int64_t* b_t;
+  const int64_t* a;
+  const int64_t* b;
   const int64_t* ranks;
+  int64_t dtype;
 } LoRAStep;
 
 /* A whole decoder: sizes, activation, KV cache groups, layers and final norm. */
@@ -270,13 +278,21 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
 
 /* --- LoRA (lora.cpp) --- */
 
-/* y[t] (row stride ldy, N outputs) += (x[t] A_s^T) B_s^T for every token t of each segment s,
- * the tokens [segments[2 s], segments[2 s + 1]) (rows of x, stride ldx, K inputs); a_t[s],
- * b_t[s]: addresses of float32 A_s^T [K, ranks[s]] and B_s^T [ranks[s], N], row-major; a
- * segment of rank 0 is skipped. Returns -1 (nothing written) for a rank outside [0,
- * PAGEDLLM_LORA_MAX_RANK] or a reversed segment. */
-int lora_sgmv(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, int64_t N, const int64_t* segments,
-              int64_t num_segments, const int64_t* a_t, const int64_t* b_t, const int64_t* ranks);
+/* For every token t of each segment s, the tokens [segments[2 s], segments[2 s + 1]) (rows of
+ * x, stride ldx, K inputs; rows of y, stride ldy): y[t] += (x[t] A_s^T) B_s^T, where y's
+ * outputs are num_parts parts of part_widths[p] columns each, one after another, and segment
+ * s's part p has rank r = ranks[s PAGEDLLM_LORA_MAX_PARTS + p] (0: that part gets nothing).
+ * a[s]: the address of A_s^T [K, R16], row-major, R the summed rank and R16 it rounded up to
+ * 16: the parts' rank columns in order, those past R read but unused. b[s]: the address of
+ * each part's B^T [r, N16] (N16: its width rounded up to 16, the columns past it read but
+ * unused), the parts of rank > 0 one after another. dtype: A and B's element type,
+ * PAGEDLLM_LORA_F32 or PAGEDLLM_LORA_BF16 (bfloat16 bits, widened exactly; the arithmetic is
+ * float32). Returns -1 (nothing written) for a part count outside [1,
+ * PAGEDLLM_LORA_MAX_PARTS], a negative width, a rank below 0 or a summed rank above
+ * PAGEDLLM_LORA_MAX_RANK, a reversed segment or an unknown dtype. */
+int lora_sgmv(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, const int64_t* part_widths,
+              int64_t num_parts, const int64_t* segments, int64_t num_segments, const int64_t* a, const int64_t* b,
+              const int64_t* ranks, int64_t dtype);
 
 /* --- a whole decoder step (decoder.cpp) --- */
 

@@ -103,6 +103,10 @@ class EngineArgs:
     max_cpu_loras: int | None = _flag(
         None, "LoRA adapters kept loaded, least recently used dropped beyond (default: --max-loras)", type=positive_int
     )
+    lora_dtype: str = _flag(
+        "auto", "LoRA adapters' A and B in memory: auto (bfloat16 with --dtype auto on the native kernels, else the "
+        "model's dtype) | float32 | bfloat16", choices=("auto", "float32", "bfloat16"),
+    )
     worker_timeout_s: float = _flag(
         120.0, "seconds the tensor-parallel ranks wait for a hung rank in a collective before the engine fails",
         type=finite_float,

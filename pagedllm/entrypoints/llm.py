@@ -10,7 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedllm.config import DEFAULT_MODEL, EngineConfig, parse_memory
-from pagedllm.platforms.cpu import dtype_settings
+from pagedllm.platforms.cpu import dtype_settings, lora_dtype_setting
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.chat_template import chat_prompt
@@ -35,7 +35,9 @@ class LLM:
             ``platforms.cpu.dtype_settings``),
             "float32" (float32 only: exact, outputs independent of batching), "bfloat16" or
             "float16". ``kv_cache_dtype="float32"`` (or another dtype, or "int8", "fp8": the
-            8-bit caches) overrides the K/V cache's.
+            8-bit caches) overrides the K/V cache's; ``lora_dtype`` ("auto": bfloat16 with dtype
+            "auto" on the native kernels, else the model's; "float32"; "bfloat16") the LoRA
+            adapters' (``platforms.cpu.lora_dtype_setting``).
         max_model_len: longest prompt + output; default the model's context, at most 8192.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget per step.
@@ -70,6 +72,7 @@ class LLM:
         trace: str | None = None,
         **kwargs: Any,
     ) -> None:
+        kwargs["lora_dtype"] = lora_dtype_setting(dtype, kwargs.get("lora_dtype", "auto"))
         settings = dtype_settings(dtype, kwargs.pop("kv_cache_dtype", "auto"), quantization)
         config = EngineConfig(
             model=model,

@@ -8,36 +8,50 @@ from pagedllm.kernels import abi
 from pagedllm.kernels.args import check_cpu, ptr, require
 
 MAX_RANK = abi.CONSTANTS["PAGEDLLM_LORA_MAX_RANK"]
+MAX_PARTS = abi.CONSTANTS["PAGEDLLM_LORA_MAX_PARTS"]
+# The A and B element types the kernel reads, and their PAGEDLLM_LORA_* codes.
+DTYPE_CODES = {torch.float32: abi.CONSTANTS["PAGEDLLM_LORA_F32"], torch.bfloat16: abi.CONSTANTS["PAGEDLLM_LORA_BF16"]}
 
 
 def lora_sgmv(
-    x: torch.Tensor, y: torch.Tensor, segments: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, ranks: torch.Tensor
+    x: torch.Tensor, y: torch.Tensor, part_widths: torch.Tensor, segments: torch.Tensor, a: torch.Tensor,
+    b: torch.Tensor, ranks: torch.Tensor, dtype: torch.dtype = torch.float32,
 ) -> None:
-    """``y[t] += (x[t] @ A_s.T) @ B_s.T`` in place for each token t of each run s.
+    """``y[t] += (x[t] @ A_s.T) @ B_s.T`` in place for each token t of each run s, B per part.
 
     Args:
         x: [T, K] float32, rows at any stride, each row contiguous.
-        y: [T, N] float32, the same; written in place.
+        y: [T, N] float32, the same; written in place; its N columns are P parts.
+        part_widths: [P] int64, P in [1, MAX_PARTS]: each part's columns, summing to N.
         segments: [S, 2] int64 contiguous: run s is tokens [start, stop).
-        a_t, b_t: [S] int64: addresses of run s's float32 A.T [K, R_s] and B.T [R_s, N],
-            contiguous (the caller keeps them alive).
-        ranks: [S] int64: R_s in [0, MAX_RANK] (0: nothing added to that run).
+        a, b: [S] int64: addresses of run s's A.T [K, R16] (the parts' rank columns in order,
+            R their sum, up to R16 = R rounded up to 16 read but unused) and of each part's
+            B.T [r, width rounded up to 16] (parts of rank 0 left out), one after another; in
+            ``dtype``, contiguous (the caller keeps them alive).
+        ranks: [S, MAX_PARTS] int64: run s's rank of each part (0: nothing added to it; entries
+            past P ignored), summing to at most MAX_RANK.
+        dtype: A and B's element type, a key of ``DTYPE_CODES``; the arithmetic is float32.
 
     Raises:
         RuntimeError: no native library here.
         ValueError: tensors outside this contract.
     """
     lib = require()
-    check_cpu(x, y, segments, a_t, b_t, ranks)
+    check_cpu(x, y, part_widths, segments, a, b, ranks)
     if x.dtype != torch.float32 or y.dtype != torch.float32 or x.stride(-1) != 1 or y.stride(-1) != 1:
         raise ValueError("lora_sgmv: x and y must be float32 with contiguous rows")
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"lora_sgmv: A and B must be one of {list(DTYPE_CODES)}, got {dtype}")
     s = segments.shape[0]
-    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in (segments, a_t, b_t, ranks)) or (
-        segments.shape != (s, 2) or a_t.shape != (s,) or b_t.shape != (s,) or ranks.shape != (s,)
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in (part_widths, segments, a, b, ranks)) or (
+        segments.shape != (s, 2) or a.shape != (s,) or b.shape != (s,) or ranks.shape != (s, MAX_PARTS)
     ):
-        raise ValueError("lora_sgmv: segments [S, 2] and a_t, b_t, ranks [S] must be contiguous int64")
+        raise ValueError("lora_sgmv: segments [S, 2], a, b [S] and ranks [S, MAX_PARTS] must be contiguous int64")
+    if part_widths.ndim != 1 or int(part_widths.sum()) != y.shape[1]:
+        raise ValueError(f"lora_sgmv: part widths {part_widths.tolist()} do not sum to y's {y.shape[1]} columns")
     if s and int(segments.max()) > x.shape[0] or x.shape[0] != y.shape[0]:
         raise ValueError(f"lora_sgmv: runs beyond x's {x.shape[0]} rows, or y's {y.shape[0]} rows differ")
-    if lib.lora_sgmv(ptr(x), x.stride(0), ptr(y), y.stride(0), x.shape[1], y.shape[1], ptr(segments), s,
-                     ptr(a_t), ptr(b_t), ptr(ranks)) != 0:
-        raise ValueError(f"lora_sgmv: a rank outside [0, {MAX_RANK}] or a reversed run")
+    if lib.lora_sgmv(ptr(x), x.stride(0), ptr(y), y.stride(0), x.shape[1], ptr(part_widths), part_widths.shape[0],
+                     ptr(segments), s, ptr(a), ptr(b), ptr(ranks), DTYPE_CODES[dtype]) != 0:
+        raise ValueError(f"lora_sgmv: a rank outside [0, {MAX_RANK}] (summed over parts), a part count outside "
+                         f"[1, {MAX_PARTS}] or a reversed run")

@@ -3,11 +3,11 @@
 A step's tokens are ordered so that each adapter's tokens form runs (``LoRABatch.segments``);
 per run, a projection adds ``(x @ A.T) @ B.T`` (B pre-scaled): one shrink into the summed
 rank of the layer's parts (a fused q/k/v or gate/up layer has one part per projection, each
-with its own A), then one expand through the parts' B laid block-diagonally (each part's
-rank columns feed only its slice of the output; zeros elsewhere). Where the native kernels
-run and activations are float32, all runs of a projection go through one call
-(``kernels.lora.lora_sgmv``, each token's update from its own row alone); elsewhere two
-PyTorch matmuls per run. Tokens of the base model, and layers an adapter does not target,
+with its own A), then per part the expand of its rank columns into its slice of the output.
+A and B are kept in the engine's ``lora_dtype`` (float32 or bfloat16). Where the native
+kernels run and activations are float32, all runs of a projection go through one call
+(``kernels.lora.lora_sgmv``, each token's update from its own row alone); elsewhere PyTorch
+matmuls per run and part, in the activations' dtype. Tokens of the base model, and layers an adapter does not target,
 get nothing added; a step without adapters runs the base layer alone. The base may be any linear layer (float32, int8/int4, w8a8, w4a8, GGUF blocks).
 """
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import library
-from pagedllm.kernels.lora import MAX_RANK, lora_sgmv
+from pagedllm.kernels.lora import MAX_PARTS, MAX_RANK, lora_sgmv
 
 
 @dataclass
@@ -30,9 +30,12 @@ class LoRABatch:
         segments: (first token, end token, adapter id) per run of tokens of one adapter, in
             the step's flattened token order; tokens in no run use the base model. Empty: no
             adapter in the step.
+        dtype: the element type adapters are installed in, for every LoRA layer.
     """
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)
+    dtype: torch.dtype = torch.float32  # the adapters' A and B: float32 or bfloat16 (native), else the activations'
+
     key: tuple[int, ...] = ()  # the runs' adapter ids
     version: int = 0  # counts changes to the installed adapters
     runs: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.int64))  # [S, 2] (first, end)
@@ -47,8 +50,13 @@ class LoRABatch:
 
 @dataclass
 class _LayerAdapter:
-    a_t: torch.Tensor  # [in_features, R]: the parts' A stacked, R the sum of their ranks
-    b_t: torch.Tensor  # [R, out_features]: each part's B.T in its rank rows and output columns
+    a_t: torch.Tensor  # [in_features, R16]: the parts' A stacked, R their summed rank, zero columns up to R16
+    b_t: torch.Tensor  # each part's B.T [r, its out_features rounded up to 16] (zero-padded), flat, in order
+    ranks: tuple[int, ...]  # each part's rank (0: the part is not updated), MAX_PARTS entries
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
 
 
 class LoRALinear(nn.Module):
@@ -56,38 +64,49 @@ class LoRALinear(nn.Module):
 
     Args:
         base: the linear layer, [T, in_features] -> [T, out_features] in x's dtype.
-        part_sizes: the output features of each part, in order (summing to out_features).
+        part_sizes: the output features of each part, in order (summing to out_features),
+            at most ``MAX_PARTS``.
         batch: the model's step state.
     """
 
     def __init__(self, base: nn.Module, part_sizes: list[int], batch: LoRABatch) -> None:
         super().__init__()
+        if not 1 <= len(part_sizes) <= MAX_PARTS:
+            raise ValueError(f"a LoRA layer has 1 to {MAX_PARTS} parts, got {len(part_sizes)}")
         self.base = base
         self.batch = batch
         starts = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
         self.part_slices = [(s, s + n) for s, n in zip(starts, part_sizes, strict=True)]
+        self.part_widths = torch.tensor(part_sizes, dtype=torch.int64)
         self.adapters: dict[int, _LayerAdapter] = {}
         # The kernel's per-run arguments (A.T and B.T addresses, ranks) for the runs' adapters.
         self._native_args: tuple[tuple[int, ...], tuple[torch.Tensor, ...]] | None = None
 
-    def set_adapter(self, adapter_id: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:
+    def set_adapter(self, adapter_id: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Install adapter ``adapter_id``'s update: part index -> (A [r, in_features], B
-        [part's out_features, r], scaled), cast to ``dtype`` (the activations')."""
-        order = sorted(parts)
-        rank = sum(parts[i][0].shape[0] for i in order)
-        b_t = torch.zeros(rank, self.part_slices[-1][1], dtype=dtype)
-        r0 = 0
-        for index in order:
+        [part's out_features, r], scaled), kept in the batch's ``dtype``.
+
+        Raises:
+            ValueError: a B that does not fit its part, or a summed rank above ``MAX_RANK``.
+        """
+        dtype = self.batch.dtype
+        ranks = [0] * MAX_PARTS
+        blocks = []
+        for index in sorted(parts):
             a, b = parts[index]
             start, stop = self.part_slices[index]
             if b.shape != (stop - start, a.shape[0]):
                 raise ValueError(f"part {index}: B is {list(b.shape)}, expected {[stop - start, a.shape[0]]}")
-            b_t[r0 : r0 + a.shape[0], start:stop] = b.t()
-            r0 += a.shape[0]
+            ranks[index] = a.shape[0]
+            block = torch.zeros(a.shape[0], _round16(stop - start), dtype=dtype)
+            block[:, : stop - start] = b.t()
+            blocks.append(block.flatten())
+        rank = sum(ranks)
         if rank > MAX_RANK:
             raise ValueError(f"the summed rank {rank} of this layer's parts exceeds {MAX_RANK}")
-        a_t = torch.cat([parts[i][0] for i in order]).t().to(dtype).contiguous()
-        self.adapters[adapter_id] = _LayerAdapter(a_t, b_t)
+        a_t = torch.zeros(parts[min(parts)][0].shape[1], _round16(rank), dtype=dtype)
+        a_t[:, :rank] = torch.cat([parts[i][0] for i in sorted(parts)]).t()
+        self.adapters[adapter_id] = _LayerAdapter(a_t, torch.cat(blocks), tuple(ranks))
         self._native_args = None
 
     def remove_adapter(self, adapter_id: int) -> None:
@@ -101,24 +120,35 @@ class LoRALinear(nn.Module):
         if not batch.segments:
             return y
         if batch.native and x.dtype == torch.float32:
-            lora_sgmv(x, y, batch.runs, *self.native_args(batch.key))
+            lora_sgmv(x, y, self.part_widths, batch.runs, *self.native_args(batch.key), dtype=batch.dtype)
             return y
         for start, stop, adapter_id in batch.segments:
             layer = self.adapters.get(adapter_id)
             if layer is None:  # the adapter leaves this layer alone
                 continue
-            y[start:stop].addmm_(x[start:stop] @ layer.a_t, layer.b_t)
+            h = x[start:stop] @ layer.a_t.to(x.dtype)
+            r0 = b0 = 0
+            for (p0, p1), r in zip(self.part_slices, layer.ranks, strict=False):
+                if r:
+                    width = _round16(p1 - p0)
+                    b = layer.b_t[b0 : b0 + r * width].view(r, width)[:, : p1 - p0]
+                    y[start:stop, p0:p1].addmm_(h[:, r0 : r0 + r], b.to(x.dtype))
+                    b0 += r * width
+                r0 += r
         return y
 
     def native_args(self, key: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-        """(A.T addresses, B.T addresses, ranks) of the runs' adapters (``key``: their ids),
-        kept while the adapters and the runs' order stay the same (decode steps in a row)."""
+        """(A.T addresses [S], B.T addresses [S], ranks [S, MAX_PARTS]) of the runs' adapters
+        (``key``: their ids), kept while the adapters and the runs' order stay the same
+        (decode steps in a row)."""
         if self._native_args is None or self._native_args[0] != key:
             layers = [self.adapters.get(lid) for lid in key]
             a = [0 if la is None else la.a_t.data_ptr() for la in layers]
             b = [0 if la is None else la.b_t.data_ptr() for la in layers]
-            ranks = [0 if la is None else la.a_t.shape[1] for la in layers]
-            self._native_args = (key, tuple(torch.tensor(v, dtype=torch.int64) for v in (a, b, ranks)))
+            ranks = [(0,) * MAX_PARTS if la is None else la.ranks for la in layers]
+            arrays = (torch.tensor(a, dtype=torch.int64), torch.tensor(b, dtype=torch.int64),
+                      torch.tensor(ranks, dtype=torch.int64).reshape(len(key), MAX_PARTS))
+            self._native_args = (key, arrays)
         return self._native_args[1]
 
     def extra_repr(self) -> str:

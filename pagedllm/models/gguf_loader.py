@@ -343,10 +343,12 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.view(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def hf_rows(tensor: torch.Tensor, gguf_name: str, config: ModelConfig) -> torch.Tensor:
+def hf_rows(tensor: torch.Tensor, gguf_name: str, config: ModelConfig, arch: str | None = None) -> torch.Tensor:
     """A tensor of ``gguf_name`` with its rows (dim 0) in HF order: q/k rows of the
-    architectures llama.cpp permutes are put back; any trailing dims (e.g. blocks) ride along."""
-    if config.architecture in _PERMUTED_QK:
+    architectures llama.cpp permutes are put back; any trailing dims (e.g. blocks) ride along.
+    ``arch``: the file's ``general.architecture`` where it may differ from the model's (a LoRA
+    adapter file for an HF checkpoint)."""
+    if (arch or config.architecture) in _PERMUTED_QK:
         if ".attn_q." in gguf_name:
             return _unpermute(tensor, config.num_heads)
         if ".attn_k." in gguf_name:

@@ -1,4 +1,5 @@
-"""PEFT LoRA adapter folders read and checked against a base model, and cut to a rank's shard.
+"""LoRA adapters (PEFT folders, llama.cpp GGUF files) read and checked against a base model,
+and cut to a rank's shard.
 
 A folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``, ...) and
 ``adapter_model.safetensors`` with, per targeted projection, ``...layers.{i}.{self_attn|mlp}.
@@ -6,7 +7,8 @@ A folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``, .
 projection's output gains ``scale * (x @ A.T) @ B.T`` with ``scale = lora_alpha / r``
 (``lora_alpha / sqrt(r)`` with rsLoRA); ``rank_pattern`` / ``alpha_pattern`` give some
 modules their own r / alpha. Targets: q/k/v/o and gate/up/down projections, and Phi-3's
-fused ``qkv_proj`` / ``gate_up_proj`` (its B split like the fused weight).
+fused ``qkv_proj`` / ``gate_up_proj`` (its B split like the fused weight). A GGUF LoRA file
+(``read_adapter``) holds the same A and B per projection under the base GGUF's tensor names.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from safetensors import safe_open
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.sharding import ModelShard
 from pagedllm.errors import LoRAError
+from pagedllm.models.gguf_loader import GGUFFile, hf_name, hf_rows
 from pagedllm.models.weights import STACKED
 
 CONFIG_FILE = "adapter_config.json"
@@ -33,6 +36,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _TARGETS: dict[str, tuple[str, int]] = STACKED | {"o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0)}
 _FUSED_HF = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_GGUF_KEY = re.compile(r"(blk\.(\d+)\.\w+\.weight)\.lora_([ab])")  # (the base tensor's name, layer, which)
 
 
 @dataclass
@@ -99,8 +103,24 @@ def _pattern_value(pattern: dict, key: str, default: float) -> float:
     return default
 
 
+@dataclass
+class _Update:
+    """One HF projection's update as a file holds it: A [r, in], B [out, r] (unscaled), its
+    scale, and the rank r the file declares for it."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+    rank: int
+
+
 def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """Read and check a PEFT LoRA adapter folder for the base model ``config``.
+    """Read and check a LoRA adapter for the base model ``config``: a PEFT folder, or a GGUF
+    file of llama.cpp's ``convert_lora_to_gguf.py`` (``general.type`` "adapter",
+    ``adapter.type`` "lora", ``adapter.lora.alpha``; per projection
+    ``blk.{i}.{attn_q|...}.weight.lora_a`` [r, in_features] and ``.lora_b`` [out_features, r],
+    the q/k rows in llama.cpp's order where its converter permutes them; scale ``alpha / r``
+    as llama.cpp applies it, 1 where alpha is 0 or missing).
 
     Returns:
         The adapter, its B matrices scaled, in float32.
@@ -108,17 +128,27 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
     Raises:
         LoRAError (a ValueError naming the problem): no such folder or file, a config or
             weights file that cannot be read, a setting we cannot serve (``modules_to_save``,
-            DoRA, a trained bias, ``fan_in_fan_out``), a target other than the q/k/v/o and
-            gate/up/down projections, a rank above ``max_rank``, or shapes that do not fit
-            ``config`` (an adapter for another base model).
+            DoRA, a trained bias, ``fan_in_fan_out``), a GGUF file that is not a LoRA adapter,
+            a target other than the q/k/v/o and gate/up/down projections, a rank above
+            ``max_rank``, or shapes that do not fit ``config`` (an adapter for another base
+            model).
     """
-    folder = Path(path)
+    where = Path(path)
+    if where.is_file():
+        updates, source = _read_gguf(where, config), where.name
+    elif where.is_dir():
+        updates, source = _read_peft(where), WEIGHTS_FILE
+    else:
+        raise LoRAError(f"LoRA adapter path {str(path)!r} is neither a PEFT adapter folder nor a GGUF file")
+    return _fit(updates, config, max_rank, source)
+
+
+def _read_peft(folder: Path) -> dict[tuple[int, str], _Update]:
+    """(layer, HF projection) -> its update, from a PEFT folder."""
     cfg_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    if not folder.is_dir():
-        raise LoRAError(f"LoRA adapter path {str(path)!r} is not a folder")
     for f in (cfg_path, weights_path):
         if not f.is_file():
-            raise LoRAError(f"LoRA adapter folder {str(path)!r} has no {f.name}")
+            raise LoRAError(f"LoRA adapter folder {str(folder)!r} has no {f.name}")
     try:
         cfg = json.loads(cfg_path.read_text())
         if not isinstance(cfg, dict):
@@ -160,30 +190,80 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
         raise
     except Exception as e:  # safetensors raises its own types for a truncated or garbled file
         raise LoRAError(f"cannot read {weights_path}: {type(e).__name__}: {e}") from None
-    if not pairs:
-        raise LoRAError(f"{weights_path.name} holds no LoRA weights")
+    updates: dict[tuple[int, str], _Update] = {}
+    for (layer, proj), pair in pairs.items():
+        if "A" not in pair or "B" not in pair:
+            raise LoRAError(
+                f"{weights_path.name}: layer {layer} {proj} has lora_{'B' if 'A' in pair else 'A'} without its pair"
+            )
+        module_key = module_keys[(layer, proj)]
+        mr = int(_pattern_value(rank_pattern, module_key, r))
+        malpha = float(_pattern_value(alpha_pattern, module_key, alpha))
+        updates[(layer, proj)] = _Update(pair["A"], pair["B"], malpha / (math.sqrt(mr) if rslora else mr), mr)
+    return updates
 
+
+def _read_gguf(path: Path, config: ModelConfig) -> dict[tuple[int, str], _Update]:
+    """(layer, HF projection) -> its update, from a llama.cpp GGUF LoRA file."""
+    try:
+        f = GGUFFile(path)
+    except Exception as e:  # a truncated or garbled header: struct, enum and numpy errors alike
+        raise LoRAError(f"cannot read {path.name} as a GGUF file: {type(e).__name__}: {e}") from None
+    meta = f.metadata
+    kind, adapter = meta.get("general.type"), meta.get("adapter.type")
+    if kind != "adapter" or adapter != "lora":
+        raise LoRAError(
+            f"{path.name}: not a GGUF LoRA adapter (general.type {kind!r}, adapter.type {adapter!r}; "
+            "llama.cpp's convert_lora_to_gguf.py writes 'adapter' and 'lora')"
+        )
+    alpha = float(meta.get("adapter.lora.alpha", 0.0))
+    arch = str(meta.get("general.architecture", ""))
+    sizes = _sizes(config)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name in f.tensors:
+        m = _GGUF_KEY.fullmatch(name)
+        try:
+            if m is None:
+                raise ValueError(name)
+            proj = hf_name(m.group(1), arch).split(".")[-2]
+        except ValueError:
+            raise LoRAError(
+                f"{path.name}: tensor {name!r} is not a LoRA update of a layer's projection "
+                "(blk.N.<projection>.weight.lora_a / .lora_b)"
+            ) from None
+        try:
+            tensor = f.dequantize(name, torch.float32)
+        except Exception as e:  # data past the end of a truncated file, a block format we lack
+            raise LoRAError(f"cannot read tensor {name!r} of {path.name}: {type(e).__name__}: {e}") from None
+        if m.group(3) == "b" and proj in ("q_proj", "k_proj") and tensor.shape[0] == sizes[proj][0]:
+            tensor = hf_rows(tensor, m.group(1), config, arch)  # llama.cpp's q/k row order, back to HF's
+        pairs.setdefault((int(m.group(2)), proj), {})[m.group(3).upper()] = tensor
+    updates: dict[tuple[int, str], _Update] = {}
+    for (layer, proj), pair in pairs.items():
+        if "A" not in pair or "B" not in pair:
+            raise LoRAError(f"{path.name}: layer {layer} {proj} has lora_{'b' if 'A' in pair else 'a'} without its pair")
+        rank = pair["A"].shape[0]
+        updates[(layer, proj)] = _Update(pair["A"], pair["B"], alpha / rank if alpha and rank else 1.0, rank)
+    return updates
+
+
+def _fit(updates: dict[tuple[int, str], _Update], config: ModelConfig, max_rank: int, source: str) -> LoRAAdapter:
+    """The updates checked against ``config`` and cut into its unfused projections."""
+    if not updates:
+        raise LoRAError(f"{source} holds no LoRA weights")
     sizes = _sizes(config)
     parts: dict[tuple[int, str], LoRAPart] = {}
-    for (layer, proj), pair in sorted(pairs.items()):
+    for (layer, proj), update in sorted(updates.items()):
         where = f"layer {layer} {proj}"
-        if "A" not in pair or "B" not in pair:
-            raise LoRAError(f"{weights_path.name}: {where} has lora_{'B' if 'A' in pair else 'A'} without its pair")
         if layer >= config.num_layers:
             raise LoRAError(f"{where}: the base model has {config.num_layers} layers (an adapter for another base model?)")
         if proj not in sizes and proj not in _FUSED_HF:
             raise LoRAError(f"{where}: LoRA on {proj} is not supported (only q/k/v/o and gate/up/down projections)")
-        a, b = pair["A"], pair["B"]
-        module_key = module_keys[(layer, proj)]
-        mr = int(_pattern_value(rank_pattern, module_key, r))
-        malpha = float(_pattern_value(alpha_pattern, module_key, alpha))
+        a, b, mr = update.a, update.b, update.rank
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != mr or b.shape[1] != mr:
-            raise LoRAError(
-                f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not have rank r={mr} of adapter_config.json"
-            )
+            raise LoRAError(f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not have rank r={mr}")
         if mr > max_rank:
             raise LoRAError(f"{where}: LoRA rank {mr} exceeds max_lora_rank {max_rank}")
-        scale = malpha / (math.sqrt(mr) if rslora else mr)
         names = _FUSED_HF.get(proj, (proj,))
         out_sizes = [sizes[n][0] for n in names]
         expected = (sum(out_sizes), sizes[names[0]][1])
@@ -192,6 +272,6 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
                 f"{where}: the adapter maps {a.shape[1]} -> {b.shape[0]} features, the base model's projection "
                 f"{expected[1]} -> {expected[0]} (an adapter for another base model?)"
             )
-        for name, piece in zip(names, (b * scale).split(out_sizes), strict=True):
+        for name, piece in zip(names, (b * update.scale).split(out_sizes), strict=True):
             parts[(layer, name)] = LoRAPart(a, piece.contiguous())
     return LoRAAdapter(parts)

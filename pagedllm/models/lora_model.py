@@ -9,6 +9,7 @@ native decoder read.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from pagedllm.errors import LoRAError
@@ -19,18 +20,19 @@ _MODULES = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up
 
 
 class LoRAModel:
-    """LoRA layers installed in ``model`` (a ``CausalLM`` of the Llama or Gemma 3 family).
+    """LoRA layers installed in ``model`` (a ``CausalLM`` of the Llama or Gemma 3 family),
+    adapters kept in ``dtype`` (None: the model's).
 
     Attributes:
         batch: the step's adapter runs (set before each forward pass).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None = None) -> None:
         self.model = model
         shard, head_dim = model.shard, model.config.head_dim
         q, kv, inter = shard.num_heads * head_dim, shard.num_kv_heads * head_dim, shard.intermediate_size
         parts = {"qkv_proj": [q, kv, kv], "gate_up_proj": [inter, inter]}
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(dtype=dtype or model.dtype)
         self.linears: dict[tuple[int, str], LoRALinear] = {}
         for i, layer in enumerate(model.layers):
             for parent_name, name in _MODULES:
@@ -52,7 +54,7 @@ class LoRAModel:
         if missing:
             raise LoRAError(f"the adapter updates layer {missing[0][0]}'s {missing[0][1]}, which this model does not have")
         for key, parts in grouped.items():
-            self.linears[key].set_adapter(adapter_id, parts, self.model.dtype)
+            self.linears[key].set_adapter(adapter_id, parts)
         self.batch.version += 1
 
     def remove(self, adapter_id: int) -> None:

@@ -25,6 +25,8 @@ from torch import nn
 from pagedllm.core.kv_cache_config import kv_row_width
 from pagedllm.kernels import attention, library
 from pagedllm.kernels.decoder import DecoderDesc, LayerDesc, LoRAStep, decode_layers
+from pagedllm.kernels.lora import DTYPE_CODES as LORA_DTYPES
+from pagedllm.kernels.lora import MAX_PARTS
 from pagedllm.layers.attention import AttentionMetadata, KVCache
 from pagedllm.layers.lora import LoRABatch, LoRALinear
 
@@ -153,12 +155,14 @@ class NativeDecoder:
         key = (lora.key, lora.version)
         step = self.lora_step
         if key != self._lora_key:
-            none = (torch.zeros(len(lora.key), dtype=torch.int64),) * 3
+            runs = len(lora.key)
+            none = (torch.zeros(runs, dtype=torch.int64),) * 2 + (torch.zeros(runs, MAX_PARTS, dtype=torch.int64),)
             # Per projection: (A.T addresses, B.T addresses, ranks); zeros where no LoRA layer is.
             args = [none if m is None else m.native_args(lora.key) for m in self.lora_linears]
             self._lora_arrays = tuple(torch.cat([a[j] for a in args]) for j in range(3))
-            step.num_runs = len(lora.key)
-            step.a_t, step.b_t, step.ranks = (t.data_ptr() for t in self._lora_arrays)
+            step.num_runs = runs
+            step.a, step.b, step.ranks = (t.data_ptr() for t in self._lora_arrays)
+            step.dtype = LORA_DTYPES[lora.dtype]
             self._lora_key = key
         step.runs = lora.runs.data_ptr()  # the runs' lengths change as requests come and go
         return ctypes.pointer(step)

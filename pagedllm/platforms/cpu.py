@@ -47,6 +47,26 @@ def dtype_settings(
     return settings
 
 
+def lora_dtype_setting(dtype: str | torch.dtype, lora_dtype: str | torch.dtype = "auto") -> torch.dtype | None:
+    """EngineConfig.lora_dtype for the flags: "auto" with dtype "auto" on the native kernels:
+    bfloat16 (half the bytes of A and B to read per token tile, widened in registers; figures in
+    docs/benchmarks.md, "LoRA adapters"); "auto" otherwise: None (the model's dtype);
+    "float32" or "bfloat16": that.
+
+    Raises:
+        ValueError: for another name.
+    """
+    if isinstance(lora_dtype, torch.dtype):
+        return lora_dtype
+    name = lora_dtype.lower()
+    if name == "auto":
+        auto = isinstance(dtype, str) and dtype.lower() == "auto"
+        return torch.bfloat16 if auto and library.active_isa() is not None else None
+    if name in ("float32", "fp32", "bfloat16", "bf16"):
+        return parse_dtype(name)
+    raise ValueError(f"lora_dtype must be auto, float32 or bfloat16, got {lora_dtype!r}")
+
+
 # What ``--dtype auto`` runs the linear layers as, by kernel variant (None: no library:
 # PyTorch's weight-only int8 kernels); chosen by measurement (docs/benchmarks.md).
 _AUTO_LINEARS: dict[str | None, str] = {

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
 from pagedllm.config import ModelConfig
 from pagedllm.lora_request import LoRARequest
 from pagedllm.models.lora_adapter import read_adapter
@@ -23,10 +25,13 @@ class LoRAManager:
         config: the base model's hyper-parameters (adapters are checked against them).
         max_lora_rank: the largest rank an adapter may have.
         max_cpu_loras: adapters kept loaded at most (at least the adapters of one step).
+        dtype: the adapters' A and B in memory (None: the model's dtype).
     """
 
-    def __init__(self, model, config: ModelConfig, max_lora_rank: int, max_cpu_loras: int) -> None:
-        self.lora_model = LoRAModel(model)
+    def __init__(
+        self, model, config: ModelConfig, max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype | None = None
+    ) -> None:
+        self.lora_model = LoRAModel(model, dtype)
         self.config = config
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras

@@ -102,7 +102,7 @@ class Worker:
                 resolve_model(config.model), config.dtype, config.quantization_config(), tp=self.tp
             )
             lora = (
-                LoRAManager(model, self.model_config, config.max_lora_rank, config.max_cpu_loras)
+                LoRAManager(model, self.model_config, config.max_lora_rank, config.max_cpu_loras, config.lora_dtype)
                 if config.enable_lora else None
             )
             self.runner = model_runner_class(config.model_runner_cls)(model, self.model_config, kv, self.tp, lora)

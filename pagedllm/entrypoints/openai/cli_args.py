@@ -153,9 +153,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """
     from pagedllm.config import EngineConfig, parse_memory
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.platforms.cpu import dtype_settings
+    from pagedllm.platforms.cpu import dtype_settings, lora_dtype_setting
 
     kwargs = EngineArgs.from_cli_args(args).kwargs()
+    kwargs["lora_dtype"] = lora_dtype_setting(kwargs["dtype"], kwargs["lora_dtype"])
     kwargs |= dtype_settings(kwargs.pop("dtype"), kwargs.pop("kv_cache_dtype"), kwargs.pop("quantization"))
     try:
         kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])

@@ -154,7 +154,9 @@ class OpenAIServingChat(OpenAIServing):
         completion = sum(len(c.token_ids) for c in out.outputs)
         prompt = len(prepared.core_requests[0].prompt_token_ids)
         usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-        return ChatCompletionResponse(id=prepared.request_id, model=self.served_model_name, choices=choices, usage=usage)
+        return ChatCompletionResponse(
+            id=prepared.request_id, model=self.response_model(req.model), choices=choices, usage=usage
+        )
 
     def _message(self, req: ChatCompletionRequest, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
         """The assistant message of one output under the request's tool mode, and its finish
@@ -188,8 +190,8 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionChunk(id=prepared.request_id, created=created, model=self.served_model_name,
-                                           choices=choices, usage=usage))
+            return sse(ChatCompletionChunk(id=prepared.request_id, created=created,
+                                           model=self.response_model(req.model), choices=choices, usage=usage))
 
         # OpenAI's streams open each choice with the role and an empty content.
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))

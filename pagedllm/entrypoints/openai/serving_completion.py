@@ -57,7 +57,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in out.outputs
         ]
         return CompletionResponse(
-            id=request_id, model=self.served_model_name, choices=choices, usage=self._usage(prepared, outputs)
+            id=request_id, model=self.response_model(req.model), choices=choices, usage=self._usage(prepared, outputs)
         )
 
     # -- input -----------------------------------------------------------------------------
@@ -119,14 +119,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     echo = req.echo and index not in echoed
                     echoed.add(index)
                     choice = self._choice(req, out, c, index, text, logprobs, echo)
-                    yield sse(CompletionResponse(id=request_id, created=created, model=self.served_model_name,
-                                                 choices=[choice]))
+                    yield sse(CompletionResponse(id=request_id, created=created,
+                                                 model=self.response_model(req.model), choices=[choice]))
             if req.include_usage:
                 usage = UsageInfo(prompt_tokens=sum(len(p.prompt_token_ids) for p in prepared),
                                   completion_tokens=completion_tokens)
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                yield sse(CompletionResponse(id=request_id, created=created, model=self.served_model_name,
-                                             choices=[], usage=usage))
+                yield sse(CompletionResponse(id=request_id, created=created,
+                                             model=self.response_model(req.model), choices=[], usage=usage))
         except EngineDeadError as e:
             yield sse(OpenAIError(503, str(e), "ServiceUnavailableError").body())
         yield SSE_DONE

@@ -101,6 +101,11 @@ class OpenAIServing:
                               "NotFoundError", "model")
         return None
 
+    def response_model(self, model: str | None) -> str:
+        """A response's ``model`` field, as vLLM fills it: the name the request gave (the base
+        model's or an adapter's, checked by ``check_model``), else the base model's."""
+        return self.served_model_name if model is None else model
+
     def check_request(self, req: RequestModel) -> None:
         """The request's own checks (text, field combinations), then its model.
 
