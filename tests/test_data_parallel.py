@@ -62,6 +62,19 @@ def test_router_prefix_affinity() -> None:
     assert router.loads == [4, 3]
 
 
+def test_router_keeps_an_adapter_on_one_core() -> None:
+    """A LoRA adapter's requests follow it to the core that served it (within the slack),
+    whatever their prompts; another adapter, or the base model, goes by load."""
+    router = DPRouter(2, block_size=4, capacity_blocks=100, slack=2)
+    assert router.route([1, 2], lora_id=7) == 0
+    assert [router.route([3, 4, 5], lora_id=7) for _ in range(2)] == [0, 0]
+    assert router.route([1, 2], lora_id=7) == 1  # core 0 busier by more than the slack
+    router.loads = [0, 3]
+    assert router.route([9], lora_id=8) == 0 and router.route([9]) == 0  # by load
+    router.loads = [4, 3]
+    assert router.route(list(range(8)), lora_id=7) == 1  # both hold adapter 7: the less loaded
+
+
 @pytest.mark.parametrize(("capacity", "expected"), [(4, 1), (2, 0)])
 def test_router_forgets_beyond_capacity(capacity: int, expected: int) -> None:
     router = DPRouter(2, block_size=2, capacity_blocks=capacity)

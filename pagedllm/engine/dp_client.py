@@ -52,6 +52,10 @@ class DPRouter:
     live core's by more than ``slack``; a request no core has a block of, or whose best core
     is overloaded so, goes to the least-loaded live core (ties: the lower index). A later turn
     of a conversation starts with the earlier turns' blocks, so it follows them to their core.
+    A LoRA adapter counts as one more leading block of its requests (their blocks chained
+    from it, as the prefix cache keys blocks by adapter): an adapter's requests follow it to
+    the core that served it, whose loaded adapters and step's distinct adapters it spares,
+    within the same slack.
 
     Args:
         num_engines: the cores.
@@ -68,8 +72,11 @@ class DPRouter:
         self.alive = [True] * num_engines
         self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_engines)]
 
-    def route(self, token_ids: list[int], cache_salt: str | None = None, weight: int = 1) -> int:
-        """The core for a request of ``weight`` engine-core requests; counts them on it.
+    def route(
+        self, token_ids: list[int], cache_salt: str | None = None, weight: int = 1, lora_id: int | None = None
+    ) -> int:
+        """The core for a request of ``weight`` engine-core requests (of LoRA adapter
+        ``lora_id``, None: the base model); counts them on it.
 
         Raises:
             EngineDeadError: no core is alive.
@@ -77,7 +84,7 @@ class DPRouter:
         live = [i for i, alive in enumerate(self.alive) if alive]
         if not live:
             raise EngineDeadError("every engine core has died")
-        hashes = self._block_hashes(token_ids, cache_salt) if len(live) > 1 else []
+        hashes = self._block_hashes(token_ids, cache_salt, lora_id) if len(live) > 1 else []
         least = min(live, key=lambda i: (self.loads[i], i))
         matched = {i: self._matched(i, hashes) for i in live}
         best = max(live, key=lambda i: (matched[i], -self.loads[i], -i))
@@ -96,9 +103,12 @@ class DPRouter:
         self.loads[engine] = 0
         self._blocks[engine].clear()
 
-    def _block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[int]:
+    def _block_hashes(self, token_ids: list[int], cache_salt: str | None, lora_id: int | None) -> list[int]:
         # Chained like the prefix cache's keys: a block's hash stands for the whole prefix up to it.
         hashes, h = [], hash(cache_salt)
+        if lora_id is not None:
+            h = hash((h, "lora", lora_id))
+            hashes.append(h)
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
             h = hash((h, tuple(token_ids[start : start + self.block_size])))
             hashes.append(h)
@@ -181,7 +191,8 @@ class DPAsyncMPClient:
             if not c.is_alive:
                 self.router.mark_dead(i)
         first = requests[0]
-        engine = self.router.route(first.prompt_token_ids, first.cache_salt, len(requests))
+        lora = first.lora_request
+        engine = self.router.route(first.prompt_token_ids, first.cache_salt, len(requests), lora and lora.id)
         for r in requests:
             self._owner[r.request_id] = engine
         self.cores[engine].add_requests(requests)
