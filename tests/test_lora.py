@@ -376,7 +376,8 @@ def test_gguf_adapter_equals_its_peft_folder(llm, adapters, tmp_path) -> None:
                         lora_request=[_lora(adapters, "all"), LoRARequest("all-gguf", 70, str(path))])
     a, b = (o.outputs[0] for o in outs)
     assert a.token_ids == b.token_ids
-    assert [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] == [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)]
+    logprobs = [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids, strict=True)] for o in (a, b)]
+    assert logprobs[0] == logprobs[1]
     model_file = _write_gguf_adapter(tmp_path / "model.gguf", folder, 16.0, kind="model")
     other = _write_gguf_adapter(tmp_path / "other.gguf", folder, 16.0, drop_rows=16)
     truncated = tmp_path / "truncated.gguf"

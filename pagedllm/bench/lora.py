@@ -58,7 +58,9 @@ def _timed(llm, prompts: list[list[int]], loras: list, max_tokens: int) -> tuple
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def decode_rates(llm, cases: list[tuple[list[list[int]], list]], output_len: int, repeats: int) -> list[tuple[float, float]]:
+def decode_rates(
+    llm, cases: list[tuple[list[list[int]], list]], output_len: int, repeats: int
+) -> list[tuple[float, float]]:
     """Per case (prompts, their adapters): (wall tok/s, tok per CPU-second) of decode, medians
     over ``repeats`` rounds that each measure every case in turn."""
     for prompts, loras in cases:

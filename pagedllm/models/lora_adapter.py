@@ -241,7 +241,8 @@ def _read_gguf(path: Path, config: ModelConfig) -> dict[tuple[int, str], _Update
     updates: dict[tuple[int, str], _Update] = {}
     for (layer, proj), pair in pairs.items():
         if "A" not in pair or "B" not in pair:
-            raise LoRAError(f"{path.name}: layer {layer} {proj} has lora_{'b' if 'A' in pair else 'a'} without its pair")
+            missing = "lora_a" if "B" in pair else "lora_b"
+            raise LoRAError(f"{path.name}: layer {layer} {proj} has no {missing} to pair with")
         rank = pair["A"].shape[0]
         updates[(layer, proj)] = _Update(pair["A"], pair["B"], alpha / rank if alpha and rank else 1.0, rank)
     return updates
