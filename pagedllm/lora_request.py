@@ -13,7 +13,8 @@ class LoRARequest(msgspec.Struct, frozen=True, array_like=True):
         id: a positive integer identifying this adapter while it is loaded; two requests with
             the same id must name the same adapter files. Together with ``name`` it keys the
             prefix cache, so blocks computed with one adapter never serve another.
-        path: a PEFT adapter folder (``adapter_config.json`` and ``adapter_model.safetensors``).
+        path: a PEFT adapter folder (``adapter_config.json`` and ``adapter_model.safetensors``) or
+            a llama.cpp GGUF LoRA file.
     """
 
     name: str

@@ -97,7 +97,9 @@ class EngineArgs:
         "STRICT_PACK", "Ray placement group strategy for the ranks (one bundle each)",
         choices=("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
     )
-    enable_lora: bool = _flag(False, "serve LoRA adapters (PEFT folders) on top of the model", action="store_true")
+    enable_lora: bool = _flag(
+        False, "serve LoRA adapters (PEFT folders, llama.cpp GGUF files) on top of the model", action="store_true"
+    )
     max_loras: int = _flag(1, "most distinct LoRA adapters in one engine step", type=positive_int)
     max_lora_rank: int = _flag(16, "largest LoRA rank an adapter may have", type=positive_int)
     max_cpu_loras: int | None = _flag(

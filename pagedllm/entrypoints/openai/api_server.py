@@ -185,7 +185,7 @@ def build_app(
     """The FastAPI app over a started-or-not engine (the app's lifespan starts and stops it);
     ``tool_call_parser`` names the format of "auto" tool calls (``tool_parsers.TOOL_PARSERS``),
     ``chat_template`` a Jinja template's text to use instead of the model's, ``lora_modules``
-    the (name, PEFT folder) of the LoRA adapters served from the start (``--enable-lora``).
+    the (name, PEFT folder or GGUF file) of the LoRA adapters served from the start (``--enable-lora``).
 
     Raises:
         ValueError: a LoRA module that cannot be served (LoRA off, a bad adapter, a name twice).
