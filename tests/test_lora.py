@@ -21,7 +21,7 @@ from peft import LoraConfig, get_peft_model
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.errors import InvalidParamError, LoRAError
 from pagedllm.models.loader import load_tokenizer, resolve_model
-from tests.models_util import randomize_vectors
+from tests.models_util import GGUF_NAMES, assert_greedy_matches, finish_gguf, llama_cpp_permute, randomize_vectors
 from tests.utils import API_KEY, assert_pool_whole, start_server, stop_server, wait_idle
 
 MAX_TOKENS = 12
@@ -83,28 +83,6 @@ def adapters(base, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[
         model.save_pretrained(path)
         out[name] = (path, model.merge_and_unload().eval())
     return out
-
-
-def _reference(hf: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        ref = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
-        )
-    return ref.sequences[0, len(prompt):].tolist(), [step[0].float().log_softmax(-1) for step in ref.logits]
-
-
-def _assert_matches(hf: torch.nn.Module, prompt: list[int], ours, tol: float = 1e-3) -> None:
-    """Our greedy tokens equal transformers' until the first near-tie (top two within ``tol``),
-    logprobs within ``tol``."""
-    ref_tokens, ref_logprobs = _reference(hf, prompt)
-    for i, (a, b) in enumerate(zip(ours.token_ids, ref_tokens, strict=True)):
-        if a != b:  # allowed only at a near-tie, and then the rest may differ
-            top2 = ref_logprobs[i].topk(2).values
-            assert (top2[0] - top2[1]).item() < tol, f"diverged at {i}"
-            return
-        assert math.isclose(ours.logprobs[i][a].logprob, ref_logprobs[i][a].item(), abs_tol=tol), i
 
 
 def _lora(adapters, name: str) -> LoRARequest:
@@ -220,11 +198,11 @@ def test_each_adapter_matches_peft_merged(llm, base, adapters) -> None:
     hf, _ = base
     base_out = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
     for prompt, out in zip(PROMPTS, base_out, strict=True):
-        _assert_matches(hf, prompt, out.outputs[0])
+        assert_greedy_matches(hf, prompt, out.outputs[0], MAX_TOKENS)
     for name, (_, merged) in adapters.items():
         outs = llm.generate(PROMPTS, _greedy(), use_tqdm=False, lora_request=_lora(adapters, name))
         for prompt, out in zip(PROMPTS, outs, strict=True):
-            _assert_matches(merged, prompt, out.outputs[0])
+            assert_greedy_matches(merged, prompt, out.outputs[0], MAX_TOKENS)
         assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in base_out], name
     assert_pool_whole(llm.engine.core)
 
@@ -302,7 +280,7 @@ def test_max_loras_one_runs_adapters_in_turn_and_reloads(base, adapters) -> None
     outs = engine.generate([PROMPTS[0]] * len(names), _greedy(), use_tqdm=False,
                            lora_request=[_lora(adapters, n) for n in names])
     for name, out in zip(names, outs, strict=True):
-        _assert_matches(adapters[name][1], PROMPTS[0], out.outputs[0])
+        assert_greedy_matches(adapters[name][1], PROMPTS[0], out.outputs[0], MAX_TOKENS)
     assert len(engine.engine.core.executor.runner.lora.loaded) == 1
     assert_pool_whole(engine.engine.core)
     engine.shutdown()
@@ -357,11 +335,6 @@ def test_corrupt_and_missing_files(llm, adapters, tmp_path) -> None:
     assert_pool_whole(llm.engine.core)
 
 
-# llama.cpp's GGUF names of the HF projections (its converter's tensor map for llama).
-_GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
-
-
 def _write_gguf_adapter(path: Path, folder: Path, alpha: float, kind: str = "adapter", drop_rows: int = 0) -> Path:
     """A GGUF LoRA file as llama.cpp's convert_lora_to_gguf.py writes one for a llama base, from
     the PEFT folder's tensors (q/k B rows in llama.cpp's permuted order); ``kind``: its
@@ -371,23 +344,19 @@ def _write_gguf_adapter(path: Path, folder: Path, alpha: float, kind: str = "ada
     import gguf
     from safetensors.torch import load_file
 
-    heads = {"q_proj": LLAMA["num_attention_heads"], "k_proj": LLAMA["num_key_value_heads"]}
+    heads = {"self_attn.q_proj": LLAMA["num_attention_heads"], "self_attn.k_proj": LLAMA["num_key_value_heads"]}
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_type(kind)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
     for key, t in sorted(load_file(folder / "adapter_model.safetensors").items()):
-        layer, proj, which = re.search(r"layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])", key).groups()
-        if which == "B" and proj in heads:  # llama.cpp's q/k row order: each head's two halves interleaved
-            n = heads[proj]
-            t = t.reshape(n, 2, t.shape[0] // n // 2, t.shape[1]).transpose(1, 2).reshape(t.shape)
-        if which == "B" and drop_rows:
-            t = t[drop_rows:]
-        writer.add_tensor(f"blk.{layer}.{_GGUF_NAMES[proj]}.weight.lora_{which.lower()}", t.contiguous().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        layer, module, which = re.search(r"layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])", key).groups()
+        w = t.numpy()
+        if which == "B" and module in heads:
+            w = llama_cpp_permute(w, heads[module])
+        writer.add_tensor(f"blk.{layer}.{GGUF_NAMES[module]}.weight.lora_{which.lower()}",
+                          w[drop_rows:] if which == "B" else w)
+    finish_gguf(writer)
     return path
 
 
@@ -433,7 +402,7 @@ def test_bfloat16_adapters_match_peft_with_bfloat16_weights(base, adapters) -> N
                 for pname, p in model.named_parameters():
                     if "lora_" in pname:
                         p.copy_(p.bfloat16().float())
-            _assert_matches(model.merge_and_unload().eval(), PROMPTS[2], out.outputs[0])
+            assert_greedy_matches(model.merge_and_unload().eval(), PROMPTS[2], out.outputs[0], MAX_TOKENS)
         assert_pool_whole(engine.engine.core)
 
 
@@ -562,7 +531,7 @@ def test_two_ranks_match_peft_merged(base, adapters) -> None:
         outs = engine.generate([PROMPTS[1]] * len(names), _greedy(), use_tqdm=False,
                                lora_request=[None if n is None else _lora(adapters, n) for n in names])
         for name, out in zip(names, outs, strict=True):
-            _assert_matches(hf if name is None else adapters[name][1], PROMPTS[1], out.outputs[0])
+            assert_greedy_matches(hf if name is None else adapters[name][1], PROMPTS[1], out.outputs[0], MAX_TOKENS)
         assert_pool_whole(engine.engine.core)
 
 
@@ -578,7 +547,7 @@ def test_speculative_decoding_verifies_with_the_adapter(base, adapters) -> None:
                                lora_request=[None if n is None else _lora(adapters, n) for n in names])
         assert engine.engine.core.scheduler.spec_stats.num_draft_tokens > 0
         for name, out in zip(names, outs, strict=True):
-            _assert_matches(hf if name is None else adapters[name][1], PROMPTS[0], out.outputs[0])
+            assert_greedy_matches(hf if name is None else adapters[name][1], PROMPTS[0], out.outputs[0], MAX_TOKENS)
         assert_pool_whole(engine.engine.core)
 
 
@@ -603,4 +572,4 @@ def test_phi3_fused_projections(tmp_path) -> None:
              enable_lora=True, max_lora_rank=4) as engine:
         out = engine.generate([PROMPTS[1]], _greedy(), use_tqdm=False,
                               lora_request=LoRARequest("phi", 1, str(tmp_path / "lora")))[0]
-    _assert_matches(merged, PROMPTS[1], out.outputs[0])
+    assert_greedy_matches(merged, PROMPTS[1], out.outputs[0], MAX_TOKENS)
