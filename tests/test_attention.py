@@ -7,6 +7,7 @@ import torch
 from tests.native_isa import ISAS, on_isa
 
 from pagedllm.kernels import library
+from pagedllm.kernels.attention import paged_decode_attention
 from pagedllm.layers.attention import AttentionMetadata, PagedAttention
 
 
@@ -86,3 +87,58 @@ def _check_against_dense(dtype: torch.dtype, cache_dtype: torch.dtype, window: i
         ref = _dense(q[start : start + new].float(), kk.to(cache_dtype).float(), vv.to(cache_dtype).float(), d**-0.5, window)
         torch.testing.assert_close(out[start : start + new], ref, atol=tol, rtol=tol)
         start += new
+
+
+def _cache_rows(values: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache rows of ``dtype`` for values [..., D] and the float32 values they hold: float rows
+    rounded, 8-bit rows random codes (every finite fp8 code possible) and per-row scales."""
+    if dtype in (torch.float32, torch.bfloat16):
+        rows = values.to(dtype)
+        return rows, rows.float()
+    d = values.shape[-1]
+    codes = (values * 40).clamp(-127, 127).round().to(torch.int8) if dtype == torch.int8 else (values * 60).to(dtype)
+    scales = torch.rand(*values.shape[:-1], 1, generator=gen) * 0.1 + 0.01
+    rows = torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], -1).view(dtype)
+    return rows, rows[..., :d].float() * scales
+
+
+@pytest.mark.parametrize("window", [0, 1500])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn],
+                         ids=["f32", "bf16", "int8", "fp8"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_long_contexts_attended_in_pieces_match_dense(isa, cache_dtype, window):
+    """Decode over contexts longer than one piece of the kernel's split (1024 positions):
+    lengths either side of the piece boundaries, 3 query heads per KV head, a window whose
+    start falls inside a piece and whose earlier blocks are holes (NaN: never read)."""
+    gen = torch.Generator().manual_seed(1)
+    block_size, hkv, h, d = 16, 2, 6, 64
+    seq_lens = [1, 1023, 1024, 1025, 2047, 3001]
+    blocks = [-(-s // block_size) for s in seq_lens]
+    total = sum(blocks)
+    order = torch.randperm(total + 1, generator=gen)  # the last block: holes' target
+    hole = int(order[-1])
+    values_k = torch.randn(total + 1, block_size, hkv, d, generator=gen)
+    values_v = torch.randn(total + 1, block_size, hkv, d, generator=gen)
+    k_cache, k_held = _cache_rows(values_k, cache_dtype, gen)
+    v_cache, v_held = _cache_rows(values_v, cache_dtype, gen)
+    for cache in (k_cache, v_cache):
+        cache.view(torch.uint8)[hole] = 0xFF  # NaN in every float32, bfloat16 and scale
+    tables, start = [], 0
+    for s, n in zip(seq_lens, blocks):
+        table = order[start : start + n].clone()
+        start += n
+        if window:
+            first = max(0, s - window)
+            table[: first // block_size] = hole
+        tables.append(torch.cat([table, torch.full((max(blocks) - n,), hole)]))
+    q = torch.randn(len(seq_lens), h, d, generator=gen)
+    with on_isa(isa):
+        out = paged_decode_attention(q, k_cache, v_cache, torch.stack(tables), torch.tensor(seq_lens), d**-0.5, window)
+    for i, s in enumerate(seq_lens):
+        first = max(0, s - window) if window else 0
+        rows = [int(tables[i][p // block_size]) * block_size + p % block_size for p in range(first, s)]
+        k = k_held.flatten(0, 1)[rows]
+        v = v_held.flatten(0, 1)[rows]
+        ref = _dense(q[i : i + 1], k, v, d**-0.5)
+        tol = 1e-5 if cache_dtype == torch.float32 else 1e-4
+        torch.testing.assert_close(out[i : i + 1].reshape(1, -1), ref, atol=tol, rtol=tol)

@@ -4,7 +4,10 @@ import json
 import random
 
 import pytest
+import torch
 
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_config import create_kv_cache_config
 from pagedllm.core.kv_cache_groups import KVCacheGroup
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
@@ -15,6 +18,7 @@ from pagedllm.live_view.recorder import StepRecorder
 from pagedllm.live_view.records import StepRecord
 from pagedllm.live_view.trace import trace_events
 from pagedllm.live_view.view import LiveView
+from pagedllm.models.loader import load_config, resolve_model
 from pagedllm.sampling_params import SamplingParams
 
 EOS = 2
@@ -430,3 +434,12 @@ def test_event_stream_over_a_socket_while_a_stalled_viewer_reads_nothing():
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_the_block_map_names_the_cache_dtype():
+    """An engine's view states its K/V dtype beside the pool's size (the 8-bit caches hold
+    about twice bfloat16's blocks in the same memory)."""
+    config = EngineConfig(kv_cache_dtype=torch.int8, kv_cache_memory=2**26)
+    kv = create_kv_cache_config(config, load_config(resolve_model(config.model)))
+    shown = LiveView.for_engine(config, kv).config_json()
+    assert shown["cache_dtype"] == "int8" and shown["num_blocks"] == kv.num_blocks

@@ -12,6 +12,12 @@ each context length L of ``--context-lens``:
 A (L, b) whose K/V does not fit the pool (``--kv-cache-memory``) is reported as skipped, not
 run (it would preempt and measure recomputation instead). Medians over ``--repeats``, after one
 short warm-up request.
+
+With a GGUF model and ``llama_cpp`` (llama-cpp-python) importable, llama.cpp runs the same file
+and prompts after the engines (unless ``--no-llama-cpp``): K/V cache ``q8_0``, flash attention
+on, as many threads as torch uses, batch 1 only (one sequence); its TTFT is the time from the
+call to the first token, its decode tokens/s (N - 1) over the time from the first token to the
+N-th.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="comma-separated KV cache dtypes to compare (default: the --kv-cache-dtype flag's value)",
     )
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference (GGUF models)")
 
 
 @dataclass
@@ -39,7 +46,7 @@ class LongContextRow:
     context: int
     prefill_tok_s: float
     ttft_s: float
-    decode_tok_s: dict[int, float | None]  # batch size -> tokens/s, None where the pool cannot hold it
+    decode_tok_s: dict[int, float | None]  # batch size -> tokens/s, None where the pool cannot hold it; absent: not run
 
     def report(self) -> str:
         decode = ", ".join(
@@ -49,6 +56,38 @@ class LongContextRow:
             f"[kv {self.kv_dtype}] context {self.context:6d}: prefill {self.prefill_tok_s:8.1f} tok/s, "
             f"TTFT {self.ttft_s:7.3f} s; decode {decode}"
         )
+
+
+# ggml_type of llama.cpp's 8-bit blocks (32 int8 codes and a float16 scale), its type_k/type_v.
+GGML_TYPE_Q8_0 = 8
+
+
+def bench_llama_cpp(path: str, contexts: list[int], args: argparse.Namespace, prompts) -> list[LongContextRow]:
+    """llama.cpp on the GGUF at ``path``: per context L, one prompt of L tokens (``prompts(L)``)
+    decoded for ``--output-len`` tokens at batch 1, q8_0 K/V and flash attention."""
+    import torch
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_ctx=max(contexts) + args.output_len + 8, n_threads=torch.get_num_threads(),
+                type_k=GGML_TYPE_Q8_0, type_v=GGML_TYPE_Q8_0, flash_attn=True, verbose=False)
+    llm.generate([1, 2, 3], temp=0.0, reset=True).__next__()  # warm
+    rows = []
+    for context in contexts:
+        ttfts, rates = [], []
+        for i in range(args.repeats):
+            n, start = 0, time.perf_counter()
+            for _token in llm.generate(prompts(context, i), temp=0.0, reset=True):
+                n += 1
+                if n == 1:
+                    first = time.perf_counter()
+                if n == args.output_len:
+                    break
+            ttfts.append(first - start)
+            rates.append((n - 1) / max(time.perf_counter() - first, 1e-9))
+        ttft = statistics.median(ttfts)
+        rows.append(LongContextRow("llama.cpp q8_0", context, context / ttft, ttft, {1: statistics.median(rates)}))
+        print(rows[-1].report(), flush=True)
+    return rows
 
 
 def _ints(text: str) -> list[int]:
@@ -98,10 +137,12 @@ def _measure(llm, kv_dtype: str, context: int, args: argparse.Namespace) -> Long
 def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM
     from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.models.loader import resolve_model
 
     contexts = _ints(args.context_lens)
     base = EngineArgs.from_cli_args(args).kwargs()
     dtypes = args.kv_cache_dtypes.split(",") if args.kv_cache_dtypes else [base.get("kv_cache_dtype", "auto")]
+    prefill_prompts: dict[tuple[int, int], list[int]] = {}  # (context, repeat) -> the prefill runs' prompt
     for kv_dtype in dtypes:
         kwargs = base | {
             "kv_cache_dtype": kv_dtype,
@@ -118,5 +159,17 @@ def run(args: argparse.Namespace) -> None:
             _seconds(llm, _prompts(llm, 1, 64, args.seed), 2)  # warm: threads, packing, first allocations
             for context in contexts:
                 print(_measure(llm, kv_dtype, context, args).report(), flush=True)
+            for context in contexts:
+                for i in range(args.repeats):
+                    prefill_prompts[context, i] = _prompts(llm, 1, context, args.seed + i)[0]
         finally:
             llm.shutdown()
+    resolved = resolve_model(args.model)
+    if args.no_llama_cpp or resolved.kind != "gguf":
+        return
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama.cpp reference skipped: llama_cpp (llama-cpp-python) is not importable")
+        return
+    bench_llama_cpp(str(resolved.path), contexts, args, lambda context, i: prefill_prompts[context, i])

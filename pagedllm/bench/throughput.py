@@ -112,6 +112,17 @@ def run_hf(args: argparse.Namespace, requests: list[BenchRequest]) -> BenchResul
     return BenchResult("hf", len(requests), elapsed, sum(len(r.prompt_token_ids) for r in requests), out_tokens)
 
 
+def _pool_report(llm, requests: list[BenchRequest]) -> str:
+    """The engine's KV pool against the workload: blocks, how many of its longest requests
+    (prompt + output) it holds at once, and the preemptions the run took."""
+    core = llm.engine.core
+    kv = core.kv_config
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    at_once = kv.num_blocks // -(-longest // kv.block_size)
+    return (f"[kv {kv.dtype}] {kv.num_blocks} blocks of {kv.block_size} tokens ({kv.bytes_per_block} bytes each): "
+            f"{at_once} requests of {longest} tokens at once; {core.scheduler.num_preemptions} preemptions")
+
+
 def make_requests(args: argparse.Namespace, llm) -> list[BenchRequest]:
     tokenizer = llm.get_tokenizer()
     vocab, special = llm.engine.core.model_config.vocab_size, set(tokenizer.all_special_ids)
@@ -134,13 +145,21 @@ def run(args: argparse.Namespace) -> None:
     requests = make_requests(args, llm)
     results, comm = [], None
     if args.backend == "pagedllm" or args.compare:
-        label = "pagedllm, prefix caching on" if args.compare == "prefix-caching" else "pagedllm"
+        label = ("pagedllm, prefix caching on" if args.compare == "prefix-caching"
+                 else f"pagedllm, kv {llm.engine.core.kv_config.dtype}" if args.compare == "kv-cache-dtype"
+                 else "pagedllm")
         results.append(run_pagedllm(requests, llm, label))
         comm = collectives_report(llm, results[-1])
     if args.compare == "prefix-caching":
         llm.shutdown()
         llm = LLM(**(kwargs | {"enable_prefix_caching": False}))
         results.append(run_pagedllm(requests, llm, "pagedllm, prefix caching off"))
+    if args.compare == "kv-cache-dtype":
+        print(_pool_report(llm, requests))
+        llm.shutdown()
+        llm = LLM(**(kwargs | {"kv_cache_dtype": args.compare_kv_cache_dtype}))
+        results.append(run_pagedllm(requests, llm, f"pagedllm, kv {llm.engine.core.kv_config.dtype}"))
+        print(_pool_report(llm, requests))
     llm.shutdown()
     if args.backend == "hf" or args.compare == "hf":
         results.append(run_hf(args, requests))
@@ -149,8 +168,9 @@ def run(args: argparse.Namespace) -> None:
     if comm is not None:
         print(comm)
     if len(results) == 2:
-        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
-        print(f"output tokens/s, {results[0].backend} / {results[1].backend}: {ratio:.2f}x")
+        # The changed engine over the first one's for kv-cache-dtype; ours over the baseline's otherwise.
+        new, old = results[::-1] if args.compare == "kv-cache-dtype" else results
+        print(f"output tokens/s, {new.backend} / {old.backend}: {new.output_tokens_per_s / old.output_tokens_per_s:.2f}x")
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump([asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results], f, indent=2)
@@ -166,9 +186,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len-range", default="32:256", help="LO:HI output tokens")
     parser.add_argument("--backend", choices=["pagedllm", "hf"], default="pagedllm")
     parser.add_argument(
-        "--compare", choices=["hf", "prefix-caching"], default=None,
-        help="hf: also run transformers generate; prefix-caching: run with caching on, then off; print the ratio",
+        "--compare", choices=["hf", "prefix-caching", "kv-cache-dtype"], default=None,
+        help="hf: also run transformers generate; prefix-caching: run with caching on, then off; kv-cache-dtype: "
+        "run with --kv-cache-dtype, then --compare-kv-cache-dtype, in the same --kv-cache-memory (each pool's "
+        "blocks, requests held at once and preemptions printed); print the ratio",
     )
+    parser.add_argument("--compare-kv-cache-dtype", default="int8", help="kv-cache-dtype: the second run's KV dtype")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")
     parser.add_argument("--result-json", default=None)
     parser.add_argument(

@@ -7,7 +7,8 @@
 // seq_lens [B]; window > 0: only the last `window` keys are read (sliding-window attention;
 // keys at positions < seq_len - window are never touched), 0: all.
 // Work is split over (request, kv head) pairs, so the G = Hq / Hkv query heads that share a
-// KV head read its keys and values once. Keys are taken in tiles of 16 positions (from a
+// KV head read its keys and values once, and a long context's pairs further over pieces of
+// kPiece key positions merged at the end (so that one request at 16k keeps every thread busy). Keys are taken in tiles of 16 positions (from a
 // multiple of 16; rows looked up in the block table, so any block size works) with an online
 // softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"); each K and
 // V row is read once, and rows are prefetched ahead (to L2 three tiles ahead, to L1 one ahead).
@@ -17,8 +18,11 @@
 //   softmax then works in place.
 // Scores and accumulators are float32 whatever the storage dtype (bfloat16 rows are widened
 // 16 values at a time; 8-bit codes too, unscaled: a key's scale multiplies its score once, a
-// value's its softmax weight). Written on the vector layer (vec.h): one source for every ISA.
+// value's its softmax weight, a tile's 16 scales as one vector). Written on the vector layer
+// (vec.h): one source for every ISA.
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "head_dims.h"
 #include "kv_rows.h"
@@ -49,7 +53,6 @@ inline void tile_scores(const F32x16 (&q)[G][D / 16], const T* cache, const int6
     for (int g = 0; g < G; ++g) {
       F32x16 d = mul(q[g][0], k[0]);
       for (int c = 1; c < D / 16; ++c) d = fma(q[g][c], k[c], d);
-      if constexpr (kv::kQuantized<T>) d = mul(d, set1(kv::row_scale(cache + rows[S0], D)));
       scores[g] = d;
     }
   } else {
@@ -71,94 +74,188 @@ inline void prefetch_rows(const T* k_cache, const T* v_cache, const int64_t* row
     }
 }
 
-// G query heads per KV head and the head size D are compile-time constants, so the
-// queries and accumulators of a KV head (G x D/16 vectors) stay in registers.
+// Keys per piece of a long context: a (request, KV head) whose window spans more than one
+// piece of positions [i * kPiece, (i + 1) * kPiece) is attended piece by piece in parallel,
+// and the pieces' partial softmaxes are merged (flash-decoding: Dao et al. 2023, "Flash-
+// Decoding for long-context inference"). Pieces are fixed positions, not a function of the
+// batch or the team, so a request's output does not depend on what it is batched with.
+constexpr int64_t kPiece = 1024;
+
+// One (request, KV head)'s attention over keys [first, end) of its block table: the G query
+// heads' running max (m, the same in every lane), lane-wise sums of weights (l) and
+// unnormalized weighted values (acc). G and D are compile-time constants, so a KV head's
+// queries and accumulators (G x D/16 vectors) stay in registers.
+template <int D, int G>
+struct Partial {
+  F32x16 acc[G][D / 16], m[G], l[G];
+};
+
+template <typename T, int D, int G>
+inline void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t BS,
+                   int64_t stride, int64_t h, float scale, int64_t first, int64_t end, Partial<D, G>& r) {
+  constexpr int ND = D / 16;
+  constexpr int64_t RW = kv::row_width<T>(D);  // elements of a head's row
+  F32x16 qv[G][ND];
+  for (int g = 0; g < G; ++g) {
+    load_row<D>(q + g * D, qv[g]);
+    for (int c = 0; c < ND; ++c) {
+      qv[g][c] = mul(qv[g][c], set1(scale));
+      r.acc[g][c] = zero();
+    }
+    r.m[g] = set1(-1e30f);  // finite: -ffast-math assumes no infinities
+    r.l[g] = zero();
+  }
+  // Tiles are 16 key positions from a multiple of 16, so that with blocks of 16, 32, ...
+  // a tile lies in one block. Its rows' offsets (from the start of a cache) are those of
+  // its keys clamped into [first, end): every row read is one of the range's (the lanes
+  // of the keys outside it are masked off).
+  auto look_up = [&](int64_t t0, int64_t* off) {
+    const int64_t lo = t0 > first ? t0 : first, last = (t0 + kTile < end ? t0 + kTile : end) - 1;
+    if (lo / BS == last / BS) {
+      const int64_t base = (table[lo / BS] * BS + lo % BS - lo) * stride + h * RW;  // + stride * position
+      for (int s = 0; s < kTile; ++s) off[s] = base + stride * (t0 + s < lo ? lo : t0 + s > last ? last : t0 + s);
+    } else {
+      for (int s = 0; s < kTile; ++s) {
+        const int64_t x = t0 + s < lo ? lo : t0 + s > last ? last : t0 + s;
+        off[s] = (table[x / BS] * BS + x % BS) * stride + h * RW;
+      }
+    }
+  };
+  // Rows of tiles t .. t + 3 (a ring): t is used, t + 1 is prefetched to L1 and t + 3 to L2
+  // (the L2 prefetch's gain on K/V read from DRAM: docs/benchmarks.md).
+  alignas(64) int64_t rows[4][kTile];
+  const int64_t t_first = first - first % kTile;
+  for (int i = 0; i < 3; ++i)
+    if (t_first + i * kTile < end) look_up(t_first + i * kTile, rows[i]);
+  for (int64_t t0 = t_first, t = 0; t0 < end; t0 += kTile, ++t) {
+    const int64_t* cur = rows[t & 3];
+    if (t0 + 3 * kTile < end) {
+      look_up(t0 + 3 * kTile, rows[(t + 3) & 3]);
+      prefetch_rows<2, D>(k_cache, v_cache, rows[(t + 3) & 3]);
+    }
+    if (t0 + kTile < end) prefetch_rows<3, D>(k_cache, v_cache, rows[(t + 1) & 3]);
+    F32x16 scores[G];
+    tile_scores<D, G, kTile>(qv, k_cache, cur, scores);
+    // 8-bit rows: the tile's 16 key scales multiply its scores (lane s: key s) and its 16
+    // value scales the softmax weights, one vector multiply per query head each.
+    F32x16 k_scales = set1(1.f), v_scales = set1(1.f);
+    if constexpr (kv::kQuantized<T>) {
+      alignas(64) float ks[kTile], vs[kTile];
+      for (int s = 0; s < kTile; ++s) {
+        ks[s] = kv::row_scale(k_cache + cur[s], D);
+        vs[s] = kv::row_scale(v_cache + cur[s], D);
+      }
+      k_scales = load(ks);
+      v_scales = load(vs);
+    }
+    // Online softmax over the tile; the lanes of keys outside [first, end) get weight 0.
+    const int lo = t0 > first ? 0 : int(first - t0), hi = end - t0 < kTile ? int(end - t0) : kTile;
+    const M16 valid = mask_range(lo, hi);
+    alignas(64) float p[G][kTile];
+    for (int g = 0; g < G; ++g) {
+      if constexpr (kv::kQuantized<T>) scores[g] = mul(scores[g], k_scales);
+      // m holds the same value in every lane.
+      const F32x16 mx = max(r.m[g], set1(reduce_max(select(valid, scores[g], r.m[g]))));
+      if (any(gt(mx, r.m[g]))) {  // a new running max: rescale the sums so far
+        const F32x16 corr = exp_nonpositive(sub(r.m[g], mx));  // 0 on the first tile
+        r.l[g] = mul(r.l[g], corr);
+        for (int c = 0; c < ND; ++c) r.acc[g][c] = mul(r.acc[g][c], corr);
+        r.m[g] = mx;
+      }
+      const F32x16 e = maskz(valid, exp_nonpositive(sub(scores[g], mx)));
+      r.l[g] = add(r.l[g], e);
+      if constexpr (kv::kQuantized<T>) store(p[g], mul(e, v_scales));
+      else store(p[g], e);
+    }
+    // Weighted values.
+    for (int s = lo; s < hi; ++s) {
+      F32x16 v[ND];
+      load_row<D>(v_cache + cur[s], v);
+      for (int g = 0; g < G; ++g) {
+        const F32x16 w = set1(p[g][s]);
+        for (int c = 0; c < ND; ++c) r.acc[g][c] = fma(w, v[c], r.acc[g][c]);
+      }
+    }
+  }
+}
+
 template <typename T, int D, int G>
 void decode_attention(const float* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                       int64_t max_blocks, const int64_t* seq_lens, float* out, int64_t B, int64_t Hkv,
                       int64_t BS, float scale, int64_t window) {
   constexpr int ND = D / 16;
   const int64_t Hq = Hkv * G;
-  constexpr int64_t RW = kv::row_width<T>(D);  // elements of a head's row
-  const int64_t stride = Hkv * RW;              // between consecutive slots of one head
-  par::parallel_for(B * Hkv, [&](int64_t item) {
-    const int64_t b = item / Hkv, h = item % Hkv;
+  const int64_t stride = Hkv * kv::row_width<T>(D);  // between consecutive slots of one head
+  auto first_key = [&](int64_t b) {
     const int64_t S = seq_lens[b];
-    const int64_t first = (window > 0 && S > window) ? S - window : 0;  // first key read
-    const int64_t* table = block_tables + b * max_blocks;
-    F32x16 qv[G][ND], acc[G][ND], m[G], l[G];  // m: running max in every lane; l: lane-wise sums
-    for (int g = 0; g < G; ++g) {
-      load_row<D>(q + (b * Hq + h * G + g) * D, qv[g]);
-      for (int c = 0; c < ND; ++c) {
-        qv[g][c] = mul(qv[g][c], set1(scale));
-        acc[g][c] = zero();
-      }
-      m[g] = set1(-1e30f);  // finite: -ffast-math assumes no infinities
-      l[g] = zero();
-    }
-    // Tiles are 16 key positions from a multiple of 16, so that with blocks of 16, 32, ...
-    // a tile lies in one block. Its rows' offsets (from the start of a cache) are those of
-    // its keys clamped into [first, S): every row read is one of the window's (the lanes
-    // of the keys outside it are masked off).
-    auto look_up = [&](int64_t t0, int64_t* off) {
-      const int64_t lo = t0 > first ? t0 : first, last = (t0 + kTile < S ? t0 + kTile : S) - 1;
-      if (lo / BS == last / BS) {
-        const int64_t base = (table[lo / BS] * BS + lo % BS - lo) * stride + h * RW;  // + stride * position
-        for (int s = 0; s < kTile; ++s) off[s] = base + stride * (t0 + s < lo ? lo : t0 + s > last ? last : t0 + s);
-      } else {
-        for (int s = 0; s < kTile; ++s) {
-          const int64_t x = t0 + s < lo ? lo : t0 + s > last ? last : t0 + s;
-          off[s] = (table[x / BS] * BS + x % BS) * stride + h * RW;
-        }
-      }
-    };
-    // Rows of tiles t .. t + 3 (a ring): t is used, t + 1 is prefetched to L1 and t + 3 to L2
-    // (the L2 prefetch's gain on K/V read from DRAM: docs/benchmarks.md).
-    alignas(64) int64_t rows[4][kTile];
-    const int64_t t_first = first - first % kTile;
-    for (int i = 0; i < 3; ++i)
-      if (t_first + i * kTile < S) look_up(t_first + i * kTile, rows[i]);
-    for (int64_t t0 = t_first, t = 0; t0 < S; t0 += kTile, ++t) {
-      const int64_t* cur = rows[t & 3];
-      if (t0 + 3 * kTile < S) {
-        look_up(t0 + 3 * kTile, rows[(t + 3) & 3]);
-        prefetch_rows<2, D>(k_cache, v_cache, rows[(t + 3) & 3]);
-      }
-      if (t0 + kTile < S) prefetch_rows<3, D>(k_cache, v_cache, rows[(t + 1) & 3]);
-      F32x16 scores[G];
-      tile_scores<D, G, kTile>(qv, k_cache, cur, scores);
-      // Online softmax over the tile; the lanes of keys outside [lo, hi) get weight 0.
-      const int lo = t0 > first ? 0 : int(first - t0), hi = S - t0 < kTile ? int(S - t0) : kTile;
-      const M16 valid = mask_range(lo, hi);
-      alignas(64) float p[G][kTile];
+    return (window > 0 && S > window) ? S - window : int64_t{0};
+  };
+  auto pieces = [&](int64_t b) {
+    const int64_t S = seq_lens[b], f = first_key(b);
+    return S > f ? (S - 1) / kPiece - f / kPiece + 1 : 1;
+  };
+  // Work items: (request, KV head, piece); item_start[b] is request b's first.
+  static thread_local std::vector<int64_t> item_start;
+  item_start.resize(B + 1);
+  item_start[0] = 0;
+  bool split = false;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = pieces(b);
+    split |= n > 1;
+    item_start[b + 1] = item_start[b] + Hkv * n;
+  }
+  // A split item's partial: per query head its max, sum of weights and D weighted values.
+  constexpr int64_t kSlot = G * (D + 2);
+  static thread_local std::vector<float> partials;
+  if (split && partials.size() < size_t(item_start[B] * kSlot)) partials.resize(item_start[B] * kSlot);
+  const int64_t* starts = item_start.data();
+  float* slots = partials.data();
+  par::parallel_for(item_start[B], [&](int64_t item) {
+    const int64_t b = std::upper_bound(starts, starts + B + 1, item) - starts - 1;
+    const int64_t n = (starts[b + 1] - starts[b]) / Hkv, h = (item - starts[b]) / n, i = (item - starts[b]) % n;
+    const int64_t S = seq_lens[b], f = first_key(b);
+    const int64_t piece0 = f / kPiece;
+    const int64_t lo = n == 1 ? f : i == 0 ? f : (piece0 + i) * kPiece;
+    const int64_t hi = n == 1 ? S : i == n - 1 ? S : (piece0 + i + 1) * kPiece;
+    Partial<D, G> r;
+    attend<T, D, G>(q + (b * Hq + h * G) * D, k_cache, v_cache, block_tables + b * max_blocks, BS, stride, h,
+                    scale, lo, hi, r);
+    if (n == 1) {
       for (int g = 0; g < G; ++g) {
-        // m[g] holds the same value in every lane.
-        const F32x16 mx = max(m[g], set1(reduce_max(select(valid, scores[g], m[g]))));
-        if (any(gt(mx, m[g]))) {  // a new running max: rescale the sums so far
-          const F32x16 corr = exp_nonpositive(sub(m[g], mx));  // 0 on the first tile
-          l[g] = mul(l[g], corr);
-          for (int c = 0; c < ND; ++c) acc[g][c] = mul(acc[g][c], corr);
-          m[g] = mx;
-        }
-        const F32x16 e = maskz(valid, exp_nonpositive(sub(scores[g], mx)));
-        l[g] = add(l[g], e);
-        store(p[g], e);
+        const F32x16 inv = set1(1.f / reduce_add(r.l[g]));
+        float* dst = out + (b * Hq + h * G + g) * D;
+        for (int c = 0; c < ND; ++c) store(dst + 16 * c, mul(r.acc[g][c], inv));
       }
-      // Weighted values.
-      for (int s = lo; s < hi; ++s) {
-        F32x16 v[ND];
-        load_row<D>(v_cache + cur[s], v);
-        const float vs = kv::row_scale(v_cache + cur[s], D);
-        for (int g = 0; g < G; ++g) {
-          const F32x16 w = set1(p[g][s] * vs);
-          for (int c = 0; c < ND; ++c) acc[g][c] = fma(w, v[c], acc[g][c]);
-        }
-      }
+      return;
     }
+    float* slot = slots + item * kSlot;
+    for (int g = 0; g < G; ++g, slot += D + 2) {
+      slot[0] = reduce_max(r.m[g]);
+      slot[1] = reduce_add(r.l[g]);
+      for (int c = 0; c < ND; ++c) store(slot + 2 + 16 * c, r.acc[g][c]);
+    }
+  }, 2, 1);
+  if (!split) return;
+  // Merge each split (request, KV head)'s pieces, in piece order: weights rescaled to the
+  // largest max.
+  par::parallel_for(B * Hkv, [&](int64_t bh) {
+    const int64_t b = bh / Hkv, h = bh % Hkv, n = (starts[b + 1] - starts[b]) / Hkv;
+    if (n == 1) return;
+    const float* first_slot = slots + (starts[b] + h * n) * kSlot;
     for (int g = 0; g < G; ++g) {
-      const F32x16 inv = set1(1.f / reduce_add(l[g]));
+      float mx = -1e30f;
+      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, first_slot[i * kSlot + g * (D + 2)]);
+      F32x16 acc[ND], l = zero();
+      for (int c = 0; c < ND; ++c) acc[c] = zero();
+      for (int64_t i = 0; i < n; ++i) {
+        const float* slot = first_slot + i * kSlot + g * (D + 2);
+        const F32x16 w = exp_nonpositive(set1(slot[0] - mx));
+        l = fma(w, set1(slot[1]), l);
+        for (int c = 0; c < ND; ++c) acc[c] = fma(w, load(slot + 2 + 16 * c), acc[c]);
+      }
+      const F32x16 inv = div(set1(1.f), l);
       float* dst = out + (b * Hq + h * G + g) * D;
-      for (int c = 0; c < ND; ++c) store(dst + 16 * c, mul(acc[g][c], inv));
+      for (int c = 0; c < ND; ++c) store(dst + 16 * c, mul(acc[c], inv));
     }
   }, 2, 1);
 }

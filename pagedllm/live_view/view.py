@@ -72,15 +72,18 @@ class LiveView:
         max_num_batched_tokens: the scheduler's token budget per step.
         max_steps: step records kept (a ring buffer: the oldest are dropped).
         max_requests: request timelines kept; finished ones are dropped oldest first.
+        cache_dtype: the K/V cache's dtype by name ("bfloat16", "int8", ...), shown beside the
+            block map; "": not stated.
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, group_windows: list[int], max_num_batched_tokens: int,
-        max_steps: int = DEFAULT_STEPS, max_requests: int = DEFAULT_REQUESTS,
+        max_steps: int = DEFAULT_STEPS, max_requests: int = DEFAULT_REQUESTS, cache_dtype: str = "",
     ) -> None:
         if max_steps < 1 or max_requests < 1:
             raise ValueError(f"max_steps and max_requests must be at least 1, got {max_steps}, {max_requests}")
         self.block_size = block_size
+        self.cache_dtype = cache_dtype
         self.group_windows = group_windows
         self.max_num_batched_tokens = max_num_batched_tokens
         self.blocks = BlockMap(num_blocks)
@@ -100,7 +103,8 @@ class LiveView:
     def for_engine(cls, config: EngineConfig, kv: KVCacheConfig) -> LiveView:
         """The view of an engine built from ``config`` with the KV cache ``kv``."""
         windows = [g.window for g in kv.groups]
-        return cls(kv.num_blocks, kv.block_size, windows, config.max_num_batched_tokens, config.live_view_steps)
+        return cls(kv.num_blocks, kv.block_size, windows, config.max_num_batched_tokens, config.live_view_steps,
+                   cache_dtype=kv.dtype)
 
     # -- feeding -------------------------------------------------------------------------
     def on_arrival(self, requests: list[EngineCoreRequest]) -> None:
@@ -258,7 +262,7 @@ class LiveView:
     def config_json(self) -> dict[str, Any]:
         """The pool's and the scheduler's fixed sizes, for the page."""
         return {
-            "num_blocks": self.blocks.num_blocks, "block_size": self.block_size,
+            "num_blocks": self.blocks.num_blocks, "block_size": self.block_size, "cache_dtype": self.cache_dtype,
             "group_windows": self.group_windows, "max_num_batched_tokens": self.max_num_batched_tokens,
         }
 

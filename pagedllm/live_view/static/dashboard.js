@@ -107,7 +107,8 @@
     });
     state.mapCells = cells;
     Object.assign(document.body.dataset, { heldBlocks: held, heldCell, heldCellAt: heldAt });
-    $("map-info").textContent = `${n} blocks × ${config.block_size} tokens · ${held} held · ${cached} cached`;
+    const dtype = config.cache_dtype ? ` · K/V ${config.cache_dtype}` : "";
+    $("map-info").textContent = `${n} blocks × ${config.block_size} tokens${dtype} · ${held} held · ${cached} cached`;
   }
 
   // The whole pool in one row: per pixel column, its blocks' share held (bright) and cached (grey).
