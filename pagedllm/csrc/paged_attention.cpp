@@ -95,15 +95,15 @@ inline void attend(const float* q, const T* k_cache, const T* v_cache, const int
                    int64_t stride, int64_t h, float scale, int64_t first, int64_t end, Partial<D, G>& r) {
   constexpr int ND = D / 16;
   constexpr int64_t RW = kv::row_width<T>(D);  // elements of a head's row
-  F32x16 qv[G][ND];
+  F32x16 qv[G][ND], acc[G][ND], m[G], l[G];  // local, so that they stay in registers
   for (int g = 0; g < G; ++g) {
     load_row<D>(q + g * D, qv[g]);
     for (int c = 0; c < ND; ++c) {
       qv[g][c] = mul(qv[g][c], set1(scale));
-      r.acc[g][c] = zero();
+      acc[g][c] = zero();
     }
-    r.m[g] = set1(-1e30f);  // finite: -ffast-math assumes no infinities
-    r.l[g] = zero();
+    m[g] = set1(-1e30f);  // finite: -ffast-math assumes no infinities
+    l[g] = zero();
   }
   // Tiles are 16 key positions from a multiple of 16, so that with blocks of 16, 32, ...
   // a tile lies in one block. Its rows' offsets (from the start of a cache) are those of
@@ -155,15 +155,15 @@ inline void attend(const float* q, const T* k_cache, const T* v_cache, const int
     for (int g = 0; g < G; ++g) {
       if constexpr (kv::kQuantized<T>) scores[g] = mul(scores[g], k_scales);
       // m holds the same value in every lane.
-      const F32x16 mx = max(r.m[g], set1(reduce_max(select(valid, scores[g], r.m[g]))));
-      if (any(gt(mx, r.m[g]))) {  // a new running max: rescale the sums so far
-        const F32x16 corr = exp_nonpositive(sub(r.m[g], mx));  // 0 on the first tile
-        r.l[g] = mul(r.l[g], corr);
-        for (int c = 0; c < ND; ++c) r.acc[g][c] = mul(r.acc[g][c], corr);
-        r.m[g] = mx;
+      const F32x16 mx = max(m[g], set1(reduce_max(select(valid, scores[g], m[g]))));
+      if (any(gt(mx, m[g]))) {  // a new running max: rescale the sums so far
+        const F32x16 corr = exp_nonpositive(sub(m[g], mx));  // 0 on the first tile
+        l[g] = mul(l[g], corr);
+        for (int c = 0; c < ND; ++c) acc[g][c] = mul(acc[g][c], corr);
+        m[g] = mx;
       }
       const F32x16 e = maskz(valid, exp_nonpositive(sub(scores[g], mx)));
-      r.l[g] = add(r.l[g], e);
+      l[g] = add(l[g], e);
       if constexpr (kv::kQuantized<T>) store(p[g], mul(e, v_scales));
       else store(p[g], e);
     }
@@ -173,9 +173,14 @@ inline void attend(const float* q, const T* k_cache, const T* v_cache, const int
       load_row<D>(v_cache + cur[s], v);
       for (int g = 0; g < G; ++g) {
         const F32x16 w = set1(p[g][s]);
-        for (int c = 0; c < ND; ++c) r.acc[g][c] = fma(w, v[c], r.acc[g][c]);
+        for (int c = 0; c < ND; ++c) acc[g][c] = fma(w, v[c], acc[g][c]);
       }
     }
+  }
+  for (int g = 0; g < G; ++g) {
+    r.m[g] = m[g];
+    r.l[g] = l[g];
+    for (int c = 0; c < ND; ++c) r.acc[g][c] = acc[g][c];
   }
 }
 
