@@ -51,16 +51,22 @@ def test_dequantize_equals_gguf(qtype: Q, native_isa: str) -> None:
 def test_gemm_is_exact_for_its_scheme(qtype: Q, native_isa: str) -> None:
     """The integer sums of the stored codes and int8 activations (per group of 32), scaled:
     equal to gguf's dequantized weights times the quantized activations in float64, on every
-    ISA, at M = 1 (decode), odd M and a batch past the micro-tile, N not a multiple of the
-    16-row spans, rows at a stride, with a bias; and within int8's rounding of F.linear."""
+    ISA, at M = 1 to 5 (decode), M = 8 to 29 (the prefill panels: M not a multiple of the
+    micro-tile), N not a multiple of the 16-row spans or 32-row panels, rows at a stride, with
+    a bias; and within int8's rounding of F.linear. Q8_0 also as quantizers write it, codes in
+    [-127, 127] (random blocks hold -128, which the prefill panels hand to the decode path)."""
     n = 37
     torch.manual_seed(0)
-    for k in SIZES[qtype]:
-        blocks = random_gguf_blocks(qtype, n, k, seed=k)
+    cases = [(k, random_gguf_blocks(qtype, n, k, seed=k)) for k in SIZES[qtype]]
+    if qtype == Q.Q8_0:
+        for k, b in list(cases):
+            codes = b.view(n, -1, 34)[..., 2:]
+            cases.append((k, torch.cat([b.view(n, -1, 34)[..., :2], codes.masked_fill(codes == 0x80, 0x81)], -1).view(n, -1)))
+    for k, blocks in cases:
         w = gguf_values(qtype, blocks, k)
         weight = kquant.StoredWeight([(int(qtype), blocks)], k)
         bias = torch.randn(n)
-        for m in (1, 3, 5, 13):
+        for m in (1, 3, 5, 8, 13, 29):
             wide = torch.randn(m, k + 5) * torch.cat([torch.linspace(0.1, 3, k), torch.ones(5)])
             x = wide[:, :k]  # rows at stride k + 5
             x[0] = 0.0  # an all-zero row gives the bias exactly
@@ -83,11 +89,30 @@ def test_parts_of_several_formats_stack_along_n(native_isa: str) -> None:
              (Q.Q8_0, random_gguf_blocks(Q.Q8_0, 17, k, 3))]
     fused = kquant.StoredWeight([(int(t), b) for t, b in parts], k)
     assert [(t, b.shape[0]) for t, b in fused.parts] == [(int(Q.Q5_0), 48), (int(Q.Q8_0), 17)]
-    x = torch.randn(6, k)
+    for m in (6, 19):  # decode and prefill
+        x = torch.randn(m, k)
+        alone = [kquant.linear(x, kquant.StoredWeight([(int(t), b)], k)) for t, b in parts]
+        assert torch.equal(kquant.linear(x, fused), torch.cat(alone, dim=1))
+        layer = KQuantLinear(fused, bias=torch.arange(65.0))
+        assert torch.equal(layer(x), torch.cat(alone, dim=1) + torch.arange(65.0))
+
+
+def test_prefill_of_mixed_k_quant_parts(native_isa: str) -> None:
+    """Q4_K_M's fused q/k/v (Q4_K, Q4_K, Q6_K, each part's rows not a multiple of the 32-row
+    panels) at prefill sizes: each part's columns equal that part alone, the whole within the
+    scheme's rounding of gguf's weights times the quantized activations."""
+    k = 512
+    parts = [(Q.Q4_K, random_gguf_blocks(Q.Q4_K, 45, k, 1)), (Q.Q6_K, random_gguf_blocks(Q.Q6_K, 21, k, 2))]
+    fused = kquant.StoredWeight([(int(t), b) for t, b in parts], k)
+    w = torch.cat([gguf_values(t, b, k) for t, b in parts])
+    x = torch.randn(23, k)
+    y = kquant.linear(x, fused)
     alone = [kquant.linear(x, kquant.StoredWeight([(int(t), b)], k)) for t, b in parts]
-    assert torch.equal(kquant.linear(x, fused), torch.cat(alone, dim=1))
-    layer = KQuantLinear(fused, bias=torch.arange(65.0))
-    assert torch.equal(layer(x), torch.cat(alone, dim=1) + torch.arange(65.0))
+    assert torch.equal(y, torch.cat(alone, dim=1))
+    xq, xs = quantized_x(x)
+    ref = (xq * xs).view(23, k) @ w.T
+    magnitude = (xq * xs).view(23, k).abs() @ w.abs().T
+    assert ((y.double() - ref).abs() <= 1e-5 * magnitude + 1e-6).all()
 
 
 def test_refuses_what_it_does_not_take(native_isa: str) -> None:

@@ -5,8 +5,8 @@ shapes (q/k/v fused, o, gate/up fused, down; ``--shapes``), the time of:
 - ``f32``: our packed float32 GEMM (``linear_f32``), the reference every ratio divides;
 - ``w8a8``, ``w4a8``: our int8-activation GEMMs (``linear_w8a8``, ``linear_q4a8``), the
   activations' quantization included;
-- ``q8_0``, ``q4_k``: the K-quant GEMM on GGUF blocks as stored (``kquant.linear``), where
-  the format takes K (Q4_K: K a multiple of 256);
+- ``q8_0``, ``q5_0``, ``q4_k``, ``q5_k``, ``q6_k``: the K-quant GEMM on GGUF blocks as stored
+  (``kquant.linear``), where the format takes K (the K-quants: K a multiple of 256);
 - ``torch``: PyTorch's float32 matmul (oneDNN / MKL);
 - ``int_mm``: PyTorch's int8 x int8 -> int32 matmul (``torch._int_mm``, oneDNN on x86): no
   quantization, no scales, so a ceiling for what an int8 GEMM does with its multiply-adds.
@@ -27,7 +27,7 @@ MODEL_SHAPES = {
     "smollm2-135m": (576, 1536, 9, 3, 64),
     "qwen2.5-0.5b": (896, 4864, 14, 2, 64),
 }
-KINDS = ("f32", "w8a8", "w4a8", "q8_0", "q4_k", "torch", "int_mm")
+KINDS = ("f32", "w8a8", "w4a8", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k", "torch", "int_mm")
 
 
 def layer_gemms(model: str) -> list[tuple[str, int, int]]:
@@ -73,7 +73,7 @@ def _kernels(kinds: list[str], n: int, k: int) -> dict[str, Callable[[object], o
             scale = torch.full((n, groups), 0.01)
             packed4 = lin.linear_pack_q4a8(codes, scale, -8 * scale)
             fns[kind] = lambda x, p=packed4: lin.linear_q4a8(x, p, None, n)
-        elif kind in ("q8_0", "q4_k"):
+        elif kind in ("q8_0", "q5_0", "q4_k", "q5_k", "q6_k"):
             qtype = kquant.abi.CONSTANTS[f"PAGEDLLM_GGML_{kind.upper()}"]
             size = kquant.row_bytes(qtype, k)
             if size:  # random blocks: the speed does not depend on the values

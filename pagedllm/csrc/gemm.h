@@ -132,18 +132,21 @@ static_assert(QG == 32, "vec.h's quantize_group quantizes activations in groups 
 
 // The M rows of x (stride ldx) quantized per group of QG k for the integer GEMMs: codes
 // [M][kq] (four int8 per int32; Kp = kq * 4 = K rounded up to QG) and scale [M][G]; with
-// kSums (w4a8, llama.cpp's Q8_1; tile_q4a8's input) also sum [M][G] = scale * the group's
-// code sum and the codes as plain s8, else (w8a8, Q8_0; tile_w8a8's input) in the encoding
-// the vector layer's dot product takes.
+// kSums (w4a8, llama.cpp's Q8_1; tile_q4a8's and tile_u8a8's input) also sum [M][G] = scale *
+// the group's code sum and the codes as plain s8, else (w8a8, Q8_0; tile_w8a8's input) in the
+// encoding the vector layer's dot product takes; with kSums16 as well sum16 [M][2G], the same
+// per half group (tile_u8a8's input for 16-weight scales).
 struct QuantizedRows {
   std::vector<int32_t> codes;
-  std::vector<float> scale, sum;
+  std::vector<float> scale, sum, sum16;
 };
-template <bool kSums>
+template <bool kSums, bool kSums16 = false>
 inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K) {
+  static_assert(kSums || !kSums16, "half-group sums go with the plain s8 codes");
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
   QuantizedRows q{std::vector<int32_t>(static_cast<size_t>(M * kq)), std::vector<float>(static_cast<size_t>(M * G)),
-                  std::vector<float>(kSums ? static_cast<size_t>(M * G) : 0)};
+                  std::vector<float>(kSums ? static_cast<size_t>(M * G) : 0),
+                  std::vector<float>(kSums16 ? static_cast<size_t>(2 * M * G) : 0)};
   par::parallel_for(M, [&](int64_t m) {
     const float* src = x + m * ldx;
     int8_t* row = reinterpret_cast<int8_t*>(q.codes.data() + m * kq);
@@ -154,6 +157,10 @@ inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64
         store_i8(row + g * QG, c.lo);
         store_i8(row + g * QG + 16, c.hi);
         q.sum[m * G + g] = c.scale * reduce_add(add(to_f32(c.lo), to_f32(c.hi)));  // an exact integer sum
+        if constexpr (kSums16) {
+          q.sum16[2 * (m * G + g)] = c.scale * reduce_add(to_f32(c.lo));
+          q.sum16[2 * (m * G + g) + 1] = c.scale * reduce_add(to_f32(c.hi));
+        }
       } else {
         store_codes(row + g * QG, c.lo);
         store_codes(row + g * QG + 16, c.hi);
@@ -161,6 +168,49 @@ inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64
     }
   }, 17);
   return q;
+}
+
+// x, xscale: as tile_q4a8; codes: a panel of [kq][32][4] unsigned codes in [0, kMax], one per
+// byte (vec.h's dot_u8_load layout: per quad, columns 0-15's four codes, then 16-31's); each
+// group of QG k in P pieces of QG / P k, with per piece and column ws, off [G * P][32] (a
+// weight is ws q + off) and per row xsum [G * P] (stride G * P) = xscale * the piece's code
+// sum (quantize_rows' sum for P = 1, sum16 for P = 2).
+// y[r, n] = sum over pieces xscale[r, g] * ws[p, n] * (sum_k x q) + xsum[r, p] * off[p, n] + bias[n].
+template <int R, int P, int kMax>
+inline void tile_u8a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const uint8_t* codes,
+                      const float* ws, const float* off, int64_t G, const float* bias, float* y, int64_t ldy,
+                      int64_t ncols) {
+  constexpr int quads = QG / 4, pq = quads / P;  // quads per piece
+  constexpr int S = std::min(pq, q4sum_steps(kMax));  // quads per Q4Sum before it widens to int32
+  static_assert(quads % P == 0 && pq % S == 0, "a piece is whole quads, in whole Q4Sums");
+  F32x16 out[R][2];
+  init<R>(out, bias);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int p = 0; p < P; ++p) {
+      const int64_t piece = g * P + p, q0 = g * quads + p * pq;
+      const uint8_t* pc = codes + q0 * 4 * NB;
+      I32x16 acc[R][2];
+      for (int s0 = 0; s0 < pq; s0 += S) {
+        Q4Sum t[R][2];
+        for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = q4sum_zero();
+#pragma GCC unroll 8
+        for (int k = 0; k < S; ++k) {
+          const Q4W w = dot_u8_load(pc + (s0 + k) * 4 * NB);
+          for (int r = 0; r < R; ++r) dot_q4(t[r][0], t[r][1], dot_q4_prepare(x + r * ldx + q0 + s0 + k), w);
+        }
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h) acc[r][h] = s0 == 0 ? q4sum_i32(t[r][h]) : q4sum_add(acc[r][h], t[r][h]);
+      }
+      const F32x16 w0 = load(ws + piece * NB), w1 = load(ws + piece * NB + 16);
+      const F32x16 o0 = load(off + piece * NB), o1 = load(off + piece * NB + 16);
+      for (int r = 0; r < R; ++r) {
+        const F32x16 s = set1(xscale[r * G + g]), t = set1(xsum[r * G * P + piece]);
+        out[r][0] = fma(to_f32(acc[r][0]), mul(w0, s), fma(o0, t, out[r][0]));
+        out[r][1] = fma(to_f32(acc[r][1]), mul(w1, s), fma(o1, t, out[r][1]));
+      }
+    }
+  }
+  store<R>(out, y, ldy, ncols);
 }
 
 // Rows per chunk whose activations stay in L2 while every panel reads them: float32 x of K

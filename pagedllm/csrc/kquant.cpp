@@ -1,18 +1,116 @@
 // The K-quant GEMM of one layer and the blocks' dequantization (formats and arithmetic:
-// kquant.h). Threads split the output rows (16-row spans, over the parts of a fused weight). Each row's
-// decoded chunk is used by kGemmRowsKQ activation rows at once; x's codes are read in chunks
-// of rows that fit in L2, so a batch-1 step reads each weight byte once and a prefill reads
-// it once per chunk of rows.
+// kquant.h). Two ways through a layer, by the rows of x:
+// - decode (M < PREFILL_ROWS): threads split the output rows (16-row spans, over the parts of
+//   a fused weight). Each row's decoded chunk is used by kGemmRowsKQ activation rows at once;
+//   x's codes are read in chunks of rows that fit in L2, so a batch-1 step reads each weight
+//   byte once and a prefill reads it once per chunk of rows.
+// - prefill: threads split 32-row panels; each panel's codes are unpacked once per chunk of x
+//   rows into bytes in the packed GEMMs' panel layout (kquant.h's decode_panel), its scales
+//   into floats, and gemm.h's micro-tiles run over it: tile_w8a8 for Q8_0 (the same arithmetic
+//   as the decode path, Q8_0 x Q8_0), tile_u8a8 for the unsigned codes (Q4_K, Q5_K, Q6_K, Q5_0:
+//   per piece of 32 or 16 weights, the int32 sum of q x scaled by ws and x's scale, plus off
+//   times x's scaled code sum: the decode path's sums, grouped by piece instead of by chunk).
 #include <stdint.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
+#include "gemm.h"
 #include "kquant.h"
 #include "pagedllm_abi.h"
 #include "parallel.h"
 
 using namespace kquant;
+
+namespace {
+
+// Rows of x from which the panel GEMM is the faster way (docs/benchmarks.md, int8 GEMMs).
+constexpr int64_t PREFILL_ROWS = 8;
+
+int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bias, float* y, int64_t M, int64_t N,
+            int64_t K) {
+  using namespace gemm;
+  static_assert(PANEL == NB, "a decoded panel is a packed GEMM panel");
+  bool signed_codes = false, unsigned_codes = false, halves = false;
+  for (int64_t p = 0; p < w.num_parts; ++p) {
+    if (w.parts[p].rows == 0) continue;
+    with_format(w.parts[p].type, [&](auto f) {
+      using F = decltype(f);
+      (F::kSigned ? signed_codes : unsigned_codes) = true;
+      halves |= F::kPieces == 2;
+    });
+  }
+  const int64_t G = K / QG, kq = K / 4;
+  const QuantizedRows xs = signed_codes ? quantize_rows<false>(x, ldx, M, K) : QuantizedRows{};
+  const QuantizedRows xu = !unsigned_codes ? QuantizedRows{}
+                           : halves        ? quantize_rows<true, true>(x, ldx, M, K)
+                                           : quantize_rows<true>(x, ldx, M, K);
+  const std::vector<Span> panels = spans_of(w, PANEL);
+  const int64_t num_panels = static_cast<int64_t>(panels.size()), chunk = chunk_rows_i8(kq);
+  // Panels with a Q8_0 code of -128, which the sign trick of the w8a8 dot product (AVX2,
+  // AVX-512 without VNNI) cannot negate: the decode path's arithmetic takes them (never met in
+  // files quantized to +-127, as llama.cpp's and gguf's quantizers write them).
+  std::vector<char> to_decode_path(static_cast<size_t>(num_panels), 0);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    par::parallel_for(num_panels, [&](int64_t i) {
+      if (to_decode_path[i]) return;
+      const Span& sp = panels[i];
+      const KQuantPart& part = w.parts[sp.part];
+      const int64_t ncols = sp.n1 - sp.n0;
+      thread_local std::vector<uint8_t> codes;
+      thread_local std::vector<float> ws, off;
+      thread_local std::vector<int32_t> wsum;
+      codes.resize(static_cast<size_t>(K * PANEL));
+      ws.resize(static_cast<size_t>(2 * G * PANEL)), off.resize(ws.size()), wsum.resize(static_cast<size_t>(G * PANEL));
+      float b[PANEL] = {};
+      if (bias) std::copy(bias + sp.col, bias + sp.col + ncols, b);
+      float* out = y + m0 * N + sp.col;
+      with_format(part.type, [&](auto f) {
+        using F = decltype(f);
+        const int64_t rb = K / F::kElems * F::kBytes;
+        decode_panel<F>(static_cast<const uint8_t*>(part.blocks) + sp.n0 * rb, rb, ncols, K, codes.data(), ws.data(),
+                        off.data());
+        if constexpr (F::kSigned) {
+          if (std::memchr(codes.data(), 0x80, codes.size())) {
+            to_decode_path[i] = 1;
+            return;
+          }
+          for (int64_t g = 0; g < G; ++g)  // -128 * each group's code sum (tile_w8a8's dot_init)
+            for (int64_t n = 0; n < PANEL; ++n) {
+              int32_t sum = 0;
+              for (int64_t k = 0; k < QG; ++k) sum += int8_t(codes[((g * QG + k) / 4 * PANEL + n) * 4 + k % 4]);
+              wsum[g * PANEL + n] = -128 * sum;
+            }
+          panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
+            tile_w8a8<decltype(r)::value>(xs.codes.data() + (m0 + m) * kq, kq, xs.scale.data() + (m0 + m) * G,
+                                          reinterpret_cast<const int8_t*>(codes.data()), G, wsum.data(), ws.data(), b,
+                                          out + m * N, N, ncols);
+          });
+        } else {
+          const std::vector<float>& sums = F::kPieces == 2 ? xu.sum16 : xu.sum;
+          panel_rows<kGemmRowsQ4>(rows, [&](auto r, int64_t m) {
+            tile_u8a8<decltype(r)::value, F::kPieces, F::kCodeMax>(
+                xu.codes.data() + (m0 + m) * kq, kq, xu.scale.data() + (m0 + m) * G,
+                sums.data() + (m0 + m) * G * F::kPieces, codes.data(), ws.data(), off.data(), G, b, out + m * N, N,
+                ncols);
+          });
+        }
+      });
+    });
+  }
+  if (std::find(to_decode_path.begin(), to_decode_path.end(), 1) != to_decode_path.end()) {
+    const QuantizedX xq(x, ldx, M, K);
+    par::parallel_for(num_panels, [&](int64_t i) {
+      const Span& sp = panels[i];
+      if (to_decode_path[i]) rows_times_x(w.parts[sp.part], sp.n0, sp.n1, sp.col, K, xq, 0, M, bias, y, N);
+    });
+  }
+  return 0;
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -22,6 +120,7 @@ int linear_kquant(const float* x, int64_t ldx, const KQuantWeight* w, const floa
                   int64_t K) {
   if (!fits(*w, N, K)) return -1;
   if (M <= 0 || N == 0) return 0;
+  if (M >= PREFILL_ROWS) return prefill(x, ldx, *w, bias, y, M, N, K);
   const std::vector<Span> spans = spans_of(*w);
   const QuantizedX xq(x, ldx, M, K);
   // Rows of x in chunks whose codes fit in L2, each chunk over every weight row.

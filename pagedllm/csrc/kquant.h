@@ -76,11 +76,13 @@ inline void scales_mins(const uint8_t* b, F32x16& ws, F32x16& off) {
 
 // Each format: kElems weights in kBytes per block; unit(row, u): unit u's first byte;
 // scales(b, chunks, ws, off): ws and off per 16 weights of the unit (`chunks` of its 4 chunks
-// real); codes(b, c): chunk c's 64 codes; kSigned: codes are s8 (else u8 in [0, 127]).
+// real); codes(b, c): chunk c's 64 codes; kSigned: codes are s8 (else u8 in [0, kCodeMax]);
+// kPieces: distinct scales per 32 weights (1: ws and off come in equal pairs).
 
 struct Q4K {  // d, dmin, scales[12], qs[128]: chunk c = qs[32c..] low nibbles, then high
   static inline constexpr int64_t kElems = 256, kBytes = 144;
   static constexpr bool kSigned = false;
+  static constexpr int kCodeMax = 15, kPieces = 1;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
   static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) { scales_mins(b, ws, off); }
   static U8x64 codes(const uint8_t* b, int c) { return shr_and_halves(dup32(b + 16 + 32 * c), 0, 4, 0x0F); }
@@ -89,6 +91,7 @@ struct Q4K {  // d, dmin, scales[12], qs[128]: chunk c = qs[32c..] low nibbles, 
 struct Q5K {  // d, dmin, scales[12], qh[32], qs[128]: Q4_K's nibbles, bit 2c / 2c + 1 of qh the fifth
   static inline constexpr int64_t kElems = 256, kBytes = 176;
   static constexpr bool kSigned = false;
+  static constexpr int kCodeMax = 31, kPieces = 1;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
   static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) { scales_mins(b, ws, off); }
   static U8x64 codes(const uint8_t* b, int c) {
@@ -101,6 +104,7 @@ struct Q6K {  // ql[128], qh[64], scales[16] (int8), d: per half h of 128, ql[64
   // (chunk 2h) then high (2h + 1); qh[32h..] bits 0-1, 2-3 (chunk 2h), 4-5, 6-7 (2h + 1) on top
   static inline constexpr int64_t kElems = 256, kBytes = 210;
   static constexpr bool kSigned = false;
+  static constexpr int kCodeMax = 63, kPieces = 2;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
   static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) {
     ws = mul(splat_f16(b + 208), load_s8_f32(reinterpret_cast<const int8_t*>(b + 192)));
@@ -116,6 +120,7 @@ struct Q6K {  // ql[128], qh[64], scales[16] (int8), d: per half h of 128, ql[64
 struct Q80 {  // d, qs[32] (int8)
   static inline constexpr int64_t kElems = 32, kBytes = 34;
   static constexpr bool kSigned = true;
+  static constexpr int kCodeMax = 127, kPieces = 1;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * 8 * kBytes; }
   static void scales(const uint8_t* b, int chunks, F32x16& ws, F32x16& off) {
     ws = block_scales(b, kBytes, chunks);
@@ -127,6 +132,7 @@ struct Q80 {  // d, qs[32] (int8)
 struct Q50 {  // d, qh (32 fifth bits), qs[16]: weight j < 16 in the low nibble of qs[j], j + 16 in its high one
   static inline constexpr int64_t kElems = 32, kBytes = 22;
   static constexpr bool kSigned = false;
+  static constexpr int kCodeMax = 31, kPieces = 1;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * 8 * kBytes; }
   static void scales(const uint8_t* b, int chunks, F32x16& ws, F32x16& off) {
     ws = block_scales(b, kBytes, chunks);
@@ -267,19 +273,56 @@ struct QuantizedX {
 // Rows of x per chunk whose codes fit in L2 while every weight row reads them.
 inline int64_t chunk_rows(int64_t kp) { return std::max<int64_t>(kGemmRowsKQ, 262144 / kp / kGemmRowsKQ * kGemmRowsKQ); }
 
-// Up to SPAN consecutive rows of a weight, within one part: rows [n0, n1) of part `part`,
+// Rows [0, nrows) (nrows <= PANEL) of a weight in format F (row stride rb bytes, K weights)
+// decoded for the prefill GEMM's tiles (gemm.h): codes [K/4][PANEL][4], row n's code of weight
+// k at (k / 4 * PANEL + n) * 4 + k % 4 (u8 codes, or Q8_0's s8); ws, off [K / 32 * kPieces][PANEL]
+// per piece of 32 / kPieces weights. Rows past nrows are zero.
+inline constexpr int64_t PANEL = 32;
+template <class F>
+inline void decode_panel(const uint8_t* rows, int64_t rb, int64_t nrows, int64_t K, uint8_t* codes, float* ws,
+                         float* off) {
+  constexpr int64_t per_unit = UNIT / 32 * F::kPieces;  // pieces per unit
+  std::memset(codes, 0, static_cast<size_t>(K * PANEL));
+  std::fill(ws, ws + K / 32 * F::kPieces * PANEL, 0.f);
+  std::fill(off, off + K / 32 * F::kPieces * PANEL, 0.f);
+  for (int64_t n = 0; n < nrows; ++n) {
+    const uint8_t* row = rows + n * rb;
+    for (int64_t u = 0; u < (K + UNIT - 1) / UNIT; ++u) {
+      const int chunks = int(std::min(UNIT, K - u * UNIT) / CHUNK);
+      const uint8_t* b = F::unit(row, u);
+      F32x16 w16, o16;
+      F::scales(b, chunks, w16, o16);
+      float wa[16], oa[16];
+      store(wa, w16), store(oa, o16);
+      for (int64_t i = 0; i < 2 * chunks * F::kPieces; ++i) {
+        const int64_t j = i * (2 / F::kPieces);  // the piece's first 16-weight scale
+        ws[(u * per_unit + i) * PANEL + n] = wa[j];
+        off[(u * per_unit + i) * PANEL + n] = oa[j];
+      }
+      for (int c = 0; c < chunks; ++c) {
+        uint8_t q[CHUNK];
+        store_u8x64(q, F::codes(b, c));
+        uint8_t* dst = codes + ((u * UNIT + c * CHUNK) / 4 * PANEL + n) * 4;
+        for (int64_t i = 0; i < CHUNK / 4; ++i) std::memcpy(dst + i * PANEL * 4, q + 4 * i, 4);
+      }
+    }
+  }
+}
+
+// Consecutive rows of a weight, within one part: rows [n0, n1) of part `part`,
 // output columns [col, col + n1 - n0).
 struct Span {
   int64_t part, n0, n1, col;
 };
 
-// The spans of a weight that `fits`, in output column order: the unit threads share out.
-inline std::vector<Span> spans_of(const KQuantWeight& w) {
+// The spans of a weight that `fits` (of `rows` rows, the last of a part fewer), in output
+// column order: the unit threads share out.
+inline std::vector<Span> spans_of(const KQuantWeight& w, int64_t rows = SPAN) {
   std::vector<Span> spans;
   int64_t col = 0;
   for (int64_t p = 0; p < w.num_parts; ++p) {
-    for (int64_t n0 = 0; n0 < w.parts[p].rows; n0 += SPAN)
-      spans.push_back({p, n0, std::min(n0 + SPAN, w.parts[p].rows), col + n0});
+    for (int64_t n0 = 0; n0 < w.parts[p].rows; n0 += rows)
+      spans.push_back({p, n0, std::min(n0 + rows, w.parts[p].rows), col + n0});
     col += w.parts[p].rows;
   }
   return spans;

@@ -170,6 +170,10 @@ inline Q4W dot_q4_load(const uint8_t* nibbles64) {
   return {_mm256_and_si256(a, low), _mm256_and_si256(b, low), _mm256_and_si256(_mm256_srli_epi16(a, 4), low),
           _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
 }
+inline Q4W dot_u8_load(const uint8_t* codes128) {
+  auto at = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes128 + 32 * i)); };
+  return {at(0), at(1), at(2), at(3)};
+}
 struct DotQ4X { __m256i x; };  // the 4 s8 codes, in every lane
 inline DotQ4X dot_q4_prepare(const int32_t* quad) { return {_mm256_set1_epi32(*quad)}; }
 // A group's sums as int16 pairs (columns 0-7, 8-15): each vpmaddubsw pair of a code in
@@ -181,6 +185,12 @@ inline I32x16 q4sum_i32(Q4Sum s) {
   const __m256i ones = _mm256_set1_epi16(1);
   return {_mm256_madd_epi16(s.lo, ones), _mm256_madd_epi16(s.hi, ones)};
 }
+inline I32x16 q4sum_add(I32x16 acc, Q4Sum s) {
+  const I32x16 w = q4sum_i32(s);
+  return {_mm256_add_epi32(acc.lo, w.lo), _mm256_add_epi32(acc.hi, w.hi)};
+}
+// dot_q4 steps a Q4Sum takes when the codes are in [0, code_max] (the int16 pairs' bound).
+inline constexpr int q4sum_steps(int code_max) { return 32767 / (2 * 127 * code_max); }
 inline void dot_q4(Q4Sum& lo, Q4Sum& hi, DotQ4X x, const Q4W& w) {
   lo = {_mm256_add_epi16(lo.lo, _mm256_maddubs_epi16(w.lo0, x.x)), _mm256_add_epi16(lo.hi, _mm256_maddubs_epi16(w.lo1, x.x))};
   hi = {_mm256_add_epi16(hi.lo, _mm256_maddubs_epi16(w.hi0, x.x)), _mm256_add_epi16(hi.hi, _mm256_maddubs_epi16(w.hi1, x.x))};

@@ -115,12 +115,15 @@ inline Q4W dot_q4_load(const uint8_t* nibbles64) {
   const __m512i v = _mm512_loadu_si512(nibbles64), low = _mm512_set1_epi8(0x0F);
   return {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
 }
+inline Q4W dot_u8_load(const uint8_t* codes128) { return {_mm512_loadu_si512(codes128), _mm512_loadu_si512(codes128 + 64)}; }
 struct DotQ4X { __m512i x; };  // the 4 s8 codes, in every lane
 inline DotQ4X dot_q4_prepare(const int32_t* quad) { return {_mm512_set1_epi32(*quad)}; }
 #ifdef __AVX512VNNI__
 using Q4Sum = I32x16;  // vpdpbusd sums into int32 directly
 inline Q4Sum q4sum_zero() { return zero_i32(); }
 inline I32x16 q4sum_i32(Q4Sum s) { return s; }
+inline I32x16 q4sum_add(I32x16 acc, Q4Sum s) { return {_mm512_add_epi32(acc.v, s.v)}; }
+inline constexpr int q4sum_steps(int) { return 1 << 20; }
 inline void dot_q4(Q4Sum& lo, Q4Sum& hi, DotQ4X x, const Q4W& w) {
   lo.v = _mm512_dpbusd_epi32(lo.v, w.lo, x.x);
   hi.v = _mm512_dpbusd_epi32(hi.v, w.hi, x.x);
@@ -129,6 +132,8 @@ inline void dot_q4(Q4Sum& lo, Q4Sum& hi, DotQ4X x, const Q4W& w) {
 struct Q4Sum { __m512i v; };  // int16 pair sums, widened once per group (as vec_avx2.h's)
 inline Q4Sum q4sum_zero() { return {_mm512_setzero_si512()}; }
 inline I32x16 q4sum_i32(Q4Sum s) { return {_mm512_madd_epi16(s.v, _mm512_set1_epi16(1))}; }
+inline I32x16 q4sum_add(I32x16 acc, Q4Sum s) { return {_mm512_add_epi32(acc.v, q4sum_i32(s).v)}; }
+inline constexpr int q4sum_steps(int code_max) { return 32767 / (2 * 127 * code_max); }  // int16 pairs, as vec_avx2.h's
 inline void dot_q4(Q4Sum& lo, Q4Sum& hi, DotQ4X x, const Q4W& w) {
   lo.v = _mm512_add_epi16(lo.v, _mm512_maddubs_epi16(w.lo, x.x));
   hi.v = _mm512_add_epi16(hi.v, _mm512_maddubs_epi16(w.hi, x.x));

@@ -179,11 +179,22 @@ inline Q4W dot_q4_load(const uint8_t* nibbles64) {
   }
   return w;
 }
+inline Q4W dot_u8_load(const uint8_t* codes128) {  // codes <= 127 are valid s8
+  Q4W w;
+  for (int i = 0; i < 4; ++i) w.lo[i] = vld1q_s8(reinterpret_cast<const int8_t*>(codes128) + 16 * i),
+                              w.hi[i] = vld1q_s8(reinterpret_cast<const int8_t*>(codes128) + 64 + 16 * i);
+  return w;
+}
 using DotQ4X = DotX;
 inline DotQ4X dot_q4_prepare(const int32_t* quad) { return dot_prepare(quad); }
 using Q4Sum = I32x16;  // sdot (or the widening multiplies) sums into int32 directly
 inline Q4Sum q4sum_zero() { return zero_i32(); }
 inline I32x16 q4sum_i32(Q4Sum s) { return s; }
+inline I32x16 q4sum_add(I32x16 acc, Q4Sum s) {
+  for (int i = 0; i < 4; ++i) acc.v[i] = vaddq_s32(acc.v[i], s.v[i]);
+  return acc;
+}
+inline constexpr int q4sum_steps(int) { return 1 << 20; }
 inline void dot_q4(Q4Sum& lo, Q4Sum& hi, DotQ4X x, const Q4W& w) {
   for (int i = 0; i < 4; ++i) lo.v[i] = dot4(lo.v[i], w.lo[i], x.x), hi.v[i] = dot4(hi.v[i], w.hi[i], x.x);
 }

@@ -146,11 +146,21 @@ inline Q4W dot_q4_load(const uint8_t* nibbles64) {
   for (int i = 0; i < 64; ++i) w.lo[i] = nibbles64[i] & 0x0F, w.hi[i] = nibbles64[i] >> 4;
   return w;
 }
+inline Q4W dot_u8_load(const uint8_t* codes128) {
+  Q4W w;
+  std::memcpy(w.lo, codes128, 64), std::memcpy(w.hi, codes128 + 64, 64);
+  return w;
+}
 using DotQ4X = DotX;
 inline DotQ4X dot_q4_prepare(const int32_t* quad) { return dot_prepare(quad); }
 using Q4Sum = I32x16;
 inline Q4Sum q4sum_zero() { return I32x16{}; }
 inline I32x16 q4sum_i32(const Q4Sum& s) { return s; }
+inline I32x16 q4sum_add(I32x16 acc, const Q4Sum& s) {
+  for (int l = 0; l < 16; ++l) acc.v[l] += s.v[l];
+  return acc;
+}
+inline constexpr int q4sum_steps(int) { return 1 << 20; }
 inline void dot_q4(Q4Sum& lo, Q4Sum& hi, const DotQ4X& x, const Q4W& w) {
   for (int l = 0; l < 16; ++l)
     for (int j = 0; j < 4; ++j) lo.v[l] += int32_t(x.x[j]) * w.lo[4 * l + j], hi.v[l] += int32_t(x.x[j]) * w.hi[4 * l + j];

@@ -467,15 +467,18 @@ std::vector<uint8_t> random_blocks(Rng& rng, int64_t type, int64_t N, int64_t K)
     uint8_t* d = type == PAGEDLLM_GGML_Q6_K ? b + 208 : b;
     d[0] = 0x00, d[1] = 0x14;  // 2^-10
     if (type == PAGEDLLM_GGML_Q4_K || type == PAGEDLLM_GGML_Q5_K) b[2] = 0x00, b[3] = 0x10;  // dmin 2^-11
+    if (type == PAGEDLLM_GGML_Q8_0)  // codes in [-127, 127], as quantizers write them
+      for (int j = 2; j < 34; ++j) b[j] = b[j] == 0x80 ? 0x81 : b[j];
   }
   return w;
 }
 
 // GGUF blocks as stored: random bytes (d = 2^-10, dmin = 2^-11) dequantized and multiplied by
-// linear_kquant, against the layouts read in plain C++ and int8 activations.
-void test_kquant() {
+// linear_kquant (3 rows: the decode path; 11: the prefill panels), against the layouts read in
+// plain C++ and int8 activations.
+void test_kquant(int64_t M) {
   Rng rng;
-  const int64_t M = 3, N = 37;
+  const int64_t N = 37;
   const int64_t types[] = {PAGEDLLM_GGML_Q4_K, PAGEDLLM_GGML_Q5_K, PAGEDLLM_GGML_Q6_K, PAGEDLLM_GGML_Q8_0,
                            PAGEDLLM_GGML_Q5_0};
   const char* names[] = {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0"};
@@ -504,7 +507,7 @@ void test_kquant() {
     KQuantWeight kw{};
     kw.num_parts = 1, kw.parts[0].type = type, kw.parts[0].rows = N, kw.parts[0].blocks = w.data();
     const int status = linear_kquant(x.data(), K, &kw, nullptr, y.data(), M, N, K);
-    std::snprintf(name, sizeof name, "linear_kquant %s", names[t]);
+    std::snprintf(name, sizeof name, "linear_kquant %s, %d rows", names[t], int(M));
     check(name, status == 0 ? max_error(y, ref) : 1e9f, 1e-4f);
   }
 }
@@ -650,7 +653,7 @@ void test_moe_kquant() {
 int main() {
   test_parallel();
   test_linear();
-  test_kquant();
+  for (const int64_t M : {3, 11}) test_kquant(M);
   test_elementwise();
   test_moe();
   test_moe_kquant();
