@@ -78,6 +78,9 @@ def _kernels(kinds: list[str], n: int, k: int) -> dict[str, Callable[[object], o
             size = kquant.row_bytes(qtype, k)
             if size:  # random blocks: the speed does not depend on the values
                 blocks = torch.randint(0, 256, (n, size), dtype=torch.uint8, generator=gen)
+                if kind == "q8_0":  # codes in [-127, 127], as quantizers write them (-128 takes a slower path)
+                    codes = blocks.view(n, -1, 34)[..., 2:]
+                    codes.masked_fill_(codes == 0x80, 0x81)
                 weight = kquant.StoredWeight([(qtype, blocks)], k)
                 fns[kind] = lambda x, wt=weight: kquant.linear(x, wt)
         elif kind == "torch":

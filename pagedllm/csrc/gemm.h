@@ -175,16 +175,15 @@ inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64
 // group of QG k in P pieces of QG / P k, with per piece and column ws, off [G * P][32] (a
 // weight is ws q + off) and per row xsum [G * P] (stride G * P) = xscale * the piece's code
 // sum (quantize_rows' sum for P = 1, sum16 for P = 2).
-// y[r, n] = sum over pieces xscale[r, g] * ws[p, n] * (sum_k x q) + xsum[r, p] * off[p, n] + bias[n].
+// y[r, n] = sum over pieces xscale[r, g] * ws[p, n] * (sum_k x q) + xsum[r, p] * off[p, n].
 template <int R, int P, int kMax>
 inline void tile_u8a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const uint8_t* codes,
-                      const float* ws, const float* off, int64_t G, const float* bias, float* y, int64_t ldy,
-                      int64_t ncols) {
+                      const float* ws, const float* off, int64_t G, float* y, int64_t ldy, int64_t ncols) {
   constexpr int quads = QG / 4, pq = quads / P;  // quads per piece
   constexpr int S = std::min(pq, q4sum_steps(kMax));  // quads per Q4Sum before it widens to int32
   static_assert(quads % P == 0 && pq % S == 0, "a piece is whole quads, in whole Q4Sums");
   F32x16 out[R][2];
-  init<R>(out, bias);
+  init<R>(out, nullptr);
   for (int64_t g = 0; g < G; ++g) {
     for (int p = 0; p < P; ++p) {
       const int64_t piece = g * P + p, q0 = g * quads + p * pq;

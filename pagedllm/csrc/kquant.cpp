@@ -64,8 +64,6 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
       thread_local std::vector<int32_t> wsum;
       codes.resize(static_cast<size_t>(K * PANEL));
       ws.resize(static_cast<size_t>(2 * G * PANEL)), off.resize(ws.size()), wsum.resize(static_cast<size_t>(G * PANEL));
-      float b[PANEL] = {};
-      if (bias) std::copy(bias + sp.col, bias + sp.col + ncols, b);
       float* out = y + m0 * N + sp.col;
       with_format(part.type, [&](auto f) {
         using F = decltype(f);
@@ -85,19 +83,21 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
             }
           panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
             tile_w8a8<decltype(r)::value>(xs.codes.data() + (m0 + m) * kq, kq, xs.scale.data() + (m0 + m) * G,
-                                          reinterpret_cast<const int8_t*>(codes.data()), G, wsum.data(), ws.data(), b,
-                                          out + m * N, N, ncols);
+                                          reinterpret_cast<const int8_t*>(codes.data()), G, wsum.data(), ws.data(),
+                                          nullptr, out + m * N, N, ncols);
           });
         } else {
           const std::vector<float>& sums = F::kPieces == 2 ? xu.sum16 : xu.sum;
           panel_rows<kGemmRowsQ4>(rows, [&](auto r, int64_t m) {
             tile_u8a8<decltype(r)::value, F::kPieces, F::kCodeMax>(
                 xu.codes.data() + (m0 + m) * kq, kq, xu.scale.data() + (m0 + m) * G,
-                sums.data() + (m0 + m) * G * F::kPieces, codes.data(), ws.data(), off.data(), G, b, out + m * N, N,
-                ncols);
+                sums.data() + (m0 + m) * G * F::kPieces, codes.data(), ws.data(), off.data(), G, out + m * N, N, ncols);
           });
         }
       });
+      if (bias && !to_decode_path[i])  // added last, as the decode path does
+        for (int64_t m = 0; m < rows; ++m)
+          for (int64_t n = 0; n < ncols; ++n) out[m * N + n] += bias[sp.col + n];
     });
   }
   if (std::find(to_decode_path.begin(), to_decode_path.end(), 1) != to_decode_path.end()) {
