@@ -26,7 +26,7 @@ using namespace kquant;
 namespace {
 
 // Rows of x from which the panel GEMM is the faster way (docs/benchmarks.md, int8 GEMMs).
-constexpr int64_t PREFILL_ROWS = 8;
+constexpr int64_t PREFILL_ROWS = 8, PREFILL_CHUNK = 240;
 
 int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bias, float* y, int64_t M, int64_t N,
             int64_t K) {
@@ -47,7 +47,9 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
                            : halves        ? quantize_rows<true, true>(x, ldx, M, K)
                                            : quantize_rows<true>(x, ldx, M, K);
   const std::vector<Span> panels = spans_of(w, PANEL);
-  const int64_t num_panels = static_cast<int64_t>(panels.size()), chunk = chunk_rows_i8(kq);
+  // Rows per chunk: x's codes in L2 (as linear_w8a8), but at least PREFILL_CHUNK rows, over
+  // which each panel's unpacking is spread.
+  const int64_t num_panels = static_cast<int64_t>(panels.size()), chunk = std::max(chunk_rows_i8(kq), PREFILL_CHUNK);
   // Panels with a Q8_0 code of -128, which the sign trick of the w8a8 dot product (AVX2,
   // AVX-512 without VNNI) cannot negate: the decode path's arithmetic takes them (never met in
   // files quantized to +-127, as llama.cpp's and gguf's quantizers write them).
@@ -75,12 +77,13 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
             to_decode_path[i] = 1;
             return;
           }
-          for (int64_t g = 0; g < G; ++g)  // -128 * each group's code sum (tile_w8a8's dot_init)
-            for (int64_t n = 0; n < PANEL; ++n) {
-              int32_t sum = 0;
-              for (int64_t k = 0; k < QG; ++k) sum += int8_t(codes[((g * QG + k) / 4 * PANEL + n) * 4 + k % 4]);
-              wsum[g * PANEL + n] = -128 * sum;
-            }
+          for (int64_t g = 0; g < G; ++g) {  // -128 * each group's code sum (tile_w8a8's dot_init)
+            int32_t sum[PANEL * 4] = {};
+            for (int64_t q = g * QG / 4; q < (g + 1) * QG / 4; ++q)
+              for (int64_t j = 0; j < PANEL * 4; ++j) sum[j] += int8_t(codes[q * PANEL * 4 + j]);
+            for (int64_t n = 0; n < PANEL; ++n)
+              wsum[g * PANEL + n] = -128 * (sum[4 * n] + sum[4 * n + 1] + sum[4 * n + 2] + sum[4 * n + 3]);
+          }
           panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
             tile_w8a8<decltype(r)::value>(xs.codes.data() + (m0 + m) * kq, kq, xs.scale.data() + (m0 + m) * G,
                                           reinterpret_cast<const int8_t*>(codes.data()), G, wsum.data(), ws.data(),
