@@ -9,6 +9,7 @@ import torch
 
 from pagedllm.default_model import DEFAULT_MODEL
 from pagedllm.quantization_config import QuantizationConfig
+from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS
 from pagedllm.speculative_config import SpeculativeConfig
 
 # The environment variable that sets ``EngineConfig.model_runner_cls`` where no caller passes it
@@ -88,7 +89,7 @@ class EngineConfig:
     kv_cache_memory: int = 4 * 1024**3
     num_gpu_blocks_override: int | None = None  # exact block count, for tests
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS  # `serve`: SERVE_MAX_NUM_BATCHED_TOKENS
     long_prefill_token_threshold: int = 0  # most tokens one request computes per step; 0: no cap
     enable_prefix_caching: bool = True
     seed: int = 0

@@ -21,7 +21,9 @@ import pytest
 
 from pagedllm import LLM, __version__
 from pagedllm.entrypoints.chat_repl import stream_reply
+from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import build_parser, main
+from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS, SERVE_MAX_NUM_BATCHED_TOKENS
 from tests.utils import pool_is_whole
 
 SMALL = ["--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--dtype", "float32"]
@@ -58,6 +60,16 @@ def test_help_shows_every_default() -> None:
             shown = formatter._get_help_string(action)
             assert "%(default)" in shown or "(default: " in shown, (parser.prog, action.dest)
             assert shown.count("(default: ") == 1, (parser.prog, action.dest, shown)  # once, not twice
+
+
+def test_serve_takes_smaller_steps_than_offline_commands() -> None:
+    """`serve`'s token budget is the serving default (first tokens sooner under load); the
+    offline commands keep the engine's."""
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS
+    assert parser.parse_args(["serve", "--max-num-batched-tokens", "1024"]).max_num_batched_tokens == 1024
+    assert parser.parse_args(["generate", "--prompt", "x"]).max_num_batched_tokens == MAX_NUM_BATCHED_TOKENS
+    assert SERVE_MAX_NUM_BATCHED_TOKENS < MAX_NUM_BATCHED_TOKENS == EngineConfig().max_num_batched_tokens
 
 
 BAD_FLAGS = [

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.default_model import DEFAULT_MODEL
+from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS
 
 
 def positive_int(text: str) -> int:
@@ -61,7 +62,7 @@ class EngineArgs:
         None, "longest request (prompt + output) in tokens; None: the model's context, at most 8192", type=positive_int
     )
     max_num_seqs: int = _flag(128, "most requests running at once", type=positive_int)
-    max_num_batched_tokens: int = _flag(2048, "token budget of one engine step", type=positive_int)
+    max_num_batched_tokens: int = _flag(MAX_NUM_BATCHED_TOKENS, "token budget of one engine step", type=positive_int)
     long_prefill_token_threshold: int = _flag(
         0, "most tokens one request computes in a step (0: no cap beyond the budget)", type=non_negative_int
     )

@@ -65,7 +65,7 @@ class LLM:
         dtype: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
         kv_cache_memory: int | str = "2GiB",
         speculative_config: dict[str, Any] | str | None = None,
         quantization: str | None = None,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.entrypoints.chat_template import add_chat_template_arg, load_chat_template
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.scheduler_defaults import SERVE_MAX_NUM_BATCHED_TOKENS
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -69,6 +70,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The server's own flags; the engine flags (model, dtype, KV cache, ...) are added by the caller."""
     from pagedllm.engine.arg_utils import positive_int
 
+    parser.set_defaults(max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)  # first tokens sooner under load
     parser.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0: every interface")
     parser.add_argument("--port", type=port_number, default=8000, help="TCP port; 0: any free one")
     parser.add_argument("--served-model-name", default=None,
