@@ -165,6 +165,16 @@ def stored_weights(
     return blocks
 
 
+def shared_prefix_prompts(seed: int, shared: int, lens: tuple[int, int, int]) -> tuple[list[int], list[list[int]]]:
+    """Random token ids in [3, 256) (the tiny test vocabularies), drawn from ``seed``: a prefix of
+    ``shared`` tokens, and three prompts: one of ``lens[0]`` tokens, then two that start with the
+    prefix and go on for ``lens[1]`` and ``lens[2]`` more (a prefix-cache hit for the third)."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 256, (shared,), generator=gen).tolist()
+    first = torch.randint(3, 256, (lens[0],), generator=gen).tolist()
+    return prefix, [first] + [prefix + torch.randint(3, 256, (n,), generator=gen).tolist() for n in lens[1:]]
+
+
 def gguf_writer(path: Path, arch: str, c: transformers.PretrainedConfig) -> gguf.GGUFWriter:
     """A GGUF writer for ``arch`` holding the metadata every decoder's file has, from the HF
     config ``c`` (eos id 2); the caller adds its architecture's own keys and the tensors."""

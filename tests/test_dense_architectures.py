@@ -15,20 +15,16 @@ import transformers
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
-from tests.models_util import assert_greedy_matches, prefill_logits, randomize_vectors, write_gguf, write_q4_gguf
+from tests.models_util import (
+    assert_greedy_matches, prefill_logits, randomize_vectors, shared_prefix_prompts, write_gguf, write_q4_gguf,
+)
 from tests.utils import pool_is_whole
 
 MAX_TOKENS = 16
 WINDOW = 12  # Mistral's: shorter than every prompt
 # Prompts as token ids (the tiny vocabulary is SmolLM2's first 256 ids): a short one, two
 # longer than Mistral's window that share their first 24 tokens, prefilled in 16-token chunks.
-_GEN = torch.Generator().manual_seed(7)
-_SHARED = torch.randint(3, 256, (24,), generator=_GEN).tolist()
-PROMPTS = [
-    torch.randint(3, 256, (5,), generator=_GEN).tolist(),
-    _SHARED + torch.randint(3, 256, (9,), generator=_GEN).tolist(),
-    _SHARED + torch.randint(3, 256, (17,), generator=_GEN).tolist(),
-]
+_, PROMPTS = shared_prefix_prompts(7, 24, (5, 9, 17))
 # hidden 128 with 4 heads: Qwen3's head_dim 64 is not hidden / heads (and runs the native
 # decode kernel, whose smallest head is 64); Mistral and Phi-3 have 32 (the PyTorch fallback).
 COMMON = dict(

@@ -21,17 +21,13 @@ from peft import LoraConfig, get_peft_model
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.errors import InvalidParamError, LoRAError
 from pagedllm.models.loader import load_tokenizer, resolve_model
-from tests.models_util import GGUF_NAMES, assert_greedy_matches, finish_gguf, llama_cpp_permute, randomize_vectors
+from tests.models_util import (
+    GGUF_NAMES, assert_greedy_matches, finish_gguf, llama_cpp_permute, randomize_vectors, shared_prefix_prompts,
+)
 from tests.utils import API_KEY, assert_pool_whole, start_server, stop_server, wait_idle
 
 MAX_TOKENS = 12
-_GEN = torch.Generator().manual_seed(11)
-_SHARED = torch.randint(3, 256, (20,), generator=_GEN).tolist()
-PROMPTS = [
-    torch.randint(3, 256, (6,), generator=_GEN).tolist(),
-    _SHARED + torch.randint(3, 256, (7,), generator=_GEN).tolist(),
-    _SHARED + torch.randint(3, 256, (13,), generator=_GEN).tolist(),
-]
+_, PROMPTS = shared_prefix_prompts(11, 20, (6, 7, 13))
 # head_dim 64: decode steps without adapters run the one-call native decoder.
 LLAMA = dict(
     vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,

@@ -37,20 +37,14 @@ from pagedllm.platforms.cpu import auto_linears
 from pagedllm.quantization_config import QuantizationConfig
 from tests.models_util import (
     GGUF_NAMES, assert_greedy_matches, finish_gguf, gguf_writer, llama_cpp_permute, prefill_logits,
-    random_weight_blocks, randomize_vectors,
+    random_weight_blocks, randomize_vectors, shared_prefix_prompts,
 )
 from tests.tensor_parallel_ranks import Case, load, reference, run_group, run_steps
 from tests.utils import pool_is_whole
 
 MAX_TOKENS = 16
 WINDOW = 12  # Mixtral's: shorter than the longer prompts
-_GEN = torch.Generator().manual_seed(7)
-_SHARED = torch.randint(3, 256, (24,), generator=_GEN).tolist()
-PROMPTS = [
-    torch.randint(3, 256, (5,), generator=_GEN).tolist(),
-    _SHARED + torch.randint(3, 256, (9,), generator=_GEN).tolist(),
-    _SHARED + torch.randint(3, 256, (17,), generator=_GEN).tolist(),
-]
+_SHARED, PROMPTS = shared_prefix_prompts(7, 24, (5, 9, 17))
 COMMON = dict(
     vocab_size=256, hidden_size=128, num_hidden_layers=3, max_position_embeddings=256, rms_norm_eps=1e-6,
     initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2,
