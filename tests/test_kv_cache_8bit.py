@@ -224,25 +224,32 @@ def _texts(llm: LLM, prompts: list[str], params: SamplingParams = GREEDY) -> lis
 
 
 @pytest.fixture(scope="module")
-def bf16_tokens() -> list[list[int]]:
+def bf16_sequences() -> list[list[int]]:
+    """Each prompt's token ids followed by its 24 greedy tokens under the bfloat16 cache."""
     with LLM(kv_cache_dtype="bfloat16", kv_cache_memory="64MiB") as llm:
-        return _texts(llm, PROMPTS)
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert pool_is_whole(llm)
+    return [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("kv,floor", [("int8", 0.45), ("fp8", 0.3)])
-def test_greedy_outputs_agree_with_the_bf16_cache(kv: str, floor: float, bf16_tokens: list[list[int]]) -> None:
-    """The share of the default model's greedy tokens (8 prompts x 24, --dtype auto) equal to
-    the bfloat16 cache's up to each output's first difference, against a floor well below the
-    measured share (docs/benchmarks.md, "An 8-bit KV cache": a float32 cache's agreement with
-    bfloat16 is itself well short of 1 on this model's near ties)."""
+@pytest.mark.parametrize("kv,floor", [("int8", 0.8), ("fp8", 0.7)])
+def test_greedy_tokens_agree_with_the_bf16_cache(kv: str, floor: float, bf16_sequences: list[list[int]]) -> None:
+    """Teacher-forced agreement: each bfloat16-cache sequence (prompt + 24 greedy tokens, the
+    default model, --dtype auto) is scored with the 8-bit cache; the share of the 8 x 24 greedy
+    positions where the bfloat16 cache's token is also the 8-bit cache's most likely one
+    (prompt logprob rank 1) is held against a floor well below the measured share
+    (docs/benchmarks.md, "An 8-bit KV cache"). Each position sees the same history, so a near
+    tie costs one position, not the rest of a free-running output: free-running agreement on
+    this model swings with the ISA's rounding (0.45 to 0.69 for int8)."""
+    scored = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     with LLM(kv_cache_dtype=kv, kv_cache_memory="64MiB") as llm:
         assert llm.engine.core.kv_config.dtype == str(parse_kv_cache_dtype(kv)).removeprefix("torch.")
-        tokens = _texts(llm, PROMPTS)
-    agree = 0
-    for a, b in zip(tokens, bf16_tokens):
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        agree += n
-    fraction = agree / sum(len(b) for b in bf16_tokens)
+        outs = llm.generate(bf16_sequences, scored, use_tqdm=False)
+        assert pool_is_whole(llm)
+    n = GREEDY.max_tokens
+    ranks = [entry[token].rank for o in outs for token, entry in zip(o.prompt_token_ids[-n:], o.prompt_logprobs[-n:])]
+    fraction = sum(r == 1 for r in ranks) / len(ranks)
+    print(f"{kv}: {fraction:.3f} of greedy positions agree")
     assert fraction >= floor, fraction
 
 

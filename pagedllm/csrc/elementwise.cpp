@@ -147,13 +147,7 @@ int write_kv_cache(int cache_kind, const float* k, const float* v, int64_t ld, v
     write_kv(k, v, ld, static_cast<T*>(k_cache), static_cast<T*>(v_cache), slots, n, Hkv, D);
     return 0;
   };
-  switch (cache_kind) {
-    case PAGEDLLM_CACHE_F32: return run(static_cast<float*>(nullptr));
-    case PAGEDLLM_CACHE_BF16: return run(static_cast<uint16_t*>(nullptr));
-    case PAGEDLLM_CACHE_INT8: return run(static_cast<int8_t*>(nullptr));
-    case PAGEDLLM_CACHE_FP8: return run(static_cast<kv::E4M3*>(nullptr));
-    default: return -1;
-  }
+  return kv::with_cache_kind(cache_kind, run);
 }
 
 // out[r] = the first index of the largest of x[r, 0..n) (rows of stride n), as torch.argmax.

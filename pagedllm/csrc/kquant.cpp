@@ -145,13 +145,7 @@ int kquant_dequantize(int64_t type, const void* blocks, const int64_t* rows, int
     using F = decltype(f);
     par::parallel_for(R, [&](int64_t r) {
       const uint8_t* row = static_cast<const uint8_t*>(blocks) + (rows ? rows[r] : r) * rb;
-      for (int64_t u = 0; u < (K + UNIT - 1) / UNIT; ++u) {
-        const int chunks = int(std::min(UNIT, K - u * UNIT) / CHUNK);
-        const uint8_t* b = F::unit(row, u);
-        F32x16 ws, off;
-        F::scales(b, chunks, ws, off);
-        float wsa[16], offa[16];
-        store(wsa, ws), store(offa, off);
+      for_each_unit<F>(row, K, [&](int64_t u, int chunks, const uint8_t* b, const float* wsa, const float* offa) {
         for (int c = 0; c < chunks; ++c) {
           uint8_t q[64];
           store_u8x64(q, F::codes(b, c));
@@ -160,7 +154,7 @@ int kquant_dequantize(int64_t type, const void* blocks, const int64_t* rows, int
             store(out + r * K + u * UNIT + c * CHUNK + 16 * i, fma(v, set1(wsa[4 * c + i]), set1(offa[4 * c + i])));
           }
         }
-      }
+      });
     });
   });
   return 0;

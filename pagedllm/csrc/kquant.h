@@ -273,6 +273,22 @@ struct QuantizedX {
 // Rows of x per chunk whose codes fit in L2 while every weight row reads them.
 inline int64_t chunk_rows(int64_t kp) { return std::max<int64_t>(kGemmRowsKQ, 262144 / kp / kGemmRowsKQ * kGemmRowsKQ); }
 
+// fn(u, chunks, b, ws, off) for each unit u of a row of K weights in format F: its blocks b,
+// its whole chunks of CHUNK weights, and its 16 scales and offsets (weight = code * ws + off
+// per 16 weights) unpacked to float.
+template <class F, class Fn>
+inline void for_each_unit(const uint8_t* row, int64_t K, Fn&& fn) {
+  for (int64_t u = 0; u < (K + UNIT - 1) / UNIT; ++u) {
+    const int chunks = int(std::min(UNIT, K - u * UNIT) / CHUNK);
+    const uint8_t* b = F::unit(row, u);
+    F32x16 ws, off;
+    F::scales(b, chunks, ws, off);
+    float wa[16], oa[16];
+    store(wa, ws), store(oa, off);
+    fn(u, chunks, b, static_cast<const float*>(wa), static_cast<const float*>(oa));
+  }
+}
+
 // Rows [0, nrows) (nrows <= PANEL) of a weight in format F (row stride rb bytes, K weights)
 // decoded for the prefill GEMM's tiles (gemm.h): codes [K/4][PANEL][4], row n's code of weight
 // k at (k / 4 * PANEL + n) * 4 + k % 4 (u8 codes, or Q8_0's s8); ws, off [K / 32 * kPieces][PANEL]
@@ -286,14 +302,7 @@ inline void decode_panel(const uint8_t* rows, int64_t rb, int64_t nrows, int64_t
   std::fill(ws, ws + K / 32 * F::kPieces * PANEL, 0.f);
   std::fill(off, off + K / 32 * F::kPieces * PANEL, 0.f);
   for (int64_t n = 0; n < nrows; ++n) {
-    const uint8_t* row = rows + n * rb;
-    for (int64_t u = 0; u < (K + UNIT - 1) / UNIT; ++u) {
-      const int chunks = int(std::min(UNIT, K - u * UNIT) / CHUNK);
-      const uint8_t* b = F::unit(row, u);
-      F32x16 w16, o16;
-      F::scales(b, chunks, w16, o16);
-      float wa[16], oa[16];
-      store(wa, w16), store(oa, o16);
+    for_each_unit<F>(rows + n * rb, K, [&](int64_t u, int chunks, const uint8_t* b, const float* wa, const float* oa) {
       for (int64_t i = 0; i < 2 * chunks * F::kPieces; ++i) {
         const int64_t j = i * (2 / F::kPieces);  // the piece's first 16-weight scale
         ws[(u * per_unit + i) * PANEL + n] = wa[j];
@@ -305,7 +314,7 @@ inline void decode_panel(const uint8_t* rows, int64_t rb, int64_t nrows, int64_t
         uint8_t* dst = codes + ((u * UNIT + c * CHUNK) / 4 * PANEL + n) * 4;
         for (int64_t i = 0; i < CHUNK / 4; ++i) std::memcpy(dst + i * PANEL * 4, q + 4 * i, 4);
       }
-    }
+    });
   }
 }
 

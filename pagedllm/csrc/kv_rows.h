@@ -59,6 +59,19 @@ inline vec::F32x16 load16_scaled(const T* p, float s) {
   else return load16(p);
 }
 
+// fn(static_cast<T*>(nullptr)) with T the element type of `cache_kind`'s rows
+// (PAGEDLLM_CACHE_*: float, bfloat16 bits, int8, E4M3); -1 for any other kind.
+template <typename Fn>
+inline int with_cache_kind(int cache_kind, Fn&& fn) {
+  switch (cache_kind) {
+    case PAGEDLLM_CACHE_F32: return fn(static_cast<float*>(nullptr));
+    case PAGEDLLM_CACHE_BF16: return fn(static_cast<uint16_t*>(nullptr));
+    case PAGEDLLM_CACHE_INT8: return fn(static_cast<int8_t*>(nullptr));
+    case PAGEDLLM_CACHE_FP8: return fn(static_cast<E4M3*>(nullptr));
+    default: return -1;
+  }
+}
+
 // float -> e4m3 rounded to nearest even, |y| saturated at 448 (y finite), as torch's
 // float8_e4m3fn conversion rounds.
 inline uint8_t encode_e4m3(float y) {

@@ -170,11 +170,5 @@ int paged_prefill_attention(int cache_kind, const float* q, int64_t ldq, const v
                                                            query_starts, query_lens, seq_lens, out, R, Hq, Hkv, D, BS,
                                                            scale, window);
   };
-  switch (cache_kind) {
-    case PAGEDLLM_CACHE_F32: return run(static_cast<float*>(nullptr));
-    case PAGEDLLM_CACHE_BF16: return run(static_cast<uint16_t*>(nullptr));
-    case PAGEDLLM_CACHE_INT8: return run(static_cast<int8_t*>(nullptr));
-    case PAGEDLLM_CACHE_FP8: return run(static_cast<kv::E4M3*>(nullptr));
-    default: return -1;
-  }
+  return kv::with_cache_kind(cache_kind, run);
 }
