@@ -96,21 +96,14 @@ def llm(base):
     engine.shutdown()
 
 
-def _pack(parts: list[tuple[torch.Tensor, torch.Tensor] | None], widths: list[int], dtype: torch.dtype):
-    """lora_sgmv's A.T [K, R16] and flat B.T blocks [r, width16] of one adapter's parts
-    ((A.T [K, r], B.T [r, width]) or None) in ``dtype``, and its ranks [MAX_PARTS]."""
-    from pagedllm.kernels.lora import MAX_PARTS
+def _pack(parts: list[tuple[torch.Tensor, torch.Tensor] | None], dtype: torch.dtype):
+    """lora_sgmv's A.T [K, R] and B.T blocks [r, width] of one adapter's parts ((A.T [K, r],
+    B.T [r, width]) or None) in panels, in ``dtype``, and its ranks [MAX_PARTS]."""
+    from pagedllm.kernels.lora import MAX_PARTS, to_panels
 
     used = [p for p in parts if p is not None]
-    k, rank = used[0][0].shape[0], sum(p[0].shape[1] for p in used)
-    a = torch.zeros(k, (rank + 15) // 16 * 16, dtype=dtype)
-    a[:, :rank] = torch.cat([p[0] for p in used], 1)
-    blocks = []
-    for p, w in zip(parts, widths, strict=True):
-        if p is not None:
-            block = torch.zeros(p[1].shape[0], (w + 15) // 16 * 16, dtype=dtype)
-            block[:, :w] = p[1]
-            blocks.append(block.flatten())
+    a = to_panels(torch.cat([p[0] for p in used], 1).to(dtype))
+    blocks = [to_panels(p[1].to(dtype)) for p in used]
     ranks = [0 if p is None else p[0].shape[1] for p in parts]
     return a, torch.cat(blocks), ranks + [0] * (MAX_PARTS - len(ranks))
 
@@ -131,7 +124,7 @@ def test_lora_kernel_matches_torch(runs: list[tuple[int, int, int]], dtype: torc
     shapes = [[8, 0, 19], [0, 0, 0], [3, 5, 0]]
     mats = [[None if r == 0 else (torch.randn(k, r).to(dtype), torch.randn(r, w).to(dtype))
              for r, w in zip(rs, widths, strict=True)] for rs in shapes]
-    packed = [_pack(m, widths, dtype) if any(m) else (torch.zeros(1), torch.zeros(1), [0, 0, 0]) for m in mats]
+    packed = [_pack(m, dtype) if any(m) else (torch.zeros(1), torch.zeros(1), [0, 0, 0]) for m in mats]
     x = torch.randn(t, 2 * k)[:, :k]
     y0 = torch.randn(t, sum(widths) + 3)[:, : sum(widths)]
 
@@ -379,6 +372,28 @@ def test_gguf_adapter_equals_its_peft_folder(llm, adapters, tmp_path) -> None:
     assert_pool_whole(llm.engine.core)
 
 
+def test_gguf_adapter_scale_is_alpha_over_rank_without_rslora(llm, adapters, tmp_path) -> None:
+    """A GGUF LoRA file has no rsLoRA flag: its adapter.lora.alpha is taken as llama.cpp takes
+    it, scale alpha / r. The rsLoRA adapter "qv_rslora" (r 4, alpha 8: PEFT's scale 8 / sqrt(4)
+    = 4) written with its alpha as llama.cpp's converter keeps it gets 8 / 4 = 2 and other
+    logprobs than its folder; written with alpha 8 sqrt(4) = 16 it gives the folder's exactly."""
+    folder = adapters["qv_rslora"][0]
+    kept = _write_gguf_adapter(tmp_path / "kept.gguf", folder, 8.0)
+    rescaled = _write_gguf_adapter(tmp_path / "rescaled.gguf", folder, 8.0 * math.sqrt(4))
+    outs = llm.generate([PROMPTS[1]] * 3, _greedy(), use_tqdm=False, lora_request=[
+        _lora(adapters, "qv_rslora"), LoRARequest("kept", 80, str(kept)), LoRARequest("rescaled", 81, str(rescaled)),
+    ])
+    folder_out, kept_out, rescaled_out = (o.outputs[0] for o in outs)
+
+    def logprobs(o) -> list[float]:
+        return [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids, strict=True)]
+
+    assert rescaled_out.token_ids == folder_out.token_ids
+    assert logprobs(rescaled_out) == logprobs(folder_out)
+    assert logprobs(kept_out) != logprobs(folder_out)
+    assert_pool_whole(llm.engine.core)
+
+
 def test_bfloat16_adapters_match_peft_with_bfloat16_weights(base, adapters) -> None:
     """lora_dtype bfloat16 keeps A and B rounded to bfloat16 (the test adapters' scales are
     powers of two, so rounding B before or after scaling is the same) and computes in float32:
@@ -461,6 +476,22 @@ def test_server_selects_adapters_by_model(server, llm, base, adapters) -> None:
         assert {c.model for c in chunks} == {model}
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="nope", prompt=PROMPTS[0], max_tokens=2)
+
+
+def test_server_chat_echoes_the_adapter_name(server, base) -> None:
+    """A chat completion's ``model`` (and each streamed chunk's) is the name asked for: the
+    base model's or an adapter's, as completions' is; adapters change the reply."""
+    _, path = base
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    messages = [{"role": "user", "content": "Say something."}]
+    replies = {}
+    for model in (str(path), "all", "qv"):
+        out = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0)
+        assert out.model == model
+        replies[model] = out.choices[0].message.content
+        chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=2, stream=True))
+        assert chunks and {c.model for c in chunks} == {model}
+    assert replies["all"] != replies[str(path)]
 
 
 def test_server_load_and_unload_while_streams_run(server, llm, base, adapters) -> None:

@@ -7,6 +7,10 @@
 // How: the tokens of a run go in micro-tiles of up to kTile, so that each load of A or B (and
 // its widening from bfloat16) feeds kTile tokens' FMAs, as the GEMMs' micro-tiles do; the
 // tiles are the thread team's items, each one's shrink and expands in one parallel region.
+// A and B come in panels of 16 columns (pagedllm_abi.h), so that a pass over one block of
+// accumulators reads its weights as one sequential stream: a step reads each adapter's A and B
+// once from memory, and the hardware prefetchers follow a sequential stream where they
+// followed strided rows of A^T and B^T badly (docs/benchmarks.md, "LoRA adapters").
 // Each token's arithmetic is the same whatever its tile (a fixed order over K and the rank):
 // results do not depend on the rest of the batch.
 #include <stdint.h>
@@ -29,20 +33,33 @@ constexpr int kTile = 4;                 // tokens of one run per micro-tile
 constexpr int kWide = kF32Regs >= 32 ? 4 : 1;
 constexpr int64_t kH = PAGEDLLM_LORA_MAX_RANK;  // a token's row of shrunk values
 
+constexpr int64_t kAhead = 1024;  // bytes of A or B prefetched ahead of the loads
+
+// Each 16-column row of A or B is loaded with a prefetch of the row kAhead bytes further on
+// in its panel stream: the hardware prefetchers stop at each 4 KiB page.
+template <typename W>
+inline void prefetch_ahead(const W* p) {
+  __builtin_prefetch(reinterpret_cast<const char*>(p) + kAhead);
+}
+
 inline F32x16 load_w(const float* p) { return load(p); }
 inline F32x16 load_w(const uint16_t* p) { return load_bf16(p); }
 
 int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
-// h[t][16 c] for the tile's T tokens and C chunks of 16 ranks: x[t] (K) times a (K rows, stride lda).
+// h[t][16 c] for the tile's T tokens and C chunks of 16 ranks: x[t] (K) times a (C panels
+// [K, 16], one after another).
 template <int T, int C, typename W>
-void shrink_pass(const float* x, int64_t ldx, const W* a, int64_t lda, int64_t K, float* h) {
+void shrink_pass(const float* x, int64_t ldx, const W* a, int64_t K, float* h) {
   F32x16 acc[T][C];
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < C; ++c) acc[t][c] = zero();
   for (int64_t k = 0; k < K; ++k) {
     F32x16 w[C];
-    for (int c = 0; c < C; ++c) w[c] = load_w(a + k * lda + 16 * c);
+    for (int c = 0; c < C; ++c) {
+      prefetch_ahead(a + (c * K + k) * 16);
+      w[c] = load_w(a + (c * K + k) * 16);
+    }
     for (int t = 0; t < T; ++t) {
       const F32x16 xt = set1(x[t * ldx + k]);
       for (int c = 0; c < C; ++c) acc[t][c] = fma(xt, w[c], acc[t][c]);
@@ -52,15 +69,20 @@ void shrink_pass(const float* x, int64_t ldx, const W* a, int64_t lda, int64_t K
     for (int c = 0; c < C; ++c) store(h + t * kH + 16 * c, acc[t][c]);
 }
 
-// y[t][16 v] (V vectors from column n of N) += h[t][:r] b (r rows, stride ldb).
+// y[t][16 v] (V vectors from column n of N) += h[t][:r] b (the part's panels [r, 16], one
+// after another).
 template <int T, int V, typename W>
-void expand_pass(const float* h, const W* b, int64_t ldb, int64_t r, float* y, int64_t ldy, int64_t n, int64_t N) {
+void expand_pass(const float* h, const W* b, int64_t r, float* y, int64_t ldy, int64_t n, int64_t N) {
   F32x16 acc[T][V];
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < V; ++v) acc[t][v] = load_first(y + t * ldy + n + 16 * v, N - n - 16 * v);
+  const W* panel = b + n * r;  // panel n / 16 starts at (n / 16) r 16
   for (int64_t j = 0; j < r; ++j) {
     F32x16 w[V];
-    for (int v = 0; v < V; ++v) w[v] = load_w(b + j * ldb + n + 16 * v);
+    for (int v = 0; v < V; ++v) {
+      prefetch_ahead(panel + (v * r + j) * 16);
+      w[v] = load_w(panel + (v * r + j) * 16);
+    }
     for (int t = 0; t < T; ++t) {
       const F32x16 ht = set1(h[t * kH + j]);
       for (int v = 0; v < V; ++v) acc[t][v] = fma(ht, w[v], acc[t][v]);
@@ -85,26 +107,26 @@ template <int T, typename W>
 void tile(const Call& c, const float* x, float* y, const W* a, const W* b, const int64_t* ranks) {
   int64_t R = 0;
   for (int64_t p = 0; p < c.num_parts; ++p) R += ranks[p];
-  const int64_t lda = round16(R), chunks = lda / 16;
+  const int64_t chunks = round16(R) / 16;
   alignas(64) float h[T * kH];
   for (int64_t c0 = 0; c0 < chunks; c0 += kWide) {
-    const W* a0 = a + 16 * c0;
+    const W* a0 = a + 16 * c0 * c.K;
     float* h0 = h + 16 * c0;
     switch (std::min<int64_t>(kWide, chunks - c0)) {
-      case 1: shrink_pass<T, 1>(x, c.ldx, a0, lda, c.K, h0); break;
-      case 2: shrink_pass<T, 2>(x, c.ldx, a0, lda, c.K, h0); break;
-      case 3: shrink_pass<T, 3>(x, c.ldx, a0, lda, c.K, h0); break;
-      default: shrink_pass<T, 4>(x, c.ldx, a0, lda, c.K, h0);
+      case 1: shrink_pass<T, 1>(x, c.ldx, a0, c.K, h0); break;
+      case 2: shrink_pass<T, 2>(x, c.ldx, a0, c.K, h0); break;
+      case 3: shrink_pass<T, 3>(x, c.ldx, a0, c.K, h0); break;
+      default: shrink_pass<T, 4>(x, c.ldx, a0, c.K, h0);
     }
   }
   int64_t r0 = 0, n0 = 0;
   for (int64_t p = 0; p < c.num_parts; ++p) {
-    const int64_t r = ranks[p], N = c.widths[p], ldb = round16(N);
+    const int64_t r = ranks[p], N = c.widths[p], N16 = round16(N);
     if (r > 0) {
       int64_t n = 0;
-      for (; n + 16 * kWide <= ldb; n += 16 * kWide) expand_pass<T, kWide>(h + r0, b, ldb, r, y + n0, c.ldy, n, N);
-      for (; n < ldb; n += 16) expand_pass<T, 1>(h + r0, b, ldb, r, y + n0, c.ldy, n, N);
-      b += r * ldb;
+      for (; n + 16 * kWide <= N16; n += 16 * kWide) expand_pass<T, kWide>(h + r0, b, r, y + n0, c.ldy, n, N);
+      for (; n < N16; n += 16) expand_pass<T, 1>(h + r0, b, r, y + n0, c.ldy, n, N);
+      b += r * N16;
     }
     r0 += r;
     n0 += N;

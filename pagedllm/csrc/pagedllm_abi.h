@@ -282,10 +282,11 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
  * x, stride ldx, K inputs; rows of y, stride ldy): y[t] += (x[t] A_s^T) B_s^T, where y's
  * outputs are num_parts parts of part_widths[p] columns each, one after another, and segment
  * s's part p has rank r = ranks[s PAGEDLLM_LORA_MAX_PARTS + p] (0: that part gets nothing).
- * a[s]: the address of A_s^T [K, R16], row-major, R the summed rank and R16 it rounded up to
- * 16: the parts' rank columns in order, those past R read but unused. b[s]: the address of
- * each part's B^T [r, N16] (N16: its width rounded up to 16, the columns past it read but
- * unused), the parts of rank > 0 one after another. dtype: A and B's element type,
+ * a[s]: the address of A_s^T [K, R16] in panels of 16 columns ([R16 / 16, K, 16], each panel
+ * row-major), R the summed rank and R16 it rounded up to 16: the parts' rank columns in
+ * order, those past R read but unused. b[s]: the address of each part's B^T [r, N16] in
+ * panels of 16 columns ([N16 / 16, r, 16]; N16: its width rounded up to 16, the columns past
+ * it read but unused), the parts of rank > 0 one after another. dtype: A and B's element type,
  * PAGEDLLM_LORA_F32 or PAGEDLLM_LORA_BF16 (bfloat16 bits, widened exactly; the arithmetic is
  * float32). Returns -1 (nothing written) for a part count outside [1,
  * PAGEDLLM_LORA_MAX_PARTS], a negative width, a rank below 0 or a summed rank above

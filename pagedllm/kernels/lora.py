@@ -13,6 +13,21 @@ MAX_PARTS = abi.CONSTANTS["PAGEDLLM_LORA_MAX_PARTS"]
 DTYPE_CODES = {torch.float32: abi.CONSTANTS["PAGEDLLM_LORA_F32"], torch.bfloat16: abi.CONSTANTS["PAGEDLLM_LORA_BF16"]}
 
 
+def to_panels(m: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] -> lora_sgmv's layout of an A.T or a part's B.T, flat and contiguous: the
+    columns zero-padded to cols16 (a multiple of 16), cut into panels of 16 columns, panel
+    after panel ([cols16 / 16, rows, 16]); m's dtype."""
+    rows, cols = m.shape
+    padded = m.new_zeros(rows, (cols + 15) // 16 * 16)
+    padded[:, :cols] = m
+    return padded.view(rows, -1, 16).transpose(0, 1).contiguous().flatten()
+
+
+def from_panels(flat: torch.Tensor, rows: int) -> torch.Tensor:
+    """``to_panels``' inverse: [rows, cols16], the padding columns included (a copy)."""
+    return flat.view(-1, rows, 16).transpose(0, 1).reshape(rows, -1)
+
+
 def lora_sgmv(
     x: torch.Tensor, y: torch.Tensor, part_widths: torch.Tensor, segments: torch.Tensor, a: torch.Tensor,
     b: torch.Tensor, ranks: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -24,10 +39,10 @@ def lora_sgmv(
         y: [T, N] float32, the same; written in place; its N columns are P parts.
         part_widths: [P] int64, P in [1, MAX_PARTS]: each part's columns, summing to N.
         segments: [S, 2] int64 contiguous: run s is tokens [start, stop).
-        a, b: [S] int64: addresses of run s's A.T [K, R16] (the parts' rank columns in order,
-            R their sum, up to R16 = R rounded up to 16 read but unused) and of each part's
-            B.T [r, width rounded up to 16] (parts of rank 0 left out), one after another; in
-            ``dtype``, contiguous (the caller keeps them alive).
+        a, b: [S] int64: addresses of run s's A.T [K, R] (the parts' rank columns in order,
+            R their sum) and of each part's B.T [r, width] (parts of rank 0 left out), one
+            after another, each as ``to_panels`` lays it out; in ``dtype`` (the caller keeps
+            them alive).
         ranks: [S, MAX_PARTS] int64: run s's rank of each part (0: nothing added to it; entries
             past P ignored), summing to at most MAX_RANK.
         dtype: A and B's element type, a key of ``DTYPE_CODES``; the arithmetic is float32.

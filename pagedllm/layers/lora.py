@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import library
-from pagedllm.kernels.lora import MAX_PARTS, MAX_RANK, lora_sgmv
+from pagedllm.kernels.lora import MAX_PARTS, MAX_RANK, from_panels, lora_sgmv, to_panels
 
 
 @dataclass
@@ -50,8 +50,8 @@ class LoRABatch:
 
 @dataclass
 class _LayerAdapter:
-    a_t: torch.Tensor  # [in_features, R16]: the parts' A stacked, R their summed rank, zero columns up to R16
-    b_t: torch.Tensor  # each part's B.T [r, its out_features rounded up to 16] (zero-padded), flat, in order
+    a_t: torch.Tensor  # the parts' A stacked, transposed ([in_features, R], R their summed rank), in panels
+    b_t: torch.Tensor  # each part's B.T [r, its out_features] in panels, one after another (kernels.lora.to_panels)
     ranks: tuple[int, ...]  # each part's rank (0: the part is not updated), MAX_PARTS entries
 
 
@@ -98,14 +98,11 @@ class LoRALinear(nn.Module):
             if b.shape != (stop - start, a.shape[0]):
                 raise ValueError(f"part {index}: B is {list(b.shape)}, expected {[stop - start, a.shape[0]]}")
             ranks[index] = a.shape[0]
-            block = torch.zeros(a.shape[0], _round16(stop - start), dtype=dtype)
-            block[:, : stop - start] = b.t()
-            blocks.append(block.flatten())
+            blocks.append(to_panels(b.t().to(dtype)))
         rank = sum(ranks)
         if rank > MAX_RANK:
             raise ValueError(f"the summed rank {rank} of this layer's parts exceeds {MAX_RANK}")
-        a_t = torch.zeros(parts[min(parts)][0].shape[1], _round16(rank), dtype=dtype)
-        a_t[:, :rank] = torch.cat([parts[i][0] for i in sorted(parts)]).t()
+        a_t = to_panels(torch.cat([parts[i][0] for i in sorted(parts)]).t().to(dtype))
         self.adapters[adapter_id] = _LayerAdapter(a_t, torch.cat(blocks), tuple(ranks))
         self._native_args = None
 
@@ -126,12 +123,12 @@ class LoRALinear(nn.Module):
             layer = self.adapters.get(adapter_id)
             if layer is None:  # the adapter leaves this layer alone
                 continue
-            h = x[start:stop] @ layer.a_t.to(x.dtype)
+            h = x[start:stop] @ from_panels(layer.a_t, x.shape[-1]).to(x.dtype)
             r0 = b0 = 0
             for (p0, p1), r in zip(self.part_slices, layer.ranks, strict=False):
                 if r:
                     width = _round16(p1 - p0)
-                    b = layer.b_t[b0 : b0 + r * width].view(r, width)[:, : p1 - p0]
+                    b = from_panels(layer.b_t[b0 : b0 + r * width], r)[:, : p1 - p0]
                     y[start:stop, p0:p1].addmm_(h[:, r0 : r0 + r], b.to(x.dtype))
                     b0 += r * width
                 r0 += r

@@ -120,7 +120,9 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
     ``adapter.type`` "lora", ``adapter.lora.alpha``; per projection
     ``blk.{i}.{attn_q|...}.weight.lora_a`` [r, in_features] and ``.lora_b`` [out_features, r],
     the q/k rows in llama.cpp's order where its converter permutes them; scale ``alpha / r``
-    as llama.cpp applies it, 1 where alpha is 0 or missing).
+    as llama.cpp applies it, 1 where alpha is 0 or missing. The file carries no rsLoRA flag:
+    the converter writes PEFT's ``lora_alpha`` as it is and drops ``use_rslora``, so an
+    rsLoRA adapter's ``alpha / sqrt(r)`` is had from a file whose alpha is ``alpha sqrt(r)``).
 
     Returns:
         The adapter, its B matrices scaled, in float32.
