@@ -518,14 +518,34 @@ def test_int8_gemms_exact_at_the_largest_codes(sign, native_isa) -> None:
     """Every product at its largest: 4-bit codes 15 (int8 weight codes 127) against activation
     codes all 127 of one sign (x = +-127: scale 1): no partial sum overflows on any ISA (AVX2
     adds a group's 4-bit products in int16), so y is exact, at K = 256 and 96 and M = 5."""
-    for k in (256, 96):
-        m, n, groups = 5, 40, k // 32
+    for k, m in ((256, 5), (96, 5), (96, 33), (100, 35)):  # 33, 35 rows: AVX2's int16 tile (from 32 rows)
+        n, groups = 40, -(-k // 32)
         x = torch.full((m, k), sign * 127)
         codes = torch.full((n, k), 15, dtype=torch.uint8)
         q4 = linear_kernels.linear_pack_q4a8(codes, torch.ones(n, groups), torch.zeros(n, groups))
         assert torch.equal(linear_kernels.linear_q4a8(x, q4, None, n), torch.full((m, n), sign * 15 * 127 * k))
         w8 = linear_kernels.linear_pack_w8a8(torch.full((n, k), 127.0))
         assert torch.equal(linear_kernels.linear_w8a8(x, w8, None, n), torch.full((m, n), sign * 127 * 127 * k))
+
+
+@pytest.mark.parametrize("k", [96, 577])
+def test_w8a8_rows_do_not_depend_on_the_batch(k, native_isa) -> None:
+    """Each row of a w8a8 GEMM equals that row computed alone, bit for bit: at 1-31 rows AVX2
+    runs the int8 tile, from 32 rows the int16 one on widened panels (K ragged against its
+    pairs and groups, tails of 1 row, codes of both signs up to 127); both sums are exact and
+    scaled in the same order."""
+    gen = torch.Generator().manual_seed(k)
+    n, m = 70, 37
+    w = torch.randn(n, k, generator=gen)
+    w[:, 5] = 50.0  # codes of +-127 in that group
+    w[::2, 6] = -50.0
+    packed = linear_kernels.linear_pack_w8a8(w)
+    x = torch.randn(m, k, generator=gen)
+    x[:, 7] = torch.where(torch.arange(m) % 2 == 0, 40.0, -40.0)
+    batch = linear_kernels.linear_w8a8(x, packed, None, n)
+    for i in range(m):
+        assert torch.equal(batch[i : i + 1], linear_kernels.linear_w8a8(x[i : i + 1], packed, None, n)), i
+    assert torch.equal(batch[:31], linear_kernels.linear_w8a8(x[:31], packed, None, n))
 
 
 def test_w4a8_takes_gguf_q4_blocks_as_stored(native_isa) -> None:

@@ -62,6 +62,18 @@ inline void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K,
   store<R>(acc, y, ldy, ncols);
 }
 
+// out[r] += xscale[r * G] * wscale * acc[r] (one group's int32 sums of R rows x 32 columns).
+template <int R>
+inline void add_scaled(F32x16 (&out)[R][2], const I32x16 (&acc)[R][2], const float* wscale, const float* xscale,
+                       int64_t G) {
+  const F32x16 d0 = load(wscale), d1 = load(wscale + 16);
+  for (int r = 0; r < R; ++r) {
+    const F32x16 s = set1(xscale[r * G]);
+    out[r][0] = fma(to_f32(acc[r][0]), mul(d0, s), out[r][0]);
+    out[r][1] = fma(to_f32(acc[r][1]), mul(d1, s), out[r][1]);
+  }
+}
+
 // x: R rows of kq quads of codes (store_codes; stride ldx, in int32), groups of QG/4 quads; xscale: R rows
 // of G scales (stride G); panel: [kq][32][4] int8; wscale, wsum128: [G][32].
 // y[r, n] = sum_g xscale[r, g] * wscale[g, n] * (sum_k x w) + bias[n].
@@ -87,12 +99,43 @@ inline void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const 
         acc[r][1] = dot(acc[r][1], a, w + 2 * NB);
       }
     }
-    const F32x16 d0 = load(wscale + g * NB), d1 = load(wscale + g * NB + 16);
-    for (int r = 0; r < R; ++r) {
-      const F32x16 s = set1(xscale[r * G + g]);
-      out[r][0] = fma(to_f32(acc[r][0]), mul(d0, s), out[r][0]);
-      out[r][1] = fma(to_f32(acc[r][1]), mul(d1, s), out[r][1]);
+    add_scaled<R>(out, acc, wscale + g * NB, xscale + g, G);
+  }
+  store<R>(out, y, ldy, ncols);
+}
+
+// A panel's int8 codes widened for tile_w8a8_wide: kq quads of [32][4] (linear_pack_w8a8's
+// panel) -> 2 kq pairs of [32][2] int16 (pair 2 q + h holds k = 4 q + 2 h and 4 q + 2 h + 1).
+inline void widen_panel(const int8_t* packed, int64_t kq, int16_t* wide) {
+  for (int64_t q = 0; q < kq; ++q)
+    for (int h = 0; h < 2; ++h)
+      for (int64_t c = 0; c < NB; ++c)
+        for (int j = 0; j < 2; ++j) wide[((2 * q + h) * NB + c) * 2 + j] = packed[(q * NB + c) * 4 + 2 * h + j];
+}
+
+// tile_w8a8 for ISAs with kGemmRowsI8Wide > 0: x as R rows of 2 kq pairs of int16 codes
+// (quantize_rows' kWide; stride ldx, in int32), panel as widen_panel's; the same y, the same
+// int32 sums (exact) scaled in the same order.
+template <int R>
+inline void tile_w8a8_wide(const int32_t* x, int64_t ldx, const float* xscale, const int16_t* panel, int64_t G,
+                           const float* wscale, const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  constexpr int64_t pairs = QG / 2;
+  F32x16 out[R][2];
+  init<R>(out, bias);
+  for (int64_t g = 0; g < G; ++g) {
+    I32x16 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero_i32();
+    const int16_t* pg = panel + g * pairs * 2 * NB;
+    __builtin_prefetch(pg + 2 * pairs * 2 * NB);
+    for (int64_t k = 0; k < pairs; ++k) {
+      const auto w0 = dot_wide_load(pg + k * 2 * NB), w1 = dot_wide_load(pg + k * 2 * NB + NB);
+      for (int r = 0; r < R; ++r) {
+        const auto a = dot_wide_prepare(x + r * ldx + g * pairs + k);
+        acc[r][0] = dot_wide(acc[r][0], a, w0);
+        acc[r][1] = dot_wide(acc[r][1], a, w1);
+      }
     }
+    add_scaled<R>(out, acc, wscale + g * NB, xscale + g, G);
   }
   store<R>(out, y, ldy, ncols);
 }
@@ -135,15 +178,17 @@ static_assert(QG == 32, "vec.h's quantize_group quantizes activations in groups 
 // kSums (w4a8, llama.cpp's Q8_1; tile_q4a8's and tile_u8a8's input) also sum [M][G] = scale *
 // the group's code sum and the codes as plain s8, else (w8a8, Q8_0; tile_w8a8's input) in the
 // encoding the vector layer's dot product takes; with kSums16 as well sum16 [M][2G], the same
-// per half group (tile_u8a8's input for 16-weight scales).
+// per half group (tile_u8a8's input for 16-weight scales); with kWide instead the codes as int16
+// ([M][2 kq] in int32: tile_w8a8_wide's input).
 struct QuantizedRows {
   std::vector<int32_t> codes;
   std::vector<float> scale, sum, sum16;
 };
-template <bool kSums, bool kSums16 = false>
+template <bool kSums, bool kSums16 = false, bool kWide = false>
 inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K) {
   static_assert(kSums || !kSums16, "half-group sums go with the plain s8 codes");
-  const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
+  static_assert(!(kSums && kWide), "int16 codes are w8a8's");
+  const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4 * (kWide ? 2 : 1);  // kq: a row's int32
   QuantizedRows q{std::vector<int32_t>(static_cast<size_t>(M * kq)), std::vector<float>(static_cast<size_t>(M * G)),
                   std::vector<float>(kSums ? static_cast<size_t>(M * G) : 0),
                   std::vector<float>(kSums16 ? static_cast<size_t>(2 * M * G) : 0)};
@@ -161,6 +206,11 @@ inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64
           q.sum16[2 * (m * G + g)] = c.scale * reduce_add(to_f32(c.lo));
           q.sum16[2 * (m * G + g) + 1] = c.scale * reduce_add(to_f32(c.hi));
         }
+      } else if constexpr (kWide) {
+        int8_t s8[QG];
+        store_i8(s8, c.lo);
+        store_i8(s8 + 16, c.hi);
+        std::copy(s8, s8 + QG, reinterpret_cast<int16_t*>(q.codes.data() + m * kq) + g * QG);
       } else {
         store_codes(row + g * QG, c.lo);
         store_codes(row + g * QG + 16, c.hi);

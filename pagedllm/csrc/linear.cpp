@@ -14,12 +14,16 @@
 //   [32] each: 0.625 bytes per weight, against w8a8's 1.25, for batches bound by memory.
 // A micro-tile (gemm.h, shared with moe.cpp) keeps R rows x 32 columns of y in registers while
 // it walks K once (R per ISA: vec::kGemmRows*); every row takes the same instructions in the
-// same order whatever M is, so a row's result does not depend on the rest of the batch.
+// same order whatever M is, so a row's result does not depend on the rest of the batch. On AVX2
+// (and the scalar reference) w8a8 from kWideRows rows runs another tile on int16 codes
+// (tile_w8a8_wide): its int32 sums are exact too and scaled in the same order, so a row's
+// result is still the same bit for bit.
 // Threads split the panels.
 #include <stdint.h>
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 
 #include "gemm.h"
 #include "pagedllm_abi.h"
@@ -35,6 +39,33 @@ template <typename F>
 void for_panels(int64_t N, const float* bias, F f) {
   const int64_t panels = (N + NB - 1) / NB;
   par::parallel_for(panels, [&](int64_t p) { f(p, N - p * NB < NB ? N - p * NB : NB, bias ? bias + p * NB : nullptr); });
+}
+
+// From this many rows linear_w8a8 widens each weight panel to int16 once per chunk of rows
+// and runs tile_w8a8_wide (ISAs with kGemmRowsI8Wide > 0); below, widening the panels costs
+// more than the faster tile saves (docs/benchmarks.md, "Int8 prefill GEMMs").
+constexpr int64_t kWideRows = 32;
+
+// linear_w8a8 on int16 codes: x quantized as there, stored as int16; per chunk of rows and
+// panel, the panel widened once (widen_panel) for all the chunk's tiles of MR rows (a template
+// so that ISAs without the int16 tile never instantiate it).
+template <int MR>
+void linear_w8a8_wide(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const float* bias,
+                      float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
+  const QuantizedRows xq = quantize_rows<false, false, true>(x, ldx, M, K);
+  const int64_t chunk = chunk_rows_i8(2 * kq);  // codes twice as wide
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
+      const std::unique_ptr<int16_t[]> wide(new int16_t[kq * 4 * NB]);
+      widen_panel(packed + p * kq * 4 * NB, kq, wide.get());
+      panel_rows<MR>(rows, [&](auto r, int64_t m) {
+        tile_w8a8_wide<decltype(r)::value>(xq.codes.data() + (m0 + m) * 2 * kq, 2 * kq, xq.scale.data() + (m0 + m) * G,
+                                           wide.get(), G, wscale + p * G * NB, b, y + (m0 + m) * N + p * NB, N, ncols);
+      });
+    });
+  }
 }
 
 }  // namespace
@@ -83,6 +114,9 @@ void linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* ws
 void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const int32_t* wsum128,
                  const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
+  if constexpr (kGemmRowsI8Wide > 0) {
+    if (M >= kWideRows) return linear_w8a8_wide<kGemmRowsI8Wide>(x, ldx, packed, wscale, bias, y, M, N, K);
+  }
   const QuantizedRows xq = quantize_rows<false>(x, ldx, M, K);
   // Rows in chunks whose codes fit in L2, each chunk over all panels (as linear_f32).
   const int64_t chunk = chunk_rows_i8(kq);

@@ -17,6 +17,7 @@ inline constexpr const char* kName = "avx2";
 inline constexpr int kF32Regs = 8;
 inline constexpr int kGemmRowsF32 = 3;  // 12 ymm accumulators; weights come from L1 as FMA operands
 inline constexpr int kGemmRowsI8 = 2;
+inline constexpr int kGemmRowsI8Wide = 2;  // 8 int32 accumulators + 4 weight registers
 inline constexpr int kGemmRowsQ4 = 2;  // 8 int16 accumulators; the 8 float32 ones wait in L1 between groups
 inline constexpr int kGemmRowsKQ = 2;
 
@@ -161,6 +162,31 @@ inline __m256i dot8(__m256i acc, const DotX& x, const int8_t* w) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x.ax, sw), _mm256_set1_epi16(1)));
 }
 inline I32x16 dot(I32x16 acc, const DotX& x, const int8_t* w) { return {dot8(acc.lo, x, w), dot8(acc.hi, x, w + 32)}; }
+
+// The w8a8 GEMM's prefill tile on int16 codes: vpmaddwd takes two signed operands (no sign
+// trick), 16 exact multiply-adds per instruction against dot's 32 for three multiplier-pipe
+// instructions (vpsignb, vpmaddubsw, vpmaddwd). Both steps are pinned: GCC otherwise folds the
+// weight loads into every row's vpmaddwd (loads, not multiplies, then bound the tile) and
+// copies the accumulators around after each add.
+struct DotWX { __m256i x; };  // a pair of int16 codes, in every int32 lane
+inline DotWX dot_wide_prepare(const int32_t* pair) { return {_mm256_set1_epi32(*pair)}; }
+struct WideW { __m256i lo, hi; };  // 16 columns' pairs of int16 weights, loaded once for every row
+inline WideW dot_wide_load(const int16_t* w) {
+  __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
+  __asm__("" : "+x"(lo), "+x"(hi));
+  return {lo, hi};
+}
+inline I32x16 dot_wide(I32x16 acc, DotWX x, WideW w) {  // acc[l] += x0 w[2 l] + x1 w[2 l + 1]
+  __m256i t;
+  __asm__("vpmaddwd %[x], %[wl], %[t]\n\t"
+          "vpaddd %[t], %[al], %[al]\n\t"
+          "vpmaddwd %[x], %[wh], %[t]\n\t"
+          "vpaddd %[t], %[ah], %[ah]"
+          : [al] "+x"(acc.lo), [ah] "+x"(acc.hi), [t] "=&x"(t)
+          : [x] "x"(x.x), [wl] "x"(w.lo), [wh] "x"(w.hi));
+  return acc;
+}
 
 inline void store_i8(int8_t* p, I32x16 a) { store_codes(p, a); }  // codes are plain s8 here
 struct Q4W { __m256i lo0, lo1, hi0, hi1; };  // columns 0-7, 8-15, 16-23, 24-31

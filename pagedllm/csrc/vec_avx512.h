@@ -15,11 +15,17 @@ inline constexpr const char* kName = "avx512";
 inline constexpr int kF32Regs = 32;     // F32x16 values that fit in the register file
 inline constexpr int kGemmRowsF32 = 12;  // rows of a float32 GEMM micro-tile (24 accumulators)
 inline constexpr int kGemmRowsI8 = 4;    // rows of a w8a8 micro-tile (8 int32 + 8 float32 accumulators)
+inline constexpr int kGemmRowsI8Wide = 0;  // no int16 prefill tile: VNNI, or the masked sign trick, at every M
 inline constexpr int kGemmRowsQ4 = 4;    // rows of a w4a8 micro-tile (the same accumulators + 2 weight registers)
 inline constexpr int kGemmRowsKQ = 4;    // activation rows per K-quant tile (4 accumulators + 4 scale registers)
 
 struct F32x16 { __m512 v; };
 struct I32x16 { __m512i v; };
+struct DotWX;  // declared for gemm.h's tile_w8a8_wide, which is never instantiated here
+struct WideW;
+DotWX dot_wide_prepare(const int32_t* pair);
+WideW dot_wide_load(const int16_t* w);
+I32x16 dot_wide(I32x16 acc, const DotWX& x, WideW w);
 struct M16 { __mmask16 m; };
 
 inline F32x16 zero() { return {_mm512_setzero_ps()}; }

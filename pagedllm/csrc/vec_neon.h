@@ -15,11 +15,17 @@ inline constexpr const char* kName = "neon";
 inline constexpr int kF32Regs = 8;
 inline constexpr int kGemmRowsF32 = 2;  // 16 accumulators + 8 weight registers of 32
 inline constexpr int kGemmRowsI8 = 2;
+inline constexpr int kGemmRowsI8Wide = 0;  // no int16 prefill tile: sdot, or widening multiplies, at every M
 inline constexpr int kGemmRowsQ4 = 2;
 inline constexpr int kGemmRowsKQ = 2;
 
 struct F32x16 { float32x4_t v[4]; };
 struct I32x16 { int32x4_t v[4]; };
+struct DotWX;  // declared for gemm.h's tile_w8a8_wide, which is never instantiated here
+struct WideW;
+DotWX dot_wide_prepare(const int32_t* pair);
+WideW dot_wide_load(const int16_t* w);
+I32x16 dot_wide(I32x16 acc, const DotWX& x, WideW w);
 struct M16 { uint32x4_t v[4]; };
 
 inline F32x16 zero() { return {{vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)}}; }

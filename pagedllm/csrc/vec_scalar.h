@@ -14,6 +14,7 @@ inline constexpr const char* kName = "scalar";
 inline constexpr int kF32Regs = 4;
 inline constexpr int kGemmRowsF32 = 4;
 inline constexpr int kGemmRowsI8 = 2;
+inline constexpr int kGemmRowsI8Wide = 2;
 inline constexpr int kGemmRowsQ4 = 2;
 inline constexpr int kGemmRowsKQ = 2;
 
@@ -136,6 +137,19 @@ inline I32x16 dot_init(const int32_t*) { return I32x16{}; }
 inline I32x16 dot(I32x16 acc, const DotX& x, const int8_t* w) {
   for (int l = 0; l < 16; ++l)
     for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(x.x[j]) * w[4 * l + j];
+  return acc;
+}
+
+struct DotWX { int16_t x[2]; };
+inline DotWX dot_wide_prepare(const int32_t* pair) {
+  DotWX d;
+  std::memcpy(d.x, pair, 4);
+  return d;
+}
+struct WideW { const int16_t* w; };
+inline WideW dot_wide_load(const int16_t* w) { return {w}; }
+inline I32x16 dot_wide(I32x16 acc, const DotWX& x, WideW w) {
+  for (int l = 0; l < 16; ++l) acc.v[l] += int32_t(x.x[0]) * w.w[2 * l] + int32_t(x.x[1]) * w.w[2 * l + 1];
   return acc;
 }
 
