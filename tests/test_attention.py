@@ -106,12 +106,14 @@ def _cache_rows(values: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn],
                          ids=["f32", "bf16", "int8", "fp8"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_long_contexts_attended_in_pieces_match_dense(isa, cache_dtype, window):
+@pytest.mark.parametrize("h,hkv", [(6, 2), (2, 2), (14, 2), (8, 1)], ids=["g3", "g1", "g7", "g8"])
+def test_long_contexts_attended_in_pieces_match_dense(isa, cache_dtype, window, h, hkv):
     """Decode over contexts longer than one piece of the kernel's split (1024 positions):
-    lengths either side of the piece boundaries, 3 query heads per KV head, a window whose
-    start falls inside a piece and whose earlier blocks are holes (NaN: never read)."""
+    lengths either side of the piece boundaries, 1 to 8 query heads per KV head (the value
+    sum's register blocks differ with the group), a window whose start falls inside a piece
+    and whose earlier blocks are holes (NaN: never read)."""
     gen = torch.Generator().manual_seed(1)
-    block_size, hkv, h, d = 16, 2, 6, 64
+    block_size, d = 16, 64
     seq_lens = [1, 1023, 1024, 1025, 2047, 3001]
     blocks = [-(-s // block_size) for s in seq_lens]
     total = sum(blocks)

@@ -63,6 +63,55 @@ inline void tile_scores(const F32x16 (&q)[G][D / 16], const T* cache, const int6
   }
 }
 
+// How the weighted-value sum of a tile (a [G x 16] by [16 x D] product) keeps its
+// accumulators in registers, as a GEMM micro-kernel does: in blocks of kHeads query heads x
+// kCols vectors of the row, each block's accumulators loaded once per tile and every value
+// row's kCols vectors widened once per block. Where all G x D/16 fit (AVX-512) one block
+// holds them all; with 16 registers (AVX2, NEON) a block is the whole group over a part of
+// the row (G = 8: half the group), which would otherwise reload and store every accumulator
+// at every key.
+template <int D, int G>
+struct ValueBlocks {
+  static constexpr int kBudget = kF32Regs - 1;  // accumulators; one register for the value and weight
+  static constexpr int kCols = [] {
+    int c = 1;
+    while (2 * c * G <= kBudget && 2 * c <= D / 16) c *= 2;
+    return c;
+  }();
+  static constexpr int kHeads = [] {
+    const int blocks = (G * kCols + kBudget - 1) / kBudget;
+    return (G + blocks - 1) / blocks;
+  }();
+};
+
+// acc[g] += sum over keys s in [lo, hi) of p[g][s] * (value row at rows[s]), per element in
+// key order.
+template <int D, int G, typename T>
+inline void add_weighted_values(const T* v_cache, const int64_t* rows, int lo, int hi, const float (&p)[G][kTile],
+                                F32x16 (&acc)[G][D / 16]) {
+  using B = ValueBlocks<D, G>;
+  for (int c0 = 0; c0 < D / 16; c0 += B::kCols)
+    for (int g0 = 0; g0 < G; g0 += B::kHeads) {
+      constexpr int kH = B::kHeads, kC = B::kCols;
+      F32x16 a[kH][kC];
+      for (int g = 0; g < kH; ++g)
+        for (int c = 0; c < kC; ++c)
+          if (g0 + g < G) a[g][c] = acc[g0 + g][c0 + c];
+      for (int s = lo; s < hi; ++s) {
+        F32x16 v[kC];
+        for (int c = 0; c < kC; ++c) v[c] = kv::load16(v_cache + rows[s] + 16 * (c0 + c));
+        for (int g = 0; g < kH; ++g) {
+          if (g0 + g >= G) break;
+          const F32x16 w = set1(p[g0 + g][s]);
+          for (int c = 0; c < kC; ++c) a[g][c] = fma(w, v[c], a[g][c]);
+        }
+      }
+      for (int g = 0; g < kH; ++g)
+        for (int c = 0; c < kC; ++c)
+          if (g0 + g < G) acc[g0 + g][c0 + c] = a[g][c];
+    }
+}
+
 // Every line of each row of a tile: a head's rows are 128-256 byte pieces Hkv * D apart,
 // which the hardware prefetchers miss. Locality 3: into L1 (prefetcht0), 2: into L2 (t1).
 template <int Locality, int D, typename T>
@@ -84,7 +133,8 @@ constexpr int64_t kPiece = 1024;
 // One (request, KV head)'s attention over keys [first, end) of its block table: the G query
 // heads' running max (m, the same in every lane), lane-wise sums of weights (l) and
 // unnormalized weighted values (acc). G and D are compile-time constants, so a KV head's
-// queries and accumulators (G x D/16 vectors) stay in registers.
+// queries and accumulators are fixed arrays of G x D/16 vectors: in registers where they fit
+// (AVX-512), else the accumulators in register blocks per tile (ValueBlocks).
 template <int D, int G>
 struct Partial {
   F32x16 acc[G][D / 16], m[G], l[G];
@@ -154,28 +204,21 @@ inline void attend(const float* q, const T* k_cache, const T* v_cache, const int
     alignas(64) float p[G][kTile];
     for (int g = 0; g < G; ++g) {
       if constexpr (kv::kQuantized<T>) scores[g] = mul(scores[g], k_scales);
-      // m holds the same value in every lane.
-      const F32x16 mx = max(m[g], set1(reduce_max(select(valid, scores[g], m[g]))));
-      if (any(gt(mx, m[g]))) {  // a new running max: rescale the sums so far
+      // m holds the same value in every lane; the tile's max is taken only where it exceeds m.
+      const F32x16 in_range = select(valid, scores[g], m[g]);
+      if (any(gt(in_range, m[g]))) {  // a new running max: rescale the sums so far
+        const F32x16 mx = set1(reduce_max(in_range));
         const F32x16 corr = exp_nonpositive(sub(m[g], mx));  // 0 on the first tile
         l[g] = mul(l[g], corr);
         for (int c = 0; c < ND; ++c) acc[g][c] = mul(acc[g][c], corr);
         m[g] = mx;
       }
-      const F32x16 e = maskz(valid, exp_nonpositive(sub(scores[g], mx)));
+      const F32x16 e = maskz(valid, exp_nonpositive(sub(scores[g], m[g])));
       l[g] = add(l[g], e);
       if constexpr (kv::kQuantized<T>) store(p[g], mul(e, v_scales));
       else store(p[g], e);
     }
-    // Weighted values.
-    for (int s = lo; s < hi; ++s) {
-      F32x16 v[ND];
-      load_row<D>(v_cache + cur[s], v);
-      for (int g = 0; g < G; ++g) {
-        const F32x16 w = set1(p[g][s]);
-        for (int c = 0; c < ND; ++c) acc[g][c] = fma(w, v[c], acc[g][c]);
-      }
-    }
+    add_weighted_values<D, G>(v_cache, cur, lo, hi, p, acc);
   }
   for (int g = 0; g < G; ++g) {
     r.m[g] = m[g];
