@@ -1,0 +1,100 @@
+"""``pagedllm bench attention``: the decode attention kernel alone at long contexts.
+
+For each model shape (``--shapes``: query heads, K/V heads and head size of a real model),
+context length (``--context-lens``), batch size (``--batch-sizes``) and K/V cache dtype
+(``--kv-cache-dtypes``), one call of ``kernels.attention.paged_decode_attention``: every
+request attends to that many keys through a block table of randomly placed blocks (as a
+long-running server's pool ends up), the cache holding random rows (the speed does not depend
+on the values). Printed per call: milliseconds, the K/V bytes read per millisecond (GB/s) and
+the multiply-adds of q.K and p.V (2 x heads x keys x head size per request) as GFLOP/s. Time
+is the process's CPU time (at one thread, the time it actually ran: robust to other processes
+on shared cores), the best of ``--repeats``, the dtypes interleaved in every repeat so that a
+busy moment hits them alike. Threads: ``--threads`` (default 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from pagedllm.bench.gemm import MODEL_SHAPES
+
+_DTYPES = ("bfloat16", "int8", "fp8", "float32")
+_BLOCK_SIZE = 16
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b", help=f"comma list of {', '.join(MODEL_SHAPES)}")
+    parser.add_argument("--context-lens", default="4096,16384", help="comma list of keys per request")
+    parser.add_argument("--batch-sizes", default="1,8", help="comma list of requests per call")
+    parser.add_argument("--kv-cache-dtypes", default="bfloat16,int8", help=f"comma list of {', '.join(_DTYPES)}")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+
+
+def _case(model: str, context: int, batch: int, dtypes: list[str], gen) -> tuple[dict, int, dict[str, int]]:
+    """(dtype -> fn() running one decode attention call, multiply-adds x 2 per call, dtype ->
+    K/V bytes read per call) for ``batch`` requests of ``context`` keys in ``model``'s shape."""
+    import torch
+
+    from pagedllm.core.kv_cache_config import kv_row_width
+    from pagedllm.kernels.attention import paged_decode_attention
+
+    _, _, heads, kv_heads, head_dim = MODEL_SHAPES[model]
+    blocks_per_request = -(-context // _BLOCK_SIZE)
+    num_blocks = batch * blocks_per_request
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_request)
+    seq_lens = torch.full((batch,), context, dtype=torch.int64)
+    q = torch.randn(batch, heads, head_dim, generator=gen)
+    fns, bytes_read = {}, {}
+    for name in dtypes:
+        dtype = torch.float8_e4m3fn if name == "fp8" else getattr(torch, name)
+        row = kv_row_width(head_dim, dtype)
+        shape = (num_blocks, _BLOCK_SIZE, kv_heads, row)
+        if dtype in (torch.int8, torch.float8_e4m3fn):  # codes, then a positive float32 scale per row
+            caches = [torch.randint(-100, 100, shape, dtype=torch.int8, generator=gen) for _ in range(2)]
+            for c in caches:
+                c[..., head_dim:].view(torch.float32).copy_(torch.rand(*shape[:3], 1, generator=gen) * 0.01 + 0.001)
+            caches = [c.view(dtype) for c in caches]
+        else:
+            caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)]
+        fns[name] = lambda k=caches[0], v=caches[1]: paged_decode_attention(
+            q, k, v, tables, seq_lens, head_dim**-0.5
+        )
+        bytes_read[name] = 2 * batch * context * kv_heads * row * caches[0].element_size()
+    return fns, 2 * 2 * batch * heads * context * head_dim, bytes_read
+
+
+def run(args: argparse.Namespace) -> None:
+    import os
+
+    import torch
+
+    from pagedllm.kernels.library import active_isa
+
+    torch.set_num_threads(args.threads)
+    dtypes = [s.strip() for s in args.kv_cache_dtypes.split(",") if s.strip()]
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [d for d in dtypes if d not in _DTYPES] + [s for s in shapes if s not in MODEL_SHAPES]
+    if unknown:
+        raise ValueError(f"unknown dtypes or shapes {unknown}; dtypes: {', '.join(_DTYPES)}; shapes: {', '.join(MODEL_SHAPES)}")
+    print(f"CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); process CPU time, best of {args.repeats}")
+    print("per dtype: ms per call, K/V GB/s read, GFLOP/s of q.K and p.V")
+    gen = torch.Generator().manual_seed(0)
+    for model in shapes:
+        for context in (int(c) for c in args.context_lens.split(",")):
+            for batch in (int(b) for b in args.batch_sizes.split(",")):
+                fns, flops, bytes_read = _case(model, context, batch, dtypes, gen)
+                best = dict.fromkeys(fns, float("inf"))
+                for round_ in range(args.repeats + 1):  # round 0 warms up
+                    for name, fn in fns.items():
+                        start = time.process_time()
+                        fn()
+                        if round_:
+                            best[name] = min(best[name], time.process_time() - start)
+                cells = [
+                    f"{name} {t * 1e3:8.3f} ms {bytes_read[name] / t / 1e9:5.1f} GB/s {flops / t / 1e9:5.1f} GFLOP/s"
+                    for name, t in best.items()
+                ]
+                print(f"{model:13s} ctx {context:6d} batch {batch:3d}  " + "  |  ".join(cells), flush=True)
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
