@@ -159,8 +159,10 @@ def test_eos_and_stop_token_ids(llm):
     first = chat.token_ids[0]
     stopped = llm.chat(CHAT[0], SamplingParams(temperature=0.0, max_tokens=200, stop_token_ids=[first]))[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == first and stopped.token_ids == [first]
-    forced = llm.chat(CHAT[0], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0]
-    assert len(forced.token_ids) == 10 and forced.finish_reason == "length"
+    forced = llm.chat(CHAT[0], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+    assert len(forced.outputs[0].token_ids) == 10 and forced.outputs[0].finish_reason == "length"
+    times = forced.metrics  # what bench long-context's batch-1 decode rate is read from
+    assert times["arrival_time"] <= times["first_token_time"] < times["last_token_time"]
 
 
 def test_chat_contents_are_text(llm):

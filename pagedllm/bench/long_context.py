@@ -3,10 +3,12 @@
 For each KV cache dtype (``--kv-cache-dtypes``, default the engine's ``--kv-cache-dtype``)
 one engine is built with ``max_model_len`` = the longest context + ``--output-len``, and at
 each context length L of ``--context-lens``:
-- prefill: one prompt of L random token ids and ``max_tokens=1``; TTFT is the request's
-  first-token time minus its arrival time, and prefill tokens/s is L / TTFT;
-- decode at each batch size b of ``--batch-sizes``: b prompts of L tokens each, run once with
-  ``max_tokens=1`` (prefill only, time T1) and once with ``max_tokens=N`` (time TN); decode
+- prefill: one prompt of L random token ids and ``max_tokens=N`` (``--output-len``); TTFT is
+  the request's first-token time minus its arrival time, and prefill tokens/s is L / TTFT;
+- decode at batch 1: the same run's (N - 1) tokens over its last-token time minus its
+  first-token time (one long prefill per context, not three);
+- decode at each other batch size b of ``--batch-sizes``: b prompts of L tokens each, run once
+  with ``max_tokens=1`` (prefill only, time T1) and once with ``max_tokens=N`` (time TN); decode
   tokens/s is b (N - 1) / (TN - T1), so the prefill cost cancels out. Prefix caching is off
   so both runs compute the same prompts.
 A (L, b) whose K/V does not fit the pool (``--kv-cache-memory``) is reported as skipped, not
@@ -114,15 +116,20 @@ def _seconds(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, lis
 def _measure(llm, kv_dtype: str, context: int, args: argparse.Namespace) -> LongContextRow:
     kv = llm.engine.core.kv_config
     capacity = kv.num_blocks * kv.block_size
-    ttfts = []
+    ttfts, single = [], []
     for i in range(args.repeats):
-        _, outputs = _seconds(llm, _prompts(llm, 1, context, args.seed + i), 1)
-        ttfts.append(outputs[0].metrics["first_token_time"] - outputs[0].metrics["arrival_time"])
+        _, outputs = _seconds(llm, _prompts(llm, 1, context, args.seed + i), args.output_len)
+        times = outputs[0].metrics
+        ttfts.append(times["first_token_time"] - times["arrival_time"])
+        single.append((args.output_len - 1) / max(times["last_token_time"] - times["first_token_time"], 1e-9))
     ttft = statistics.median(ttfts)
     decode: dict[int, float | None] = {}
     for b in _ints(args.batch_sizes):
         if b * (context + args.output_len + kv.block_size) > capacity:
             decode[b] = None
+            continue
+        if b == 1:
+            decode[b] = statistics.median(single)
             continue
         rates = []
         for i in range(args.repeats):

@@ -218,9 +218,10 @@ class OutputProcessor:
                 )
             )
         first_times = [s.first_token_time for s in state.samples if s.first_token_time is not None]
-        metrics = {"arrival_time": state.arrival_time}
+        metrics = {"arrival_time": state.arrival_time}  # seconds, time.monotonic(); token times once there are tokens
         if first_times:
             metrics["first_token_time"] = min(first_times)
+            metrics["last_token_time"] = max(s.last_token_time for s in state.samples if s.last_token_time is not None)
         return RequestOutput(
             state.request_id,
             state.prompt,
