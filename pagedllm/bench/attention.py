@@ -7,9 +7,11 @@ request attends to that many keys through a block table of randomly placed block
 long-running server's pool ends up), the cache holding random rows (the speed does not depend
 on the values). Printed per call: milliseconds, the K/V bytes read per millisecond (GB/s) and
 the multiply-adds of q.K and p.V (2 x heads x keys x head size per request) as GFLOP/s. Time
-is the process's CPU time (at one thread, the time it actually ran: robust to other processes
-on shared cores), the best of ``--repeats``, the dtypes interleaved in every repeat so that a
-busy moment hits them alike. Threads: ``--threads`` (default 1).
+is the process's CPU time at one thread (the time it actually ran: robust to other processes
+on shared cores) and wall-clock time at more (where CPU time would count the team's waits),
+the best of ``--repeats``, the dtypes interleaved in every repeat so that a busy moment hits
+them alike. Threads: ``--threads`` (default 1); blocks of ``--block-size`` tokens (default:
+the engine's).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import time
 from pagedllm.bench.gemm import MODEL_SHAPES
 
 _DTYPES = ("bfloat16", "int8", "fp8", "float32")
-_BLOCK_SIZE = 16
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -30,9 +31,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtypes", default="bfloat16,int8", help=f"comma list of {', '.join(_DTYPES)}")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
 
 
-def _case(model: str, context: int, batch: int, dtypes: list[str], gen) -> tuple[dict, int, dict[str, int]]:
+def _case(model: str, context: int, batch: int, block_size: int, dtypes: list[str], gen) -> tuple[dict, int, dict[str, int]]:
     """(dtype -> fn() running one decode attention call, multiply-adds x 2 per call, dtype ->
     K/V bytes read per call) for ``batch`` requests of ``context`` keys in ``model``'s shape."""
     import torch
@@ -41,7 +43,7 @@ def _case(model: str, context: int, batch: int, dtypes: list[str], gen) -> tuple
     from pagedllm.kernels.attention import paged_decode_attention
 
     _, _, heads, kv_heads, head_dim = MODEL_SHAPES[model]
-    blocks_per_request = -(-context // _BLOCK_SIZE)
+    blocks_per_request = -(-context // block_size)
     num_blocks = batch * blocks_per_request
     tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_request)
     seq_lens = torch.full((batch,), context, dtype=torch.int64)
@@ -50,7 +52,7 @@ def _case(model: str, context: int, batch: int, dtypes: list[str], gen) -> tuple
     for name in dtypes:
         dtype = torch.float8_e4m3fn if name == "fp8" else getattr(torch, name)
         row = kv_row_width(head_dim, dtype)
-        shape = (num_blocks, _BLOCK_SIZE, kv_heads, row)
+        shape = (num_blocks, block_size, kv_heads, row)
         if dtype in (torch.int8, torch.float8_e4m3fn):  # codes, then a positive float32 scale per row
             caches = [torch.randint(-100, 100, shape, dtype=torch.int8, generator=gen) for _ in range(2)]
             for c in caches:
@@ -72,26 +74,31 @@ def run(args: argparse.Namespace) -> None:
 
     from pagedllm.kernels.library import active_isa
 
+    from pagedllm.config import EngineConfig
+
     torch.set_num_threads(args.threads)
+    block_size = args.block_size or EngineConfig.block_size
+    clock = time.process_time if args.threads == 1 else time.perf_counter
     dtypes = [s.strip() for s in args.kv_cache_dtypes.split(",") if s.strip()]
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [d for d in dtypes if d not in _DTYPES] + [s for s in shapes if s not in MODEL_SHAPES]
     if unknown:
         raise ValueError(f"unknown dtypes or shapes {unknown}; dtypes: {', '.join(_DTYPES)}; shapes: {', '.join(MODEL_SHAPES)}")
-    print(f"CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); process CPU time, best of {args.repeats}")
+    print(f"CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); blocks of {block_size} tokens; "
+          f"{'process CPU' if args.threads == 1 else 'wall-clock'} time, best of {args.repeats}")
     print("per dtype: ms per call, K/V GB/s read, GFLOP/s of q.K and p.V")
     gen = torch.Generator().manual_seed(0)
     for model in shapes:
         for context in (int(c) for c in args.context_lens.split(",")):
             for batch in (int(b) for b in args.batch_sizes.split(",")):
-                fns, flops, bytes_read = _case(model, context, batch, dtypes, gen)
+                fns, flops, bytes_read = _case(model, context, batch, block_size, dtypes, gen)
                 best = dict.fromkeys(fns, float("inf"))
                 for round_ in range(args.repeats + 1):  # round 0 warms up
                     for name, fn in fns.items():
-                        start = time.process_time()
+                        start = clock()
                         fn()
                         if round_:
-                            best[name] = min(best[name], time.process_time() - start)
+                            best[name] = min(best[name], clock() - start)
                 cells = [
                     f"{name} {t * 1e3:8.3f} ms {bytes_read[name] / t / 1e9:5.1f} GB/s {flops / t / 1e9:5.1f} GFLOP/s"
                     for name, t in best.items()

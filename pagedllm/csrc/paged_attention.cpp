@@ -242,7 +242,10 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
     const int64_t S = seq_lens[b], f = first_key(b);
     return S > f ? (S - 1) / kPiece - f / kPiece + 1 : 1;
   };
-  // Work items: (request, KV head, piece); item_start[b] is request b's first.
+  // Work items: (request, piece, KV head), item_start[b] being request b's first: a piece's
+  // KV heads are consecutive items, handed to one thread together when pieces exist (a
+  // grain of Hkv), so the block lines its first head brings in (a slot holds every head's
+  // rows, kv_rows.h) are still in that core's L2 for the others, not fetched again later.
   static thread_local std::vector<int64_t> item_start;
   item_start.resize(B + 1);
   item_start[0] = 0;
@@ -260,7 +263,7 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
   float* slots = partials.data();
   par::parallel_for(item_start[B], [&](int64_t item) {
     const int64_t b = std::upper_bound(starts, starts + B + 1, item) - starts - 1;
-    const int64_t n = (starts[b + 1] - starts[b]) / Hkv, h = (item - starts[b]) / n, i = (item - starts[b]) % n;
+    const int64_t n = (starts[b + 1] - starts[b]) / Hkv, h = (item - starts[b]) % Hkv, i = (item - starts[b]) / Hkv;
     const int64_t S = seq_lens[b], f = first_key(b);
     const int64_t piece0 = f / kPiece;
     const int64_t lo = n == 1 ? f : i == 0 ? f : (piece0 + i) * kPiece;
@@ -282,21 +285,21 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
       slot[1] = reduce_add(r.l[g]);
       for (int c = 0; c < ND; ++c) store(slot + 2 + 16 * c, r.acc[g][c]);
     }
-  }, 2, 1);
+  }, 2, split ? Hkv : 1);
   if (!split) return;
   // Merge each split (request, KV head)'s pieces, in piece order: weights rescaled to the
   // largest max.
   par::parallel_for(B * Hkv, [&](int64_t bh) {
     const int64_t b = bh / Hkv, h = bh % Hkv, n = (starts[b + 1] - starts[b]) / Hkv;
     if (n == 1) return;
-    const float* first_slot = slots + (starts[b] + h * n) * kSlot;
+    const float* first_slot = slots + (starts[b] + h) * kSlot;  // piece i's is Hkv slots on
     for (int g = 0; g < G; ++g) {
       float mx = -1e30f;
-      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, first_slot[i * kSlot + g * (D + 2)]);
+      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, first_slot[i * Hkv * kSlot + g * (D + 2)]);
       F32x16 acc[ND], l = zero();
       for (int c = 0; c < ND; ++c) acc[c] = zero();
       for (int64_t i = 0; i < n; ++i) {
-        const float* slot = first_slot + i * kSlot + g * (D + 2);
+        const float* slot = first_slot + i * Hkv * kSlot + g * (D + 2);
         const F32x16 w = exp_nonpositive(set1(slot[0] - mx));
         l = fma(w, set1(slot[1]), l);
         for (int c = 0; c < ND; ++c) acc[c] = fma(w, load(slot + 2 + 16 * c), acc[c]);
