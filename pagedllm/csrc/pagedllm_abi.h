@@ -310,9 +310,9 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
 
 /* Per thread n dependent integer adds (one per cycle): threads * n / seconds is the clock. */
 int64_t probe_add_chain(int64_t n);
-/* Per thread n steps of 8 independent 16-lane float32 FMAs: 256 n FLOP per thread. */
+/* Per thread 8 n 16-lane float32 FMAs on independent chains: 256 n FLOP per thread. */
 float probe_fma_f32(int64_t n);
-/* Per thread n steps of 8 independent vector-layer int8 dots: 1024 n int8 OP per thread. */
+/* Per thread 8 n vector-layer int8 dots on independent chains: 1024 n int8 OP per thread. */
 int64_t probe_dot_i8(int64_t n);
 
 /* --- the kernels' thread team (parallel.cpp) --- */

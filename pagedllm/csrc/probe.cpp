@@ -10,7 +10,20 @@ using namespace vec;
 
 namespace {
 
-constexpr int kChains = 8;  // independent accumulators: enough to cover an FMA's latency on every ISA
+// Each probe's work is 8 n vector operations per thread (pagedllm_abi.h), run as rounds over
+// kChains independent accumulators: enough to cover an FMA's latency (4 cycles at 2 a cycle)
+// on every ISA, and few enough that they and the operands stay in registers (AVX2's 16 ymm
+// hold 6 two-register F32x16 and the operands; 8 would spill two chains to the stack, whose
+// store-to-load round trip then paces the loop).
+constexpr int kChains = kF32Regs >= 10 ? 8 : kF32Regs - 2;
+
+// step(c) for 8 n chain steps: full rounds over the kChains chains, then the rest.
+template <typename Step>
+inline void rounds(int64_t n, Step step) {
+  for (int64_t i = 0; i < 8 * n / kChains; ++i)
+    for (int c = 0; c < kChains; ++c) step(c);
+  for (int c = 0; c < 8 * n % kChains; ++c) step(c);
+}
 
 }  // namespace
 
@@ -34,7 +47,7 @@ int64_t probe_add_chain(int64_t n) {
   return total;
 }
 
-// Per thread, n steps of 8 independent F32x16 fused multiply-adds: 2 * 16 * 8 * n float32
+// Per thread, 8 n F32x16 fused multiply-adds on independent chains: 2 * 16 * 8 * n float32
 // operations per thread. Returns a lane of the result (so the loop is kept).
 float probe_fma_f32(int64_t n) {
   float total = 0.f;
@@ -43,8 +56,7 @@ float probe_fma_f32(int64_t n) {
     F32x16 acc[kChains];
     for (int c = 0; c < kChains; ++c) acc[c] = set1(0.001f * c);
     const F32x16 a = set1(0.999f), b = set1(0.0001f);
-    for (int64_t i = 0; i < n; ++i)
-      for (int c = 0; c < kChains; ++c) acc[c] = fma(acc[c], a, b);
+    rounds(n, [&](int c) { acc[c] = fma(acc[c], a, b); });
     F32x16 s = acc[0];
     for (int c = 1; c < kChains; ++c) s = add(s, acc[c]);
     total += reduce_add(s);
@@ -52,7 +64,7 @@ float probe_fma_f32(int64_t n) {
   return total;
 }
 
-// Per thread, n steps of 8 independent int8 dot products of the vector layer (dot: 64
+// Per thread, 8 n int8 dot products of the vector layer on independent chains (dot: 64
 // multiply-adds each, the kernels' own instruction sequence per ISA): 2 * 64 * 8 * n int8
 // operations per thread. Returns a lane of the result.
 int64_t probe_dot_i8(int64_t n) {
@@ -66,12 +78,12 @@ int64_t probe_dot_i8(int64_t n) {
     I32x16 acc[kChains];
     for (int c = 0; c < kChains; ++c) acc[c] = zero_i32();
     const int8_t* wp = w;
-    for (int64_t i = 0; i < n; ++i) {
+    rounds(n, [&](int c) {
       // wp may point anywhere now: the dots are redone each step. (A "memory" clobber would
       // also keep the accumulators in memory, a store and a load around every dot.)
-      __asm__ volatile("" : "+r"(wp));
-      for (int c = 0; c < kChains; ++c) acc[c] = dot(acc[c], x, wp);
-    }
+      if (c == 0) __asm__ volatile("" : "+r"(wp));
+      acc[c] = dot(acc[c], x, wp);
+    });
     F32x16 s = to_f32(acc[0]);
     for (int c = 1; c < kChains; ++c) s = add(s, to_f32(acc[c]));
     total += static_cast<int64_t>(reduce_add(s));
