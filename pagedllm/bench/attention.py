@@ -4,7 +4,8 @@ For each model shape (``--shapes``: query heads, K/V heads and head size of a re
 context length (``--context-lens``), batch size (``--batch-sizes``) and K/V cache dtype
 (``--kv-cache-dtypes``), one call of ``kernels.attention.paged_decode_attention``: every
 request attends to that many keys through a block table of randomly placed blocks (as a
-long-running server's pool ends up), the cache holding random rows (the speed does not depend
+long-running server's pool ends up; ``--block-order sequential``: each request's blocks
+consecutive, as a fresh pool hands them out), the cache holding random rows (the speed does not depend
 on the values). Printed per call: milliseconds, the K/V bytes read per millisecond (GB/s) and
 the multiply-adds of q.K and p.V (2 x heads x keys x head size per request) as GFLOP/s. Time
 is the process's CPU time at one thread (the time it actually ran: robust to other processes
@@ -32,9 +33,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
+    parser.add_argument("--block-order", choices=("random", "sequential"), default="random",
+                        help="where a request's blocks lie in the pool: random (a long-running server's) or consecutive")
 
 
-def _case(model: str, context: int, batch: int, block_size: int, dtypes: list[str], gen) -> tuple[dict, int, dict[str, int]]:
+def _case(
+    model: str, context: int, batch: int, block_size: int, sequential: bool, dtypes: list[str], gen
+) -> tuple[dict, int, dict[str, int]]:
     """(dtype -> fn() running one decode attention call, multiply-adds x 2 per call, dtype ->
     K/V bytes read per call) for ``batch`` requests of ``context`` keys in ``model``'s shape."""
     import torch
@@ -45,7 +50,8 @@ def _case(model: str, context: int, batch: int, block_size: int, dtypes: list[st
     _, _, heads, kv_heads, head_dim = MODEL_SHAPES[model]
     blocks_per_request = -(-context // block_size)
     num_blocks = batch * blocks_per_request
-    tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_request)
+    order = torch.arange(num_blocks) if sequential else torch.randperm(num_blocks, generator=gen)
+    tables = order.view(batch, blocks_per_request)
     seq_lens = torch.full((batch,), context, dtype=torch.int64)
     q = torch.randn(batch, heads, head_dim, generator=gen)
     fns, bytes_read = {}, {}
@@ -84,14 +90,14 @@ def run(args: argparse.Namespace) -> None:
     unknown = [d for d in dtypes if d not in _DTYPES] + [s for s in shapes if s not in MODEL_SHAPES]
     if unknown:
         raise ValueError(f"unknown dtypes or shapes {unknown}; dtypes: {', '.join(_DTYPES)}; shapes: {', '.join(MODEL_SHAPES)}")
-    print(f"CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); blocks of {block_size} tokens; "
+    print(f"CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); blocks of {block_size} tokens ({args.block_order}); "
           f"{'process CPU' if args.threads == 1 else 'wall-clock'} time, best of {args.repeats}")
     print("per dtype: ms per call, K/V GB/s read, GFLOP/s of q.K and p.V")
     gen = torch.Generator().manual_seed(0)
     for model in shapes:
         for context in (int(c) for c in args.context_lens.split(",")):
             for batch in (int(b) for b in args.batch_sizes.split(",")):
-                fns, flops, bytes_read = _case(model, context, batch, block_size, dtypes, gen)
+                fns, flops, bytes_read = _case(model, context, batch, block_size, args.block_order == "sequential", dtypes, gen)
                 best = dict.fromkeys(fns, float("inf"))
                 for round_ in range(args.repeats + 1):  # round 0 warms up
                     for name, fn in fns.items():
