@@ -6,8 +6,9 @@ context length (``--context-lens``), batch size (``--batch-sizes``) and K/V cach
 request attends to that many keys through a block table of randomly placed blocks (as a
 long-running server's pool ends up; ``--block-order sequential``: each request's blocks
 consecutive, as a fresh pool hands them out), the cache holding random rows (the speed does
-not depend on the values). Printed per call: milliseconds, the K/V bytes read per millisecond (GB/s) and
-the multiply-adds of q.K and p.V (2 x heads x keys x head size per request) as GFLOP/s. Time
+not depend on the values). Printed per call: milliseconds, the K/V bytes read per millisecond
+(GB/s) and the multiply-adds of q.K and p.V (2 x heads x keys x head size per request) as
+GFLOP/s. Time
 is the process's CPU time at one thread (the time it actually ran: robust to other processes
 on shared cores) and wall-clock time at more (where CPU time would count the team's waits),
 the best of ``--repeats``, the dtypes interleaved in every repeat so that a busy moment hits

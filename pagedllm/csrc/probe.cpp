@@ -3,6 +3,8 @@
 // together. Nothing here touches memory beyond a few cache lines: these are compute ceilings.
 #include <stdint.h>
 
+#include <algorithm>
+
 #include "pagedllm_abi.h"
 #include "vec.h"
 
@@ -15,7 +17,7 @@ namespace {
 // on every ISA, and few enough that they and the operands stay in registers (AVX2's 16 ymm
 // hold 6 two-register F32x16 and the operands; 8 would spill two chains to the stack, whose
 // store-to-load round trip then paces the loop).
-constexpr int kChains = kF32Regs >= 10 ? 8 : kF32Regs - 2;
+constexpr int kChains = std::min(8, kF32Regs - 2);
 
 // step(c) for 8 n chain steps: full rounds over the kChains chains, then the rest.
 template <typename Step>
