@@ -39,23 +39,12 @@ inline constexpr int64_t XF = 32;      // floats per unit of a quantized x row: 
 inline constexpr int64_t SPAN = 16;    // output rows per unit of thread work
 
 // A float16 (at p, unaligned) in every lane.
-inline F32x16 splat_f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  uint16_t lanes[16];
-  std::fill(lanes, lanes + 16, h);
-  return load_f16(lanes);
-}
+inline F32x16 splat_f16(const uint8_t* p) { return f16_pairs(p, 0, 8); }
 
 // Per 16 weights of a unit of 8 blocks of 32 (`chunks` of them real, two blocks each): each
 // block's float16 d at byte 0, twice; zero past the real blocks.
 inline F32x16 block_scales(const uint8_t* b, int64_t block_bytes, int chunks) {
-  uint16_t d[16] = {};
-  for (int i = 0; i < 2 * chunks; ++i) {
-    std::memcpy(&d[2 * i], b + i * block_bytes, 2);
-    d[2 * i + 1] = d[2 * i];
-  }
-  return load_f16(d);
+  return chunks == 4 ? f16_pairs(b, block_bytes, 8) : f16_pairs(b, block_bytes, 2 * chunks);  // a whole unit: unrolled
 }
 
 // Q4_K and Q5_K: d, dmin (float16) at bytes 0 and 2, then 8 scales and 8 mins of 6 bits in 12

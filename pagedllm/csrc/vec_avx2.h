@@ -143,6 +143,18 @@ inline F32x16 load_f16(const uint16_t* p) {
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
 
+// Lanes 2i and 2i + 1: the float16 at p + i * stride (unaligned) for i < n (n <= 8), 0 past
+// n. Built in registers: a wide load over narrow stores would wait for them to retire.
+inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {
+  auto h = [&](int i) -> short {
+    uint16_t v = 0;
+    if (i < n) std::memcpy(&v, p + i * stride, 2);
+    return short(v);
+  };
+  const __m128i v = _mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
+  return {_mm256_cvtph_ps(_mm_unpacklo_epi16(v, v)), _mm256_cvtph_ps(_mm_unpackhi_epi16(v, v))};
+}
+
 inline I32x16 zero_i32() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline I32x16 round_i32(F32x16 a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
 inline F32x16 to_f32(I32x16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }

@@ -88,6 +88,16 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
 
 inline F32x16 load_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 
+inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {
+  auto h = [&](int i) -> short {
+    uint16_t v = 0;
+    if (i < n) std::memcpy(&v, p + i * stride, 2);
+    return short(v);
+  };
+  const __m128i v = _mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
+  return {_mm512_cvtph_ps(_mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v)))};
+}
+
 inline I32x16 zero_i32() { return {_mm512_setzero_si512()}; }
 inline I32x16 round_i32(F32x16 a) { return {_mm512_cvtps_epi32(a.v)}; }
 inline F32x16 to_f32(I32x16 a) { return {_mm512_cvtepi32_ps(a.v)}; }

@@ -149,6 +149,19 @@ inline F32x16 load_f16(const uint16_t* p) {
   return r;
 }
 
+inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {
+  uint16_t h[8] = {};
+  for (int i = 0; i < n; ++i) std::memcpy(&h[i], p + i * stride, 2);
+  const uint16x8_t v = vld1q_u16(h);
+  const uint16x8_t lo = vzip1q_u16(v, v), hi = vzip2q_u16(v, v);
+  F32x16 r;
+  r.v[0] = vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(lo)));
+  r.v[1] = vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(lo)));
+  r.v[2] = vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(hi)));
+  r.v[3] = vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(hi)));
+  return r;
+}
+
 inline I32x16 zero_i32() { return {{vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)}}; }
 inline I32x16 round_i32(F32x16 a) { return {{vcvtnq_s32_f32(a.v[0]), vcvtnq_s32_f32(a.v[1]), vcvtnq_s32_f32(a.v[2]), vcvtnq_s32_f32(a.v[3])}}; }
 inline F32x16 to_f32(I32x16 a) { return {{vcvtq_f32_s32(a.v[0]), vcvtq_f32_s32(a.v[1]), vcvtq_f32_s32(a.v[2]), vcvtq_f32_s32(a.v[3])}}; }

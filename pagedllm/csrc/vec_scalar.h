@@ -116,6 +116,15 @@ inline F32x16 load_f16(const uint16_t* p) {
   });
 }
 
+inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {
+  uint16_t h[16] = {};
+  for (int i = 0; i < n; ++i) {
+    std::memcpy(&h[2 * i], p + i * stride, 2);
+    h[2 * i + 1] = h[2 * i];
+  }
+  return load_f16(h);
+}
+
 inline I32x16 zero_i32() { return I32x16{}; }
 inline I32x16 round_i32(F32x16 a) {
   I32x16 r;
