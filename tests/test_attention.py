@@ -144,3 +144,35 @@ def test_long_contexts_attended_in_pieces_match_dense(isa, cache_dtype, window, 
         ref = _dense(q[i : i + 1], k, v, d**-0.5)
         tol = 1e-5 if cache_dtype == torch.float32 else 1e-4
         torch.testing.assert_close(out[i : i + 1].reshape(1, -1), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_request_attends_the_same_alone_and_in_a_batch(isa, cache_dtype):
+    """The kernel splits its work by head when a batch has fewer (request, piece) pairs than
+    threads and by pair otherwise (every head of a pair together); a request's output is the
+    same bit for bit either way, alone or batched with others, short or in pieces."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, d, h, hkv = 16, 64, 6, 3
+    seq_lens = [300, 2500, 40, 1100]
+    blocks = [-(-s // block_size) for s in seq_lens]
+    order = torch.randperm(sum(blocks), generator=gen)
+    k_cache, _ = _cache_rows(torch.randn(sum(blocks), block_size, hkv, d, generator=gen), cache_dtype, gen)
+    v_cache, _ = _cache_rows(torch.randn(sum(blocks), block_size, hkv, d, generator=gen), cache_dtype, gen)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int64)
+    start = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[start : start + n]
+        start += n
+    q = torch.randn(len(seq_lens), h, d, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with on_isa(isa):
+            batched = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens), d**-0.5, 0)
+            for i, s in enumerate(seq_lens):
+                alone = paged_decode_attention(q[i : i + 1], k_cache, v_cache, tables[i : i + 1], torch.tensor([s]),
+                                               d**-0.5, 0)
+                assert torch.equal(alone, batched[i : i + 1]), f"request {i} ({s} keys)"
+    finally:
+        torch.set_num_threads(threads)

@@ -112,17 +112,6 @@ inline void add_weighted_values(const T* v_cache, const int64_t* rows, int lo, i
     }
 }
 
-// Every line of each row of a tile: a head's rows are 128-256 byte pieces Hkv * D apart,
-// which the hardware prefetchers miss. Locality 3: into L1 (prefetcht0), 2: into L2 (t1).
-template <int Locality, int D, typename T>
-inline void prefetch_rows(const T* k_cache, const T* v_cache, const int64_t* rows) {
-  for (int s = 0; s < kTile; ++s)
-    for (int line = 0; line < kv::row_width<T>(D) * int(sizeof(T)); line += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(k_cache + rows[s]) + line, 0, Locality);
-      __builtin_prefetch(reinterpret_cast<const char*>(v_cache + rows[s]) + line, 0, Locality);
-    }
-}
-
 // Keys per piece of a long context: a (request, KV head) whose window spans more than one
 // piece of positions [i * kPiece, (i + 1) * kPiece) is attended piece by piece in parallel,
 // and the pieces' partial softmaxes are merged (flash-decoding: Dao et al. 2023, "Flash-
@@ -130,101 +119,145 @@ inline void prefetch_rows(const T* k_cache, const T* v_cache, const int64_t* row
 // batch or the team, so a request's output does not depend on what it is batched with.
 constexpr int64_t kPiece = 1024;
 
-// One (request, KV head)'s attention over keys [first, end) of its block table: the G query
-// heads' running max (m, the same in every lane), lane-wise sums of weights (l) and
-// unnormalized weighted values (acc). G and D are compile-time constants, so a KV head's
-// queries and accumulators are fixed arrays of G x D/16 vectors: in registers where they fit
-// (AVX-512), else the accumulators in register blocks per tile (ValueBlocks).
+// One (request, KV head)'s attention state over keys [first, end) of its block table: the
+// G query heads (scaled), their running max (m, the same in every lane), lane-wise sums of
+// weights (l) and unnormalized weighted values (acc). G and D are compile-time constants, so
+// a KV head's queries and accumulators are fixed arrays of G x D/16 vectors: in registers
+// where they fit (AVX-512) and the state is a local, else the accumulators in register
+// blocks per tile (ValueBlocks).
 template <int D, int G>
-struct Partial {
-  F32x16 acc[G][D / 16], m[G], l[G];
+struct HeadState {
+  F32x16 q[G][D / 16], acc[G][D / 16], m[G], l[G];
 };
 
-template <typename T, int D, int G>
-inline void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t BS,
-                   int64_t stride, int64_t h, float scale, int64_t first, int64_t end, Partial<D, G>& r) {
-  constexpr int ND = D / 16;
-  constexpr int64_t RW = kv::row_width<T>(D);  // elements of a head's row
-  F32x16 qv[G][ND], acc[G][ND], m[G], l[G];  // local, so that they stay in registers
+template <int D, int G>
+inline void start_head(const float* q, float scale, HeadState<D, G>& st) {
   for (int g = 0; g < G; ++g) {
-    load_row<D>(q + g * D, qv[g]);
-    for (int c = 0; c < ND; ++c) {
-      qv[g][c] = mul(qv[g][c], set1(scale));
-      acc[g][c] = zero();
+    load_row<D>(q + g * D, st.q[g]);
+    for (int c = 0; c < D / 16; ++c) {
+      st.q[g][c] = mul(st.q[g][c], set1(scale));
+      st.acc[g][c] = zero();
     }
-    m[g] = set1(-1e30f);  // finite: -ffast-math assumes no infinities
-    l[g] = zero();
+    st.m[g] = set1(-1e30f);  // finite: -ffast-math assumes no infinities
+    st.l[g] = zero();
   }
-  // Tiles are 16 key positions from a multiple of 16, so that with blocks of 16, 32, ...
-  // a tile lies in one block. Its rows' offsets (from the start of a cache) are those of
-  // its keys clamped into [first, end): every row read is one of the range's (the lanes
-  // of the keys outside it are masked off).
+}
+
+// The tile of key positions [t0, t0 + 16) into a head's state; rows: its keys' row offsets in
+// k_cache / v_cache (clamped into [first, end), see attend); the lanes of keys outside
+// [first, end) get weight 0.
+template <typename T, int D, int G>
+inline void attend_tile(const T* k_cache, const T* v_cache, const int64_t* rows, int64_t t0, int64_t first,
+                        int64_t end, HeadState<D, G>& st) {
+  constexpr int ND = D / 16;
+  F32x16 scores[G];
+  tile_scores<D, G, kTile>(st.q, k_cache, rows, scores);
+  // 8-bit rows: the tile's 16 key scales multiply its scores (lane s: key s) and its 16
+  // value scales the softmax weights, one vector multiply per query head each.
+  F32x16 k_scales = set1(1.f), v_scales = set1(1.f);
+  if constexpr (kv::kQuantized<T>) {
+    alignas(64) float ks[kTile], vs[kTile];
+    for (int s = 0; s < kTile; ++s) {
+      ks[s] = kv::row_scale(k_cache + rows[s], D);
+      vs[s] = kv::row_scale(v_cache + rows[s], D);
+    }
+    k_scales = load(ks);
+    v_scales = load(vs);
+  }
+  // Online softmax over the tile.
+  const int lo = t0 > first ? 0 : int(first - t0), hi = end - t0 < kTile ? int(end - t0) : kTile;
+  const M16 valid = mask_range(lo, hi);
+  alignas(64) float p[G][kTile];
+  for (int g = 0; g < G; ++g) {
+    if constexpr (kv::kQuantized<T>) scores[g] = mul(scores[g], k_scales);
+    // m holds the same value in every lane; the tile's max is taken only where it exceeds m.
+    const F32x16 in_range = select(valid, scores[g], st.m[g]);
+    if (any(gt(in_range, st.m[g]))) {  // a new running max: rescale the sums so far
+      const F32x16 mx = set1(reduce_max(in_range));
+      const F32x16 corr = exp_nonpositive(sub(st.m[g], mx));  // 0 on the first tile
+      st.l[g] = mul(st.l[g], corr);
+      for (int c = 0; c < ND; ++c) st.acc[g][c] = mul(st.acc[g][c], corr);
+      st.m[g] = mx;
+    }
+    const F32x16 e = maskz(valid, exp_nonpositive(sub(scores[g], st.m[g])));
+    st.l[g] = add(st.l[g], e);
+    if constexpr (kv::kQuantized<T>) store(p[g], mul(e, v_scales));
+    else store(p[g], e);
+  }
+  add_weighted_values<D, G>(v_cache, rows, lo, hi, p, st.acc);
+}
+
+// Keys [first, end) of a block table in tiles: fn(t0, rows) per tile of 16 positions from a
+// multiple of 16 (so that with blocks of 16, 32, ... a tile lies in one block), rows being
+// its keys' slot offsets (position p's slot times `stride`; a head adds its own offset), the
+// keys outside [first, end) clamped into it, so that every row read is one of the range's.
+// Each tile's `span` elements from each row offset (in both caches) are prefetched ahead:
+// to L2 three tiles ahead, to L1 one ahead (the L2 prefetch's gain on K/V read from DRAM:
+// docs/benchmarks.md).
+template <typename T, typename Fn>
+inline void for_tiles(const T* k_cache, const T* v_cache, const int64_t* table, int64_t BS, int64_t stride,
+                      int64_t span, int64_t first, int64_t end, Fn fn) {
   auto look_up = [&](int64_t t0, int64_t* off) {
     const int64_t lo = t0 > first ? t0 : first, last = (t0 + kTile < end ? t0 + kTile : end) - 1;
     if (lo / BS == last / BS) {
-      const int64_t base = (table[lo / BS] * BS + lo % BS - lo) * stride + h * RW;  // + stride * position
+      const int64_t base = (table[lo / BS] * BS + lo % BS - lo) * stride;  // + stride * position
       for (int s = 0; s < kTile; ++s) off[s] = base + stride * (t0 + s < lo ? lo : t0 + s > last ? last : t0 + s);
     } else {
       for (int s = 0; s < kTile; ++s) {
         const int64_t x = t0 + s < lo ? lo : t0 + s > last ? last : t0 + s;
-        off[s] = (table[x / BS] * BS + x % BS) * stride + h * RW;
+        off[s] = (table[x / BS] * BS + x % BS) * stride;
       }
     }
   };
-  // Rows of tiles t .. t + 3 (a ring): t is used, t + 1 is prefetched to L1 and t + 3 to L2
-  // (the L2 prefetch's gain on K/V read from DRAM: docs/benchmarks.md).
+  // Every line of each row span of a tile: a head's rows are 128-256 byte pieces Hkv * D
+  // apart, which the hardware prefetchers miss. Locality 3: into L1 (prefetcht0), 2: into L2.
+  auto prefetch = [&](auto locality, const int64_t* off) {
+    for (int s = 0; s < kTile; ++s)
+      for (int64_t line = 0; line < span * int64_t(sizeof(T)); line += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + off[s]) + line, 0, decltype(locality)::value);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + off[s]) + line, 0, decltype(locality)::value);
+      }
+  };
+  // Rows of tiles t .. t + 3 (a ring): t is used, t + 1 is prefetched to L1 and t + 3 to L2.
   alignas(64) int64_t rows[4][kTile];
   const int64_t t_first = first - first % kTile;
   for (int i = 0; i < 3; ++i)
     if (t_first + i * kTile < end) look_up(t_first + i * kTile, rows[i]);
   for (int64_t t0 = t_first, t = 0; t0 < end; t0 += kTile, ++t) {
-    const int64_t* cur = rows[t & 3];
     if (t0 + 3 * kTile < end) {
       look_up(t0 + 3 * kTile, rows[(t + 3) & 3]);
-      prefetch_rows<2, D>(k_cache, v_cache, rows[(t + 3) & 3]);
+      prefetch(std::integral_constant<int, 2>{}, rows[(t + 3) & 3]);
     }
-    if (t0 + kTile < end) prefetch_rows<3, D>(k_cache, v_cache, rows[(t + 1) & 3]);
-    F32x16 scores[G];
-    tile_scores<D, G, kTile>(qv, k_cache, cur, scores);
-    // 8-bit rows: the tile's 16 key scales multiply its scores (lane s: key s) and its 16
-    // value scales the softmax weights, one vector multiply per query head each.
-    F32x16 k_scales = set1(1.f), v_scales = set1(1.f);
-    if constexpr (kv::kQuantized<T>) {
-      alignas(64) float ks[kTile], vs[kTile];
-      for (int s = 0; s < kTile; ++s) {
-        ks[s] = kv::row_scale(k_cache + cur[s], D);
-        vs[s] = kv::row_scale(v_cache + cur[s], D);
-      }
-      k_scales = load(ks);
-      v_scales = load(vs);
-    }
-    // Online softmax over the tile; the lanes of keys outside [first, end) get weight 0.
-    const int lo = t0 > first ? 0 : int(first - t0), hi = end - t0 < kTile ? int(end - t0) : kTile;
-    const M16 valid = mask_range(lo, hi);
-    alignas(64) float p[G][kTile];
-    for (int g = 0; g < G; ++g) {
-      if constexpr (kv::kQuantized<T>) scores[g] = mul(scores[g], k_scales);
-      // m holds the same value in every lane; the tile's max is taken only where it exceeds m.
-      const F32x16 in_range = select(valid, scores[g], m[g]);
-      if (any(gt(in_range, m[g]))) {  // a new running max: rescale the sums so far
-        const F32x16 mx = set1(reduce_max(in_range));
-        const F32x16 corr = exp_nonpositive(sub(m[g], mx));  // 0 on the first tile
-        l[g] = mul(l[g], corr);
-        for (int c = 0; c < ND; ++c) acc[g][c] = mul(acc[g][c], corr);
-        m[g] = mx;
-      }
-      const F32x16 e = maskz(valid, exp_nonpositive(sub(scores[g], m[g])));
-      l[g] = add(l[g], e);
-      if constexpr (kv::kQuantized<T>) store(p[g], mul(e, v_scales));
-      else store(p[g], e);
-    }
-    add_weighted_values<D, G>(v_cache, cur, lo, hi, p, acc);
+    if (t0 + kTile < end) prefetch(std::integral_constant<int, 3>{}, rows[(t + 1) & 3]);
+    fn(t0, rows[t & 3]);
   }
-  for (int g = 0; g < G; ++g) {
-    r.m[g] = m[g];
-    r.l[g] = l[g];
-    for (int c = 0; c < ND; ++c) r.acc[g][c] = acc[g][c];
-  }
+}
+
+// KV head h's attention over keys [first, end): its rows are h * RW into each slot.
+template <typename T, int D, int G>
+inline void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t BS,
+                   int64_t stride, int64_t h, float scale, int64_t first, int64_t end, HeadState<D, G>& r) {
+  constexpr int64_t RW = kv::row_width<T>(D);  // elements of a head's row
+  HeadState<D, G> st;  // local, so that it stays in registers where it fits
+  start_head<D, G>(q, scale, st);
+  const T *kc = k_cache + h * RW, *vc = v_cache + h * RW;
+  for_tiles(kc, vc, table, BS, stride, RW, first, end,
+            [&](int64_t t0, const int64_t* rows) { attend_tile<T, D, G>(kc, vc, rows, t0, first, end, st); });
+  r = st;
+}
+
+// Every KV head of a request over keys [first, end), tile by tile: a tile's slots are read
+// whole (all Hkv heads' rows, one stream through the block) instead of one head's rows in
+// every Hkv-th piece of it. Each head's state takes the same operations in the same order
+// as in attend, so the results are the same bit for bit.
+template <typename T, int D, int G>
+inline void attend_heads(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t BS,
+                         int64_t Hkv, float scale, int64_t first, int64_t end, HeadState<D, G>* r) {
+  constexpr int64_t RW = kv::row_width<T>(D);
+  for (int64_t h = 0; h < Hkv; ++h) start_head<D, G>(q + h * G * D, scale, r[h]);
+  for_tiles(k_cache, v_cache, table, BS, Hkv * RW, Hkv * RW, first, end, [&](int64_t t0, const int64_t* rows) {
+    for (int64_t h = 0; h < Hkv; ++h) attend_tile<T, D, G>(k_cache + h * RW, v_cache + h * RW, rows, t0, first, end, r[h]);
+  });
 }
 
 template <typename T, int D, int G>
@@ -242,10 +275,11 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
     const int64_t S = seq_lens[b], f = first_key(b);
     return S > f ? (S - 1) / kPiece - f / kPiece + 1 : 1;
   };
-  // Work items: (request, piece, KV head), item_start[b] being request b's first: a piece's
-  // KV heads are consecutive items, handed to one thread together when pieces exist (a
-  // grain of Hkv), so the block lines its first head brings in (a slot holds every head's
-  // rows, kv_rows.h) are still in that core's L2 for the others, not fetched again later.
+  // Work items: (request, piece, KV head), item_start[b] being request b's first, a piece's
+  // KV heads consecutive. With at least as many (request, piece) pairs as threads, a pair's
+  // heads are attended together (attend_heads: each slot read whole, one stream per piece);
+  // with fewer, each head is an item of its own, so that the team has work. Either way a
+  // head's arithmetic is the same.
   static thread_local std::vector<int64_t> item_start;
   item_start.resize(B + 1);
   item_start[0] = 0;
@@ -255,22 +289,15 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
     split |= n > 1;
     item_start[b + 1] = item_start[b] + Hkv * n;
   }
+  const bool fused = item_start[B] / Hkv >= par::team_size();
   // A split item's partial: per query head its max, sum of weights and D weighted values.
   constexpr int64_t kSlot = G * (D + 2);
   static thread_local std::vector<float> partials;
   if (split && partials.size() < size_t(item_start[B] * kSlot)) partials.resize(item_start[B] * kSlot);
   const int64_t* starts = item_start.data();
   float* slots = partials.data();
-  par::parallel_for(item_start[B], [&](int64_t item) {
-    const int64_t b = std::upper_bound(starts, starts + B + 1, item) - starts - 1;
-    const int64_t n = (starts[b + 1] - starts[b]) / Hkv, h = (item - starts[b]) % Hkv, i = (item - starts[b]) / Hkv;
-    const int64_t S = seq_lens[b], f = first_key(b);
-    const int64_t piece0 = f / kPiece;
-    const int64_t lo = n == 1 ? f : i == 0 ? f : (piece0 + i) * kPiece;
-    const int64_t hi = n == 1 ? S : i == n - 1 ? S : (piece0 + i + 1) * kPiece;
-    Partial<D, G> r;
-    attend<T, D, G>(q + (b * Hq + h * G) * D, k_cache, v_cache, block_tables + b * max_blocks, BS, stride, h,
-                    scale, lo, hi, r);
+  // Head h of item's (request, piece), its state done: the output, or the piece's partial.
+  auto finish = [&](int64_t item, int64_t b, int64_t n, int64_t h, const HeadState<D, G>& r) {
     if (n == 1) {
       for (int g = 0; g < G; ++g) {
         const F32x16 inv = set1(1.f / reduce_add(r.l[g]));
@@ -285,7 +312,29 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
       slot[1] = reduce_add(r.l[g]);
       for (int c = 0; c < ND; ++c) store(slot + 2 + 16 * c, r.acc[g][c]);
     }
-  }, 2, split ? Hkv : 1);
+  };
+  const int64_t step = fused ? Hkv : 1;  // items per unit of work
+  par::parallel_for(item_start[B] / step, [&](int64_t unit) {
+    const int64_t item = unit * step;
+    const int64_t b = std::upper_bound(starts, starts + B + 1, item) - starts - 1;
+    const int64_t n = (starts[b + 1] - starts[b]) / Hkv, h = (item - starts[b]) % Hkv, i = (item - starts[b]) / Hkv;
+    const int64_t S = seq_lens[b], f = first_key(b);
+    const int64_t piece0 = f / kPiece;
+    const int64_t lo = n == 1 ? f : i == 0 ? f : (piece0 + i) * kPiece;
+    const int64_t hi = n == 1 ? S : i == n - 1 ? S : (piece0 + i + 1) * kPiece;
+    if (fused) {
+      static thread_local std::vector<HeadState<D, G>> states;
+      states.resize(Hkv);
+      attend_heads<T, D, G>(q + b * Hq * D, k_cache, v_cache, block_tables + b * max_blocks, BS, Hkv, scale, lo, hi,
+                            states.data());
+      for (int64_t k = 0; k < Hkv; ++k) finish(item + k, b, n, k, states[k]);
+    } else {
+      HeadState<D, G> r;
+      attend<T, D, G>(q + (b * Hq + h * G) * D, k_cache, v_cache, block_tables + b * max_blocks, BS, stride, h,
+                      scale, lo, hi, r);
+      finish(item, b, n, h, r);
+    }
+  }, 2, fused ? 1 : split ? Hkv : 1);
   if (!split) return;
   // Merge each split (request, KV head)'s pieces, in piece order: weights rescaled to the
   // largest max.
