@@ -6,9 +6,11 @@
 // or fp8 e4m3 (an 8-bit row: D codes and the row's scale, kv_rows.h); block_tables [B, max_blocks];
 // seq_lens [B]; window > 0: only the last `window` keys are read (sliding-window attention;
 // keys at positions < seq_len - window are never touched), 0: all.
-// Work is split over (request, kv head) pairs, so the G = Hq / Hkv query heads that share a
-// KV head read its keys and values once, and a long context's pairs further over pieces of
-// kPiece key positions merged at the end (so that one request at 16k keeps every thread busy). Keys are taken in tiles of 16 positions (from a
+// The G = Hq / Hkv query heads that share a KV head read its keys and values once; a long
+// context is split into pieces of kPiece key positions merged at the end (so that one request
+// at 16k keeps every thread busy). Work goes to threads by (request, piece), every KV head of
+// it together (each slot read whole), or by (request, piece, KV head) when there are fewer
+// pairs than threads. Keys are taken in tiles of 16 positions (from a
 // multiple of 16; rows looked up in the block table, so any block size works) with an online
 // softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"); each K and
 // V row is read once, and rows are prefetched ahead (to L2 three tiles ahead, to L1 one ahead).
