@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import shutil
 import stat
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import torch
 
 from pagedllm.platforms import cpu
 from pagedllm.kernels import abi, build, library
-from pagedllm.kernels.isa import ALL_ISAS, isa_flags, required_features, runnable_isas
+from pagedllm.kernels.isa import ALL_ISAS, X86_ISAS, isa_flags, required_features, runnable_isas
 
 SAPPHIRE_RAPIDS = frozenset("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16".split())
 ZEN3 = frozenset("avx2 fma f16c bmi2".split())
@@ -52,6 +53,19 @@ def test_flags_per_isa_are_fixed() -> None:
     assert not any("native" in flag for isa in ALL_ISAS for flag in isa_flags(isa))
     with pytest.raises(ValueError, match="unknown ISA 'sse'; valid: avx512_bf16, avx512_vnni, avx512, avx2, neon"):
         isa_flags("sse")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("g++") is None, reason="needs g++ on x86")
+def test_every_x86_variant_compiles_here() -> None:
+    """The wheel builds every x86 variant on whatever x86 machine builds it: each translation
+    unit must compile with each variant's flags, not only with the ones this CPU runs (a
+    header leaning on an include that only some units make breaks one variant alone)."""
+    cxx = build.compiler()[0]
+    jobs = [(isa, src, defines) for isa in X86_ISAS for src, defines in build._units()]
+    commands = [[cxx, *isa_flags(isa), *defines, "-fsyntax-only", str(src)] for isa, src, defines in jobs]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        errors = list(pool.map(build._run, commands))
+    assert {f"{isa} {src.name} {defines}": e for (isa, src, defines), e in zip(jobs, errors) if e} == {}
 
 
 @pytest.fixture

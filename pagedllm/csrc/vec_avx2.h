@@ -11,6 +11,8 @@
 
 #include <cstring>
 
+#include "vec_x86.h"
+
 namespace vec {
 
 inline constexpr const char* kName = "avx2";
@@ -146,12 +148,7 @@ inline F32x16 load_f16(const uint16_t* p) {
 // Lanes 2i and 2i + 1: the float16 at p + i * stride (unaligned) for i < n (n <= 8), 0 past
 // n. Built in registers: a wide load over narrow stores would wait for them to retire.
 inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {
-  auto h = [&](int i) -> short {
-    uint16_t v = 0;
-    if (i < n) std::memcpy(&v, p + i * stride, 2);
-    return short(v);
-  };
-  const __m128i v = _mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
+  const __m128i v = x86::gather_f16x8(p, stride, n);
   return {_mm256_cvtph_ps(_mm_unpacklo_epi16(v, v)), _mm256_cvtph_ps(_mm_unpackhi_epi16(v, v))};
 }
 

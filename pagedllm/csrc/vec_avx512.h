@@ -9,6 +9,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "vec_x86.h"
+
 namespace vec {
 
 inline constexpr const char* kName = "avx512";
@@ -89,12 +91,7 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
 inline F32x16 load_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 
 inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {
-  auto h = [&](int i) -> short {
-    uint16_t v = 0;
-    if (i < n) std::memcpy(&v, p + i * stride, 2);
-    return short(v);
-  };
-  const __m128i v = _mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
+  const __m128i v = x86::gather_f16x8(p, stride, n);
   return {_mm512_cvtph_ps(_mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v)))};
 }
 
