@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
+from pagedllm.kernels import library
 from pagedllm.layers.sampler import (
+    RowDraw,
     Sampler,
     SamplerOutput,
     _apply_penalties,
@@ -46,9 +48,47 @@ def sampled_set(probs: list[float], n: int = 4000, **params: object) -> set[int]
     return set(sample(logits, [row(**params)] * n).sampled_token_ids.tolist())
 
 
-@pytest.fixture(autouse=True)
-def _seed() -> None:
+@pytest.fixture(autouse=True, params=["native", "pytorch"])
+def draw_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the random draw on the native kernel and in PyTorch."""
+    if request.param == "native" and not library.available():
+        pytest.skip("no native kernels here")
+    if request.param == "pytorch":
+        monkeypatch.setattr(RowDraw, "forward_cpu", RowDraw.forward_native)
     torch.manual_seed(0)
+    return request.param
+
+
+def _draws_at_seed(seed: int, logits: torch.Tensor, rows: list[SamplingRow], native: bool) -> torch.Tensor:
+    draw = RowDraw()
+    if not native:
+        draw._forward = draw.forward_native
+    torch.manual_seed(seed)
+    return draw(logits, SamplingMetadata.build(rows))
+
+
+@pytest.mark.skipif(not library.available(), reason="no native kernels here")
+def test_native_and_pytorch_draws_agree_at_the_same_uniforms(draw_impl: str) -> None:
+    """Both implementations draw in the same order (most likely first under top-k / top-p,
+    else vocabulary order) at the same uniform: the same token but where float rounding puts
+    the uniform on a boundary between two tokens."""
+    if draw_impl == "pytorch":
+        pytest.skip("compares the two itself")
+    vocab, n = 5000, 400
+    settings = [
+        dict(), dict(temperature=0.7), dict(top_p=0.9), dict(top_k=40), dict(top_k=40, top_p=0.8, temperature=1.3),
+        dict(min_p=0.05), dict(min_p=0.1, top_p=0.95), dict(top_p=0.999, temperature=2.0), dict(top_k=1),
+    ]
+    gen = torch.Generator().manual_seed(1)
+    for scale in (8.0, 3.0, 1.0, 0.1):  # peaked to flat
+        logits = torch.randn(n, vocab, generator=gen) * scale
+        logits[::7, :100] = float("-inf")  # banned tokens are never drawn
+        for params in settings:
+            rows = [row(**params)] * n
+            native = _draws_at_seed(3, logits, rows, native=True)
+            reference = _draws_at_seed(3, logits, rows, native=False)
+            assert torch.isfinite(logits.gather(1, native[:, None])).all(), (scale, params)
+            assert (native == reference).float().mean() >= 0.98, (scale, params)  # measured >= 0.995
 
 
 def test_greedy_is_argmax_first_index_on_ties() -> None:

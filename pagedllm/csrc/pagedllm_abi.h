@@ -270,6 +270,16 @@ int write_kv_cache(int cache_kind, const float* k, const float* v, int64_t ld, v
 /* out[r] = the first index of the largest of x[r, 0..n). */
 void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
 
+/* --- random sampling (sampling.cpp) --- */
+
+/* out[r] = one token of row r of x [rows, n] (row stride ld), drawn at u[r] in (0, 1] from
+ * softmax(x / temperature[r]) kept by top_k[r] (<= 0 or >= n: off), then top_p[r] of the top-k
+ * mass (>= 1: off), then min_p[r] times the largest probability (0: off); temperature[r] > 0.
+ * Rows with top-k or top-p draw most likely first, the others in vocabulary order; -inf
+ * logits are never drawn; a row with no finite maximum gets 0. */
+void sample_rows(const float* x, int64_t ld, int64_t rows, int64_t n, const float* temperature,
+                 const int64_t* top_k, const float* top_p, const float* min_p, const float* u, int64_t* out);
+
 /* --- a mixture-of-experts block (moe.cpp) --- */
 
 /* y [T, hidden] = the block of x [T, hidden] (row stride ldx): each token's top_k experts'

@@ -16,7 +16,9 @@ log-softmax of the logits as the model produced them, before any of the stages a
 On the CPU, full-vocabulary sorts and per-token random numbers would cost more than
 everything else (docs/benchmarks.md), so the sampler uses neither:
 each sampling row draws one uniform (inverse CDF), and top-k / top-p rows draw among their
-few most likely tokens, found with ``topk`` (a full sort only for extremely flat rows).
+few most likely tokens. Stage 5 is one native call for all rows where the kernels run
+(``RowDraw``: the tokens near each row's maximum, sorted only as far as its nucleus reaches),
+else tensor ops with ``topk`` candidates (a full sort only for extremely flat rows).
 Tensors may live on any device; seeded generators are CPU ones.
 """
 
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import elementwise
+from pagedllm.kernels import elementwise, sampling
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.sampling_metadata import PenaltyTensors, SamplingMetadata, TruncationTensors
 from pagedllm.structured_output.bitmask import apply_bitmask
@@ -100,11 +102,12 @@ class Sampler(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.argmax = RowArgmax()
+        self.draw = RowDraw()
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from ``logits`` (FloatTensor[S, V], float32, left unmodified)."""
         processed = process_logits(logits, meta)
-        sampled = self.argmax(processed) if meta.all_greedy else _sample(processed, meta, self.argmax)
+        sampled = self.argmax(processed) if meta.all_greedy else _sample(processed, meta, self.argmax, self.draw)
         logprobs = None
         if meta.max_num_logprobs is not None:  # of ``logits``: the model's own distribution
             logprobs = compute_logprobs(logits, sampled, meta.max_num_logprobs)
@@ -236,34 +239,62 @@ def _apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> None:
     logits[pen.output] = logits[pen.output] - pen.frequency * pen.output_counts - pen.presence
 
 
-def _sample(logits: torch.Tensor, meta: SamplingMetadata, argmax: RowArgmax) -> torch.Tensor:
+def _sample(logits: torch.Tensor, meta: SamplingMetadata, argmax: RowArgmax, draw: RowDraw) -> torch.Tensor:
     """LongTensor[S]: greedy rows take the argmax, the others draw from their distribution."""
     x = logits if meta.random_rows is None else logits[meta.random_rows]
-    if meta.temperature is not None:
-        x = x / meta.temperature
-    probs = x.softmax(dim=-1)
-    u = _uniforms(len(probs), meta.generators, probs.device)
-    # Min-p (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and
-    # Coherent LLM Outputs", §3) keeps p >= min_p * max p. After top-k / top-p it keeps the
-    # same tokens as on the full distribution: they keep the most likely token, and
-    # renormalizing scales p and max p alike.
-    min_prob = None if meta.min_p is None else meta.min_p * probs.amax(dim=-1, keepdim=True)
-
-    trunc = meta.truncation
-    if trunc is None:
-        tokens = _draw(probs, min_prob, u)
-    else:
-        tokens = torch.empty(len(probs), dtype=torch.long, device=probs.device)
-        tokens[trunc.rows] = _draw_truncated(probs, trunc, min_prob, u)
-        if len(other := trunc.other_rows):
-            other_min = None if min_prob is None else min_prob[other]
-            tokens[other] = _draw(probs[other], other_min, u[other])
+    tokens = draw(x, meta)
     if meta.random_rows is None:
         return tokens
     sampled = torch.empty(len(logits), dtype=torch.long, device=logits.device)
     sampled[meta.random_rows] = tokens
     sampled[meta.greedy_rows] = argmax(logits[meta.greedy_rows])
     return sampled
+
+
+class RowDraw(CustomOp):
+    """LongTensor[R]: one token per row of x [R, V] (the sampling rows' processed logits),
+    drawn from its distribution (temperature -> top-k -> top-p -> min-p) at one uniform per
+    row (``_uniforms``, seeded rows from their own generator). Rows with top-k or top-p draw
+    among their kept tokens most likely first, the others in vocabulary order (inverse CDF).
+    Native: every stage of a row in one call (``kernels.sampling``); PyTorch: the stages as
+    tensor ops, with ``topk`` candidates instead of a vocabulary sort."""
+
+    def forward_native(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if meta.temperature is not None:
+            x = x / meta.temperature
+        probs = x.softmax(dim=-1)
+        u = _uniforms(len(probs), meta.generators, probs.device)
+        # Min-p (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and
+        # Coherent LLM Outputs", §3) keeps p >= min_p * max p. After top-k / top-p it keeps the
+        # same tokens as on the full distribution: they keep the most likely token, and
+        # renormalizing scales p and max p alike.
+        min_prob = None if meta.min_p is None else meta.min_p * probs.amax(dim=-1, keepdim=True)
+        trunc = meta.truncation
+        if trunc is None:
+            return _draw(probs, min_prob, u)
+        tokens = torch.empty(len(probs), dtype=torch.long, device=probs.device)
+        tokens[trunc.rows] = _draw_truncated(probs, trunc, min_prob, u)
+        if len(other := trunc.other_rows):
+            other_min = None if min_prob is None else min_prob[other]
+            tokens[other] = _draw(probs[other], other_min, u[other])
+        return tokens
+
+    def forward_cpu(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1:
+            return self.forward_native(x, meta)
+        rows = len(x)
+        u = _uniforms(rows, meta.generators, x.device).view(rows)
+        temperature = torch.ones(rows) if meta.temperature is None else meta.temperature.view(rows)
+        trunc = meta.truncation
+        if trunc is not None and len(trunc.rows) == rows:  # the kernel reads their "off" values as off
+            top_k, top_p = trunc.top_k.view(rows), trunc.top_p.view(rows)
+        else:
+            top_k, top_p = torch.zeros(rows, dtype=torch.long), torch.ones(rows)
+            if trunc is not None:
+                top_k[trunc.rows] = trunc.top_k.view(-1)
+                top_p[trunc.rows] = trunc.top_p.view(-1)
+        min_p = torch.zeros(rows) if meta.min_p is None else meta.min_p.view(rows)
+        return sampling.sample_rows(x, temperature, top_k, top_p, min_p, u)
 
 
 def _draw(probs: torch.Tensor, min_prob: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from pagedllm.config import ModelConfig
@@ -201,8 +202,9 @@ class ModelRunner:
         # NaN beats every value in argmax and poisons a softmax: nothing sampled from such a
         # row means anything. Raw logits are finite unless something broke. A row's sum is
         # finite exactly when all its values are (short of a sum past 3.4e38), and one vectorized
-        # reduction costs a fraction of isfinite's elementwise pass and its boolean tensor.
-        finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+        # reduction costs a fraction of isfinite's elementwise pass and its boolean tensor. In
+        # numpy, in this thread: torch would wake its thread team for a pass this small.
+        finite = np.isfinite(logits.numpy().sum(axis=-1)).tolist()
         if not all(finite):
             for j, (i, s) in enumerate(sample_rows):
                 if not finite[j]:
@@ -213,7 +215,7 @@ class ModelRunner:
         if not sample_rows:
             return {}
         results = self._isolated(
-            lambda js: self._sample(logits[js], [sample_rows[j][1] for j in js]),
+            lambda js: self._sample(_rows(logits, js), [sample_rows[j][1] for j in js]),
             [(i, s.request) for i, s in sample_rows], errors, "sampling",
         )
         return {i: result for (i, _), result in zip(sample_rows, results) if result is not None}
@@ -395,3 +397,7 @@ def _with_grammar_masks(meta: SamplingMetadata, reqs: list[ScheduledRequest], vo
         return meta
     return replace(meta, grammar_mask=(fill_bitmask(grammars, vocab_size, drafts), rows))
 
+
+def _rows(t: torch.Tensor, js: list[int]) -> torch.Tensor:
+    """Rows ``js`` of ``t``: ``t`` itself when they are all of its rows in order (no copy)."""
+    return t if js == list(range(t.shape[0])) else t[js]

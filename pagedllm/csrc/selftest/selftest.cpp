@@ -162,6 +162,35 @@ void test_linear() {
   check("linear_q4a8", max_error(y, ref), 1e-4f);
 }
 
+// The token sample_rows draws at u, in double precision: softmax(x / t); with top-k or top-p the
+// tokens most likely first, k of them, each whose more likely ones hold less than top_p of
+// their mass, else every token in id order; min-p drops p < min_p * max p; then the first
+// token whose cumulative mass reaches u times the kept mass.
+int64_t sample_reference(const std::vector<float>& x, float t, int64_t k, float top_p, float min_p, float u) {
+  const int64_t n = int64_t(x.size());
+  const double mx = *std::max_element(x.begin(), x.end());
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  auto w = [&](int64_t i) { return x[i] < -1e30f ? 0.0  /* banned; no isinf under -ffast-math */ : std::exp((x[i] - mx) / t); };
+  std::vector<std::pair<double, int64_t>> kept;
+  const int64_t kk = k > 0 && k < n ? k : n;
+  if (kk < n || top_p < 1.f) {
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x[a] > x[b]; });
+    double mass = 0.0, before = 0.0;
+    for (int64_t j = 0; j < kk; ++j) mass += w(order[j]);
+    for (int64_t j = 0; j < kk && (top_p >= 1.f || before < top_p * mass); ++j)
+      kept.emplace_back(w(order[j]), order[j]), before += w(order[j]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) kept.emplace_back(w(i), i);
+  }
+  double total = 0.0;
+  for (auto& e : kept) total += e.first = e.first < min_p ? 0.0 : e.first;
+  double mass = 0.0;
+  for (const auto& e : kept)
+    if (e.first > 0.0 && (mass += e.first) >= u * total) return e.second;
+  return -1;
+}
+
 void test_elementwise() {
   Rng rng;
   const int64_t T = 3, H = 40, D = 32;
@@ -243,6 +272,22 @@ void test_elementwise() {
     int64_t out[2];
     argmax_rows(x.data(), 2, n, out);
     check("argmax_rows", float(out[0] != 3) + float(out[1] != 999), 0.f);
+  }
+  {  // random sampling at fixed uniforms: the token a double-precision reference of the rules draws
+    const int64_t n = 1000;
+    auto x = rng.normals(n);
+    for (int64_t i = 0; i < n; i += 9) x[i] = -INFINITY;  // banned tokens
+    struct Case { float t; int64_t k; float p, min_p, u; };
+    const Case cases[] = {{1.f, 0, 1.f, 0.f, .37f},  {.7f, 20, 1.f, 0.f, .61f}, {1.3f, 0, .9f, 0.f, .83f},
+                          {1.f, 50, .8f, 0.f, .2f},  {1.f, 0, 1.f, .05f, .55f}, {.8f, 0, .95f, .1f, .9f},
+                          {2.f, 0, .999f, 0.f, .7f}, {.5f, 1, 1.f, 0.f, .99f}};
+    float wrong = 0.f;
+    for (const Case& c : cases) {
+      int64_t got;
+      sample_rows(x.data(), n, 1, n, &c.t, &c.k, &c.p, &c.min_p, &c.u, &got);
+      wrong += float(got != sample_reference(x, c.t, c.k, c.p, c.min_p, c.u));
+    }
+    check("sample_rows (cases drawn otherwise)", wrong, 0.f);
   }
 }
 
