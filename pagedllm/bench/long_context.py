@@ -7,10 +7,13 @@ each context length L of ``--context-lens``:
   the request's first-token time minus its arrival time, and prefill tokens/s is L / TTFT;
 - decode at batch 1: the same run's (N - 1) tokens over its last-token time minus its
   first-token time (one long prefill per context, not three);
-- decode at each other batch size b of ``--batch-sizes``: b prompts of L tokens each, run once
-  with ``max_tokens=1`` (prefill only, time T1) and once with ``max_tokens=N`` (time TN); decode
-  tokens/s is b (N - 1) / (TN - T1), so the prefill cost cancels out. Prefix caching is off
-  so both runs compute the same prompts.
+- decode at each other batch size b of ``--batch-sizes``: b prompts of L tokens each, prefilled
+  once (``max_tokens=1``), which leaves their blocks in the prefix cache; then timed with
+  ``max_tokens=1`` (T1) and ``max_tokens=N`` (TN), both finding the prompts cached, so the b
+  requests decode together with L tokens of context each: decode tokens/s is b (N - 1) /
+  (TN - T1). (Without the cache, chunked prefill has each request decode beside the next
+  one's prompt chunks, never b at once, and the difference of two runs of b x L prompt tokens
+  is mostly their noise.) The single prompts above are random and never hit the cache.
 A (L, b) whose K/V does not fit the pool (``--kv-cache-memory``) is reported as skipped, not
 run (it would preempt and measure recomputation instead). Medians over ``--repeats``, after one
 short warm-up request.
@@ -134,8 +137,11 @@ def _measure(llm, kv_dtype: str, context: int, args: argparse.Namespace) -> Long
         rates = []
         for i in range(args.repeats):
             prompts = _prompts(llm, b, context, args.seed + 1000 * b + i)
+            _seconds(llm, prompts, 1)  # the prompts' blocks into the prefix cache
             t1, _ = _seconds(llm, prompts, 1)
-            tn, _ = _seconds(llm, prompts, args.output_len)
+            tn, outputs = _seconds(llm, prompts, args.output_len)
+            if min(o.num_cached_tokens for o in outputs) < context - kv.block_size:
+                raise RuntimeError(f"batch {b} at {context} tokens: the prompts left the prefix cache; raise --kv-cache-memory")
             rates.append(b * (args.output_len - 1) / max(tn - t1, 1e-9))
         decode[b] = statistics.median(rates)
     return LongContextRow(kv_dtype, context, context / ttft, ttft, decode)
@@ -154,7 +160,7 @@ def run(args: argparse.Namespace) -> None:
         kwargs = base | {
             "kv_cache_dtype": kv_dtype,
             "max_model_len": max(contexts) + args.output_len,
-            "enable_prefix_caching": False,
+            "enable_prefix_caching": True,  # the batch-b decode runs find their prompts cached
         }
         llm = LLM(**kwargs)
         kv = llm.engine.core.kv_config
