@@ -452,3 +452,21 @@ def test_every_token_banned_still_gives_a_valid_id() -> None:
         for t in (1.0, 0.0)
     ]
     assert all(0 <= t < 100 for t in sample(logits, rows).sampled_token_ids.tolist())
+
+
+def test_tiny_temperatures_flat_rows_and_banned_tokens() -> None:
+    """A tiny temperature draws the most likely token; a flat row at the largest temperature
+    spreads over every token not banned (its candidates widen to the whole vocabulary); -inf
+    never wins."""
+    vocab, n = 3000, 2000
+    logits = torch.randn(vocab) * 3
+    logits[::3] = float("-inf")
+    best = int(logits.argmax())
+    batch = logits.expand(n, -1).contiguous()
+    for params in (dict(temperature=1e-4), dict(temperature=1e-4, top_p=0.5), dict(temperature=1e-4, min_p=0.5)):
+        assert set(sample(batch, [row(**params)] * n).sampled_token_ids.tolist()) == {best}, params
+    flat = (batch * 1e-3).contiguous()
+    for params in (dict(temperature=2.0), dict(temperature=2.0, top_p=0.99), dict(temperature=2.0, top_k=1500)):
+        drawn = sample(flat, [row(**params)] * n).sampled_token_ids
+        assert bool(torch.isfinite(logits[drawn]).all()), params
+        assert len(set(drawn.tolist())) > 0.4 * n, params
