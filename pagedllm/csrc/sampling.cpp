@@ -2,9 +2,10 @@
 // softmax at a temperature, top-k, top-p, min-p and the draw at a given uniform.
 // Why: in PyTorch the same row is some forty ops over the vocabulary (softmax, block maxima,
 // topk, gather, cumsum, searchsorted...), each a dispatch and a pass of its own, which at
-// batch 1 cost a tenth of a decode step (docs/benchmarks.md). Here a row is two vector passes
-// (its maximum, then its exponentials' sum) plus, for top-k / top-p, a third that collects the
-// few tokens near the maximum; only those are sorted.
+// batch 1 cost about a tenth of a decode step (docs/benchmarks.md). Here a row is a vector pass
+// for its maximum and one for its weights' sum: with top-k / top-p that pass also collects the
+// tokens near the maximum, sorted only as far as the kept prefix reaches; without, a last pass
+// stops at the drawn token.
 //
 // Semantics are the sampler's (pagedllm/layers/sampler.py), with vLLM's order: top-k keeps
 // the k most likely tokens; top-p keeps each token whose more likely tokens hold less than
