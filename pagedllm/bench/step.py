@@ -1,9 +1,12 @@
 """``pagedllm bench step``: where a decode step's time goes, part by part.
 
 One ``LLM`` in this process, one rank. Per batch size B: B random prompts of ``--context``
-tokens, generated with 1 and with ``--steps`` + 1 greedy output tokens (prefix caching off, so
-the prompts' prefill is the same work in both and cancels in the difference). Per decode step,
-from that difference, medians over ``--repeats``:
+tokens, prefilled once (1 output token: the prefill figures below), which leaves them in the
+prefix cache; then generated again with 1 and with ``--steps`` + 1 greedy output tokens, both
+finding the prompts cached, so the B requests decode together and the little prefill left (the
+last block) cancels in the difference. (Uncached, the difference of two B x context prefills
+is mostly their noise at long contexts.) Per decode step, from that difference, medians over
+``--repeats``:
 - the engine's step, wall clock;
 - the model's native call (``decode_layers``), timed part by part inside the kernel library
   (``DecoderDesc.profile``: the norms, q/k/v GEMM, RoPE, K/V write, attention, o GEMM,
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> None:
     if not library.available():
         raise SystemExit("bench step times the native kernels: none load here")
     lib = library.native_library()
-    kwargs = EngineArgs.from_cli_args(args).kwargs() | {"enable_prefix_caching": False}
+    kwargs = EngineArgs.from_cli_args(args).kwargs() | {"enable_prefix_caching": True}
     if kwargs.get("tensor_parallel_size", 1) != 1:
         raise SystemExit("bench step runs one rank (--tensor-parallel-size 1)")
     llm = LLM(**kwargs)
@@ -127,17 +130,19 @@ def run(args: argparse.Namespace) -> None:
     print(f"threads {threads}; one team job handed out and joined: {handoff * 1e6:.1f} us; "
           f"weights read per step {weights / 2**20:.1f} MiB; one-call decoder: {'yes' if decoder else 'no'}")
     for batch in args.batch_sizes:
-        prompts = torch.randint(0, vocab, (batch, args.context), generator=gen).tolist()
-        generate(prompts, 2)  # warm
+        generate(torch.randint(0, vocab, (batch, args.context), generator=gen).tolist(), 2)  # warm
         prefills, decodes = [], []
         for _ in range(args.repeats):
+            prompts = torch.randint(0, vocab, (batch, args.context), generator=gen).tolist()  # not cached yet
             before = _snapshot(profile, lib, timers)
+            prefill = generate(prompts, 1)
+            cached = _snapshot(profile, lib, timers)
             first = generate(prompts, 1)
             middle = _snapshot(profile, lib, timers)
             full = generate(prompts, args.steps + 1)
             after = _snapshot(profile, lib, timers)
-            prefills.append([first, *(b - a for a, b in zip(before, middle))])
-            per_step = [((c - b) - (b - a)) / args.steps for a, b, c in zip(before, middle, after)]
+            prefills.append([prefill, *(b - a for a, b in zip(before, cached))])
+            per_step = [((c - b) - (b - a)) / args.steps for a, b, c in zip(cached, middle, after)]
             decodes.append([(full - first) / args.steps, *per_step])
         prefill = _report(f"batch {batch}, prefill of {batch} x {args.context} prompt tokens", prefills, handoff)
         print(f"  prompt tokens/s {batch * args.context / prefill:.0f}")
