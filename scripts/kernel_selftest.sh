@@ -3,7 +3,8 @@
 #   scripts/kernel_selftest.sh aarch64   cross-compile for ARM NEON (with and without dotprod)
 #                                        and run under qemu-aarch64; installs Debian's
 #                                        g++-aarch64-linux-gnu and qemu-user when missing
-#   scripts/kernel_selftest.sh native    this machine's compiler, flags from $ISA_FLAGS
+#   scripts/kernel_selftest.sh native    this machine's compiler, flags from $ISA_FLAGS (unset:
+#                                        the best variant this CPU runs, pagedllm/kernels/isa.py's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 csrc=pagedllm/csrc
@@ -53,6 +54,17 @@ case "$target" in
     run "$out" aarch64-linux-gnu-g++ qemu-aarch64 -march=armv8-a
     ;;
   native)
+    if [ -z "${ISA_FLAGS+set}" ]; then
+      ISA_FLAGS=$(python3 - <<'EOF'
+import importlib.util, platform
+spec = importlib.util.spec_from_file_location("isa", "pagedllm/kernels/isa.py")
+isa = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(isa)
+best = isa.runnable_isas(isa.cpu_flags(), platform.machine())[0]
+print(" ".join(f for f in isa.isa_flags(best) if f not in isa.COMMON_FLAGS))
+EOF
+)
+    fi
     # shellcheck disable=SC2086
     compile "$out" "${CXX:-g++}" ${ISA_FLAGS:-}
     # shellcheck disable=SC2086
