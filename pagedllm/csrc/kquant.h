@@ -66,12 +66,14 @@ inline void scales_mins(const uint8_t* b, F32x16& ws, F32x16& off) {
 // Each format: kElems weights in kBytes per block; unit(row, u): unit u's first byte;
 // scales(b, chunks, ws, off): ws and off per 16 weights of the unit (`chunks` of its 4 chunks
 // real); codes(b, c): chunk c's 64 codes; kSigned: codes are s8 (else u8 in [0, kCodeMax]);
-// kPieces: distinct scales per 32 weights (1: ws and off come in equal pairs).
+// kPieces: distinct scales per 32 weights (1: ws and off come in equal pairs); kBlockScales:
+// ws is each block's float16 d at its byte 0, off is 0.
 
 struct Q4K {  // d, dmin, scales[12], qs[128]: chunk c = qs[32c..] low nibbles, then high
   static inline constexpr int64_t kElems = 256, kBytes = 144;
   static constexpr bool kSigned = false;
   static constexpr int kCodeMax = 15, kPieces = 1;
+  static constexpr bool kBlockScales = false;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
   static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) { scales_mins(b, ws, off); }
   static U8x64 codes(const uint8_t* b, int c) { return shr_and_halves(dup32(b + 16 + 32 * c), 0, 4, 0x0F); }
@@ -81,6 +83,7 @@ struct Q5K {  // d, dmin, scales[12], qh[32], qs[128]: Q4_K's nibbles, bit 2c / 
   static inline constexpr int64_t kElems = 256, kBytes = 176;
   static constexpr bool kSigned = false;
   static constexpr int kCodeMax = 31, kPieces = 1;
+  static constexpr bool kBlockScales = false;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
   static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) { scales_mins(b, ws, off); }
   static U8x64 codes(const uint8_t* b, int c) {
@@ -94,6 +97,7 @@ struct Q6K {  // ql[128], qh[64], scales[16] (int8), d: per half h of 128, ql[64
   static inline constexpr int64_t kElems = 256, kBytes = 210;
   static constexpr bool kSigned = false;
   static constexpr int kCodeMax = 63, kPieces = 2;
+  static constexpr bool kBlockScales = false;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
   static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) {
     ws = mul(splat_f16(b + 208), load_s8_f32(reinterpret_cast<const int8_t*>(b + 192)));
@@ -110,6 +114,7 @@ struct Q80 {  // d, qs[32] (int8)
   static inline constexpr int64_t kElems = 32, kBytes = 34;
   static constexpr bool kSigned = true;
   static constexpr int kCodeMax = 127, kPieces = 1;
+  static constexpr bool kBlockScales = true;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * 8 * kBytes; }
   static void scales(const uint8_t* b, int chunks, F32x16& ws, F32x16& off) {
     ws = block_scales(b, kBytes, chunks);
@@ -122,6 +127,7 @@ struct Q50 {  // d, qh (32 fifth bits), qs[16]: weight j < 16 in the low nibble 
   static inline constexpr int64_t kElems = 32, kBytes = 22;
   static constexpr bool kSigned = false;
   static constexpr int kCodeMax = 31, kPieces = 1;
+  static constexpr bool kBlockScales = false;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * 8 * kBytes; }
   static void scales(const uint8_t* b, int chunks, F32x16& ws, F32x16& off) {
     ws = block_scales(b, kBytes, chunks);
@@ -182,9 +188,13 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int
 }
 
 // y[r * ldy] = row w . x row r (+ *bias) for R rows of quantized x (codes stride kp, floats stride lf).
+// A single row of x (a batch-1 GEMV, where nothing amortizes a unit's scale gather) against
+// Q8_0 (one scale per 32 weights, no offset) takes each chunk's two block scales as scalars:
+// the same products and lanes, so the same bits, for fewer instructions per block.
 template <class F, int R>
 inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, const float* xf, int64_t lf,
                  const float* bias, float* y, int64_t ldy) {
+  constexpr bool kPerBlock = R == 1 && F::kBlockScales;
   F32x16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = zero();
   const int64_t units = (K + UNIT - 1) / UNIT;
@@ -192,11 +202,13 @@ inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, cons
     const int chunks = int(std::min(UNIT, K - u * UNIT) / CHUNK);
     const uint8_t* b = F::unit(w, u);
     F32x16 ws, off, s[R];
-    F::scales(b, chunks, ws, off);
-    for (int r = 0; r < R; ++r) {
-      const float* f = xf + r * lf + u * XF;
-      s[r] = mul(ws, load(f));
-      acc[r] = fma(off, load(f + 16), acc[r]);
+    if constexpr (!kPerBlock) {
+      F::scales(b, chunks, ws, off);
+      for (int r = 0; r < R; ++r) {
+        const float* f = xf + r * lf + u * XF;
+        s[r] = mul(ws, load(f));
+        acc[r] = fma(off, load(f + 16), acc[r]);
+      }
     }
     auto chunk = [&](int c) {
       const U8x64 q = F::codes(b, c);
@@ -205,7 +217,14 @@ inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, cons
         I32x16 p;
         if constexpr (F::kSigned) p = dot_s8s8(zero_i32(), q, x);
         else p = dot_u8s8(zero_i32(), q, x);
-        acc[r] = fma(to_f32(p), expand4(s[r], c), acc[r]);
+        F32x16 sc;
+        if constexpr (kPerBlock) {  // the same products as mul(ws, f), lanes as expand4's
+          const float* f = xf + r * lf + u * XF + 4 * c;
+          sc = halves(f16_to_f32(b + 2 * c * F::kBytes) * f[0], f16_to_f32(b + (2 * c + 1) * F::kBytes) * f[2]);
+        } else {
+          sc = expand4(s[r], c);
+        }
+        acc[r] = fma(to_f32(p), sc, acc[r]);
       }
     };
     if (chunks == 4) {

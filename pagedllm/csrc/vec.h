@@ -47,7 +47,8 @@
 //           load_u8_f32 / load_s8_f32 (16 bytes widened to float), f16_pairs(p, stride, n)
 //           (lanes 2i and 2i + 1: the float16 at p + i * stride for i < n <= 8, 0 past n;
 //           built in registers), expand4(v, c): lane l = v[4 c + l / 4] (the scale of each
-//           16-byte quarter of a U8x64, per 4-lane dot sum).
+//           16-byte quarter of a U8x64, per 4-lane dot sum), halves(a, b) (lanes 0-7 a, 8-15
+//           b), float f16_to_f32(p) (the float16 at p, unaligned).
 //   fp8     load_e4m3 (16 bytes of float8 e4m3, OCP's "e4m3fn": bias 7, subnormals, no
 //           infinities, 0x7F / 0xFF NaN and never stored by us, widened to float32 exactly)
 #pragma once

@@ -140,6 +140,8 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
   }
 }
 
+inline F32x16 halves(float a, float b) { return {_mm256_set1_ps(a), _mm256_set1_ps(b)}; }
+using x86::f16_to_f32;
 inline F32x16 load_f16(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};

@@ -88,6 +88,8 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
   }
 }
 
+inline F32x16 halves(float a, float b) { return {_mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1)}; }
+using x86::f16_to_f32;
 inline F32x16 load_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 
 inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {

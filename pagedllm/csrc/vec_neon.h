@@ -143,6 +143,12 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
   }
 }
 
+inline F32x16 halves(float a, float b) { return {{vdupq_n_f32(a), vdupq_n_f32(a), vdupq_n_f32(b), vdupq_n_f32(b)}}; }
+inline float f16_to_f32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
+}
 inline F32x16 load_f16(const uint16_t* p) {
   F32x16 r;
   for (int i = 0; i < 4; ++i) r.v[i] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i)));

@@ -105,16 +105,17 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
   });
 }
 
-inline F32x16 load_f16(const uint16_t* p) {
-  return lanes([p](int i) {
-    const uint32_t h = p[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    if (exp == 0) return std::copysign(std::ldexp(float(man), -24), sign ? -1.f : 1.f);  // zero, subnormal
-    const uint32_t u = sign | (exp == 31 ? 0x7F800000u : (exp + 112) << 23) | man << 13;  // 112 = 127 - 15
-    float f;
-    std::memcpy(&f, &u, sizeof(f));
-    return f;
-  });
+inline float half_to_float(uint32_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  if (exp == 0) return std::copysign(std::ldexp(float(man), -24), sign ? -1.f : 1.f);  // zero, subnormal
+  const uint32_t u = sign | (exp == 31 ? 0x7F800000u : (exp + 112) << 23) | man << 13;  // 112 = 127 - 15
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
 }
+inline F32x16 load_f16(const uint16_t* p) { return lanes([p](int i) { return half_to_float(p[i]); }); }
+inline float f16_to_f32(const uint8_t* p) { return half_to_float(uint32_t(p[0] | p[1] << 8)); }
+inline F32x16 halves(float a, float b) { return lanes([a, b](int i) { return i < 8 ? a : b; }); }
 
 inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {
   uint16_t h[16] = {};
