@@ -36,6 +36,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+FINISH_REASONS: tuple[str, ...] = tuple(_FINISH_REASONS.values())
 
 
 class Request:

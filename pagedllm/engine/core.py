@@ -35,11 +35,21 @@ _COMPILE_WAIT_S = 0.05
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
+_statm: tuple[int, int] | None = None  # (pid, fd of its /proc/<pid>/statm)
+
+
 def resident_memory_bytes() -> int:
-    """This process's resident set size in bytes (Linux ``/proc``; 0 where it is unavailable)."""
+    """This process's resident set size in bytes (Linux ``/proc``; 0 where it is unavailable).
+
+    Read every step for the stats: the process's ``statm`` stays open and is re-read from
+    offset 0 (an open per call cost more than the rest of the stats together); a forked child
+    opens its own."""
+    global _statm
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE_SIZE
+        pid = os.getpid()
+        if _statm is None or _statm[0] != pid:
+            _statm = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC))
+        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE_SIZE
     except (OSError, IndexError, ValueError):
         return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.core.kv_cache_config import KVCacheConfig
+from pagedllm.core.request import FINISH_REASONS
 from pagedllm.engine.messages import SchedulerStats
 from pagedllm.engine.output_processor import TokenTiming
 from pagedllm.outputs import RequestOutput
@@ -101,6 +102,8 @@ class EngineMetrics:
         self.success = Counter(
             "pagedllm:request_success", "Finished requests, by finish reason.", ["finished_reason"], registry=r
         )
+        for reason in FINISH_REASONS:  # exported from the start at 0, as vLLM does, so rates need no first request
+            self.success.labels(finished_reason=reason)
         # Each core reports cumulative counts; counters take the increments.
         self._last = [SchedulerStats() for _ in range(num_engines)]
 
