@@ -3,8 +3,10 @@
 #   scripts/kernel_selftest.sh aarch64   cross-compile for ARM NEON (with and without dotprod)
 #                                        and run under qemu-aarch64; installs Debian's
 #                                        g++-aarch64-linux-gnu and qemu-user when missing
-#   scripts/kernel_selftest.sh native    this machine's compiler, flags from $ISA_FLAGS (unset:
-#                                        the best variant this CPU runs, pagedllm/kernels/isa.py's)
+#   scripts/kernel_selftest.sh native [ISA]
+#                                        this machine's compiler, flags from $ISA_FLAGS, else
+#                                        those of variant ISA (pagedllm/kernels/isa.py's names),
+#                                        else of the best variant this CPU runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 csrc=pagedllm/csrc
@@ -55,13 +57,13 @@ case "$target" in
     ;;
   native)
     if [ -z "${ISA_FLAGS+set}" ]; then
-      ISA_FLAGS=$(python3 - <<'EOF'
-import importlib.util, platform
+      ISA_FLAGS=$(python3 - "${2:-}" <<'EOF'
+import importlib.util, platform, sys
 spec = importlib.util.spec_from_file_location("isa", "pagedllm/kernels/isa.py")
 isa = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(isa)
-best = isa.runnable_isas(isa.cpu_flags(), platform.machine())[0]
-print(" ".join(f for f in isa.isa_flags(best) if f not in isa.COMMON_FLAGS))
+name = sys.argv[1] or isa.runnable_isas(isa.cpu_flags(), platform.machine())[0]
+print(" ".join(f for f in isa.isa_flags(name) if f not in isa.COMMON_FLAGS))
 EOF
 )
     fi
