@@ -81,6 +81,21 @@ def test_gemm_is_exact_for_its_scheme(qtype: Q, native_isa: str) -> None:
             assert (y.double() - exact).norm() / exact.norm() < 0.02  # int8 activations
 
 
+@pytest.mark.parametrize("qtype", list(SIZES), ids=lambda q: q.name)
+def test_decode_rows_do_not_depend_on_the_batch(qtype: Q, native_isa: str) -> None:
+    """Below the prefill panels (M < 8) each row of y has the same bits whatever other rows
+    share the call and wherever the row falls in the activation tiles: a request's logits do not
+    change with the batch (speculative verification's rows against plain decoding)."""
+    k = SIZES[qtype][-1]
+    weight = kquant.StoredWeight([(int(qtype), random_gguf_blocks(qtype, 41, k, seed=3))], k)
+    bias = torch.randn(41)
+    x = torch.randn(7, k) * torch.linspace(0.1, 3, k)
+    alone = torch.cat([kquant.linear(x[i : i + 1], weight, bias) for i in range(7)])
+    for m in range(2, 8):
+        for start in (0, 7 - m):
+            assert torch.equal(kquant.linear(x[start : start + m], weight, bias), alone[start : start + m])
+
+
 def test_parts_of_several_formats_stack_along_n(native_isa: str) -> None:
     """A fused weight whose parts the file stores in different formats (Gemma's q, k Q5_0 and
     v Q8_0) equals its parts' GEMMs side by side; adjacent parts of one format merge."""

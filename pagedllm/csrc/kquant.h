@@ -36,6 +36,8 @@ using namespace vec;
 inline constexpr int64_t UNIT = 256;   // weights per loop unit: a super-block, or 8 blocks of 32
 inline constexpr int64_t CHUNK = 64;   // weights per U8x64
 inline constexpr int64_t XF = 32;      // floats per unit of a quantized x row: 16 scales, then 16 sums
+inline constexpr int64_t XS = 16;      // floats per chunk of a quantized x row: its two groups' scales, 8 lanes each
+inline constexpr int64_t xs_floats(int64_t kp) { return kp / CHUNK * XS; }  // chunk scales per row of kp codes
 inline constexpr int64_t SPAN = 16;    // output rows per unit of thread work
 
 // A float16 (at p, unaligned) in every lane.
@@ -163,38 +165,44 @@ inline int64_t row_bytes(int64_t type, int64_t K) {
   return bytes;
 }
 
-// x [M, K] (stride ldx) -> codes [M][Kp] (Kp: K rounded up to UNIT, zeros past K) and per row
-// and unit XF floats: each 16 codes' scale, then each 16 codes' sum times that scale.
-inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* codes, float* f) {
-  const int64_t kp = (K + UNIT - 1) / UNIT * UNIT, lf = kp / UNIT * XF;
+// x [M, K] (stride ldx) -> codes [M][Kp] (Kp: K rounded up to UNIT, zeros past K); per row
+// and unit XF floats: each 16 codes' scale, then each 16 codes' sum times that scale; and per
+// row and chunk XS floats: the scale of its first 32 codes in lanes 0-7, of the next in 8-15
+// (the block-scale formats' operand, as their chunk's two block scales lie).
+inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* codes, float* f, float* xs) {
+  const int64_t kp = (K + UNIT - 1) / UNIT * UNIT, lf = kp / UNIT * XF, ls = xs_floats(kp);
   par::parallel_for(M, [&](int64_t m) {
     int8_t* row = codes + m * kp;
     for (int64_t g = 0; g < kp / 32; ++g) {
       float* uf = f + m * lf + g / 8 * XF;
       const int64_t p = g % 8 * 2;
+      float scale = 0.f;
       if (g * 32 >= K) {
         std::memset(row + g * 32, 0, 32);
         uf[p] = uf[p + 1] = uf[16 + p] = uf[17 + p] = 0.f;
-        continue;
+      } else {
+        const GroupCodes q = quantize_group(x + m * ldx, K, g * 32);
+        store_i8(row + g * 32, q.lo);
+        store_i8(row + g * 32 + 16, q.hi);
+        scale = uf[p] = uf[p + 1] = q.scale;
+        uf[16 + p] = q.scale * reduce_add(to_f32(q.lo));  // exact integer sums
+        uf[17 + p] = q.scale * reduce_add(to_f32(q.hi));
       }
-      const GroupCodes q = quantize_group(x + m * ldx, K, g * 32);
-      store_i8(row + g * 32, q.lo);
-      store_i8(row + g * 32 + 16, q.hi);
-      uf[p] = uf[p + 1] = q.scale;
-      uf[16 + p] = q.scale * reduce_add(to_f32(q.lo));  // exact integer sums
-      uf[17 + p] = q.scale * reduce_add(to_f32(q.hi));
+      std::fill_n(xs + m * ls + g * (XS / 2), XS / 2, scale);
     }
   }, 17);
 }
 
-// y[r * ldy] = row w . x row r (+ *bias) for R rows of quantized x (codes stride kp, floats stride lf).
-// A single row of x (a batch-1 GEMV, where nothing amortizes a unit's scale gather) against
-// Q8_0 (one scale per 32 weights, no offset) takes each chunk's two block scales as scalars:
-// the same products and lanes, so the same bits, for fewer instructions per block.
+// y[r * ldy] = row w . x row r (+ *bias) for R rows of quantized x (codes stride kp, floats
+// stride lf, chunk scales stride kp / CHUNK * XS). The block-scale formats (Q8_0: one scale per
+// 32 weights, no offset) skip the unit's scale gather: a chunk's two block scales, spread over
+// its halves once for all R rows, times each row's chunk scales (the same products in the same
+// lanes as the gathered way, so the same bits, in fewer instructions per block and row).
 template <class F, int R>
 inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, const float* xf, int64_t lf,
-                 const float* bias, float* y, int64_t ldy) {
-  constexpr bool kPerBlock = R == 1 && F::kBlockScales;
+                 const float* xs, const float* bias, float* y, int64_t ldy) {
+  constexpr bool kPerBlock = F::kBlockScales;
+  const int64_t ls = xs_floats(kp);
   F32x16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = zero();
   const int64_t units = (K + UNIT - 1) / UNIT;
@@ -212,6 +220,8 @@ inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, cons
     }
     auto chunk = [&](int c) {
       const U8x64 q = F::codes(b, c);
+      F32x16 d;
+      if constexpr (kPerBlock) d = halves(f16_to_f32(b + 2 * c * F::kBytes), f16_to_f32(b + (2 * c + 1) * F::kBytes));
       for (int r = 0; r < R; ++r) {
         const int8_t* x = xq + r * kp + u * UNIT + c * CHUNK;
         I32x16 p;
@@ -219,8 +229,7 @@ inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, cons
         else p = dot_u8s8(zero_i32(), q, x);
         F32x16 sc;
         if constexpr (kPerBlock) {  // the same products as mul(ws, f), lanes as expand4's
-          const float* f = xf + r * lf + u * XF + 4 * c;
-          sc = halves(f16_to_f32(b + 2 * c * F::kBytes) * f[0], f16_to_f32(b + (2 * c + 1) * F::kBytes) * f[2]);
+          sc = mul(d, load(xs + r * ls + (u * (UNIT / CHUNK) + c) * XS));
         } else {
           sc = expand4(s[r], c);
         }
@@ -239,13 +248,17 @@ inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, cons
 // One weight row against M rows of quantized x: tiles of kGemmRowsKQ, then the rest.
 template <class F>
 inline void row_times_x(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, const float* xf, int64_t lf,
-                        int64_t M, const float* bias, float* y, int64_t ldy) {
+                        const float* xs, int64_t M, const float* bias, float* y, int64_t ldy) {
   constexpr int R = kGemmRowsKQ;
+  const int64_t ls = xs_floats(kp);
   int64_t m = 0;
-  for (; m + R <= M; m += R) tile<F, R>(w, K, xq + m * kp, kp, xf + m * lf, lf, bias, y + m * ldy, ldy);
+  for (; m + R <= M; m += R)
+    tile<F, R>(w, K, xq + m * kp, kp, xf + m * lf, lf, xs + m * ls, bias, y + m * ldy, ldy);
   const int64_t rest = M - m;
   [&]<int... I>(std::integer_sequence<int, I...>) {
-    ((rest == I + 1 ? (tile<F, I + 1>(w, K, xq + m * kp, kp, xf + m * lf, lf, bias, y + m * ldy, ldy), 0) : 0), ...);
+    ((rest == I + 1 ? (tile<F, I + 1>(w, K, xq + m * kp, kp, xf + m * lf, lf, xs + m * ls, bias, y + m * ldy, ldy), 0)
+                    : 0),
+     ...);
   }(std::make_integer_sequence<int, R - 1>{});
 }
 
@@ -262,19 +275,21 @@ inline bool fits(const KQuantWeight& w, int64_t N, int64_t K) {
   return rows == N;
 }
 
-// M rows of x quantized once for the GEMM (quantize_rows): codes [M][kp], floats [M][lf].
+// M rows of x quantized once for the GEMM (quantize_rows): codes [M][kp], floats [M][lf],
+// chunk scales [M][kp / CHUNK * XS].
 struct QuantizedX {
   int64_t kp, lf;
   std::vector<int8_t> codes;
-  std::vector<float> f;
+  std::vector<float> f, xs;
 
   QuantizedX() : kp(0), lf(0) {}
   QuantizedX(const float* x, int64_t ldx, int64_t M, int64_t K)
       : kp((K + UNIT - 1) / UNIT * UNIT),
         lf(kp / UNIT * XF),
         codes(static_cast<size_t>(M * kp)),
-        f(static_cast<size_t>(M * lf)) {
-    quantize_rows(x, ldx, M, K, codes.data(), f.data());
+        f(static_cast<size_t>(M * lf)),
+        xs(static_cast<size_t>(M * xs_floats(kp))) {
+    quantize_rows(x, ldx, M, K, codes.data(), f.data(), xs.data());
   }
 };
 
@@ -355,7 +370,8 @@ inline void rows_times_x(const KQuantPart& part, int64_t n0, int64_t n1, int64_t
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t c = col + n - n0;
       row_times_x<F>(static_cast<const uint8_t*>(part.blocks) + n * rb, K, xq.codes.data() + m0 * xq.kp, xq.kp,
-                     xq.f.data() + m0 * xq.lf, xq.lf, rows, bias ? bias + c : nullptr, y + m0 * ldy + c, ldy);
+                     xq.f.data() + m0 * xq.lf, xq.lf, xq.xs.data() + m0 * xs_floats(xq.kp), rows,
+                     bias ? bias + c : nullptr, y + m0 * ldy + c, ldy);
     }
   });
 }
