@@ -49,20 +49,26 @@ inline F32x16 block_scales(const uint8_t* b, int64_t block_bytes, int chunks) {
   return chunks == 4 ? f16_pairs(b, block_bytes, 8) : f16_pairs(b, block_bytes, 2 * chunks);  // a whole unit: unrolled
 }
 
+// A uint32's 4 bytes each twice, in order: byte i of v at bytes 2i and 2i + 1.
+inline uint64_t bytes_twice(uint32_t v) {
+  uint64_t x = v;
+  x = (x | x << 16) & 0x0000FFFF0000FFFFull;
+  x = (x | x << 8) & 0x00FF00FF00FF00FFull;
+  return x | x << 8;
+}
+
 // Q4_K and Q5_K: d, dmin (float16) at bytes 0 and 2, then 8 scales and 8 mins of 6 bits in 12
 // bytes (scales 0-3 and mins 0-3 in the low 6 bits of bytes 0-7, the rest split between the
-// low / high nibbles of bytes 8-11 and the top 2 bits of bytes 0-7).
+// low / high nibbles of bytes 8-11 and the top 2 bits of bytes 0-7), unpacked four at a time
+// in 32-bit words and kept in registers (a round trip through memory stalls on the store).
 inline void scales_mins(const uint8_t* b, F32x16& ws, F32x16& off) {
-  const uint8_t* s = b + 4;
-  uint8_t sc[16], mn[16];
-  for (int j = 0; j < 8; ++j) {
-    const uint8_t a = j < 4 ? s[j] & 63 : uint8_t((s[j + 4] & 0x0F) | (s[j - 4] >> 6) << 4);
-    const uint8_t m = j < 4 ? s[j + 4] & 63 : uint8_t((s[j + 4] >> 4) | (s[j] >> 6) << 4);
-    sc[2 * j] = sc[2 * j + 1] = a;
-    mn[2 * j] = mn[2 * j + 1] = m;
-  }
-  ws = mul(splat_f16(b), load_u8_f32(sc));
-  off = sub(zero(), mul(splat_f16(b + 2), load_u8_f32(mn)));
+  uint32_t s[3];
+  std::memcpy(s, b + 4, 12);
+  constexpr uint32_t kLow6 = 0x3F3F3F3F, kLow4 = 0x0F0F0F0F, kLow2 = 0x03030303;
+  const F32x16 sc = u8_f32(bytes_twice(s[0] & kLow6), bytes_twice((s[2] & kLow4) | (s[0] >> 6 & kLow2) << 4));
+  const F32x16 mn = u8_f32(bytes_twice(s[1] & kLow6), bytes_twice((s[2] >> 4 & kLow4) | (s[1] >> 6 & kLow2) << 4));
+  ws = mul(splat_f16(b), sc);
+  off = sub(zero(), mul(splat_f16(b + 2), mn));
 }
 
 // Each format: kElems weights in kBytes per block; unit(row, u): unit u's first byte;

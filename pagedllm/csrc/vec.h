@@ -44,7 +44,8 @@
 //           below 2^(8 - n), and shl_u8's bytes below 2^(8 - n). I32x16 dot_u8s8(acc, U8x64 w,
 //           64 s8 x): acc[l] += sum_j w[4 l + j] x[4 l + j] with w in [0, 127] (AVX2's vpmaddubsw
 //           pairs fit in int16); dot_s8s8 the same with w as s8 (x in [-127, 127]).
-//           load_u8_f32 / load_s8_f32 (16 bytes widened to float), f16_pairs(p, stride, n)
+//           load_u8_f32 / load_s8_f32 (16 bytes widened to float), u8_f32(lo, hi) (the same
+//           from registers: the 8 bytes of uint64 lo, little-endian, then hi's), f16_pairs(p, stride, n)
 //           (lanes 2i and 2i + 1: the float16 at p + i * stride for i < n <= 8, 0 past n;
 //           built in registers), expand4(v, c): lane l = v[4 c + l / 4] (the scale of each
 //           16-byte quarter of a U8x64, per 4-lane dot sum), halves(a, b) (lanes 0-7 a, 8-15

@@ -228,6 +228,9 @@ inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
   return r;
 }
 inline F32x16 load_u8_f32(const uint8_t* p) { return lanes([p](int i) { return float(p[i]); }); }
+inline F32x16 u8_f32(uint64_t lo, uint64_t hi) {
+  return lanes([lo, hi](int i) { return float(((i < 8 ? lo : hi) >> (8 * (i % 8))) & 0xFF); });
+}
 inline F32x16 load_s8_f32(const int8_t* p) { return lanes([p](int i) { return float(p[i]); }); }
 inline F32x16 load_e4m3(const uint8_t* p) {
   return lanes([p](int i) {
