@@ -257,19 +257,22 @@ inline U8x64 shl_u8(U8x64 a, int n) {
 }
 inline U8x64 or_u8(U8x64 a, U8x64 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
 inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> their low nibbles, then their high ones
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xF0), _mm256_set1_epi8(0x0F));
 }
 inline U8x64 nibbles_2x16(const uint8_t* a, const uint8_t* b) { return {nibbles16(a), nibbles16(b)}; }
-inline __m256i bits_to_bytes32(uint32_t bits, uint8_t value) {
-  // Byte i takes the byte of `bits` holding bit i, keeps bit i % 8 and is `value` where it is set.
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)),
-                                             _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
-  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(char(value)));
-}
 inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
-  return {bits_to_bytes32(uint32_t(bits), value), bits_to_bytes32(uint32_t(bits >> 32), value)};
+  // Byte i takes the byte of `bits` holding bit i, keeps bit i % 8 and is `value` where it is set
+  // (every 128-bit lane holds all 8 bytes of `bits`).
+  const __m256i all = _mm256_set1_epi64x(static_cast<long long>(bits));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL)), v = _mm256_set1_epi8(char(value));
+  auto spread = [&](__m256i index) {
+    const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(all, index), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), v);
+  };
+  return {spread(_mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL)),
+          spread(_mm256_setr_epi64x(0x0404040404040404LL, 0x0505050505050505LL, 0x0606060606060606LL,
+                                    0x0707070707070707LL))};
 }
 inline F32x16 load_u8_f32(const uint8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
