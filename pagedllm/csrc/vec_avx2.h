@@ -274,13 +274,12 @@ inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
           spread(_mm256_setr_epi64x(0x0404040404040404LL, 0x0505050505050505LL, 0x0606060606060606LL,
                                     0x0707070707070707LL))};
 }
-inline F32x16 load_u8_f32(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+inline F32x16 u8_f32(__m128i v) {  // 16 bytes widened to float
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
 }
+inline F32x16 load_u8_f32(const uint8_t* p) { return u8_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline F32x16 u8_f32(uint64_t lo, uint64_t hi) {
-  const __m128i v = _mm_set_epi64x(static_cast<long long>(hi), static_cast<long long>(lo));
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
+  return u8_f32(_mm_set_epi64x(static_cast<long long>(hi), static_cast<long long>(lo)));
 }
 inline F32x16 load_s8_f32(const int8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

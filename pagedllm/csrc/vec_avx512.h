@@ -183,11 +183,10 @@ inline U8x64 nibbles_2x16(const uint8_t* a, const uint8_t* b) {
   return {_mm512_and_si512(_mm512_srlv_epi16(xxyy, counts), _mm512_set1_epi8(0x0F))};
 }
 inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) { return {_mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(char(value)))}; }
-inline F32x16 load_u8_f32(const uint8_t* p) {
-  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
-}
+inline F32x16 u8_f32(__m128i v) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))}; }  // 16 bytes widened to float
+inline F32x16 load_u8_f32(const uint8_t* p) { return u8_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline F32x16 u8_f32(uint64_t lo, uint64_t hi) {
-  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(static_cast<long long>(hi), static_cast<long long>(lo))))};
+  return u8_f32(_mm_set_epi64x(static_cast<long long>(hi), static_cast<long long>(lo)));
 }
 inline F32x16 load_s8_f32(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};

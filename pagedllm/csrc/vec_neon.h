@@ -260,17 +260,13 @@ inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
   }
   return r;
 }
-inline F32x16 load_u8_f32(const uint8_t* p) {
-  const uint8x16_t v = vld1q_u8(p);
+inline F32x16 u8_f32(uint8x16_t v) {  // 16 bytes widened to float
   const uint16x8_t lo = vmovl_u8(vget_low_u8(v)), hi = vmovl_high_u8(v);
   return {{vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))), vcvtq_f32_u32(vmovl_high_u16(lo)),
            vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))), vcvtq_f32_u32(vmovl_high_u16(hi))}};
 }
-inline F32x16 u8_f32(uint64_t lo, uint64_t hi) {
-  const uint16x8_t a = vmovl_u8(vcreate_u8(lo)), b = vmovl_u8(vcreate_u8(hi));
-  return {{vcvtq_f32_u32(vmovl_u16(vget_low_u16(a))), vcvtq_f32_u32(vmovl_high_u16(a)),
-           vcvtq_f32_u32(vmovl_u16(vget_low_u16(b))), vcvtq_f32_u32(vmovl_high_u16(b))}};
-}
+inline F32x16 load_u8_f32(const uint8_t* p) { return u8_f32(vld1q_u8(p)); }
+inline F32x16 u8_f32(uint64_t lo, uint64_t hi) { return u8_f32(vcombine_u8(vcreate_u8(lo), vcreate_u8(hi))); }
 inline F32x16 load_s8_f32(const int8_t* p) {
   const int8x16_t v = vld1q_s8(p);
   const int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_high_s8(v);
