@@ -17,7 +17,7 @@ namespace {
 // on every ISA, and few enough that they and the operands stay in registers (AVX2's 16 ymm
 // hold 6 two-register F32x16 and the operands; 8 would spill two chains to the stack, whose
 // store-to-load round trip then paces the loop).
-constexpr int kChains = std::min(8, kF32Regs - 2);
+constexpr int kChains = std::min(12, kF32Regs - 2);
 
 // step(c) for 8 n chain steps: full rounds over the kChains chains, then the rest.
 template <typename Step>
@@ -33,14 +33,18 @@ extern "C" {
 
 // Per thread, a chain of n dependent integer additions (n rounded down to a multiple of 8):
 // one per cycle on every core this project targets, so threads * n / seconds is the
-// sustained clock. The empty asm keeps the compiler from folding the chain. Returns n.
+// sustained clock. The empty asm keeps the compiler from folding the chain. Each step adds a
+// register, not a constant: Intel's cores since Golden Cove (Sapphire and Emerald Rapids)
+// fold additions of a constant into the register renamer, several a cycle, and a chain of
+// them read about four times the clock there. Returns n.
 int64_t probe_add_chain(int64_t n) {
   int64_t total = 0;
 #pragma omp parallel reduction(max : total)
   {
-    int64_t x = 0;
+    int64_t x = 0, one = 1;
+    __asm__ volatile("" : "+r"(one));  // a value the compiler cannot see: an add of a register
     for (int64_t i = 0; i + 8 <= n; i += 8) {
-#define PAGEDLLM_STEP x += 1; __asm__ volatile("" : "+r"(x));
+#define PAGEDLLM_STEP x += one; __asm__ volatile("" : "+r"(x));
       PAGEDLLM_STEP PAGEDLLM_STEP PAGEDLLM_STEP PAGEDLLM_STEP PAGEDLLM_STEP PAGEDLLM_STEP PAGEDLLM_STEP PAGEDLLM_STEP
 #undef PAGEDLLM_STEP
     }
