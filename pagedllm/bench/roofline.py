@@ -71,28 +71,23 @@ def _cpu_vendor_family() -> tuple[str, int]:
 def _macs_per_cycle(isa: str) -> tuple[int, int] | None:
     """(float32, int8) multiply-adds one core issues per cycle with ``isa``'s kernels; None for scalar.
 
-    Counted in 256-bit pipes per core: two on AMD Zen 2-4 (which run a 512-bit instruction
-    over both) and on Intel cores without AVX-512; four (two 512-bit) on Zen 5 (family 26).
-    Intel Xeons with AVX-512 have two 512-bit FMA pipes for floating point but one for integer
-    multiplies (port 0; port 5's unit is floating point only): four for float32, two for int8
-    (`vpdpbusd zmm` measured at one a cycle on an Emerald Rapids core, docs/benchmarks.md). A pipe
-    does 8 float32 FMAs per cycle; in int8, 32 multiply-adds with VNNI (vpdpbusd) or NEON's sdot,
-    16 with AVX2, whose vpmaddubsw + vpmaddwd pair takes two issues for 32. AArch64: one 256-bit
-    equivalent (two 128-bit pipes).
+    Counted in 256-bit FMA pipes per core: two on AMD Zen 2-4 (which run a 512-bit
+    instruction over both) and on Intel cores without AVX-512; four (two 512-bit) on Zen 5
+    (family 26) and on Intel Xeons with AVX-512. A pipe does 8 float32 FMAs per cycle; in int8,
+    32 multiply-adds with VNNI (vpdpbusd) or NEON's sdot, 16 with AVX2, whose vpmaddubsw +
+    vpmaddwd pair takes two issues for 32. AArch64: one 256-bit equivalent (two 128-bit pipes).
     """
     if isa == "scalar":
         return None
     vendor, family = _cpu_vendor_family()
     if isa.startswith("neon"):
-        float_pipes = int_pipes = 1
-    elif isa.startswith("avx512") and vendor == "GenuineIntel":
-        float_pipes, int_pipes = 4, 2
-    elif isa.startswith("avx512") and vendor == "AuthenticAMD" and family >= 26:
-        float_pipes = int_pipes = 4
+        pipes = 1
+    elif isa.startswith("avx512") and (vendor == "GenuineIntel" or (vendor == "AuthenticAMD" and family >= 26)):
+        pipes = 4
     else:
-        float_pipes = int_pipes = 2
+        pipes = 2
     int8 = 32 if isa in ("avx512_vnni", "avx512_bf16", "neon_dotprod") else 16
-    return 8 * float_pipes, int8 * int_pipes
+    return 8 * pipes, int8 * pipes
 
 
 def run(args: argparse.Namespace) -> None:

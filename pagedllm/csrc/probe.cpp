@@ -14,7 +14,7 @@ namespace {
 
 // Each probe's work is 8 n vector operations per thread (pagedllm_abi.h), run as rounds over
 // kChains independent accumulators: enough to cover an FMA's latency (4 cycles at 2 a cycle)
-// on every ISA, and few enough that they and the operands stay in registers (AVX2's 16 ymm
+// and, with AVX-512's 32 registers, vpdpbusd's (5 cycles at 2 a cycle) on every ISA, and few enough that they and the operands stay in registers (AVX2's 16 ymm
 // hold 6 two-register F32x16 and the operands; 8 would spill two chains to the stack, whose
 // store-to-load round trip then paces the loop).
 constexpr int kChains = std::min(12, kF32Regs - 2);
@@ -25,6 +25,17 @@ inline void rounds(int64_t n, Step step) {
   for (int64_t i = 0; i < 8 * n / kChains; ++i)
     for (int c = 0; c < kChains; ++c) step(c);
   for (int c = 0; c < 8 * n % kChains; ++c) step(c);
+}
+
+// GCC 12 copies each int32 accumulator of probe_dot_i8's loop to another register and back
+// around every AVX-512 vpdpbusd (two moves a dot); an Intel core runs those moves on the vector
+// ports, and the int8 peak read half the instruction's rate there. An empty asm that takes the
+// accumulator in its register keeps it in place. (AVX2's and NEON's loops have no such copies.)
+inline I32x16 in_place(I32x16 acc) {
+#ifdef __AVX512F__
+  __asm__("" : "+v"(acc.v));
+#endif
+  return acc;
 }
 
 }  // namespace
@@ -88,7 +99,7 @@ int64_t probe_dot_i8(int64_t n) {
       // wp may point anywhere now: the dots are redone each step. (A "memory" clobber would
       // also keep the accumulators in memory, a store and a load around every dot.)
       if (c == 0) __asm__ volatile("" : "+r"(wp));
-      acc[c] = dot(acc[c], x, wp);
+      acc[c] = in_place(dot(acc[c], x, wp));
     });
     F32x16 s = to_f32(acc[0]);
     for (int c = 1; c < kChains; ++c) s = add(s, to_f32(acc[c]));
