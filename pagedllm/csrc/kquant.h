@@ -366,6 +366,12 @@ inline std::vector<Span> spans_of(const KQuantWeight& w, int64_t rows = SPAN) {
   return spans;
 }
 
+// Weight rows that rows_times_x asks the memory system for ahead of the row it reads: at one
+// row of x the loop reads each weight once and is bound by memory, and an Intel core's
+// prefetchers alone kept too few lines in flight (SmolLM2's Q8_0 lm_head read at 12-22 GB/s
+// of a 20-26 GB/s host, docs/benchmarks.md, "Intel Xeon, session 18").
+constexpr int64_t kPrefetchRows = 8;
+
 // Rows [n0, n1) of `part` (of output columns col, col + 1, ...) against `rows` rows of x
 // from row m0 of xq: y[(m0 + m) * ldy + col + n - n0] (+ bias[col + n - n0] where bias).
 inline void rows_times_x(const KQuantPart& part, int64_t n0, int64_t n1, int64_t col, int64_t K, const QuantizedX& xq,
@@ -373,9 +379,12 @@ inline void rows_times_x(const KQuantPart& part, int64_t n0, int64_t n1, int64_t
   with_format(part.type, [&](auto f) {
     using F = decltype(f);
     const int64_t rb = K / F::kElems * F::kBytes;
+    const uint8_t* blocks = static_cast<const uint8_t*>(part.blocks);
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t c = col + n - n0;
-      row_times_x<F>(static_cast<const uint8_t*>(part.blocks) + n * rb, K, xq.codes.data() + m0 * xq.kp, xq.kp,
+      if (n + kPrefetchRows < part.rows)  // that row, line by line (it may be another span's)
+        for (int64_t b = 0; b < rb; b += 64) __builtin_prefetch(blocks + (n + kPrefetchRows) * rb + b);
+      row_times_x<F>(blocks + n * rb, K, xq.codes.data() + m0 * xq.kp, xq.kp,
                      xq.f.data() + m0 * xq.lf, xq.lf, xq.xs.data() + m0 * xs_floats(xq.kp), rows,
                      bias ? bias + c : nullptr, y + m0 * ldy + c, ldy);
     }
