@@ -14,9 +14,10 @@ namespace {
 
 // Each probe's work is 8 n vector operations per thread (pagedllm_abi.h), run as rounds over
 // kChains independent accumulators: enough to cover an FMA's latency (4 cycles at 2 a cycle)
-// and, with AVX-512's 32 registers, vpdpbusd's (5 cycles at 2 a cycle) on every ISA, and few enough that they and the operands stay in registers (AVX2's 16 ymm
-// hold 6 two-register F32x16 and the operands; 8 would spill two chains to the stack, whose
-// store-to-load round trip then paces the loop).
+// on every ISA, and with AVX-512's 32 registers vpdpbusd's too (5 cycles at 2 a cycle); few
+// enough that they and the operands stay in registers (AVX2's 16 ymm hold 6 two-register
+// F32x16 and the operands; 8 would spill two chains to the stack, whose store-to-load round
+// trip then paces the loop).
 constexpr int kChains = std::min(12, kF32Regs - 2);
 
 // step(c) for 8 n chain steps: full rounds over the kChains chains, then the rest.
