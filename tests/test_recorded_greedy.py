@@ -3,10 +3,9 @@
 ``data/default_model_greedy.json``'s float32 tokens were recorded at commit c21a24b (before the
 step path, the layers and the kernels' Python seam were restructured), its ``auto`` tokens again
 when the kernels moved onto their own thread team (one ulp in the RMSNorm's compiled arithmetic
-flips near-ties of the int8 activations) and when the x86 kernels began to divide exactly (the
-estimate instructions GCC used under -ffast-math give different bits on Intel and AMD), each
-with ``enable_prefix_caching=False``, ``temperature=0``, ``ignore_eos``, on each x86 kernel
-variant: float32 gives the same tokens on every one; ``auto`` picks its linear layers by ISA (w4a8 / w8a8), so its tokens are recorded
+flips near-ties of the int8 activations), each with ``enable_prefix_caching=False``,
+``temperature=0``, ``ignore_eos``, on each x86 kernel variant: float32 gives the same tokens on
+every one; ``auto`` picks its linear layers by ISA (w4a8 / w8a8), so its tokens are recorded
 per variant. A refactoring that changes no arithmetic keeps every token; a change that means to
 alter the numbers re-records the file and says why in its commit.
 """

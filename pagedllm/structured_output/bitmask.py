@@ -48,8 +48,8 @@ def fill_bitmask(
         IntTensor[R, ceil(V / 32)], int32: bit ``t % 32`` of word ``t // 32`` is set when
         token t is allowed; R = sum(len(drafts[i]) + 1), one row per grammar without drafts.
     """
-    # Imported on first use: importing llguidance.torch wraps a kernel of its own in
-    # torch.compile, which loads torch._dynamo: seconds at every start of an engine that may
+    # Imported on first use: importing llguidance.torch compiles a kernel of its own with
+    # torch.compile, which loads torch._dynamo, seconds at every start of an engine that may
     # never see a grammar (docs/benchmarks.md, "Intel Xeon, session 18").
     import llguidance.torch  # noqa: PLC0415
 
