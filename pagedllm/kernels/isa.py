@@ -36,12 +36,6 @@ _X86_OPTIONS = {
     "avx512_bf16": (*_AVX512, "avx512vnni", "avx512bf16"),
 }
 _CPUINFO_NAME = {"avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16"}
-# On x86, -ffast-math lets GCC divide and take 1/sqrt through rcpps / rsqrtps (vrcp14ps,
-# vrsqrt14ps) and a Newton step; those estimates differ in their last bits between Intel and
-# AMD cores, so one library gave an activation's int8 codes, and greedy tokens, that depended
-# on the CPU's vendor (docs/benchmarks.md, "Intel Xeon, session 18"). Exact division and square
-# root make a variant's results the same on every CPU that runs it.
-_X86_EXACT = ("-fno-reciprocal-math", "-mno-recip")
 _ARM_MARCH = {"neon_dotprod": ("armv8.2-a+dotprod", {"asimd", "asimddp"}), "neon": ("armv8-a", {"asimd"})}
 COMMON_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++20")
 
@@ -69,15 +63,14 @@ def isa_flags(isa: str) -> list[str]:
         ValueError: for a name not in ``ALL_ISAS``.
     """
     if isa in _X86_OPTIONS:
-        return [*COMMON_FLAGS, *_X86_EXACT, *(f"-m{option}" for option in _X86_OPTIONS[isa])]
+        return [*COMMON_FLAGS, *(f"-m{option}" for option in _X86_OPTIONS[isa])]
     if isa in _ARM_MARCH:
         return [*COMMON_FLAGS, f"-march={_ARM_MARCH[isa][0]}"]
     if isa == "scalar":  # NEON is aarch64's baseline: vec.h would pick it without the define
         # -O2: at -O3 GCC also unrolls, with growth, the plain 16-lane loops of each of the decode
         # attention's instantiations: a build over twice as long, for kernels no faster
         # (docs/benchmarks.md, kernel builds).
-        exact = () if is_arm(platform.machine()) else _X86_EXACT
-        return ["-O2", *COMMON_FLAGS[1:], *exact, "-DPAGEDLLM_VEC_SCALAR"]
+        return ["-O2", *COMMON_FLAGS[1:], "-DPAGEDLLM_VEC_SCALAR"]
     raise ValueError(f"unknown ISA {isa!r}; valid: {', '.join(ALL_ISAS)}")
 
 
