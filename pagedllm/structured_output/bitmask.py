@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
+import llguidance.torch
 import numpy as np
 import torch
 
@@ -48,11 +49,6 @@ def fill_bitmask(
         IntTensor[R, ceil(V / 32)], int32: bit ``t % 32`` of word ``t // 32`` is set when
         token t is allowed; R = sum(len(drafts[i]) + 1), one row per grammar without drafts.
     """
-    # Imported on first use: importing llguidance.torch compiles a kernel of its own with
-    # torch.compile, which loads torch._dynamo, seconds at every start of an engine that may
-    # never see a grammar (docs/benchmarks.md, "Intel Xeon, session 18").
-    import llguidance.torch  # noqa: PLC0415
-
     num_rows = len(grammars) if drafts is None else sum(len(d) + 1 for d in drafts)
     bitmask = llguidance.torch.allocate_token_bitmask(num_rows, vocab_size)
     if drafts is None and len(grammars) > 1:
