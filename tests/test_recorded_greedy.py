@@ -6,8 +6,12 @@ when the kernels moved onto their own thread team (one ulp in the RMSNorm's comp
 flips near-ties of the int8 activations), each with ``enable_prefix_caching=False``,
 ``temperature=0``, ``ignore_eos``, on each x86 kernel variant: float32 gives the same tokens on
 every one; ``auto`` picks its linear layers by ISA (w4a8 / w8a8), so its tokens are recorded
-per variant. A refactoring that changes no arithmetic keeps every token; a change that means to
-alter the numbers re-records the file and says why in its commit.
+per variant. Those were recorded on AMD cores; ``auto_on_intel`` holds each variant's tokens on
+an Intel Xeon (Emerald Rapids), recorded at 4620a08: under -ffast-math GCC divides and takes
+1/sqrt through the x86 estimate instructions (rcpps, vrcp14ps, ...) whose last bits differ
+between the two vendors, and the int8 activation codes move at near-ties (docs/benchmarks.md,
+"Intel Xeon, session 18"). A refactoring that changes no arithmetic keeps every token; a change
+that means to alter the numbers re-records the file and says why in its commit.
 """
 
 from __future__ import annotations
@@ -37,8 +41,14 @@ def test_float32_greedy_tokens_match_the_recording() -> None:
     assert _greedy("float32") == RECORDING["float32"]
 
 
+def _on_intel() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and "GenuineIntel" in cpuinfo.read_text()
+
+
 def test_auto_greedy_tokens_match_the_recording_for_this_isa() -> None:
     isa = active_isa()
-    if isa not in RECORDING["auto"]:
+    recording = RECORDING["auto_on_intel"] if _on_intel() and isa != "scalar" else RECORDING["auto"]
+    if isa not in recording:
         pytest.skip(f"no recording of dtype auto on {isa or 'the PyTorch fallback'}")
-    assert _greedy("auto") == RECORDING["auto"][isa]
+    assert _greedy("auto") == recording[isa]
