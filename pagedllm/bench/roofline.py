@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pagedllm.kernels.isa import cpu_vendor_family
+
 _PROBE_STEPS = 20_000_000  # per thread: ~10 ms at 2 GHz, well above timer and fork/join noise
 
 
@@ -53,21 +55,6 @@ def physical_cores(threads: int) -> int:
     return len(cores)
 
 
-def _cpu_vendor_family() -> tuple[str, int]:
-    vendor, family = "", 0
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "vendor_id":
-                vendor = value.strip()
-            elif key.strip() == "cpu family":
-                family = int(value)
-                break
-    except OSError:
-        pass
-    return vendor, family
-
-
 def _macs_per_cycle(isa: str) -> tuple[int, int] | None:
     """(float32, int8) multiply-adds one core issues per cycle with ``isa``'s kernels; None for scalar.
 
@@ -79,7 +66,7 @@ def _macs_per_cycle(isa: str) -> tuple[int, int] | None:
     """
     if isa == "scalar":
         return None
-    vendor, family = _cpu_vendor_family()
+    vendor, family = cpu_vendor_family()
     if isa.startswith("neon"):
         pipes = 1
     elif isa.startswith("avx512") and (vendor == "GenuineIntel" or (vendor == "AuthenticAMD" and family >= 26)):

@@ -99,6 +99,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_vendor_family() -> tuple[str, int]:
+    """x86 ``/proc/cpuinfo``'s ``vendor_id`` and ``cpu family`` (``GenuineIntel``, 6;
+    ``AuthenticAMD``, 25); ("", 0) where it names none (Arm, macOS)."""
+    vendor, family = "", 0
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id":
+                vendor = value.strip()
+            elif key.strip() == "cpu family":
+                family = int(value)
+                break
+    except OSError:
+        pass
+    return vendor, family
+
+
 def is_arm(machine: str) -> bool:
     """Whether ``platform.machine()``'s answer names a 64-bit Arm CPU (Linux or macOS spelling)."""
     return machine.lower() in ("arm64", "aarch64")
