@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -263,9 +264,14 @@ inline void tile_u8a8(const int32_t* x, int64_t ldx, const float* xscale, const 
 }
 
 // Rows per chunk whose activations stay in L2 while every panel reads them: float32 x of K
-// (512 KiB), int8 codes of kq quads (1 MiB); a multiple of the micro-tile rows.
+// (512 KiB), int8 codes of kq quads (1 MiB); a multiple of the micro-tile rows (of every
+// integer tile's for the codes).
 inline int64_t chunk_rows_f32(int64_t K) { return std::max<int64_t>(12, (131072 / K) / 12 * 12); }
-inline int64_t chunk_rows_i8(int64_t kq) { return std::max<int64_t>(24, (262144 / (4 * kq)) / 24 * 24); }
+inline int64_t chunk_rows_i8(int64_t kq) {
+  constexpr int64_t tiles = std::lcm(std::lcm(kGemmRowsI8, kGemmRowsQ4), std::max(kGemmRowsI8Wide, 1));
+  constexpr int64_t least = (24 + tiles - 1) / tiles * tiles;
+  return std::max(least, (262144 / (4 * kq)) / tiles * tiles);
+}
 
 // Rows 0..M of one panel: full tiles of MR rows, then one tile of the rest (its size
 // dispatched at compile time). tile(integral_constant R, first row).

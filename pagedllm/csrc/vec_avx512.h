@@ -16,9 +16,11 @@ namespace vec {
 inline constexpr const char* kName = "avx512";
 inline constexpr int kF32Regs = 32;     // F32x16 values that fit in the register file
 inline constexpr int kGemmRowsF32 = 12;  // rows of a float32 GEMM micro-tile (24 accumulators)
-inline constexpr int kGemmRowsI8 = 4;    // rows of a w8a8 micro-tile (8 int32 + 8 float32 accumulators)
+inline constexpr int kGemmRowsI8 = 5;    // rows of a w8a8 micro-tile: 10 int32 sums in flight, as many as
+                                        // vpdpbusd's latency x throughput (5 x 2) keeps busy, + 10 float32
 inline constexpr int kGemmRowsI8Wide = 0;  // no int16 prefill tile: VNNI, or the masked sign trick, at every M
-inline constexpr int kGemmRowsQ4 = 4;    // rows of a w4a8 micro-tile (the same accumulators + 2 weight registers)
+inline constexpr int kGemmRowsQ4 = 6;    // rows of a w4a8 micro-tile (12 int32 + 12 float32 accumulators; the
+                                        // nibbles' unpacking spread over more rows)
 inline constexpr int kGemmRowsKQ = 4;    // activation rows per K-quant tile (4 accumulators + 4 scale registers)
 
 struct F32x16 { __m512 v; };
