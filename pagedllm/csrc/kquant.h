@@ -174,8 +174,10 @@ inline int64_t row_bytes(int64_t type, int64_t K) {
 // x [M, K] (stride ldx) -> codes [M][Kp] (Kp: K rounded up to UNIT, zeros past K); per row
 // and unit XF floats: each 16 codes' scale, then each 16 codes' sum times that scale; and per
 // row and chunk XS floats: the scale of its first 32 codes in lanes 0-7, of the next in 8-15
-// (the block-scale formats' operand, as their chunk's two block scales lie).
-inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* codes, float* f, float* xs) {
+// (the block-scale formats' operand, as their chunk's two block scales lie); where
+// vec::kDotS8XSums, per row and 4 codes xsum128 = -128 * their sum (dot_s8's), else nothing.
+inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* codes, float* f, float* xs,
+                          int32_t* xsum128) {
   const int64_t kp = (K + UNIT - 1) / UNIT * UNIT, lf = kp / UNIT * XF, ls = xs_floats(kp);
   par::parallel_for(M, [&](int64_t m) {
     int8_t* row = codes + m * kp;
@@ -196,8 +198,14 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int
       }
       std::fill_n(xs + m * ls + g * (XS / 2), XS / 2, scale);
     }
+    if constexpr (kDotS8XSums)
+      for (int64_t l = 0; l < kp / 4; ++l)
+        xsum128[m * kp / 4 + l] = -128 * (row[4 * l] + row[4 * l + 1] + row[4 * l + 2] + row[4 * l + 3]);
   }, 17);
 }
+
+// xsum128 + i, or null where the ISA's dot_s8 takes no x sums (kDotS8XSums false: empty).
+inline const int32_t* xsum_at(const int32_t* xsum128, int64_t i) { return kDotS8XSums ? xsum128 + i : nullptr; }
 
 // y[r * ldy] = row w . x row r (+ *bias) for R rows of quantized x (codes stride kp, floats
 // stride lf, chunk scales stride kp / CHUNK * XS). The block-scale formats (Q8_0: one scale per
@@ -206,9 +214,9 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int
 // lanes as the gathered way, so the same bits, in fewer instructions per block and row).
 template <class F, int R>
 inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, const float* xf, int64_t lf,
-                 const float* xs, const float* bias, float* y, int64_t ldy) {
+                 const float* xs, const int32_t* xsum128, const float* bias, float* y, int64_t ldy) {
   constexpr bool kPerBlock = F::kBlockScales;
-  const int64_t ls = xs_floats(kp);
+  const int64_t ls = xs_floats(kp), kq4 = kp / 4;
   F32x16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = zero();
   const int64_t units = (K + UNIT - 1) / UNIT;
@@ -224,14 +232,15 @@ inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, cons
         acc[r] = fma(off, load(f + 16), acc[r]);
       }
     }
-    auto chunk = [&](int c) {
+    auto chunk = [&](int c) __attribute__((always_inline)) {  // a call per chunk would cost more than it
       const U8x64 q = F::codes(b, c);
+      [[maybe_unused]] const S8W qs = F::kSigned ? prepare_s8(q) : S8W{};
       F32x16 d;
       if constexpr (kPerBlock) d = halves(f16_to_f32(b + 2 * c * F::kBytes), f16_to_f32(b + (2 * c + 1) * F::kBytes));
       for (int r = 0; r < R; ++r) {
         const int8_t* x = xq + r * kp + u * UNIT + c * CHUNK;
         I32x16 p;
-        if constexpr (F::kSigned) p = dot_s8s8(zero_i32(), q, x);
+        if constexpr (F::kSigned) p = dot_s8(qs, x, xsum_at(xsum128, r * kq4 + u * (UNIT / 4) + c * (CHUNK / 4)));
         else p = dot_u8s8(zero_i32(), q, x);
         F32x16 sc;
         if constexpr (kPerBlock) {  // the same products as mul(ws, f), lanes as expand4's
@@ -254,15 +263,17 @@ inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, cons
 // One weight row against M rows of quantized x: tiles of kGemmRowsKQ, then the rest.
 template <class F>
 inline void row_times_x(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, const float* xf, int64_t lf,
-                        const float* xs, int64_t M, const float* bias, float* y, int64_t ldy) {
+                        const float* xs, const int32_t* xsum128, int64_t M, const float* bias, float* y, int64_t ldy) {
   constexpr int R = kGemmRowsKQ;
   const int64_t ls = xs_floats(kp);
   int64_t m = 0;
   for (; m + R <= M; m += R)
-    tile<F, R>(w, K, xq + m * kp, kp, xf + m * lf, lf, xs + m * ls, bias, y + m * ldy, ldy);
+    tile<F, R>(w, K, xq + m * kp, kp, xf + m * lf, lf, xs + m * ls, xsum_at(xsum128, m * kp / 4), bias, y + m * ldy, ldy);
   const int64_t rest = M - m;
   [&]<int... I>(std::integer_sequence<int, I...>) {
-    ((rest == I + 1 ? (tile<F, I + 1>(w, K, xq + m * kp, kp, xf + m * lf, lf, xs + m * ls, bias, y + m * ldy, ldy), 0)
+    ((rest == I + 1 ? (tile<F, I + 1>(w, K, xq + m * kp, kp, xf + m * lf, lf, xs + m * ls, xsum_at(xsum128, m * kp / 4), bias,
+                                      y + m * ldy, ldy),
+                       0)
                     : 0),
      ...);
   }(std::make_integer_sequence<int, R - 1>{});
@@ -282,11 +293,12 @@ inline bool fits(const KQuantWeight& w, int64_t N, int64_t K) {
 }
 
 // M rows of x quantized once for the GEMM (quantize_rows): codes [M][kp], floats [M][lf],
-// chunk scales [M][kp / CHUNK * XS].
+// chunk scales [M][kp / CHUNK * XS], and where vec::kDotS8XSums xsum128 [M][kp / 4].
 struct QuantizedX {
   int64_t kp, lf;
   std::vector<int8_t> codes;
   std::vector<float> f, xs;
+  std::vector<int32_t> xsum128;
 
   QuantizedX() : kp(0), lf(0) {}
   QuantizedX(const float* x, int64_t ldx, int64_t M, int64_t K)
@@ -294,8 +306,9 @@ struct QuantizedX {
         lf(kp / UNIT * XF),
         codes(static_cast<size_t>(M * kp)),
         f(static_cast<size_t>(M * lf)),
-        xs(static_cast<size_t>(M * xs_floats(kp))) {
-    quantize_rows(x, ldx, M, K, codes.data(), f.data(), xs.data());
+        xs(static_cast<size_t>(M * xs_floats(kp))),
+        xsum128(kDotS8XSums ? static_cast<size_t>(M * kp / 4) : 0) {
+    quantize_rows(x, ldx, M, K, codes.data(), f.data(), xs.data(), xsum128.data());
   }
 };
 
@@ -385,8 +398,8 @@ inline void rows_times_x(const KQuantPart& part, int64_t n0, int64_t n1, int64_t
       if (n + kPrefetchRows < part.rows)  // that row, line by line (it may be another span's)
         for (int64_t b = 0; b < rb; b += 64) __builtin_prefetch(blocks + (n + kPrefetchRows) * rb + b);
       row_times_x<F>(blocks + n * rb, K, xq.codes.data() + m0 * xq.kp, xq.kp,
-                     xq.f.data() + m0 * xq.lf, xq.lf, xq.xs.data() + m0 * xs_floats(xq.kp), rows,
-                     bias ? bias + c : nullptr, y + m0 * ldy + c, ldy);
+                     xq.f.data() + m0 * xq.lf, xq.lf, xq.xs.data() + m0 * xs_floats(xq.kp),
+                     xsum_at(xq.xsum128.data(), m0 * xq.kp / 4), rows, bias ? bias + c : nullptr, y + m0 * ldy + c, ldy);
     }
   });
 }

@@ -43,7 +43,10 @@
 //           shifts may move bits between the bytes of a 16-bit lane: a shr_and mask must be
 //           below 2^(8 - n), and shl_u8's bytes below 2^(8 - n). I32x16 dot_u8s8(acc, U8x64 w,
 //           64 s8 x): acc[l] += sum_j w[4 l + j] x[4 l + j] with w in [0, 127] (AVX2's vpmaddubsw
-//           pairs fit in int16); dot_s8s8 the same with w as s8 (x in [-127, 127]).
+//           pairs fit in int16). S8W prepare_s8(U8x64 w) once per chunk of s8 codes (Q8_0's,
+//           -128 included), then for each row of x (in [-127, 127]) I32x16 dot_s8(S8W, 64 s8 x,
+//           xsum128): lane l = sum_j w[4 l + j] x[4 l + j]; where kDotS8XSums, xsum128[l] = -128 *
+//           sum_j x[4 l + j] (kquant's quantize_rows computes it; the other ISAs ignore it).
 //           load_u8_f32 / load_s8_f32 (16 bytes widened to float), u8_f32(lo, hi) (the same
 //           from registers: the 8 bytes of uint64 lo, little-endian, then hi's), f16_pairs(p, stride, n)
 //           (lanes 2i and 2i + 1: the float16 at p + i * stride for i < n <= 8, 0 past n;

@@ -309,10 +309,14 @@ inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) {
   const uint8_t* p = reinterpret_cast<const uint8_t*>(x);
   return {madd_u8s8(acc.lo, w.lo, load256(p)), madd_u8s8(acc.hi, w.hi, load256(p + 32))};
 }
-inline I32x16 dot_s8s8(I32x16 acc, U8x64 w, const int8_t* x) {  // |w| times x signed as w
+inline constexpr bool kDotS8XSums = false;  // x negated where w < 0 instead
+using S8W = U8x64;
+inline S8W prepare_s8(U8x64 w) { return w; }
+inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t*) {  // |w| times x signed as w
   const uint8_t* p = reinterpret_cast<const uint8_t*>(x);
-  return {madd_u8s8(acc.lo, _mm256_abs_epi8(w.lo), _mm256_sign_epi8(load256(p), w.lo)),
-          madd_u8s8(acc.hi, _mm256_abs_epi8(w.hi), _mm256_sign_epi8(load256(p + 32), w.hi))};
+  const __m256i zero = _mm256_setzero_si256();
+  return {madd_u8s8(zero, _mm256_abs_epi8(w.lo), _mm256_sign_epi8(load256(p), w.lo)),
+          madd_u8s8(zero, _mm256_abs_epi8(w.hi), _mm256_sign_epi8(load256(p + 32), w.hi))};
 }
 
 }  // namespace vec

@@ -208,19 +208,24 @@ inline F32x16 expand4(F32x16 a, int c) {
 }
 #ifdef __AVX512VNNI__
 inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) { return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_loadu_si512(x))}; }
-inline I32x16 dot_s8s8(I32x16 acc, U8x64 w, const int8_t* x) {  // |w| times x signed as w
-  const __m512i xv = _mm512_loadu_si512(x);
-  const __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), xv);
-  return {_mm512_dpbusd_epi32(acc.v, _mm512_abs_epi8(w.v), sx)};
+// w + 128 as u8, so that a row's dot product is one vpdpbusd that starts from -128 * its x sums.
+inline constexpr bool kDotS8XSums = true;
+struct S8W { __m512i u; };
+inline S8W prepare_s8(U8x64 w) { return {_mm512_xor_si512(w.v, _mm512_set1_epi8(char(0x80)))}; }
+inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t* xsum128) {
+  return {_mm512_dpbusd_epi32(_mm512_loadu_si512(xsum128), w.u, _mm512_loadu_si512(x))};
 }
 #else
 inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) {
   return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.v, _mm512_loadu_si512(x)), _mm512_set1_epi16(1)))};
 }
-inline I32x16 dot_s8s8(I32x16 acc, U8x64 w, const int8_t* x) {  // pairs |w| |x| <= 2 * 128 * 127 fit in int16
+inline constexpr bool kDotS8XSums = false;  // x negated where w < 0 instead
+using S8W = U8x64;
+inline S8W prepare_s8(U8x64 w) { return w; }
+inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t*) {  // pairs |w| |x| <= 2 * 128 * 127 fit in int16
   const __m512i xv = _mm512_loadu_si512(x);
   const __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), xv);
-  return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w.v), sx), _mm512_set1_epi16(1)))};
+  return {_mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w.v), sx), _mm512_set1_epi16(1))};
 }
 #endif
 

@@ -294,6 +294,9 @@ inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) {  // codes <= 127 
   for (int i = 0; i < 4; ++i) acc.v[i] = dot4(acc.v[i], vreinterpretq_s8_u8(w.v[i]), vld1q_s8(x + 16 * i));
   return acc;
 }
-inline I32x16 dot_s8s8(I32x16 acc, U8x64 w, const int8_t* x) { return dot_u8s8(acc, w, x); }  // sdot is s8 x s8
+inline constexpr bool kDotS8XSums = false;  // sdot is s8 x s8
+using S8W = U8x64;
+inline S8W prepare_s8(U8x64 w) { return w; }
+inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t*) { return dot_u8s8(zero_i32(), w, x); }
 
 }  // namespace vec

@@ -245,7 +245,11 @@ inline I32x16 dot_u8s8(I32x16 acc, const U8x64& w, const int8_t* x) {
     for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(w.b[4 * l + j]) * x[4 * l + j];
   return acc;
 }
-inline I32x16 dot_s8s8(I32x16 acc, const U8x64& w, const int8_t* x) {
+inline constexpr bool kDotS8XSums = false;
+using S8W = U8x64;
+inline S8W prepare_s8(const U8x64& w) { return w; }
+inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t*) {
+  I32x16 acc = zero_i32();
   for (int l = 0; l < 16; ++l)
     for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(int8_t(w.b[4 * l + j])) * x[4 * l + j];
   return acc;
