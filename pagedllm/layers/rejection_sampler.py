@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.layers.sampler import _inverse_cdf, process_logits, sampling_probs
+from pagedllm.layers.sampler import _in_this_thread, _inverse_cdf, process_logits, sampling_probs
 from pagedllm.layers.sampling_metadata import SamplingMetadata
 
 
@@ -84,8 +84,12 @@ class RejectionSampler(torch.nn.Module):
     ) -> None:
         """Keep drafts while they equal the argmax; then emit the argmax (first index on ties)."""
         rows = [starts[b] + i for b in requests for i in range(len(draft_token_ids[b]) + 1)]
-        # max(dim).indices is argmax's result, as the normal sampler takes it.
-        targets = processed[rows].max(dim=-1).indices.tolist()
+        # The first index of the largest logit, as the normal sampler takes argmax; in numpy,
+        # in this thread, for float32 on the CPU (sampler._in_this_thread).
+        if _in_this_thread(processed):
+            targets = processed.numpy()[rows].argmax(axis=-1).tolist()
+        else:
+            targets = processed[rows].max(dim=-1).indices.tolist()
         offset = 0
         for b in requests:
             drafts = draft_token_ids[b]
