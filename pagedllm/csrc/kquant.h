@@ -232,7 +232,7 @@ inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, cons
         acc[r] = fma(off, load(f + 16), acc[r]);
       }
     }
-    auto chunk = [&](int c) __attribute__((always_inline)) {  // a call per chunk would cost more than it
+    auto chunk = [&](int c) __attribute__((always_inline)) {  // inlined: a call costs more than a chunk
       const U8x64 q = F::codes(b, c);
       [[maybe_unused]] const S8W qs = F::kSigned ? prepare_s8(q) : S8W{};
       F32x16 d;

@@ -341,7 +341,7 @@ class ModelRunner:
                 for j in range(k + 1)
             )
         # As sample's check: one sum in numpy, in this thread (torch's isfinite and gather wake
-        # its thread team for passes this small: ~0.5 and ~0.2 ms for 5 x 49152 logits).
+        # its thread team for passes this small: docs/benchmarks.md, "Intel Xeon, session 19").
         if _in_this_thread(all_logits):
             logits = torch.from_numpy(all_logits.numpy()[idx])
             finite = bool(np.isfinite(logits.numpy().sum()))
