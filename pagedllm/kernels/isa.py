@@ -82,38 +82,38 @@ def architecture_isas(machine: str) -> tuple[str, ...]:
 
 
 @functools.cache
+def _cpuinfo() -> dict[str, str] | None:
+    """``/proc/cpuinfo``'s fields, each key's first value (the first processor's); None without
+    the file (macOS)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux names them (x86 ``flags``, aarch64 ``Features``).
 
     Without ``/proc/cpuinfo`` (macOS): every Apple arm64 CPU has NEON with dot products;
     anything else is taken to run the baseline only.
     """
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    fields = _cpuinfo()
+    if fields is None:
         return frozenset({"asimd", "asimddp"} if is_arm(platform.machine()) else ())
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+    return frozenset(fields.get("flags", fields.get("Features", "")).split())
 
 
 def cpu_vendor_family() -> tuple[str, int]:
     """x86 ``/proc/cpuinfo``'s ``vendor_id`` and ``cpu family`` (``GenuineIntel``, 6;
     ``AuthenticAMD``, 25); ("", 0) where it names none (Arm, macOS)."""
-    vendor, family = "", 0
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "vendor_id":
-                vendor = value.strip()
-            elif key.strip() == "cpu family":
-                family = int(value)
-                break
-    except OSError:
-        pass
-    return vendor, family
+    fields = _cpuinfo() or {}
+    return fields.get("vendor_id", ""), int(fields.get("cpu family", 0))
 
 
 def is_arm(machine: str) -> bool:
