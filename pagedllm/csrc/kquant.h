@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "gemm.h"
 #include "pagedllm_abi.h"
 #include "parallel.h"
 #include "vec.h"
@@ -207,14 +208,15 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int
 // xsum128 + i, or null where the ISA's dot_s8 takes no x sums (kDotS8XSums false: empty).
 inline const int32_t* xsum_at(const int32_t* xsum128, int64_t i) { return kDotS8XSums ? xsum128 + i : nullptr; }
 
-// y[r * ldy] = row w . x row r (+ *bias) for R rows of quantized x (codes stride kp, floats
-// stride lf, chunk scales stride kp / CHUNK * XS). The block-scale formats (Q8_0: one scale per
-// 32 weights, no offset) skip the unit's scale gather: a chunk's two block scales, spread over
-// its halves once for all R rows, times each row's chunk scales (the same products in the same
-// lanes as the gathered way, so the same bits, in fewer instructions per block and row).
+// sums[r][j] = row w . x row r as 16 partial sums (their reduce_add is the dot product), for R
+// rows of quantized x (codes stride kp, floats stride lf, chunk scales stride kp / CHUNK * XS).
+// The block-scale formats (Q8_0: one scale per 32 weights, no offset) skip the unit's scale
+// gather: a chunk's two block scales, spread over its halves once for all R rows, times each
+// row's chunk scales (the same products in the same lanes as the gathered way, so the same
+// bits, in fewer instructions per block and row).
 template <class F, int R>
 inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, const float* xf, int64_t lf,
-                 const float* xs, const int32_t* xsum128, const float* bias, float* y, int64_t ldy) {
+                 const float* xs, const int32_t* xsum128, F32x16 (*sums)[SPAN], int64_t j) {
   constexpr bool kPerBlock = F::kBlockScales;
   const int64_t ls = xs_floats(kp), kq4 = kp / 4;
   F32x16 acc[R];
@@ -236,7 +238,7 @@ inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, cons
       const U8x64 q = F::codes(b, c);
       [[maybe_unused]] const S8W qs = F::kSigned ? prepare_s8(q) : S8W{};
       F32x16 d;
-      if constexpr (kPerBlock) d = halves(f16_to_f32(b + 2 * c * F::kBytes), f16_to_f32(b + (2 * c + 1) * F::kBytes));
+      if constexpr (kPerBlock) d = halves_f16(b + 2 * c * F::kBytes, b + (2 * c + 1) * F::kBytes);
       for (int r = 0; r < R; ++r) {
         const int8_t* x = xq + r * kp + u * UNIT + c * CHUNK;
         I32x16 p;
@@ -257,26 +259,7 @@ inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, cons
       for (int c = 0; c < chunks; ++c) chunk(c);
     }
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = reduce_add(acc[r]) + (bias ? *bias : 0.f);
-}
-
-// One weight row against M rows of quantized x: tiles of kGemmRowsKQ, then the rest.
-template <class F>
-inline void row_times_x(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, const float* xf, int64_t lf,
-                        const float* xs, const int32_t* xsum128, int64_t M, const float* bias, float* y, int64_t ldy) {
-  constexpr int R = kGemmRowsKQ;
-  const int64_t ls = xs_floats(kp);
-  int64_t m = 0;
-  for (; m + R <= M; m += R)
-    tile<F, R>(w, K, xq + m * kp, kp, xf + m * lf, lf, xs + m * ls, xsum_at(xsum128, m * kp / 4), bias, y + m * ldy, ldy);
-  const int64_t rest = M - m;
-  [&]<int... I>(std::integer_sequence<int, I...>) {
-    ((rest == I + 1 ? (tile<F, I + 1>(w, K, xq + m * kp, kp, xf + m * lf, lf, xs + m * ls, xsum_at(xsum128, m * kp / 4), bias,
-                                      y + m * ldy, ldy),
-                       0)
-                    : 0),
-     ...);
-  }(std::make_integer_sequence<int, R - 1>{});
+  for (int r = 0; r < R; ++r) sums[r][j] = acc[r];
 }
 
 // Whether w is a weight [N, K] the GEMM takes: 1 to PAGEDLLM_KQUANT_MAX_PARTS parts, each of a
@@ -386,20 +369,31 @@ inline std::vector<Span> spans_of(const KQuantWeight& w, int64_t rows = SPAN) {
 constexpr int64_t kPrefetchRows = 8;
 
 // Rows [n0, n1) of `part` (of output columns col, col + 1, ...) against `rows` rows of x
-// from row m0 of xq: y[(m0 + m) * ldy + col + n - n0] (+ bias[col + n - n0] where bias).
+// from row m0 of xq: y[(m0 + m) * ldy + col + n - n0] (+ bias[col + n - n0] where bias). Per
+// SPAN weight rows and tile of kGemmRowsKQ rows of x, the tiles' partial sums are reduced
+// together (reduce_add16: each output's sum in the same order as its own reduce_add).
 inline void rows_times_x(const KQuantPart& part, int64_t n0, int64_t n1, int64_t col, int64_t K, const QuantizedX& xq,
                          int64_t m0, int64_t rows, const float* bias, float* y, int64_t ldy) {
   with_format(part.type, [&](auto f) {
     using F = decltype(f);
-    const int64_t rb = K / F::kElems * F::kBytes;
+    const int64_t rb = K / F::kElems * F::kBytes, kp = xq.kp, ls = xs_floats(kp);
     const uint8_t* blocks = static_cast<const uint8_t*>(part.blocks);
-    for (int64_t n = n0; n < n1; ++n) {
-      const int64_t c = col + n - n0;
-      if (n + kPrefetchRows < part.rows)  // that row, line by line (it may be another span's)
-        for (int64_t b = 0; b < rb; b += 64) __builtin_prefetch(blocks + (n + kPrefetchRows) * rb + b);
-      row_times_x<F>(blocks + n * rb, K, xq.codes.data() + m0 * xq.kp, xq.kp,
-                     xq.f.data() + m0 * xq.lf, xq.lf, xq.xs.data() + m0 * xs_floats(xq.kp),
-                     xsum_at(xq.xsum128.data(), m0 * xq.kp / 4), rows, bias ? bias + c : nullptr, y + m0 * ldy + c, ldy);
+    F32x16 sums[kGemmRowsKQ][SPAN];
+    for (int64_t b0 = n0; b0 < n1; b0 += SPAN) {
+      const int64_t count = std::min(SPAN, n1 - b0), c0 = col + b0 - n0;
+      for (int r = 0; r < kGemmRowsKQ; ++r) std::fill(sums[r] + count, sums[r] + SPAN, zero());
+      const F32x16 b = bias ? load_first(bias + c0, count) : zero();
+      gemm::panel_rows<kGemmRowsKQ>(rows, [&](auto r, int64_t m) {
+        constexpr int R = decltype(r)::value;
+        const int64_t mx = m0 + m;
+        for (int64_t n = b0; n < b0 + count; ++n) {
+          if (m == 0 && n + kPrefetchRows < part.rows)  // that row, line by line (it may be another span's)
+            for (int64_t i = 0; i < rb; i += 64) __builtin_prefetch(blocks + (n + kPrefetchRows) * rb + i);
+          tile<F, R>(blocks + n * rb, K, xq.codes.data() + mx * kp, kp, xq.f.data() + mx * xq.lf, xq.lf,
+                     xq.xs.data() + mx * ls, xsum_at(xq.xsum128.data(), mx * kp / 4), sums, n - b0);
+        }
+        for (int i = 0; i < R; ++i) store_first(y + (mx + i) * ldy + c0, add(reduce_add16(sums[i]), b), count);
+      });
     }
   });
 }

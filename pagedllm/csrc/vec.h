@@ -15,7 +15,8 @@
 //   F32x16  zero, set1, load, store, load_first/store_first (lanes < n; n may be <= 0 or
 //           >= 16), load_bf16 (16 bfloat16 widened), store_bf16_first (rounded to nearest
 //           even), add, sub, mul, div, fma (a * b + c), max, abs, floor, ldexp (p * 2^n for
-//           integral n), reduce_add, reduce_max, merge<N> (the transpose-and-add tree, below)
+//           integral n), reduce_add, reduce_max, reduce_add16(v[16]) (lane i = reduce_add(v[i]),
+//           the same bits), merge<N> (the transpose-and-add tree, below)
 //   M16     lt, gt, le, eq, mask_first(n), mask_range(lo, hi), &, any, select, maskz
 //   I32x16  round_i32 (to nearest even), to_f32
 //   int8    store_codes (16 activation codes in [-127, 127], in the encoding dot_prepare
@@ -51,8 +52,8 @@
 //           from registers: the 8 bytes of uint64 lo, little-endian, then hi's), f16_pairs(p, stride, n)
 //           (lanes 2i and 2i + 1: the float16 at p + i * stride for i < n <= 8, 0 past n;
 //           built in registers), expand4(v, c): lane l = v[4 c + l / 4] (the scale of each
-//           16-byte quarter of a U8x64, per 4-lane dot sum), halves(a, b) (lanes 0-7 a, 8-15
-//           b), float f16_to_f32(p) (the float16 at p, unaligned).
+//           16-byte quarter of a U8x64, per 4-lane dot sum), halves_f16(a, b) (lanes 0-7
+//           the float16 at a, 8-15 the one at b, unaligned).
 //   fp8     load_e4m3 (16 bytes of float8 e4m3, OCP's "e4m3fn": bias 7, subnormals, no
 //           infinities, 0x7F / 0xFF NaN and never stored by us, widened to float32 exactly)
 #pragma once

@@ -106,6 +106,21 @@ inline float hsum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 inline float reduce_add(F32x16 a) { return hsum(_mm256_add_ps(a.lo, a.hi)); }
+// Lane i = reduce_add(v[i]) bit for bit: the same tree (lanes j + 8, then j + 4, j + 2, j + 1
+// added to lane j), for 16 vectors at once.
+inline F32x16 reduce_add16(const F32x16 (&v)[16]) {
+  __m256 u[8], w[4], x[2];
+  for (int k = 0; k < 8; ++k) {  // 128-bit half h: v[2k + h]'s j + (j + 8), then + (j + 4)
+    const __m256 a = _mm256_add_ps(v[2 * k].lo, v[2 * k].hi), b = _mm256_add_ps(v[2 * k + 1].lo, v[2 * k + 1].hi);
+    u[k] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  for (int k = 0; k < 4; ++k)  // half h: v[4k + h]'s j + (j + 2) in lanes 0-1, v[4k + 2 + h]'s in 2-3
+    w[k] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * k], u[2 * k + 1], 0x44), _mm256_shuffle_ps(u[2 * k], u[2 * k + 1], 0xEE));
+  for (int k = 0; k < 2; ++k)  // lane 4h + i: v[8k + 2i + h]'s sum
+    x[k] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * k], w[2 * k + 1], 0x88), _mm256_shuffle_ps(w[2 * k], w[2 * k + 1], 0xDD));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  return {_mm256_permutevar8x32_ps(x[0], order), _mm256_permutevar8x32_ps(x[1], order)};
+}
 inline float reduce_max(F32x16 a) {
   const __m256 m8 = _mm256_max_ps(a.lo, a.hi);
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
@@ -140,8 +155,9 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
   }
 }
 
-inline F32x16 halves(float a, float b) { return {_mm256_set1_ps(a), _mm256_set1_ps(b)}; }
-using x86::f16_to_f32;
+inline F32x16 halves_f16(const uint8_t* a, const uint8_t* b) {
+  return {_mm256_cvtph_ps(x86::set1_f16(a)), _mm256_cvtph_ps(x86::set1_f16(b))};
+}
 inline F32x16 load_f16(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};

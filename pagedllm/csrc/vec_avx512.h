@@ -66,6 +66,22 @@ inline F32x16 floor(F32x16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_
 inline F32x16 ldexp(F32x16 p, F32x16 n) { return {_mm512_scalef_ps(p.v, n.v)}; }
 inline float reduce_add(F32x16 a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(F32x16 a) { return _mm512_reduce_max_ps(a.v); }
+// Lane i = reduce_add(v[i]) bit for bit: the same tree (lanes j + 8, then j + 4, j + 2, j + 1
+// added to lane j; GCC's _mm512_reduce_add_ps), for 16 vectors at once.
+inline F32x16 reduce_add16(const F32x16 (&v)[16]) {
+  __m512 u[8], w[4], x[2];
+  for (int k = 0; k < 8; ++k)  // lanes 0-7: v[2k]'s j + (j + 8); lanes 8-15: v[2k + 1]'s
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k].v, v[2 * k + 1].v, 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k].v, v[2 * k + 1].v, 0xEE));
+  for (int k = 0; k < 4; ++k)  // 128-bit lane q: v[4k + q]'s j + (j + 4)
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)  // 128-bit lane q: v[8k + q]'s j + (j + 2) in lanes 0-1, v[8k + 4 + q]'s in 2-3
+    x[k] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], 0x44), _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], 0xEE));
+  // lane 4q + i: v[4i + q]'s sum
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+  return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s)};
+}
 
 inline M16 lt(F32x16 a, F32x16 b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ)}; }
 inline M16 gt(F32x16 a, F32x16 b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ)}; }
@@ -90,8 +106,9 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
   }
 }
 
-inline F32x16 halves(float a, float b) { return {_mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1)}; }
-using x86::f16_to_f32;
+inline F32x16 halves_f16(const uint8_t* a, const uint8_t* b) {
+  return {_mm512_cvtph_ps(_mm256_set_m128i(x86::set1_f16(b), x86::set1_f16(a)))};
+}
 inline F32x16 load_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 
 inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {

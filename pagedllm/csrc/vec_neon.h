@@ -110,6 +110,12 @@ inline F32x16 ldexp(F32x16 p, F32x16 n) {  // n integral, the result normal: add
 }
 inline float reduce_add(F32x16 a) { return vaddvq_f32(vaddq_f32(vaddq_f32(a.v[0], a.v[1]), vaddq_f32(a.v[2], a.v[3]))); }
 inline float reduce_max(F32x16 a) { return vmaxvq_f32(vmaxq_f32(vmaxq_f32(a.v[0], a.v[1]), vmaxq_f32(a.v[2], a.v[3]))); }
+// Lane i = reduce_add(v[i]).
+inline F32x16 reduce_add16(const F32x16 (&v)[16]) {
+  float s[16];
+  for (int i = 0; i < 16; ++i) s[i] = reduce_add(v[i]);
+  return load(s);
+}
 
 #define PAGEDLLM_VEC_CMP(name, op)                             \
   inline M16 name(F32x16 a, F32x16 b) {                        \
@@ -143,11 +149,14 @@ inline F32x16 merge(F32x16 a, F32x16 b) {
   }
 }
 
-inline F32x16 halves(float a, float b) { return {{vdupq_n_f32(a), vdupq_n_f32(a), vdupq_n_f32(b), vdupq_n_f32(b)}}; }
-inline float f16_to_f32(const uint8_t* p) {
+inline float32x4_t dup_f16(const uint8_t* p) {  // the float16 at p (unaligned) in every lane
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
+  return vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h)));
+}
+inline F32x16 halves_f16(const uint8_t* a, const uint8_t* b) {
+  const float32x4_t x = dup_f16(a), y = dup_f16(b);
+  return {{x, x, y, y}};
 }
 inline F32x16 load_f16(const uint16_t* p) {
   F32x16 r;

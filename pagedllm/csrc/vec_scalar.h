@@ -79,6 +79,7 @@ inline float reduce_max(F32x16 a) {
   for (float x : a.v) m = x > m ? x : m;
   return m;
 }
+inline F32x16 reduce_add16(const F32x16 (&v)[16]) { return lanes([&](int i) { return reduce_add(v[i]); }); }
 
 template <typename P>
 inline M16 compare(F32x16 a, F32x16 b, P pred) {
@@ -114,8 +115,10 @@ inline float half_to_float(uint32_t h) {
   return f;
 }
 inline F32x16 load_f16(const uint16_t* p) { return lanes([p](int i) { return half_to_float(p[i]); }); }
-inline float f16_to_f32(const uint8_t* p) { return half_to_float(uint32_t(p[0] | p[1] << 8)); }
-inline F32x16 halves(float a, float b) { return lanes([a, b](int i) { return i < 8 ? a : b; }); }
+inline F32x16 halves_f16(const uint8_t* a, const uint8_t* b) {
+  const float x = half_to_float(uint32_t(a[0] | a[1] << 8)), y = half_to_float(uint32_t(b[0] | b[1] << 8));
+  return lanes([x, y](int i) { return i < 8 ? x : y; });
+}
 
 inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {
   uint16_t h[16] = {};

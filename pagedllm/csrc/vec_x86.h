@@ -20,11 +20,11 @@ inline __m128i gather_f16x8(const uint8_t* p, int64_t stride, int n) {
   return _mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
 }
 
-// The float16 at p (unaligned) as a float (F16C).
-inline float f16_to_f32(const uint8_t* p) {
+// The float16 at p (unaligned) in every int16 lane (for F16C's conversions).
+inline __m128i set1_f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
+  return _mm_set1_epi16(short(h));
 }
 
 }  // namespace vec::x86
