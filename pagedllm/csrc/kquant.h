@@ -213,9 +213,10 @@ inline const int32_t* xsum_at(const int32_t* xsum128, int64_t i) { return kDotS8
 // The block-scale formats (Q8_0: one scale per 32 weights, no offset) skip the unit's scale
 // gather: a chunk's two block scales, spread over its halves once for all R rows, times each
 // row's chunk scales (the same products in the same lanes as the gathered way, so the same
-// bits, in fewer instructions per block and row).
+// bits, in fewer instructions per block and row). Never inlined: inside rows_times_x's loops
+// GCC compiled AVX2's one-row Q4_K tile 10-15% slower (docs/benchmarks.md, "session 20").
 template <class F, int R>
-inline void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, const float* xf, int64_t lf,
+[[gnu::noinline]] void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, const float* xf, int64_t lf,
                  const float* xs, const int32_t* xsum128, F32x16 (*sums)[SPAN], int64_t j) {
   constexpr bool kPerBlock = F::kBlockScales;
   const int64_t ls = xs_floats(kp), kq4 = kp / 4;
