@@ -217,7 +217,7 @@ inline const int32_t* xsum_at(const int32_t* xsum128, int64_t i) { return kDotS8
 // GCC compiled AVX2's one-row Q4_K tile 10-15% slower (docs/benchmarks.md, "session 20").
 template <class F, int R>
 [[gnu::noinline]] void tile(const uint8_t* w, int64_t K, const int8_t* xq, int64_t kp, const float* xf, int64_t lf,
-                 const float* xs, const int32_t* xsum128, F32x16 (*sums)[SPAN], int64_t j) {
+                            const float* xs, const int32_t* xsum128, F32x16 (*sums)[SPAN], int64_t j) {
   constexpr bool kPerBlock = F::kBlockScales;
   const int64_t ls = xs_floats(kp), kq4 = kp / 4;
   F32x16 acc[R];
