@@ -81,7 +81,7 @@ class EngineConfig:
     # dtype of the K/V caches; None: the model's dtype. dtype "auto" sets bfloat16 on the native
     # kernels (decode attention is bound by reading K/V, and half the bytes is twice the context
     # per GiB); on the PyTorch fallback it leaves None, as casting would cost a pass per layer.
-    # torch.int8 or torch.float8_e4m3fn: 8-bit codes with a float32 scale per token and KV head
+    # torch.int8 or torch.float8_e4m3fn: 8-bit codes with a float16 scale per token and KV head
     # (core/kv_cache_config.py), about half bfloat16's bytes.
     kv_cache_dtype: torch.dtype | None = None
     max_model_len: int | None = None  # None: min(model's context, 8192)

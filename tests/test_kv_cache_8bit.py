@@ -1,4 +1,4 @@
-"""The 8-bit K/V caches (int8, fp8 e4m3): rows of codes with a float32 scale per token and KV head.
+"""The 8-bit K/V caches (int8, fp8 e4m3): rows of codes with a float16 scale per token and KV head.
 
 Kernels, per ISA and on the PyTorch path: the write quantizes each head's row once (the
 native write and PyTorch's byte for byte; every value within half a code step of its input),
@@ -39,19 +39,27 @@ from tests.utils import assert_pool_whole, pool_is_whole
 EIGHT_BIT = [torch.int8, torch.float8_e4m3fn]
 
 
+def _scales(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Cache rows [..., head_dim + 2] -> their float16 scales as float32 [..., 1]."""
+    return rows[..., head_dim:].contiguous().view(torch.float16).float()
+
+
 def _dequantize(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Cache rows [..., head_dim + 4] as float32 values: codes (torch's own float8 decoding) x scale."""
-    scale = rows[..., head_dim:].contiguous().view(torch.float32)
-    return rows[..., :head_dim].float() * scale
+    """Cache rows [..., head_dim + 2] as float32 values: codes (torch's own float8 decoding) x scale."""
+    return rows[..., :head_dim].float() * _scales(rows, head_dim)
 
 
-def _half_step(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The largest rounding error of each value of x [..., D] in its row's codes: half a step."""
-    amax = x.abs().amax(-1, keepdim=True)
+def _half_step(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The largest rounding error of each value of x [..., D] in codes of its row's ``scale``
+    [..., 1]: half a step."""
     if dtype == torch.int8:
-        return (amax / 254).expand_as(x)
-    # e4m3: 3 mantissa bits (half an ulp: 2^-4 of the value), subnormals in steps of 2^-9 of amax / 448
-    return torch.maximum(x.abs() / 16, amax / 448 / 1024)
+        return (scale / 2).expand_as(x)
+    # e4m3: 3 mantissa bits (half an ulp: 2^-4 of the value), subnormals in steps of 2^-9 of the scale
+    return torch.maximum(x.abs() / 16, scale / 1024)
+
+
+def _float16_bytes(value: float) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.float16).view(torch.uint8)
 
 
 def test_scale_bytes_agree_with_the_kernels() -> None:
@@ -95,7 +103,7 @@ def _random_step(dtype: torch.dtype, window: int, poison_scale: float, seed: int
     poison = num_blocks - 1
     for cache in (k_cache, v_cache):
         cache[poison].view(torch.uint8)[..., :d] = 0x38 if dtype == torch.float8_e4m3fn else 1
-        cache[poison].view(torch.uint8)[..., d:] = torch.tensor([poison_scale]).view(torch.uint8)
+        cache[poison].view(torch.uint8)[..., d:] = _float16_bytes(poison_scale)
     free = list(range(num_blocks - 1))
     rng.shuffle(free)
     reqs = [(5, 1), (0, 1), (11, 1), (30, 1), (0, 7), (6, 5), (3, 4), (9, 2), (0, 37), (20, 19)]
@@ -179,8 +187,10 @@ def test_native_write_quantizes_as_pytorch_within_half_a_step(isa: str, dtype: t
     _write_kv_torch(k, v, torch_path, slots)
     for a, b, x in zip(native, torch_path, (k, v)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        stored = _dequantize(a.flatten(0, 1)[slots], d)
-        assert ((stored - x).abs() <= _half_step(x, dtype) * 1.0001).all()
+        rows = a.flatten(0, 1)[slots]
+        scale = _scales(rows, d)
+        assert (scale >= x.abs().amax(-1, keepdim=True) / (127 if dtype == torch.int8 else 448)).all()
+        assert ((_dequantize(rows, d) - x).abs() <= _half_step(x, scale, dtype) * 1.0001).all()
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -189,10 +199,10 @@ def test_every_e4m3_code_reads_back(isa: str) -> None:
     d = 64
     codes = torch.arange(256, dtype=torch.uint8)
     codes[[0x7F, 0xFF]] = 0
-    k_cache = torch.zeros(4, 1, 1, d + 4, dtype=torch.float8_e4m3fn)
+    k_cache = torch.zeros(4, 1, 1, kv_row_width(d, torch.float8_e4m3fn), dtype=torch.float8_e4m3fn)
     v_cache = torch.zeros_like(k_cache)
     v_cache.view(torch.uint8)[:, 0, 0, :d] = codes.view(4, d)
-    v_cache.view(torch.uint8)[:, 0, 0, d:] = torch.tensor([0.75]).view(torch.uint8)
+    v_cache.view(torch.uint8)[:, 0, 0, d:] = _float16_bytes(0.75)
     q = torch.randn(4, 1, d)
     with on_isa(isa):
         decoded = kernels.paged_decode_attention(

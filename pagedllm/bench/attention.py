@@ -60,10 +60,10 @@ def _case(
         dtype = torch.float8_e4m3fn if name == "fp8" else getattr(torch, name)
         row = kv_row_width(head_dim, dtype)
         shape = (num_blocks, block_size, kv_heads, row)
-        if dtype in (torch.int8, torch.float8_e4m3fn):  # codes, then a positive float32 scale per row
+        if dtype in (torch.int8, torch.float8_e4m3fn):  # codes, then a positive float16 scale per row
             caches = [torch.randint(-100, 100, shape, dtype=torch.int8, generator=gen) for _ in range(2)]
             for c in caches:
-                c[..., head_dim:].view(torch.float32).copy_(torch.rand(*shape[:3], 1, generator=gen) * 0.01 + 0.001)
+                c[..., head_dim:].view(torch.float16).copy_(torch.rand(*shape[:3], 1, generator=gen) * 0.01 + 0.001)
             caches = [c.view(dtype) for c in caches]
         else:
             caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)]

@@ -31,26 +31,28 @@ inline void store_row(uint16_t* dst, const float* src, int64_t n) {
 }
 
 // One head's D values (D a multiple of 16) as codes and their scale (kv_rows.h): scale =
-// max|x| / the code's largest magnitude, code = x * (that / max|x|) rounded to nearest even.
-inline void store_row(int8_t* dst, const float* src, int64_t D) {
+// max|x| / the code's largest magnitude (127, e4m3's 448), rounded up to float16; code =
+// x * (1 / scale) rounded to nearest even (e4m3: saturated at 448, as the rounding may reach it).
+template <typename T>
+  requires kv::kQuantized<T>
+inline void store_row(T* dst, const float* src, int64_t D) {
+  constexpr float limit = std::is_same_v<T, int8_t> ? 127.f : 448.f;
   F32x16 amax = zero();
   for (int64_t i = 0; i < D; i += 16) amax = max(amax, abs(load(src + i)));
-  const float a = reduce_max(amax), scale = a * (1.f / 127.f);  // as written: -ffast-math would make it so
-  const F32x16 inv = set1(a > 0.f ? 127.f / a : 0.f);
-  for (int64_t i = 0; i < D; i += 16) store_i8(dst + i, round_i32(mul(load(src + i), inv)));
-  std::memcpy(dst + D, &scale, sizeof(scale));
-}
-inline void store_row(kv::E4M3* dst, const float* src, int64_t D) {
-  F32x16 amax = zero();
-  for (int64_t i = 0; i < D; i += 16) amax = max(amax, abs(load(src + i)));
-  const float a = reduce_max(amax), scale = a * (1.f / 448.f);
-  const F32x16 inv = set1(a > 0.f ? 448.f / a : 0.f);
-  alignas(64) float y[16];
+  const uint16_t code = kv::encode_scale(std::fmin(reduce_max(amax) * (1.f / limit), 65504.f));
+  const float scale = kv::decode_scale(code);
+  const F32x16 inv = set1(scale > 0.f ? 1.f / scale : 0.f);
   for (int64_t i = 0; i < D; i += 16) {
-    store(y, mul(load(src + i), inv));
-    for (int j = 0; j < 16; ++j) dst[i + j].bits = kv::encode_e4m3(y[j]);
+    const F32x16 y = mul(load(src + i), inv);
+    if constexpr (std::is_same_v<T, int8_t>) {
+      store_i8(dst + i, round_i32(y));
+    } else {
+      alignas(64) float ys[16];
+      store(ys, y);
+      for (int j = 0; j < 16; ++j) dst[i + j].bits = kv::encode_e4m3(ys[j]);
+    }
   }
-  std::memcpy(dst + D, &scale, sizeof(scale));
+  std::memcpy(dst + D, &code, sizeof(code));
 }
 
 // Float rows are written whole (Hkv * D values), 8-bit ones head by head.

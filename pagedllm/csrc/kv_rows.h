@@ -1,11 +1,12 @@
 // The K/V cache's row formats, per cache kind (pagedllm_abi.h's PAGEDLLM_CACHE_*): how the
 // attention kernels read one head's row of D values and how the K/V write stores it.
 // - float32, bfloat16: D values.
-// - int8, fp8 (e4m3): D one-byte codes, then the row's float32 scale (PAGEDLLM_KV_SCALE_BYTES);
+// - int8, fp8 (e4m3): D one-byte codes, then the row's float16 scale (PAGEDLLM_KV_SCALE_BYTES);
 //   value = code * scale. One scale per token and KV head, set when the row is written (the
-//   row's max |x| maps to the code's largest magnitude: 127, or e4m3's 448) and never changed:
-//   a row is quantized once, and a block's rows never share a scale that a later token could
-//   outgrow. The scale sits after its codes, in the row's own cache lines.
+//   row's max |x| over the code's largest magnitude, 127 or e4m3's 448, rounded up to float16,
+//   so that no code exceeds it) and never changed: a row is quantized once, and a block's rows
+//   never share a scale that a later token could outgrow. The scale sits after its codes, in
+//   the row's own cache lines.
 // Kernels take the row's codes unscaled (load16) and fold the scale into one multiply per row
 // (a score, a softmax weight) where they can, or widen it scaled (load16_scaled).
 #pragma once
@@ -34,13 +35,31 @@ constexpr int64_t row_width(int64_t D) {
   return kQuantized<T> ? D + PAGEDLLM_KV_SCALE_BYTES : D;
 }
 
+// The smallest float16 >= s, for 0 <= s <= 65504 (the largest float16): an 8-bit row's scale.
+inline uint16_t encode_scale(float s) {
+  if (s < 0x1p-14f) return uint16_t(std::ceil(s * 0x1p24f));  // zero, subnormal: steps of 2^-24 (1024: 2^-14)
+  uint32_t b;
+  std::memcpy(&b, &s, sizeof(b));
+  b += 0x1FFF;  // up to 10 mantissa bits (a carry raises the exponent)
+  return uint16_t((((b >> 23) - 112) << 10) | ((b >> 13) & 0x3FF));  // exponent rebiased 127 -> 15
+}
+
+// The value of a non-negative float16 (an 8-bit row's scale; infinity and NaN kept).
+inline float decode_scale(uint16_t h) {
+  if (h < 0x400) return float(h) * 0x1p-24f;  // zero, subnormal
+  const uint32_t b = (uint32_t(h) << 13) + ((h >= 0x7C00 ? 224u : 112u) << 23);  // exponent 15 -> 127 (31 -> 255)
+  float s;
+  std::memcpy(&s, &b, sizeof(s));
+  return s;
+}
+
 // The scale of the row at p (1 for float rows).
 template <typename T>
 inline float row_scale(const T* p, int64_t D) {
   if constexpr (kQuantized<T>) {
-    float s;
-    std::memcpy(&s, p + D, sizeof(s));
-    return s;
+    uint16_t h;
+    std::memcpy(&h, p + D, sizeof(h));
+    return decode_scale(h);
   } else {
     return 1.f;
   }

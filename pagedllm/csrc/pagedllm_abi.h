@@ -8,7 +8,7 @@
  * Layouts: tensors are row-major; "bf16" caches hold bfloat16 as uint16_t; every int64_t
  * array is contiguous. K/V caches are [blocks, block_size, Hkv, row] of a cache kind
  * (PAGEDLLM_CACHE_*): row = D values, or for the 8-bit kinds D one-byte codes followed by the
- * row's float32 scale (PAGEDLLM_KV_SCALE_BYTES; value = code * scale; csrc/kv_rows.h). Functions returning int return 0 on success and -1 (nothing written)
+ * row's float16 scale (PAGEDLLM_KV_SCALE_BYTES; value = code * scale; csrc/kv_rows.h). Functions returning int return 0 on success and -1 (nothing written)
  * for a shape or kind they do not cover.
  */
 #pragma once
@@ -45,8 +45,8 @@
 #define PAGEDLLM_CACHE_BF16 1
 #define PAGEDLLM_CACHE_INT8 2
 #define PAGEDLLM_CACHE_FP8 3
-/* Bytes after each head's D codes in an 8-bit cache's row: its float32 scale. */
-#define PAGEDLLM_KV_SCALE_BYTES 4
+/* Bytes after each head's D codes in an 8-bit cache's row: its float16 scale. */
+#define PAGEDLLM_KV_SCALE_BYTES 2
 /* Row blocks of other formats one K-quant weight may stack (a fused q/k/v). */
 #define PAGEDLLM_KQUANT_MAX_PARTS 4
 /* The largest summed LoRA rank of one projection's update (lora_sgmv). */

@@ -6,7 +6,7 @@ counts and size, whether the kernels cover it; the calls themselves raise on ten
 their contract (``kernels.args``).
 
 Caches are [num_blocks, block_size, num_kv_heads, row]: row = head_dim values (float32,
-bfloat16), or in the 8-bit caches (int8, float8_e4m3fn) head_dim codes and the row's float32
+bfloat16), or in the 8-bit caches (int8, float8_e4m3fn) head_dim codes and the row's float16
 scale (``core.kv_cache_config.kv_row_width``), read as stored: the kernels widen codes in
 registers and apply the scale there.
 """

@@ -219,22 +219,25 @@ def _write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_ma
 
 
 def _quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [T, H, D] as 8-bit cache rows [T, H, D + 4] (as uint8 bytes): per row, scale = max|x| /
-    the largest code (127; e4m3: 448), codes = x * (that / max|x|) rounded to nearest even,
-    then the float32 scale's bytes; the native write's arithmetic, step for step."""
+    """x [T, H, D] as 8-bit cache rows [T, H, D + 2] (as uint8 bytes): per row, scale = max|x| /
+    the largest code (127; e4m3: 448) rounded up to float16, codes = x * (1 / scale) rounded to
+    nearest even (e4m3 saturated), then the scale's bytes; the native write's arithmetic, step
+    for step."""
     limit = 127.0 if dtype == torch.int8 else 448.0
     x = x.float()
-    amax = x.abs().amax(-1, keepdim=True)
-    y = x * torch.where(amax > 0, limit / amax, 0.0)
+    wanted = (x.abs().amax(-1, keepdim=True) * (1.0 / limit)).clamp(max=65504.0)
+    scale = wanted.to(torch.float16)
+    scale = torch.where(scale.float() < wanted, (scale.view(torch.int16) + 1).view(torch.float16), scale)
+    y = x * torch.where(scale > 0, 1.0 / scale.float(), 0.0)
     codes = y.round().to(torch.int8) if dtype == torch.int8 else y.clamp(-limit, limit).to(dtype)
-    return torch.cat([codes.view(torch.uint8), (amax * (1.0 / limit)).view(torch.uint8)], -1)
+    return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], -1)
 
 
 def _cache_values(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """Cache rows [..., row] as values [..., head_dim] in ``dtype`` (8-bit: codes x scale)."""
     if rows.dtype not in QUANTIZED_KV_DTYPES:
         return rows.to(dtype)
-    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    scale = rows[..., head_dim:].contiguous().view(torch.float16).float()
     return (rows[..., :head_dim].float() * scale).to(dtype)
 
 

@@ -373,11 +373,18 @@ float from_e4m3(uint8_t c) {
   return c & 0x80 ? -a : a;
 }
 
-// The value of element d of an 8-bit cache row (D codes, then the float32 scale).
+float from_f16(const uint8_t* p) {  // a normal float16 or zero
+  const uint16_t h = uint16_t(p[0] | p[1] << 8);
+  const int e = (h >> 10) & 0x1F;
+  const float f = e ? std::ldexp(float(1024 | (h & 0x3FF)), e - 25) : 0.f;
+  return h & 0x8000 ? -f : f;
+}
+
+// The scale of an 8-bit cache row (D codes, then a float16).
+float row8_scale(const int8_t* row, int64_t D) { return from_f16(reinterpret_cast<const uint8_t*>(row + D)); }
+// The value of element d of an 8-bit cache row.
 float from_row8(int kind, const int8_t* row, int64_t D, int64_t d) {
-  float s;
-  std::memcpy(&s, row + D, 4);
-  return (kind == PAGEDLLM_CACHE_INT8 ? float(row[d]) : from_e4m3(uint8_t(row[d]))) * s;
+  return (kind == PAGEDLLM_CACHE_INT8 ? float(row[d]) : from_e4m3(uint8_t(row[d]))) * row8_scale(row, D);
 }
 
 // 8-bit caches: K/V written by write_kv_cache (checked against the inputs at the code's
@@ -392,7 +399,8 @@ void test_attention_8bit(int kind, int64_t window) {
   const int64_t table[2][3] = {{4, 9, 1}, {12, 0, 7}};
   std::vector<int8_t> kc(blocks * BS * Hkv * RW), vc(kc.size());
   std::vector<float> kd[2], vd[2];
-  float write_error = 0.f;
+  const float limit = kind == PAGEDLLM_CACHE_INT8 ? 127.f : 448.f;  // the largest code's magnitude
+  float write_error = 0.f, scale_error = 0.f;
   for (int r = 0; r < 2; ++r) {
     const auto k = rng.normals(S[r] * Hkv * D), v = rng.normals(S[r] * Hkv * D);
     std::vector<int64_t> slots(S[r]);
@@ -402,15 +410,18 @@ void test_attention_8bit(int kind, int64_t window) {
     for (int64_t j = 0; j < S[r]; ++j)
       for (int64_t h = 0; h < Hkv; ++h) {
         const int8_t *krow = kc.data() + (slots[j] * Hkv + h) * RW, *vrow = vc.data() + (slots[j] * Hkv + h) * RW;
+        const float sk = row8_scale(krow, D), sv = row8_scale(vrow, D);
         float amax_k = 0.f, amax_v = 0.f;
         for (int64_t d = 0; d < D; ++d)
           amax_k = std::fmax(amax_k, std::fabs(k[(j * Hkv + h) * D + d])), amax_v = std::fmax(amax_v, std::fabs(v[(j * Hkv + h) * D + d]));
+        // scale * limit / max|x| in [1, 1 + 2^-10] (rounded up to float16): its distance from 1 + 2^-11
+        scale_error = std::fmax(scale_error, std::fmax(std::fabs(sk * limit / amax_k - 1.00048828f), std::fabs(sv * limit / amax_v - 1.00048828f)));
         for (int64_t d = 0; d < D; ++d) {
           const int64_t e = (j * Hkv + h) * D + d;
           kd[r][e] = from_row8(kind, krow, D, d), vd[r][e] = from_row8(kind, vrow, D, d);
-          // int8: half a step of max|x| / 127; e4m3: half a unit in the last place (2^-4 of the value), or of 2^-9 * max|x| / 448
-          const float tk = kind == PAGEDLLM_CACHE_INT8 ? amax_k / 254.f : std::fmax(std::fabs(k[e]) / 16.f, amax_k / 448.f / 1024.f);
-          const float tv = kind == PAGEDLLM_CACHE_INT8 ? amax_v / 254.f : std::fmax(std::fabs(v[e]) / 16.f, amax_v / 448.f / 1024.f);
+          // int8: half a step of the row's scale; e4m3: half a unit in the last place (2^-4 of the value), or of 2^-9 * scale.
+          const float tk = kind == PAGEDLLM_CACHE_INT8 ? sk / 2.f : std::fmax(std::fabs(k[e]) / 16.f, sk / 1024.f);
+          const float tv = kind == PAGEDLLM_CACHE_INT8 ? sv / 2.f : std::fmax(std::fabs(v[e]) / 16.f, sv / 1024.f);
           write_error = std::fmax(write_error, std::fmax(std::fabs(kd[r][e] - k[e]) / tk, std::fabs(vd[r][e] - v[e]) / tv));
         }
       }
@@ -418,6 +429,8 @@ void test_attention_8bit(int kind, int64_t window) {
   char name[64];
   std::snprintf(name, sizeof(name), "write_kv_cache %s (error / half a step)", kname);
   check(name, write_error, 1.0001f);
+  std::snprintf(name, sizeof(name), "write_kv_cache %s scale (max|x| / %g up to float16)", kname, limit);
+  check(name, scale_error, 0.000489f);
   {
     const auto q = rng.normals(Hq * D);
     std::vector<float> out(Hq * D), ref(Hq * D);
@@ -449,8 +462,9 @@ void test_attention_8bit(int kind, int64_t window) {
     float code_error = 0.f;
     for (int part = 0; part < 4; ++part) {
       std::vector<int8_t> k1(RW, 0), v1(RW, 0);
-      const float s = 0.5f;
-      std::memcpy(v1.data() + D, &s, 4), std::memcpy(k1.data() + D, &s, 4);
+      const uint16_t half = 0x3800;  // the scale: 0.5 in float16
+      std::memcpy(v1.data() + D, &half, 2), std::memcpy(k1.data() + D, &half, 2);
+      const float s = row8_scale(v1.data(), D);
       for (int64_t d = 0; d < D; ++d) v1[d] = int8_t((part * 64 + d) % 256 == 0x7F || part * 64 + d == 0xFF ? 0 : part * 64 + d);
       std::vector<float> q1(D, 1.f), out(D);
       const int64_t bt[1] = {0}, starts[1] = {0}, one[1] = {1};
@@ -463,13 +477,6 @@ void test_attention_8bit(int kind, int64_t window) {
     }
     check("fp8 e4m3: every code read back (relative)", code_error, 0x1p-22f);
   }
-}
-
-float from_f16(const uint8_t* p) {  // a normal float16 or zero
-  const uint16_t h = uint16_t(p[0] | p[1] << 8);
-  const int e = (h >> 10) & 0x1F;
-  const float f = e ? std::ldexp(float(1024 | (h & 0x3FF)), e - 25) : 0.f;
-  return h & 0x8000 ? -f : f;
 }
 
 // Weight e of a row of GGUF blocks, read as ggml-common.h lays them out.
