@@ -97,9 +97,9 @@ def _cache_rows(values: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) 
         return rows, rows.float()
     d = values.shape[-1]
     codes = (values * 40).clamp(-127, 127).round().to(torch.int8) if dtype == torch.int8 else (values * 60).to(dtype)
-    scales = torch.rand(*values.shape[:-1], 1, generator=gen) * 0.1 + 0.01
+    scales = (torch.rand(*values.shape[:-1], 1, generator=gen) * 0.1 + 0.01).to(torch.float16)
     rows = torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], -1).view(dtype)
-    return rows, rows[..., :d].float() * scales
+    return rows, rows[..., :d].float() * scales.float()
 
 
 @pytest.mark.parametrize("window", [0, 1500])

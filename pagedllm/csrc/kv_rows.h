@@ -65,6 +65,16 @@ inline float row_scale(const T* p, int64_t D) {
   }
 }
 
+// The scales of the 16 rows at cache + rows[s] of an 8-bit cache, lane s: row s's (one vector
+// conversion of the 16 float16 values).
+template <typename T>
+  requires kQuantized<T>
+inline vec::F32x16 row_scales16(const T* cache, const int64_t* rows, int64_t D) {
+  alignas(64) uint16_t h[16];
+  for (int s = 0; s < 16; ++s) std::memcpy(&h[s], cache + rows[s] + D, sizeof(h[s]));
+  return vec::load_f16(h);
+}
+
 // 16 values of a row from p, widened to float32 (codes unscaled).
 inline vec::F32x16 load16(const float* p) { return vec::load(p); }
 inline vec::F32x16 load16(const uint16_t* p) { return vec::load_bf16(p); }

@@ -158,13 +158,9 @@ inline void attend_tile(const T* k_cache, const T* v_cache, const int64_t* rows,
   // value scales the softmax weights, one vector multiply per query head each.
   F32x16 k_scales = set1(1.f), v_scales = set1(1.f);
   if constexpr (kv::kQuantized<T>) {
-    alignas(64) float ks[kTile], vs[kTile];
-    for (int s = 0; s < kTile; ++s) {
-      ks[s] = kv::row_scale(k_cache + rows[s], D);
-      vs[s] = kv::row_scale(v_cache + rows[s], D);
-    }
-    k_scales = load(ks);
-    v_scales = load(vs);
+    static_assert(kTile == 16);
+    k_scales = kv::row_scales16(k_cache, rows, D);
+    v_scales = kv::row_scales16(v_cache, rows, D);
   }
   // Online softmax over the tile.
   const int lo = t0 > first ? 0 : int(first - t0), hi = end - t0 < kTile ? int(end - t0) : kTile;
