@@ -370,20 +370,24 @@ constexpr int64_t kPrefetchRows = 8;
 
 // Rows [n0, n1) of `part` (of output columns col, col + 1, ...) against `rows` rows of x
 // from row m0 of xq: y[(m0 + m) * ldy + col + n - n0] (+ bias[col + n - n0] where bias). Per
-// SPAN weight rows and tile of kGemmRowsKQ rows of x, the tiles' partial sums are reduced
-// together (reduce_add16: each output's sum in the same order as its own reduce_add).
+// SPAN weight rows and tile of kGemmRowsKQ (or kGemmRowsKQ + 1) rows of x, the tiles' partial
+// sums are reduced together (reduce_add16: each output's sum in the same order as its own
+// reduce_add).
 inline void rows_times_x(const KQuantPart& part, int64_t n0, int64_t n1, int64_t col, int64_t K, const QuantizedX& xq,
                          int64_t m0, int64_t rows, const float* bias, float* y, int64_t ldy) {
   with_format(part.type, [&](auto f) {
     using F = decltype(f);
     const int64_t rb = K / F::kElems * F::kBytes, kp = xq.kp, ls = xs_floats(kp);
+    // A last tile of one row would decode every weight chunk again for that row alone: a
+    // remainder of one joins the last full tile (speculative verification's k + 1 rows).
+    const int64_t body = rows > kGemmRowsKQ && rows % kGemmRowsKQ == 1 ? rows - kGemmRowsKQ - 1 : rows;
     const uint8_t* blocks = static_cast<const uint8_t*>(part.blocks);
-    F32x16 sums[kGemmRowsKQ][SPAN];
+    F32x16 sums[kGemmRowsKQ + 1][SPAN];
     for (int64_t b0 = n0; b0 < n1; b0 += SPAN) {
       const int64_t count = std::min(SPAN, n1 - b0), c0 = col + b0 - n0;
-      for (int r = 0; r < kGemmRowsKQ; ++r) std::fill(sums[r] + count, sums[r] + SPAN, zero());
+      for (auto& s : sums) std::fill(s + count, s + SPAN, zero());
       const F32x16 b = bias ? load_first(bias + c0, count) : zero();
-      gemm::panel_rows<kGemmRowsKQ>(rows, [&](auto r, int64_t m) {
+      auto rows_tile = [&](auto r, int64_t m) {
         constexpr int R = decltype(r)::value;
         const int64_t mx = m0 + m;
         for (int64_t n = b0; n < b0 + count; ++n) {
@@ -393,7 +397,9 @@ inline void rows_times_x(const KQuantPart& part, int64_t n0, int64_t n1, int64_t
                      xq.xs.data() + mx * ls, xsum_at(xq.xsum128.data(), mx * kp / 4), sums, n - b0);
         }
         for (int i = 0; i < R; ++i) store_first(y + (mx + i) * ldy + c0, add(reduce_add16(sums[i]), b), count);
-      });
+      };
+      gemm::panel_rows<kGemmRowsKQ>(body, rows_tile);
+      if (body < rows) rows_tile(std::integral_constant<int, kGemmRowsKQ + 1>{}, body);
     }
   });
 }
