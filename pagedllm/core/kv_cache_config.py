@@ -12,15 +12,15 @@ heads. A head's row is ``head_dim`` values in the cache's dtype, or, in the 8-bi
 (``KV_SCALE_BYTES``; value = code x scale), so a block's bytes count its scales.
 
 The scale's granularity is one per token and KV head, set when the row is written (its max
-|x| over the largest code, 127 or e4m3's 448, rounded up to float16) and never changed. Why: keys carry a few
-large channels and tokens differ in magnitude by orders (the first token's keys, outliers), so
-a scale shared by a block or the whole tensor leaves most rows a handful of codes, and a block
-scale would have to be raised, re-quantizing its earlier rows, when a later token outgrows it;
-a per-row scale costs 2 bytes per ``head_dim`` (3% at 64) and keeps the write a single pass.
-float16, not float32, because at ``head_dim`` 64 the two bytes saved per row are what lets a
-pool hold twice bfloat16's 4k-token requests (7 -> 8 of 4 in 400 MiB for SmolLM2); its
-rounding (2^-11, up) is a twentieth of an int8 code's step, and below 2^-14 x 127 (max|x|
-under 0.008) the scale loses precision only in absolute terms already negligible.
+|x| over the largest code, 127 or e4m3's 448, rounded up to float16) and never changed. Why:
+keys carry a few large channels and tokens differ in magnitude by orders (the first token's
+keys, outliers), so a scale shared by a block or the whole tensor leaves most rows a handful of
+codes, and a block scale would have to be raised, re-quantizing its earlier rows, when a later
+token outgrows it; a per-row scale costs 2 bytes per ``head_dim`` (3% at 64) and keeps the
+write a single pass. float16 rather than float32 halves that share (what it buys in requests
+held: docs/benchmarks.md); its rounding, up and at most 2^-11 of the scale, is a twentieth of
+an int8 code's step, and where it is coarser (a float16 subnormal: max|x| under 0.008) the
+values are too small for the error to matter beside the row's neighbours.
 The perplexity it keeps: docs/benchmarks.md ("An 8-bit KV cache").
 """
 

@@ -32,15 +32,15 @@ inline void store_row(uint16_t* dst, const float* src, int64_t n) {
 
 // One head's D values (D a multiple of 16) as codes and their scale (kv_rows.h): scale =
 // max|x| / the code's largest magnitude (127, e4m3's 448), rounded up to float16; code =
-// x * (1 / scale) rounded to nearest even (e4m3: saturated at 448, as the rounding may reach it).
+// x * (1 / scale) rounded to nearest even (at most the largest magnitude: the scale was rounded up).
 template <typename T>
   requires kv::kQuantized<T>
 inline void store_row(T* dst, const float* src, int64_t D) {
   constexpr float limit = std::is_same_v<T, int8_t> ? 127.f : 448.f;
   F32x16 amax = zero();
   for (int64_t i = 0; i < D; i += 16) amax = max(amax, abs(load(src + i)));
-  const uint16_t code = kv::encode_scale(std::fmin(reduce_max(amax) * (1.f / limit), 65504.f));
-  const float scale = kv::decode_scale(code);
+  const uint16_t scale_bits = kv::encode_scale(std::fmin(reduce_max(amax) * (1.f / limit), 65504.f));
+  const float scale = kv::decode_scale(scale_bits);
   const F32x16 inv = set1(scale > 0.f ? 1.f / scale : 0.f);
   for (int64_t i = 0; i < D; i += 16) {
     const F32x16 y = mul(load(src + i), inv);
@@ -52,7 +52,7 @@ inline void store_row(T* dst, const float* src, int64_t D) {
       for (int j = 0; j < 16; ++j) dst[i + j].bits = kv::encode_e4m3(ys[j]);
     }
   }
-  std::memcpy(dst + D, &code, sizeof(code));
+  std::memcpy(dst + D, &scale_bits, sizeof(scale_bits));
 }
 
 // Float rows are written whole (Hkv * D values), 8-bit ones head by head.
