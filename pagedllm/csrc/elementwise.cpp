@@ -39,7 +39,7 @@ inline void store_row(T* dst, const float* src, int64_t D) {
   constexpr float limit = std::is_same_v<T, int8_t> ? 127.f : 448.f;
   F32x16 amax = zero();
   for (int64_t i = 0; i < D; i += 16) amax = max(amax, abs(load(src + i)));
-  const uint16_t scale_bits = kv::encode_scale(std::fmin(reduce_max(amax) * (1.f / limit), 65504.f));
+  const uint16_t scale_bits = kv::encode_scale(reduce_max(amax) * (1.f / limit));
   const float scale = kv::decode_scale(scale_bits);
   const F32x16 inv = set1(scale > 0.f ? 1.f / scale : 0.f);
   for (int64_t i = 0; i < D; i += 16) {

@@ -35,8 +35,10 @@ constexpr int64_t row_width(int64_t D) {
   return kQuantized<T> ? D + PAGEDLLM_KV_SCALE_BYTES : D;
 }
 
-// The smallest float16 >= s, for 0 <= s <= 65504 (the largest float16): an 8-bit row's scale.
+// The smallest float16 >= s for s >= 0, saturated at 65504 (the largest float16): an 8-bit
+// row's scale.
 inline uint16_t encode_scale(float s) {
+  s = std::fmin(s, 65504.f);
   if (s < 0x1p-14f) return uint16_t(std::ceil(s * 0x1p24f));  // zero, subnormal: steps of 2^-24 (1024: 2^-14)
   uint32_t b;
   std::memcpy(&b, &s, sizeof(b));
