@@ -153,11 +153,26 @@ def test_largest_seed_with_n_above_one(llm: LLM) -> None:
     assert len(out) == 2 and out[1].token_ids == wrapped.token_ids
 
 
-@pytest.mark.parametrize("prompts", [None, {"prompt": "Hi"}, 5])
+@pytest.mark.parametrize("prompts", [
+    None, 5, {"prompt": [1, 2]}, {"prompt_token_ids": "Hi"}, {"prompt": "Hi", "multi_modal_data": {}},
+    ["Hi", {"prompt_token_ids": [1, 2], "cache_salt": "x"}], {"prompt_token_ids": [1, True]},
+])
 def test_generate_refuses_what_is_not_a_prompt(llm: LLM, prompts: object) -> None:
     with pytest.raises(InvalidParamError) as e:
         llm.generate(prompts, use_tqdm=False)
     assert e.value.param == "prompt" and _idle(llm)
+
+
+def test_generate_takes_vllm_prompt_dicts(llm: LLM) -> None:
+    # TextPrompt and TokensPrompt, alone or in a list with plain prompts: the same outputs.
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    ids = llm.get_tokenizer().encode("The sky is")
+    plain = llm.generate(["The sky is", ids], greedy, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "The sky is"}, {"prompt_token_ids": ids}], greedy, use_tqdm=False)
+    one = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert one[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
+    assert dicts[0].prompt == "The sky is" and dicts[1].prompt_token_ids == ids and _idle(llm)
 
 
 def test_a_row_with_every_token_banned_fails_alone(llm: LLM) -> None:

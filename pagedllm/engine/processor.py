@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -14,7 +14,21 @@ from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.structured_output import backend
 
-PromptType = str | Sequence[int]
+# A prompt: text, token ids, or vLLM's prompt dicts, {"prompt": text} (TextPrompt) and
+# {"prompt_token_ids": ids} (TokensPrompt); a dict with any other key is refused.
+PromptType = str | Sequence[int] | Mapping[str, object]
+
+
+def _unwrap(prompt: Mapping[str, object]) -> object:
+    """The text of a TextPrompt dict, the ids of a TokensPrompt dict (checked by the caller)."""
+    keys = sorted(prompt)
+    if keys == ["prompt"] and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == ["prompt_token_ids"] and not isinstance(prompt["prompt_token_ids"], (str, Mapping)):
+        return prompt["prompt_token_ids"]
+    raise InvalidParamError(
+        "prompt", f'a prompt dict holds only "prompt" (a str) or only "prompt_token_ids" (a list of int); got {prompt!r:.80}'
+    )
 
 
 class Processor:
@@ -42,8 +56,11 @@ class Processor:
 
         Raises:
             InvalidParamError (a ValueError, param "prompt"): text that is not Unicode scalar
-                values, or a prompt that is neither a str nor a sequence of int token ids.
+                values, a prompt that is neither a str nor a sequence of int token ids, or a
+                prompt dict other than {"prompt": str} and {"prompt_token_ids": ids}.
         """
+        if isinstance(prompt, Mapping):
+            prompt = _unwrap(prompt)
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(check_text(prompt, "prompt"))
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence) or any(

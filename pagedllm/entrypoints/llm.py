@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -115,7 +115,8 @@ class LLM:
         """Generate for every prompt; return outputs in input order.
 
         Args:
-            prompts: a string, a token-id list, or a list of either.
+            prompts: a prompt or a list of them; a prompt is a string, a token-id list, or
+                vLLM's dict of either: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
             sampling_params: one for all prompts, or one per prompt.
             lora_request: the LoRA adapter of all prompts, or one (or None: the base model)
                 per prompt; needs ``enable_lora=True``.
@@ -125,9 +126,12 @@ class LLM:
                 the field); nothing is queued then, so no earlier prompt of the list runs.
             OSError: with ``trace``, if the trace file cannot be written (after generating).
         """
-        if not isinstance(prompts, Sequence):  # None, a dict, a generator: not a prompt nor a list of them
+        if isinstance(prompts, Mapping):  # one prompt dict
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence):  # None, a generator: not a prompt nor a list of them
             raise InvalidParamError(
-                "prompt", f"prompts must be a str, a list of token ids or a list of either, got {type(prompts).__name__}"
+                "prompt", f"prompts must be a prompt (a str, a list of token ids or a prompt dict) or a list of them, "
+                f"got {type(prompts).__name__}"
             )
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
