@@ -13,7 +13,8 @@
 // pairs than threads. Keys are taken in tiles of 16 positions (from a
 // multiple of 16; rows looked up in the block table, so any block size works) with an online
 // softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"); each K and
-// V row is read once, and rows are prefetched ahead (to L2 three tiles ahead, to L1 one ahead).
+// V row is read once, and each key scored asks for the K and V rows of the key in its lane two
+// tiles on (one key's lines at a time, spread over the arithmetic).
 // - Scores: each key's dot product with a query head is left as a vector of 16 partial sums,
 //   and the tile's 16 vectors are summed by a transpose-and-add tree into one vector holding
 //   its 16 scores (about 3 uops a key, against ~10 for a horizontal sum each), on which the
@@ -44,12 +45,25 @@ inline void load_row(const T* p, F32x16* v) {
   for (int c = 0; c < D / 16; ++c) v[c] = kv::load16(p + 16 * c);
 }
 
+// Every line of a head's row at p, asked for ahead into L1 (prefetcht0).
+template <int D, typename T>
+inline void prefetch_row(const T* p) {
+  for (int64_t line = 0; line < kv::row_width<T>(D) * int64_t(sizeof(T)); line += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + line, 0, 3);
+}
+
 // scores[g] = q[g] . k for the N keys whose rows are at offsets rows[S0 .. S0 + N) in cache,
 // in the tree's layout for N (for N = 16: key s in lane s). Depth first, so that only a few
-// partial vectors are live at once.
+// partial vectors are live at once. With `ahead` (a later tile's row offsets, or null), each
+// key's turn also asks for the K and V rows of the key in its lane of that tile.
 template <int D, int G, int N, int S0 = 0, typename T>
-inline void tile_scores(const F32x16 (&q)[G][D / 16], const T* cache, const int64_t* rows, F32x16 (&scores)[G]) {
+inline void tile_scores(const F32x16 (&q)[G][D / 16], const T* cache, const T* v_cache, const int64_t* rows,
+                        const int64_t* ahead, F32x16 (&scores)[G]) {
   if constexpr (N == 1) {
+    if (ahead) {
+      prefetch_row<D>(cache + ahead[S0]);
+      prefetch_row<D>(v_cache + ahead[S0]);
+    }
     F32x16 k[D / 16];
     load_row<D>(cache + rows[S0], k);
     for (int g = 0; g < G; ++g) {
@@ -59,8 +73,8 @@ inline void tile_scores(const F32x16 (&q)[G][D / 16], const T* cache, const int6
     }
   } else {
     F32x16 a[G], b[G];
-    tile_scores<D, G, N / 2, S0>(q, cache, rows, a);
-    tile_scores<D, G, N / 2, S0 + N / 2>(q, cache, rows, b);
+    tile_scores<D, G, N / 2, S0>(q, cache, v_cache, rows, ahead, a);
+    tile_scores<D, G, N / 2, S0 + N / 2>(q, cache, v_cache, rows, ahead, b);
     for (int g = 0; g < G; ++g) scores[g] = merge<N / 2>(a[g], b[g]);
   }
 }
@@ -147,13 +161,13 @@ inline void start_head(const float* q, float scale, HeadState<D, G>& st) {
 
 // The tile of key positions [t0, t0 + 16) into a head's state; rows: its keys' row offsets in
 // k_cache / v_cache (clamped into [first, end), see attend); the lanes of keys outside
-// [first, end) get weight 0.
+// [first, end) get weight 0; ahead: a later tile's row offsets to prefetch, or null.
 template <typename T, int D, int G>
-inline void attend_tile(const T* k_cache, const T* v_cache, const int64_t* rows, int64_t t0, int64_t first,
-                        int64_t end, HeadState<D, G>& st) {
+inline void attend_tile(const T* k_cache, const T* v_cache, const int64_t* rows, const int64_t* ahead, int64_t t0,
+                        int64_t first, int64_t end, HeadState<D, G>& st) {
   constexpr int ND = D / 16;
   F32x16 scores[G];
-  tile_scores<D, G, kTile>(st.q, k_cache, rows, scores);
+  tile_scores<D, G, kTile>(st.q, k_cache, v_cache, rows, ahead, scores);
   // 8-bit rows: the tile's 16 key scales multiply its scores (lane s: key s) and its 16
   // value scales the softmax weights, one vector multiply per query head each.
   F32x16 k_scales = set1(1.f), v_scales = set1(1.f);
@@ -185,16 +199,18 @@ inline void attend_tile(const T* k_cache, const T* v_cache, const int64_t* rows,
   add_weighted_values<D, G>(v_cache, rows, lo, hi, p, st.acc);
 }
 
-// Keys [first, end) of a block table in tiles: fn(t0, rows) per tile of 16 positions from a
-// multiple of 16 (so that with blocks of 16, 32, ... a tile lies in one block), rows being
-// its keys' slot offsets (position p's slot times `stride`; a head adds its own offset), the
-// keys outside [first, end) clamped into it, so that every row read is one of the range's.
-// Each tile's `span` elements from each row offset (in both caches) are prefetched ahead:
-// to L2 three tiles ahead, to L1 one ahead (the L2 prefetch's gain on K/V read from DRAM:
-// docs/benchmarks.md).
-template <typename T, typename Fn>
-inline void for_tiles(const T* k_cache, const T* v_cache, const int64_t* table, int64_t BS, int64_t stride,
-                      int64_t span, int64_t first, int64_t end, Fn fn) {
+// Keys [first, end) of a block table in tiles: fn(t0, rows, ahead) per tile of 16 positions
+// from a multiple of 16 (so that with blocks of 16, 32, ... a tile lies in one block), rows
+// being its keys' slot offsets (position p's slot times `stride`; a head adds its own offset),
+// the keys outside [first, end) clamped into it, so that every row read is one of the
+// range's; ahead: the same of the tile kAhead tiles on (null past the range), whose rows the
+// tile's keys prefetch one key at a time (tile_scores): one prefetch per line read, spread
+// over the arithmetic. A tile's lines asked for at once (hundreds of prefetches in a burst, to
+// L2 three tiles ahead and to L1 one ahead) ran 2-3x slower from DRAM and from L3 alike
+// (docs/benchmarks.md, "AMD EPYC Zen 5, session 22").
+constexpr int kAhead = 2;  // tiles between a key read and the key it prefetches (1-4 measured alike)
+template <typename Fn>
+inline void for_tiles(const int64_t* table, int64_t BS, int64_t stride, int64_t first, int64_t end, Fn fn) {
   auto look_up = [&](int64_t t0, int64_t* off) {
     const int64_t lo = t0 > first ? t0 : first, last = (t0 + kTile < end ? t0 + kTile : end) - 1;
     if (lo / BS == last / BS) {
@@ -207,27 +223,20 @@ inline void for_tiles(const T* k_cache, const T* v_cache, const int64_t* table, 
       }
     }
   };
-  // Every line of each row span of a tile: a head's rows are 128-256 byte pieces Hkv * D
-  // apart, which the hardware prefetchers miss. Locality 3: into L1 (prefetcht0), 2: into L2.
-  auto prefetch = [&](auto locality, const int64_t* off) {
-    for (int s = 0; s < kTile; ++s)
-      for (int64_t line = 0; line < span * int64_t(sizeof(T)); line += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + off[s]) + line, 0, decltype(locality)::value);
-        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + off[s]) + line, 0, decltype(locality)::value);
-      }
-  };
-  // Rows of tiles t .. t + 3 (a ring): t is used, t + 1 is prefetched to L1 and t + 3 to L2.
-  alignas(64) int64_t rows[4][kTile];
+  // Rows of tiles t .. t + kAhead (a ring): t is used, t + kAhead prefetched.
+  constexpr int kRing = 4;
+  static_assert(kAhead < kRing);
+  alignas(64) int64_t rows[kRing][kTile];
   const int64_t t_first = first - first % kTile;
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < kAhead; ++i)
     if (t_first + i * kTile < end) look_up(t_first + i * kTile, rows[i]);
   for (int64_t t0 = t_first, t = 0; t0 < end; t0 += kTile, ++t) {
-    if (t0 + 3 * kTile < end) {
-      look_up(t0 + 3 * kTile, rows[(t + 3) & 3]);
-      prefetch(std::integral_constant<int, 2>{}, rows[(t + 3) & 3]);
+    const int64_t* ahead = nullptr;
+    if (t0 + kAhead * kTile < end) {
+      look_up(t0 + kAhead * kTile, rows[(t + kAhead) % kRing]);
+      ahead = rows[(t + kAhead) % kRing];
     }
-    if (t0 + kTile < end) prefetch(std::integral_constant<int, 3>{}, rows[(t + 1) & 3]);
-    fn(t0, rows[t & 3]);
+    fn(t0, rows[t % kRing], ahead);
   }
 }
 
@@ -239,8 +248,9 @@ inline void attend(const float* q, const T* k_cache, const T* v_cache, const int
   HeadState<D, G> st;  // local, so that it stays in registers where it fits
   start_head<D, G>(q, scale, st);
   const T *kc = k_cache + h * RW, *vc = v_cache + h * RW;
-  for_tiles(kc, vc, table, BS, stride, RW, first, end,
-            [&](int64_t t0, const int64_t* rows) { attend_tile<T, D, G>(kc, vc, rows, t0, first, end, st); });
+  for_tiles(table, BS, stride, first, end, [&](int64_t t0, const int64_t* rows, const int64_t* ahead) {
+    attend_tile<T, D, G>(kc, vc, rows, ahead, t0, first, end, st);
+  });
   r = st;
 }
 
@@ -253,8 +263,9 @@ inline void attend_heads(const float* q, const T* k_cache, const T* v_cache, con
                          int64_t Hkv, float scale, int64_t first, int64_t end, HeadState<D, G>* r) {
   constexpr int64_t RW = kv::row_width<T>(D);
   for (int64_t h = 0; h < Hkv; ++h) start_head<D, G>(q + h * G * D, scale, r[h]);
-  for_tiles(k_cache, v_cache, table, BS, Hkv * RW, Hkv * RW, first, end, [&](int64_t t0, const int64_t* rows) {
-    for (int64_t h = 0; h < Hkv; ++h) attend_tile<T, D, G>(k_cache + h * RW, v_cache + h * RW, rows, t0, first, end, r[h]);
+  for_tiles(table, BS, Hkv * RW, first, end, [&](int64_t t0, const int64_t* rows, const int64_t* ahead) {
+    for (int64_t h = 0; h < Hkv; ++h)
+      attend_tile<T, D, G>(k_cache + h * RW, v_cache + h * RW, rows, ahead, t0, first, end, r[h]);
   });
 }
 
