@@ -7,7 +7,7 @@ import torch
 from tests.native_isa import ISAS, on_isa
 
 from pagedllm.kernels import library
-from pagedllm.kernels.attention import paged_decode_attention
+from pagedllm.kernels.attention import paged_decode_attention, paged_prefill_attention
 from pagedllm.layers.attention import AttentionMetadata, PagedAttention
 
 
@@ -176,3 +176,45 @@ def test_a_request_attends_the_same_alone_and_in_a_batch(isa, cache_dtype):
                 assert torch.equal(alone, batched[i : i + 1]), f"request {i} ({s} keys)"
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("window", [0, 23])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_prompt_attends_the_same_in_one_call_and_in_chunks(isa, cache_dtype, window):
+    """Prefill groups consecutive 16-lane query tiles into one work item that shares each
+    widened block of keys; every row's output is still its own arithmetic, bit for bit the same
+    whatever tiles lie beside it: the prompt at once, or in chunks that shift its rows' lanes
+    and groupings (with a window, the tiles of an item start at different blocks)."""
+    gen = torch.Generator().manual_seed(4)
+    block_size, d, h, hkv, n = 16, 64, 9, 3, 150
+    blocks = -(-n // block_size)
+    k_cache, _ = _cache_rows(torch.randn(blocks, block_size, hkv, d, generator=gen), cache_dtype, gen)
+    v_cache, _ = _cache_rows(torch.randn(blocks, block_size, hkv, d, generator=gen), cache_dtype, gen)
+    table = torch.randperm(blocks, generator=gen).view(1, blocks)
+    q = torch.randn(n, h, d, generator=gen)
+
+    def prefill(first: int, count: int) -> torch.Tensor:
+        out = torch.empty(count, h * d)
+        spans = torch.tensor([[0], [count], [first + count]], dtype=torch.int64)
+        paged_prefill_attention(q[first : first + count], k_cache, v_cache, table, spans, d**-0.5, window, out)
+        return out
+
+    with on_isa(isa):
+        whole = prefill(0, n)
+        first = 0
+        for count in (1, 7, 40, 5, 97):
+            assert torch.equal(prefill(first, count), whole[first : first + count]), f"rows {first}..{first + count}"
+            first += count
+
+
+def test_bench_attention_prefill_counts_causal_pairs():
+    """``bench attention --phase prefill``: each request's prompt of L tokens attends causally,
+    L (L + 1) / 2 (query, key) pairs; the call runs."""
+    from pagedllm.bench.attention import _case
+    from pagedllm.bench.gemm import MODEL_SHAPES
+
+    _, _, heads, _, head_dim = MODEL_SHAPES["smollm2-135m"]
+    fns, flops, _ = _case("smollm2-135m", 20, 2, 16, False, ["bfloat16"], True, torch.Generator().manual_seed(0))
+    assert flops == 2 * 2 * heads * head_dim * 2 * (20 * 21 // 2)
+    fns["bfloat16"]()

@@ -1,19 +1,22 @@
-"""``pagedllm bench attention``: the decode attention kernel alone at long contexts.
+"""``pagedllm bench attention``: the attention kernels alone at long contexts.
 
 For each model shape (``--shapes``: query heads, K/V heads and head size of a real model),
 context length (``--context-lens``), batch size (``--batch-sizes``) and K/V cache dtype
-(``--kv-cache-dtypes``), one call of ``kernels.attention.paged_decode_attention``: every
-request attends to that many keys through a block table of randomly placed blocks (as a
-long-running server's pool ends up; ``--block-order sequential``: each request's blocks
-consecutive, as a fresh pool hands them out), the cache holding random rows (the speed does
-not depend on the values). Printed per call: milliseconds, the K/V bytes read per millisecond
-(GB/s) and the multiply-adds of q.K and p.V (2 x heads x keys x head size per request) as
-GFLOP/s. Time
-is the process's CPU time at one thread (the time it actually ran: robust to other processes
-on shared cores) and wall-clock time at more (where CPU time would count the team's waits),
-the best of ``--repeats``, the dtypes interleaved in every repeat so that a busy moment hits
-them alike. Threads: ``--threads`` (default 1); blocks of ``--block-size`` tokens (default:
-the engine's).
+(``--kv-cache-dtypes``), one call of the kernel of ``--phase``:
+- ``decode``: ``kernels.attention.paged_decode_attention``, every request's one query
+  attending to that many keys;
+- ``prefill``: ``kernels.attention.paged_prefill_attention``, every request prefilling a
+  prompt of that many tokens (each query attends causally to the keys up to its own).
+Each request's keys lie in blocks placed at random in the pool (as a long-running server's
+pool ends up; ``--block-order sequential``: consecutive, as a fresh pool hands them out), the
+cache holding random rows (the speed does not depend on the values). Printed per call:
+milliseconds, the multiply-adds of q.K and p.V (2 x heads x head size per query and key it
+sees) as GFLOP/s, and for decode the K/V bytes read per millisecond (GB/s). Time is the
+process's CPU time at one thread (the time it actually ran: robust to other processes on
+shared cores) and wall-clock time at more (where CPU time would count the team's waits), the
+best of ``--repeats``, the dtypes interleaved in every repeat so that a busy moment hits them
+alike. Threads: ``--threads`` (default 1); blocks of ``--block-size`` tokens (default: the
+engine's).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ _DTYPES = ("bfloat16", "int8", "fp8", "float32")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                        help="decode: one query per request; prefill: a whole prompt per request, causal")
     parser.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b", help=f"comma list of {', '.join(MODEL_SHAPES)}")
     parser.add_argument("--context-lens", default="4096,16384", help="comma list of keys per request")
     parser.add_argument("--batch-sizes", default="1,8", help="comma list of requests per call")
@@ -39,14 +44,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _case(
-    model: str, context: int, batch: int, block_size: int, sequential: bool, dtypes: list[str], gen
+    model: str, context: int, batch: int, block_size: int, sequential: bool, dtypes: list[str], prefill: bool, gen
 ) -> tuple[dict, int, dict[str, int]]:
-    """(dtype -> fn() running one decode attention call, multiply-adds x 2 per call, dtype ->
-    K/V bytes read per call) for ``batch`` requests of ``context`` keys in ``model``'s shape."""
+    """(dtype -> fn() running one attention call, multiply-adds x 2 per call, dtype -> K/V
+    bytes read per call by decode) for ``batch`` requests of ``context`` keys in ``model``'s
+    shape; ``prefill``: each request's ``context`` queries attend causally."""
     import torch
 
     from pagedllm.core.kv_cache_config import kv_row_width
-    from pagedllm.kernels.attention import paged_decode_attention
+    from pagedllm.kernels.attention import paged_decode_attention, paged_prefill_attention
 
     _, _, heads, kv_heads, head_dim = MODEL_SHAPES[model]
     blocks_per_request = -(-context // block_size)
@@ -54,7 +60,10 @@ def _case(
     order = torch.arange(num_blocks) if sequential else torch.randperm(num_blocks, generator=gen)
     tables = order.view(batch, blocks_per_request)
     seq_lens = torch.full((batch,), context, dtype=torch.int64)
-    q = torch.randn(batch, heads, head_dim, generator=gen)
+    queries = batch * context if prefill else batch
+    q = torch.randn(queries, heads, head_dim, generator=gen)
+    spans = torch.stack([torch.arange(batch) * context, seq_lens, seq_lens]).contiguous()
+    out = torch.empty(queries, heads * head_dim)
     fns, bytes_read = {}, {}
     for name in dtypes:
         dtype = torch.float8_e4m3fn if name == "fp8" else getattr(torch, name)
@@ -67,11 +76,17 @@ def _case(
             caches = [c.view(dtype) for c in caches]
         else:
             caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)]
-        fns[name] = lambda k=caches[0], v=caches[1]: paged_decode_attention(
-            q, k, v, tables, seq_lens, head_dim**-0.5
-        )
+        if prefill:
+            fns[name] = lambda k=caches[0], v=caches[1]: paged_prefill_attention(
+                q, k, v, tables, spans, head_dim**-0.5, 0, out
+            )
+        else:
+            fns[name] = lambda k=caches[0], v=caches[1]: paged_decode_attention(
+                q, k, v, tables, seq_lens, head_dim**-0.5
+            )
         bytes_read[name] = 2 * batch * context * kv_heads * row * caches[0].element_size()
-    return fns, 2 * 2 * batch * heads * context * head_dim, bytes_read
+    pairs = batch * context * (context + 1) // 2 if prefill else batch * context  # (query, key) pairs
+    return fns, 2 * 2 * heads * head_dim * pairs, bytes_read
 
 
 def run(args: argparse.Namespace) -> None:
@@ -90,14 +105,17 @@ def run(args: argparse.Namespace) -> None:
     unknown = [d for d in dtypes if d not in _DTYPES] + [s for s in shapes if s not in MODEL_SHAPES]
     if unknown:
         raise ValueError(f"unknown dtypes or shapes {unknown}; dtypes: {', '.join(_DTYPES)}; shapes: {', '.join(MODEL_SHAPES)}")
-    print(f"CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); blocks of {block_size} tokens ({args.block_order}); "
+    prefill = args.phase == "prefill"
+    print(f"{args.phase} attention; CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); "
+          f"blocks of {block_size} tokens ({args.block_order}); "
           f"{'process CPU' if args.threads == 1 else 'wall-clock'} time, best of {args.repeats}")
-    print("per dtype: ms per call, K/V GB/s read, GFLOP/s of q.K and p.V")
+    print(f"per dtype: ms per call,{'' if prefill else ' K/V GB/s read,'} GFLOP/s of q.K and p.V")
     gen = torch.Generator().manual_seed(0)
     for model in shapes:
         for context in (int(c) for c in args.context_lens.split(",")):
             for batch in (int(b) for b in args.batch_sizes.split(",")):
-                fns, flops, bytes_read = _case(model, context, batch, block_size, args.block_order == "sequential", dtypes, gen)
+                sequential = args.block_order == "sequential"
+                fns, flops, bytes_read = _case(model, context, batch, block_size, sequential, dtypes, prefill, gen)
                 best = dict.fromkeys(fns, float("inf"))
                 for round_ in range(args.repeats + 1):  # round 0 warms up
                     for name, fn in fns.items():
@@ -106,7 +124,8 @@ def run(args: argparse.Namespace) -> None:
                         if round_:
                             best[name] = min(best[name], clock() - start)
                 cells = [
-                    f"{name} {t * 1e3:8.3f} ms {bytes_read[name] / t / 1e9:5.1f} GB/s {flops / t / 1e9:5.1f} GFLOP/s"
+                    f"{name} {t * 1e3:8.3f} ms{'' if prefill else f' {bytes_read[name] / t / 1e9:5.1f} GB/s'} "
+                    f"{flops / t / 1e9:5.1f} GFLOP/s"
                     for name, t in best.items()
                 ]
                 print(f"{model:13s} ctx {context:6d} batch {batch:3d}  " + "  |  ".join(cells), flush=True)

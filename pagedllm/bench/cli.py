@@ -23,8 +23,8 @@ _BENCHES = (
     ("roofline", "this CPU's float32 FLOP/s, int8 OP/s and memory bandwidth, measured", "roofline", False),
     ("gemm", "a decoder layer's prefill GEMMs: float32, w8a8, w4a8, K-quants and PyTorch's float32 and int8 matmul",
      "gemm", False),
-    ("attention", "the decode attention kernel alone at long contexts: ms, K/V GB/s and GFLOP/s per cache dtype",
-     "attention", False),
+    ("attention", "the decode or prefill attention kernel alone at long contexts: ms, GFLOP/s (decode: K/V GB/s) "
+     "per cache dtype", "attention", False),
     ("serve", "load-test an OpenAI-compatible server", "serve", False),
     ("detokenize", "the incremental detokenizer, microseconds per token", "detokenize", False),
 )

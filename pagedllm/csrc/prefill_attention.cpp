@@ -3,14 +3,17 @@
 // through its block table, the step's own K/V included (written to the cache just before).
 //
 // FlashAttention-2's loop order (Dao 2023, "FlashAttention-2", §3.1) on the vector layer
-// (vec.h): a tile is 16 query vectors, one per F32x16 lane, that share a KV head (the G query heads of a row are
-// consecutive lanes, so grouped-query K/V are read once for all of them). Per block of keys,
-// each key's scores for the 16 lanes come from D FMAs of the transposed queries with the key's
-// broadcast elements; an online softmax per lane (running max and sum in registers) rescales
-// the output, kept transposed ([D][16 lanes]) in L1. Work items are (request, KV head, tile).
-// Masked scores are dropped by lane masks, so a lane whose keys all lie in later blocks gets
-// weight 0, not exp(0). All arithmetic float32, whatever the storage dtype: a block's K/V rows
-// are widened (8-bit codes times their row's scale, kv_rows.h) into L1 once per tile.
+// (vec.h): a tile is 16 query vectors, one per F32x16 lane, that share a KV head (the G query
+// heads of a row are consecutive lanes, so grouped-query K/V are read once for all of them).
+// Per block of keys, each key's scores for the 16 lanes come from D FMAs of the transposed
+// queries with the key's broadcast elements; an online softmax per lane (running max and sum in
+// registers) rescales the output, kept transposed ([D][16 lanes]) in L1. Work items are
+// (request, KV head, up to kTiles consecutive tiles): the item's tiles share each widening of
+// a block and each broadcast element, every tile doing the same arithmetic in the same order as
+// it would alone (a row's result does not depend on its neighbours). Masked scores are dropped
+// by lane masks, so a lane whose keys all lie in later blocks gets weight 0, not exp(0). All
+// arithmetic float32, whatever the storage dtype: a block's K/V rows are widened (8-bit codes
+// times their row's scale, kv_rows.h) into L1 once per item.
 #include <stdint.h>
 
 #include <algorithm>
