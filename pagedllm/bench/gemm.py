@@ -11,7 +11,8 @@ shapes (q/k/v fused, o, gate/up fused, down; ``--shapes``), the time of:
 - ``int_mm``: PyTorch's int8 x int8 -> int32 matmul (``torch._int_mm``, oneDNN on x86): no
   quantization, no scales, so a ceiling for what an int8 GEMM does with its multiply-adds.
 Each as G(FL)OP/s (2 M N K per call) and as a multiple of ``f32``; the layer's line adds the
-GEMMs' times. Time is the process's CPU time (at one thread, the time it actually ran: robust
+GEMMs' times. Outputs come from reused heap memory (``_heap_outputs``), not pages the kernel
+must fault in on every call. Time is the process's CPU time (at one thread, the time it actually ran: robust
 to other processes on shared cores), the best of ``--repeats``, the kinds interleaved in every
 repeat so that a busy moment hits them alike. Threads: ``--threads`` (default 1).
 """
@@ -91,6 +92,22 @@ def _kernels(kinds: list[str], n: int, k: int) -> dict[str, Callable[[object], o
     return fns
 
 
+def _heap_outputs() -> bool:
+    """Serve large allocations from glibc's heap, kept after a free, instead of mapping fresh
+    pages per allocation (glibc does so above its mmap threshold, 32 MiB at most by default):
+    each call's output would otherwise be faulted in page by page inside the timed call (Qwen's
+    gate/up at 1024 rows: a 38 MiB output, ~9,700 faults, about 40% of the GEMM's time), a cost
+    of the allocator that the engine's long-context prefill does not show (docs/benchmarks.md).
+    False where the C library has no ``mallopt`` (not glibc)."""
+    import ctypes
+
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, (1 << 31) - 1))
+
+
 def run(args: argparse.Namespace) -> None:
     import os
 
@@ -106,7 +123,9 @@ def run(args: argparse.Namespace) -> None:
     if "f32" not in kinds:
         kinds.insert(0, "f32")
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); process CPU time, best of {args.repeats}")
+    heap = _heap_outputs()
+    print(f"CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); process CPU time, best of {args.repeats}; "
+          f"outputs {'from the heap' if heap else 'as the allocator gives them'}")
     print("G(FL)OP/s, and (x f32): our float32 GEMM's time over the kind's")
     for model in args.shapes.split(","):
         gemms = [(name, n, k, _kernels(kinds, n, k)) for name, n, k in layer_gemms(model)]
