@@ -89,6 +89,32 @@ def test_preempts_most_recently_admitted_and_recomputes():
     assert_pool_whole(sched)
 
 
+def test_a_prompt_waits_until_the_pool_holds_all_of_it():
+    """10 blocks of 4 slots, 8 tokens a step: "a" (8 prompt tokens, 12 more decoded, up to 5
+    blocks) runs; "b" (32 prompt tokens, 8 blocks) would fit its first chunk beside it, but not
+    its whole prompt, so it waits for "a" to finish instead of taking blocks that a's decode
+    needs (and being preempted for them)."""
+    sched = make_scheduler(num_blocks=10, block_size=4, budget=8)
+    a = make_request("a", 8, max_tokens=12, ignore_eos=True)
+    b = make_request("b", 32, max_tokens=2, ignore_eos=True)
+    sched.add_request(a)
+    sched.add_request(b)
+    preempted, b_first_step, a_done_step = [], None, None
+    for n in range(100):
+        if not sched.num_unfinished:
+            break
+        out = step(sched)
+        preempted += [r.request_id for r in out.preempted]
+        if b_first_step is None and any(s.request is b for s in out.scheduled):
+            b_first_step = n
+        if a_done_step is None and a.status == RequestStatus.FINISHED_LENGTH:
+            a_done_step = n
+    assert not preempted
+    assert a_done_step is not None and b_first_step > a_done_step
+    assert a.num_output_tokens == 12 and b.num_output_tokens == 2
+    assert_pool_whole(sched)
+
+
 def test_stop_conditions():
     sched = make_scheduler()
     eos = make_request("eos", 4)

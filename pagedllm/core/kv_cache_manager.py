@@ -121,6 +121,7 @@ class KVCacheManager:
         num_new_tokens: int,
         computed_blocks: list[list[KVCacheBlock | None]] | None = None,
         num_lookahead_tokens: int = 0,
+        num_reserved_tokens: int = 0,
     ) -> bool:
         """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``.
 
@@ -128,6 +129,9 @@ class KVCacheManager:
         ``num_computed_tokens`` already counts them). ``num_lookahead_tokens`` are draft
         tokens: they get slots but are never entered into the prefix cache. Sliding-window
         groups first release the blocks before the window of this step's first token.
+        ``num_reserved_tokens``: tokens after these whose blocks must be free too, though none
+        is allocated now (a chunked prompt's later chunks; a sliding-window group counts at most
+        the blocks its window spans).
 
         Returns:
             False, allocating nothing, if the pool has too few free blocks.
@@ -143,8 +147,11 @@ class KVCacheManager:
         num_total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         num_blocks = -(-num_total // self.block_size)
         needed = [max(0, num_blocks - len(tables[g]) - len(computed[g])) for g in range(len(self.groups))]
+        later = -(-(num_total + num_reserved_tokens) // self.block_size) - num_blocks
+        reserved = sum(min(later, -(-group.window // self.block_size) + 1) if group.window else later
+                       for group in self.groups)
         reusable = sum(1 for hits in computed for b in hits if b is not None and b.ref_cnt == 0)
-        if sum(needed) > self.pool.num_free_blocks - reusable:
+        if sum(needed) + reserved > self.pool.num_free_blocks - reusable:
             return False
         events = self.events
         # Every group's hits leave the free queue before any group takes new blocks from it:
