@@ -12,9 +12,10 @@ shapes (q/k/v fused, o, gate/up fused, down; ``--shapes``), the time of:
   quantization, no scales, so a ceiling for what an int8 GEMM does with its multiply-adds.
 Each as G(FL)OP/s (2 M N K per call) and as a multiple of ``f32``; the layer's line adds the
 GEMMs' times. Outputs come from reused heap memory (``_heap_outputs``), not pages the kernel
-must fault in on every call. Time is the process's CPU time (at one thread, the time it actually ran: robust
-to other processes on shared cores), the best of ``--repeats``, the kinds interleaved in every
-repeat so that a busy moment hits them alike. Threads: ``--threads`` (default 1).
+must fault in on every call. Time is the process's CPU time (at one thread, the time it
+actually ran: robust to other processes on shared cores), the best of ``--repeats``, the kinds
+interleaved in every repeat so that a busy moment hits them alike. Threads: ``--threads``
+(default 1).
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def run(args: argparse.Namespace) -> None:
         kinds.insert(0, "f32")
     rows = [int(r) for r in args.rows.split(",")]
     heap = _heap_outputs()
-    print(f"CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); process CPU time, best of {args.repeats}; "
-          f"outputs {'from the heap' if heap else 'as the allocator gives them'}")
+    print(f"CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); process CPU time, "
+          f"best of {args.repeats}; outputs {'from the heap' if heap else 'as the allocator gives them'}")
     print("G(FL)OP/s, and (x f32): our float32 GEMM's time over the kind's")
     for model in args.shapes.split(","):
         gemms = [(name, n, k, _kernels(kinds, n, k)) for name, n, k in layer_gemms(model)]
