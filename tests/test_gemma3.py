@@ -217,12 +217,14 @@ def _greedy_through_the_scheduler(model, config, num_blocks: int, prompts: list[
 
 
 def test_chunked_prefill_and_preemption_through_the_scheduler(tiny) -> None:
-    """8-token chunks and a pool too small for all requests: the same greedy tokens as with room."""
+    """8-token chunks and a pool too small for all requests: the same greedy tokens as with room.
+    (The long prompts wait for room to hold all of them; the short ones, admitted beside the
+    first, grow until one is preempted.)"""
     hf, model, config = tiny
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 21, 14)]
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 21, 14, 5, 6)]
     roomy, none = _greedy_through_the_scheduler(model, config, 200, prompts)
-    tight, preemptions = _greedy_through_the_scheduler(model, config, 40, prompts)
+    tight, preemptions = _greedy_through_the_scheduler(model, config, 26, prompts)
     assert none == 0 and preemptions > 0
     assert tight == roomy
     with torch.inference_mode():

@@ -343,6 +343,8 @@ def test_frames_are_rate_limited_coalesced_and_a_heartbeat_when_idle():
     assert 2 <= len(sent) <= num_steps // 5 + 1
     assert all(b - a >= 0.005 - 1e-9 for a, b in zip(sent, sent[1:]))
     assert frames.poll(sent[-1] + 0.004) is None  # too soon
+    # One more change (the last steps' may already be sent: the frames follow the step count).
+    view.on_arrival([EngineCoreRequest("late", [11, 12, 13], SamplingParams(), [EOS], now)])
     now = sent[-1] + 0.005
     state = apply_frame(state, _wire(frames.poll(now)))  # the changes since, in one delta
     assert drawn(state) == drawn(_wire({"kind": "full", "num_steps": 300} | view.snapshot()))

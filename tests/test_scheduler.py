@@ -1,5 +1,6 @@
 """Scheduler and KV cache manager with a fake model: budgets, chunking, preemption, stops."""
 
+from pagedllm.core.kv_cache_groups import KVCacheGroup
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -112,6 +113,22 @@ def test_a_prompt_waits_until_the_pool_holds_all_of_it():
     assert not preempted
     assert a_done_step is not None and b_first_step > a_done_step
     assert a.num_output_tokens == 12 and b.num_output_tokens == 2
+    assert_pool_whole(sched)
+
+
+def test_a_prompt_alone_runs_in_chunks_that_the_window_lets_fit():
+    """One global and five 4-token sliding-window groups, 24 blocks of 4 slots: a 21-token prompt
+    needs 6 blocks per group if nothing slid, more than the pool, but the windows' groups free
+    their early blocks chunk by chunk, so alone it runs (nobody else's decode competes, so
+    nothing of its later chunks is held back for it)."""
+    groups = (KVCacheGroup((0,), 0), *(KVCacheGroup((i,), 4) for i in range(1, 6)))
+    sched = Scheduler(KVCacheManager(24, 4, False, groups), 8, 8, 256)
+    request = make_request("r", 21, max_tokens=2, ignore_eos=True)
+    sched.add_request(request)
+    failed = {}
+    while sched.num_unfinished:
+        failed.update(step(sched).failed)
+    assert not failed and request.num_output_tokens == 2
     assert_pool_whole(sched)
 
 

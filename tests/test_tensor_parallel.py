@@ -88,7 +88,9 @@ def _greedy(path: str, tp: int, prompts: list[list[int]], num_blocks: int) -> tu
 def test_ranks_equal_one_rank(tiny: tuple[str, int]) -> None:
     path, size = tiny
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(4, 128, (n,), generator=gen).tolist() for n in (27, 21, 40, 9, 30)]
+    # The long prompts wait until the pool holds all of each; the short last two, admitted
+    # beside running ones, grow until someone is preempted.
+    prompts = [torch.randint(4, 128, (n,), generator=gen).tolist() for n in (27, 21, 40, 9, 30, 6, 4)]
     num_blocks = 36 if "gemma3" in path else 12  # Gemma's 6 single-layer groups each hold blocks
     ref_tokens, ref_logprobs, ref_preempted = _greedy(path, 1, prompts, num_blocks)
     tokens, logprobs, preempted = _greedy(path, size, prompts, num_blocks)

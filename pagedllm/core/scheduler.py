@@ -8,9 +8,10 @@ in arrival order (FCFS). A fresh request is a prefill, a long one is
 a chunked prefill, one with a single token to go is a decode, a prefix-cache hit starts
 with ``num_computed_tokens > 0``. When a block cannot be allocated, the most recently
 admitted running request is preempted: its blocks are freed and it is recomputed later.
-A waiting request is admitted only when the free blocks hold all of its prompt, not just this
-step's chunk: half a prompt that cannot finish would hold blocks the running requests' decodes
-need, and be the one preempted for them (recomputing a long prompt costs seconds on a CPU).
+While others run, a waiting request is admitted only when the free blocks hold all of its
+prompt, not just this step's chunk: half a prompt that cannot finish would hold blocks the
+running requests' decodes need, and be the one preempted for them (recomputing a long prompt
+costs seconds on a CPU).
 
 Speculative decoding fits the same rule: a decoding request's draft tokens
 (``request.spec_token_ids``) are tokens not yet computed, so it is scheduled ``1 + k`` tokens
@@ -178,7 +179,8 @@ class Scheduler:
                     blocks, num_hit = self.kv_cache.get_computed_blocks(request)
                 request.num_computed_tokens = num_hit
                 num_new = self._num_new(request, budget)
-                rest = request.num_tokens - request.num_computed_tokens - num_new  # its later chunks
+                # Its later chunks must fit too while others run (alone, nobody's decode competes).
+                rest = request.num_tokens - request.num_computed_tokens - num_new if self.running else 0
                 if not self.kv_cache.allocate_slots(request, num_new, blocks, num_reserved_tokens=rest):
                     request.num_computed_tokens = 0
                     if not self.running:  # every block is free or evictable: it never fits
