@@ -96,6 +96,19 @@ def test_decode_rows_do_not_depend_on_the_batch(qtype: Q, native_isa: str) -> No
             assert torch.equal(kquant.linear(x[start : start + m], weight, bias), alone[start : start + m])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_prefill_rows_do_not_depend_on_the_chunks(qtype: Q, native_isa: str) -> None:
+    """The prefill panels are unpacked once per chunk of rows (several chunks from a few
+    hundred rows at a wide K): a row's bits are the same whatever the chunks, and whatever
+    rows share the call."""
+    k, n = 4864, 40
+    weight = kquant.StoredWeight([(int(qtype), random_gguf_blocks(qtype, n, k, seed=5))], k)
+    x = torch.randn(600, k)
+    whole = kquant.linear(x, weight)
+    for start, stop in ((0, 8), (8, 250), (250, 263), (263, 600)):
+        assert torch.equal(kquant.linear(x[start:stop], weight), whole[start:stop])
+
+
 def test_parts_of_several_formats_stack_along_n(native_isa: str) -> None:
     """A fused weight whose parts the file stores in different formats (Gemma's q, k Q5_0 and
     v Q8_0) equals its parts' GEMMs side by side; adjacent parts of one format merge."""

@@ -48,8 +48,11 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
                                            : quantize_rows<true>(x, ldx, M, K);
   const std::vector<Span> panels = spans_of(w, PANEL);
   // Rows per chunk: x's codes in L2 (as linear_w8a8), but at least PREFILL_CHUNK rows, over
-  // which each panel's unpacking is spread.
-  const int64_t num_panels = static_cast<int64_t>(panels.size()), chunk = std::max(chunk_rows_i8(kq), PREFILL_CHUNK);
+  // which each panel's unpacking is spread; M split into equal chunks, as many as the nearest
+  // whole number of those (a remainder of a few rows would pay a whole unpacking).
+  const int64_t target = std::max(chunk_rows_i8(kq), PREFILL_CHUNK);
+  const int64_t num_chunks = std::max<int64_t>(1, (M + target / 2) / target), chunk = (M + num_chunks - 1) / num_chunks;
+  const int64_t num_panels = static_cast<int64_t>(panels.size());
   // Panels with a Q8_0 code of -128, which the sign trick of the w8a8 dot product (AVX2,
   // AVX-512 without VNNI) cannot negate: the decode path's arithmetic takes them (never met in
   // files quantized to +-127, as llama.cpp's and gguf's quantizers write them).
@@ -77,12 +80,18 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
             to_decode_path[i] = 1;
             return;
           }
+          uint8_t ones[CHUNK];
+          std::memset(ones, 1, sizeof ones);
+          const U8x64 one = load_u8x64(ones);
           for (int64_t g = 0; g < G; ++g) {  // -128 * each group's code sum (tile_w8a8's dot_init)
-            int32_t sum[PANEL * 4] = {};
-            for (int64_t q = g * QG / 4; q < (g + 1) * QG / 4; ++q)
-              for (int64_t j = 0; j < PANEL * 4; ++j) sum[j] += int8_t(codes[q * PANEL * 4 + j]);
-            for (int64_t n = 0; n < PANEL; ++n)
-              wsum[g * PANEL + n] = -128 * (sum[4 * n] + sum[4 * n + 1] + sum[4 * n + 2] + sum[4 * n + 3]);
+            for (int64_t h = 0; h < PANEL; h += 16) {  // columns h .. h + 15: each quad's 4 codes summed per lane
+              I32x16 sum = zero_i32();
+              for (int64_t q = g * QG / 4; q < (g + 1) * QG / 4; ++q)
+                sum = dot_u8s8(sum, one, reinterpret_cast<const int8_t*>(codes.data()) + (q * PANEL + h) * 4);
+              float s[16];  // exact: |sum| <= 32 * 128
+              store(s, to_f32(sum));
+              for (int64_t n = 0; n < 16; ++n) wsum[g * PANEL + h + n] = -128 * static_cast<int32_t>(s[n]);
+            }
           }
           panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
             tile_w8a8<decltype(r)::value>(xs.codes.data() + (m0 + m) * kq, kq, xs.scale.data() + (m0 + m) * G,

@@ -317,29 +317,40 @@ inline void for_each_unit(const uint8_t* row, int64_t K, Fn&& fn) {
 // Rows [0, nrows) (nrows <= PANEL) of a weight in format F (row stride rb bytes, K weights)
 // decoded for the prefill GEMM's tiles (gemm.h): codes [K/4][PANEL][4], row n's code of weight
 // k at (k / 4 * PANEL + n) * 4 + k % 4 (u8 codes, or Q8_0's s8); ws, off [K / 32 * kPieces][PANEL]
-// per piece of 32 / kPieces weights. Rows past nrows are zero.
+// per piece of 32 / kPieces weights. Rows past nrows are zero. The codes of 16 rows' chunks
+// are transposed in registers (vec's transpose_u32), each quad's 16 columns one store.
 inline constexpr int64_t PANEL = 32;
+inline constexpr int64_t kMaxUnitBytes = 8 * Q80::kBytes;  // a unit's bytes in the largest format
 template <class F>
 inline void decode_panel(const uint8_t* rows, int64_t rb, int64_t nrows, int64_t K, uint8_t* codes, float* ws,
                          float* off) {
+  static_assert(F::kElems == UNIT ? F::kBytes <= kMaxUnitBytes : UNIT / F::kElems * F::kBytes <= kMaxUnitBytes);
   constexpr int64_t per_unit = UNIT / 32 * F::kPieces;  // pieces per unit
-  std::memset(codes, 0, static_cast<size_t>(K * PANEL));
+  alignas(64) static constexpr uint8_t kZeroUnit[kMaxUnitBytes] = {};  // the codes of a row past nrows
   std::fill(ws, ws + K / 32 * F::kPieces * PANEL, 0.f);
   std::fill(off, off + K / 32 * F::kPieces * PANEL, 0.f);
   for (int64_t n = 0; n < nrows; ++n) {
-    for_each_unit<F>(rows + n * rb, K, [&](int64_t u, int chunks, const uint8_t* b, const float* wa, const float* oa) {
+    for_each_unit<F>(rows + n * rb, K, [&](int64_t u, int chunks, const uint8_t*, const float* wa, const float* oa) {
       for (int64_t i = 0; i < 2 * chunks * F::kPieces; ++i) {
         const int64_t j = i * (2 / F::kPieces);  // the piece's first 16-weight scale
         ws[(u * per_unit + i) * PANEL + n] = wa[j];
         off[(u * per_unit + i) * PANEL + n] = oa[j];
       }
-      for (int c = 0; c < chunks; ++c) {
-        uint8_t q[CHUNK];
-        store_u8x64(q, F::codes(b, c));
-        uint8_t* dst = codes + ((u * UNIT + c * CHUNK) / 4 * PANEL + n) * 4;
-        for (int64_t i = 0; i < CHUNK / 4; ++i) std::memcpy(dst + i * PANEL * 4, q + 4 * i, 4);
-      }
     });
+  }
+  for (int64_t n0 = 0; n0 < PANEL; n0 += 16) {
+    for (int64_t u = 0; u < (K + UNIT - 1) / UNIT; ++u) {
+      const int chunks = int(std::min(UNIT, K - u * UNIT) / CHUNK);
+      const uint8_t* b[16];
+      for (int i = 0; i < 16; ++i) b[i] = n0 + i < nrows ? F::unit(rows + (n0 + i) * rb, u) : kZeroUnit;
+      for (int c = 0; c < chunks; ++c) {
+        U8x64 v[16];
+        for (int i = 0; i < 16; ++i) v[i] = F::codes(b[i], c);
+        transpose_u32(v);
+        uint8_t* dst = codes + ((u * UNIT + c * CHUNK) / 4 * PANEL + n0) * 4;
+        for (int q = 0; q < 16; ++q) store_u8x64(dst + q * PANEL * 4, v[q]);
+      }
+    }
   }
 }
 

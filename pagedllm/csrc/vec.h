@@ -40,7 +40,8 @@
 //           bytes twice), nibbles_2x16(a, b) (16 bytes of each as their low then their high
 //           nibbles: a's 32 codes, then b's), shr_and(v, n, mask) (each byte (b >> n) & mask),
 //           shr_and_halves(v, lo, hi, mask) (bytes 0-31 shifted by lo, 32-63 by hi), shl_u8(v,
-//           n), or_u8, bits_to_bytes(bits, value) (byte i = value where bit i is set, else 0);
+//           n), or_u8, bits_to_bytes(bits, value) (byte i = value where bit i is set, else 0),
+//           transpose_u32(v[16]) (16 x 16 32-bit words: word j of v[i] moves to word i of v[j]);
 //           shifts may move bits between the bytes of a 16-bit lane: a shr_and mask must be
 //           below 2^(8 - n), and shl_u8's bytes below 2^(8 - n). I32x16 dot_u8s8(acc, U8x64 w,
 //           64 s8 x): acc[l] += sum_j w[4 l + j] x[4 l + j] with w in [0, 127] (AVX2's vpmaddubsw

@@ -277,6 +277,26 @@ inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> their low nibbles, 
   return _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xF0), _mm256_set1_epi8(0x0F));
 }
 inline U8x64 nibbles_2x16(const uint8_t* a, const uint8_t* b) { return {nibbles16(a), nibbles16(b)}; }
+// 8 x 8 32-bit words: in[i] word j -> out[j] word i.
+inline void transpose8x8(const __m256i (&in)[8], __m256i (&out)[8]) {
+  __m256i t[8], s[8];
+  for (int k = 0; k < 4; ++k)
+    t[2 * k] = _mm256_unpacklo_epi32(in[2 * k], in[2 * k + 1]), t[2 * k + 1] = _mm256_unpackhi_epi32(in[2 * k], in[2 * k + 1]);
+  for (int g = 0; g < 2; ++g) {  // s[4g + j], 128-bit half h: word 4h + j of rows 4g .. 4g + 3
+    const __m256i* p = t + 4 * g;
+    s[4 * g] = _mm256_unpacklo_epi64(p[0], p[2]), s[4 * g + 1] = _mm256_unpackhi_epi64(p[0], p[2]);
+    s[4 * g + 2] = _mm256_unpacklo_epi64(p[1], p[3]), s[4 * g + 3] = _mm256_unpackhi_epi64(p[1], p[3]);
+  }
+  for (int j = 0; j < 4; ++j)
+    out[j] = _mm256_permute2x128_si256(s[j], s[4 + j], 0x20), out[4 + j] = _mm256_permute2x128_si256(s[j], s[4 + j], 0x31);
+}
+inline void transpose_u32(U8x64 (&v)[16]) {
+  __m256i in[4][8], out[4][8];  // quarter 2a + b: rows 8a .. 8a + 7, words 8b .. 8b + 7
+  for (int i = 0; i < 8; ++i)
+    in[0][i] = v[i].lo, in[1][i] = v[i].hi, in[2][i] = v[8 + i].lo, in[3][i] = v[8 + i].hi;
+  for (int q = 0; q < 4; ++q) transpose8x8(in[q], out[q]);
+  for (int j = 0; j < 8; ++j) v[j] = {out[0][j], out[2][j]}, v[8 + j] = {out[1][j], out[3][j]};
+}
 inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
   // Byte i takes the byte of `bits` holding bit i, keeps bit i % 8 and is `value` where it is set
   // (every 128-bit lane holds all 8 bytes of `bits`).

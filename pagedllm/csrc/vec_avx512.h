@@ -202,6 +202,24 @@ inline U8x64 nibbles_2x16(const uint8_t* a, const uint8_t* b) {
   return {_mm512_and_si512(_mm512_srlv_epi16(xxyy, counts), _mm512_set1_epi8(0x0F))};
 }
 inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) { return {_mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(char(value)))}; }
+inline void transpose_u32(U8x64 (&v)[16]) {
+  __m512i t[16], s[16];
+  for (int k = 0; k < 8; ++k) {  // per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3) of rows 2k, 2k + 1
+    t[2 * k] = _mm512_unpacklo_epi32(v[2 * k].v, v[2 * k + 1].v);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(v[2 * k].v, v[2 * k + 1].v);
+  }
+  for (int g = 0; g < 4; ++g) {  // s[4g + j], 128-bit lane L: word 4L + j of rows 4g .. 4g + 3
+    const __m512i* p = t + 4 * g;
+    s[4 * g] = _mm512_unpacklo_epi64(p[0], p[2]), s[4 * g + 1] = _mm512_unpackhi_epi64(p[0], p[2]);
+    s[4 * g + 2] = _mm512_unpacklo_epi64(p[1], p[3]), s[4 * g + 3] = _mm512_unpackhi_epi64(p[1], p[3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // the 4 x 4 128-bit lanes of s[j], s[4 + j], s[8 + j], s[12 + j] transposed
+    const __m512i x0 = _mm512_shuffle_i32x4(s[j], s[4 + j], 0x44), x1 = _mm512_shuffle_i32x4(s[j], s[4 + j], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(s[8 + j], s[12 + j], 0x44), y1 = _mm512_shuffle_i32x4(s[8 + j], s[12 + j], 0xEE);
+    v[j].v = _mm512_shuffle_i32x4(x0, y0, 0x88), v[4 + j].v = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    v[8 + j].v = _mm512_shuffle_i32x4(x1, y1, 0x88), v[12 + j].v = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
 inline F32x16 u8_f32(__m128i v) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))}; }  // 16 bytes widened to float
 inline F32x16 load_u8_f32(const uint8_t* p) { return u8_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline F32x16 u8_f32(uint64_t lo, uint64_t hi) {

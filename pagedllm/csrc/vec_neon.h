@@ -260,6 +260,19 @@ inline U8x64 nibbles_2x16(const uint8_t* a, const uint8_t* b) {
   const uint8x16_t x = vld1q_u8(a), y = vld1q_u8(b), low = vdupq_n_u8(0x0F);
   return {{vandq_u8(x, low), vshrq_n_u8(x, 4), vandq_u8(y, low), vshrq_n_u8(y, 4)}};
 }
+inline void transpose_u32(U8x64 (&v)[16]) {
+  uint32x4_t w[16][4];  // row i, words 4 q .. 4 q + 3
+  for (int i = 0; i < 16; ++i)
+    for (int q = 0; q < 4; ++q) w[i][q] = vreinterpretq_u32_u8(v[i].v[q]);
+  for (int a = 0; a < 4; ++a)    // rows 4a .. 4a + 3
+    for (int q = 0; q < 4; ++q) {  // words 4q .. 4q + 3: a 4 x 4 transpose, to v[4q + j].v[a]
+      const uint32x4_t r0 = w[4 * a][q], r1 = w[4 * a + 1][q], r2 = w[4 * a + 2][q], r3 = w[4 * a + 3][q];
+      const uint64x2_t t0 = vreinterpretq_u64_u32(vtrn1q_u32(r0, r1)), t1 = vreinterpretq_u64_u32(vtrn2q_u32(r0, r1));
+      const uint64x2_t t2 = vreinterpretq_u64_u32(vtrn1q_u32(r2, r3)), t3 = vreinterpretq_u64_u32(vtrn2q_u32(r2, r3));
+      v[4 * q].v[a] = vreinterpretq_u8_u64(vtrn1q_u64(t0, t2)), v[4 * q + 1].v[a] = vreinterpretq_u8_u64(vtrn1q_u64(t1, t3));
+      v[4 * q + 2].v[a] = vreinterpretq_u8_u64(vtrn2q_u64(t0, t2)), v[4 * q + 3].v[a] = vreinterpretq_u8_u64(vtrn2q_u64(t1, t3));
+    }
+}
 inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
   const uint8x16_t bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
   U8x64 r;

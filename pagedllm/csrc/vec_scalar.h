@@ -225,6 +225,12 @@ inline U8x64 nibbles_2x16(const uint8_t* a, const uint8_t* b) {
   for (int i = 0; i < 16; ++i) r.b[i] = a[i] & 0x0F, r.b[16 + i] = a[i] >> 4, r.b[32 + i] = b[i] & 0x0F, r.b[48 + i] = b[i] >> 4;
   return r;
 }
+inline void transpose_u32(U8x64 (&v)[16]) {
+  U8x64 t[16];
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 16; ++j) std::memcpy(t[j].b + 4 * i, v[i].b + 4 * j, 4);
+  for (int j = 0; j < 16; ++j) v[j] = t[j];
+}
 inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
   U8x64 r;
   for (int i = 0; i < 64; ++i) r.b[i] = (bits >> i) & 1 ? value : 0;
