@@ -176,14 +176,15 @@ static_assert(QG == 32, "vec.h's quantize_group quantizes activations in groups 
 
 // The M rows of x (stride ldx) quantized per group of QG k for the integer GEMMs: codes
 // [M][kq] (four int8 per int32; Kp = kq * 4 = K rounded up to QG) and scale [M][G]; with
-// kSums (w4a8, llama.cpp's Q8_1; tile_q4a8's and tile_u8a8's input) also sum [M][G] = scale *
-// the group's code sum and the codes as plain s8, else (w8a8, Q8_0; tile_w8a8's input) in the
-// encoding the vector layer's dot product takes; with kSums16 as well sum16 [M][2G], the same
-// per half group (tile_u8a8's input for 16-weight scales); with kWide instead the codes as int16
-// ([M][2 kq] in int32: tile_w8a8_wide's input).
+// kSums (w4a8, llama.cpp's Q8_1; tile_q4a8's and tile_u8a8's input) also csum [M][G], the
+// group's code sum, sum [M][G] = scale * csum, and the codes as plain s8, else (w8a8, Q8_0;
+// tile_w8a8's input) in the encoding the vector layer's dot product takes; with kSums16 as
+// well csum16 and sum16 [M][2G], the same per half group (tile_u8a8's input for 16-weight
+// scales); with kWide instead the codes as int16 ([M][2 kq] in int32: tile_w8a8_wide's input).
 struct QuantizedRows {
   std::vector<int32_t> codes;
   std::vector<float> scale, sum, sum16;
+  std::vector<int32_t> csum, csum16;
 };
 template <bool kSums, bool kSums16 = false, bool kWide = false>
 inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K) {
@@ -192,7 +193,9 @@ inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4 * (kWide ? 2 : 1);  // kq: a row's int32
   QuantizedRows q{std::vector<int32_t>(static_cast<size_t>(M * kq)), std::vector<float>(static_cast<size_t>(M * G)),
                   std::vector<float>(kSums ? static_cast<size_t>(M * G) : 0),
-                  std::vector<float>(kSums16 ? static_cast<size_t>(2 * M * G) : 0)};
+                  std::vector<float>(kSums16 ? static_cast<size_t>(2 * M * G) : 0),
+                  std::vector<int32_t>(kSums ? static_cast<size_t>(M * G) : 0),
+                  std::vector<int32_t>(kSums16 ? static_cast<size_t>(2 * M * G) : 0)};
   par::parallel_for(M, [&](int64_t m) {
     const float* src = x + m * ldx;
     int8_t* row = reinterpret_cast<int8_t*>(q.codes.data() + m * kq);
@@ -202,11 +205,20 @@ inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64
       if constexpr (kSums) {
         store_i8(row + g * QG, c.lo);
         store_i8(row + g * QG + 16, c.hi);
-        q.sum[m * G + g] = c.scale * reduce_add(add(to_f32(c.lo), to_f32(c.hi)));  // an exact integer sum
+        // Code sums are exact integers in float (|sum| <= 32 * 127): any order gives the same.
+        float sum;
         if constexpr (kSums16) {
-          q.sum16[2 * (m * G + g)] = c.scale * reduce_add(to_f32(c.lo));
-          q.sum16[2 * (m * G + g) + 1] = c.scale * reduce_add(to_f32(c.hi));
+          const float lo = reduce_add(to_f32(c.lo)), hi = reduce_add(to_f32(c.hi));
+          sum = lo + hi;
+          q.sum16[2 * (m * G + g)] = c.scale * lo;
+          q.sum16[2 * (m * G + g) + 1] = c.scale * hi;
+          q.csum16[2 * (m * G + g)] = static_cast<int32_t>(lo);
+          q.csum16[2 * (m * G + g) + 1] = static_cast<int32_t>(hi);
+        } else {
+          sum = reduce_add(add(to_f32(c.lo), to_f32(c.hi)));
         }
+        q.sum[m * G + g] = c.scale * sum;
+        q.csum[m * G + g] = static_cast<int32_t>(sum);
       } else if constexpr (kWide) {
         int8_t s8[QG];
         store_i8(s8, c.lo);
@@ -227,9 +239,14 @@ inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64
 // weight is ws q + off) and per row xsum [G * P] (stride G * P) = xscale * the piece's code
 // sum (quantize_rows' sum for P = 1, sum16 for P = 2).
 // y[r, n] = sum over pieces xscale[r, g] * ws[p, n] * (sum_k x q) + xsum[r, p] * off[p, n].
-template <int R, int P, int kMax>
-inline void tile_u8a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const uint8_t* codes,
-                      const float* ws, const float* off, int64_t G, float* y, int64_t ldy, int64_t ncols) {
+// With kShift != 0 the offset is kShift * ws (Q5_0's -16 d, Q6_K's -32 ws): the code sums
+// xcsum (quantize_rows' csum or csum16) start the int32 sums at kShift * csum, off and xsum
+// are not read, and y[r, n] = sum over pieces xscale[r, g] * ws[p, n] * (sum_k x (q + kShift)):
+// one product per piece where the offset took two.
+template <int R, int P, int kMax, int kShift>
+inline void tile_u8a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const int32_t* xcsum,
+                      const uint8_t* codes, const float* ws, const float* off, int64_t G, float* y, int64_t ldy,
+                      int64_t ncols) {
   constexpr int quads = QG / 4, pq = quads / P;  // quads per piece
   constexpr int S = std::min(pq, q4sum_steps(kMax));  // quads per Q4Sum before it widens to int32
   static_assert(quads % P == 0 && pq % S == 0, "a piece is whole quads, in whole Q4Sums");
@@ -248,15 +265,29 @@ inline void tile_u8a8(const int32_t* x, int64_t ldx, const float* xscale, const 
           const Q4W w = dot_u8_load(pc + (s0 + k) * 4 * NB);
           for (int r = 0; r < R; ++r) dot_q4(t[r][0], t[r][1], dot_q4_prepare(x + r * ldx + q0 + s0 + k), w);
         }
-        for (int r = 0; r < R; ++r)
-          for (int h = 0; h < 2; ++h) acc[r][h] = s0 == 0 ? q4sum_i32(t[r][h]) : q4sum_add(acc[r][h], t[r][h]);
+        for (int r = 0; r < R; ++r) {
+          if (s0 == 0 && kShift != 0) {
+            const I32x16 start = splat_i32(kShift * xcsum[r * G * P + piece]);
+            acc[r][0] = q4sum_add(start, t[r][0]), acc[r][1] = q4sum_add(start, t[r][1]);
+          } else {
+            for (int h = 0; h < 2; ++h) acc[r][h] = s0 == 0 ? q4sum_i32(t[r][h]) : q4sum_add(acc[r][h], t[r][h]);
+          }
+        }
       }
       const F32x16 w0 = load(ws + piece * NB), w1 = load(ws + piece * NB + 16);
-      const F32x16 o0 = load(off + piece * NB), o1 = load(off + piece * NB + 16);
-      for (int r = 0; r < R; ++r) {
-        const F32x16 s = set1(xscale[r * G + g]), t = set1(xsum[r * G * P + piece]);
-        out[r][0] = fma(to_f32(acc[r][0]), mul(w0, s), fma(o0, t, out[r][0]));
-        out[r][1] = fma(to_f32(acc[r][1]), mul(w1, s), fma(o1, t, out[r][1]));
+      if constexpr (kShift != 0) {
+        for (int r = 0; r < R; ++r) {
+          const F32x16 s = set1(xscale[r * G + g]);
+          out[r][0] = fma(to_f32(acc[r][0]), mul(w0, s), out[r][0]);
+          out[r][1] = fma(to_f32(acc[r][1]), mul(w1, s), out[r][1]);
+        }
+      } else {
+        const F32x16 o0 = load(off + piece * NB), o1 = load(off + piece * NB + 16);
+        for (int r = 0; r < R; ++r) {
+          const F32x16 s = set1(xscale[r * G + g]), t = set1(xsum[r * G * P + piece]);
+          out[r][0] = fma(to_f32(acc[r][0]), mul(w0, s), fma(o0, t, out[r][0]));
+          out[r][1] = fma(to_f32(acc[r][1]), mul(w1, s), fma(o1, t, out[r][1]));
+        }
       }
     }
   }

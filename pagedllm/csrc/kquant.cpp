@@ -9,7 +9,8 @@
 //   into floats, and gemm.h's micro-tiles run over it: tile_w8a8 for Q8_0 (the same arithmetic
 //   as the decode path, Q8_0 x Q8_0), tile_u8a8 for the unsigned codes (Q4_K, Q5_K, Q6_K, Q5_0:
 //   per piece of 32 or 16 weights, the int32 sum of q x scaled by ws and x's scale, plus off
-//   times x's scaled code sum: the decode path's sums, grouped by piece instead of by chunk).
+//   times x's scaled code sum: the decode path's sums, grouped by piece instead of by chunk;
+//   Q6_K's and Q5_0's offsets, a multiple of ws, added to the int32 sums instead).
 #include <stdint.h>
 
 #include <algorithm>
@@ -100,10 +101,12 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
           });
         } else {
           const std::vector<float>& sums = F::kPieces == 2 ? xu.sum16 : xu.sum;
+          const std::vector<int32_t>& csums = F::kPieces == 2 ? xu.csum16 : xu.csum;
           panel_rows<kGemmRowsQ4>(rows, [&](auto r, int64_t m) {
-            tile_u8a8<decltype(r)::value, F::kPieces, F::kCodeMax>(
-                xu.codes.data() + (m0 + m) * kq, kq, xu.scale.data() + (m0 + m) * G,
-                sums.data() + (m0 + m) * G * F::kPieces, codes.data(), ws.data(), off.data(), G, out + m * N, N, ncols);
+            const int64_t row = (m0 + m) * G * F::kPieces;
+            tile_u8a8<decltype(r)::value, F::kPieces, F::kCodeMax, F::kCodeShift>(
+                xu.codes.data() + (m0 + m) * kq, kq, xu.scale.data() + (m0 + m) * G, sums.data() + row,
+                csums.data() + row, codes.data(), ws.data(), off.data(), G, out + m * N, N, ncols);
           });
         }
       });

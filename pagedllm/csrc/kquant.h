@@ -75,13 +75,15 @@ inline void scales_mins(const uint8_t* b, F32x16& ws, F32x16& off) {
 // scales(b, chunks, ws, off): ws and off per 16 weights of the unit (`chunks` of its 4 chunks
 // real); codes(b, c): chunk c's 64 codes; kSigned: codes are s8 (else u8 in [0, kCodeMax]);
 // kPieces: distinct scales per 32 weights (1: ws and off come in equal pairs); kBlockScales:
-// ws is each block's float16 d at its byte 0, off is 0.
+// ws is each block's float16 d at its byte 0, off is 0; kCodeShift: off = kCodeShift * ws
+// (a weight is ws (q + kCodeShift)), or 0 where off is the block's own.
 
 struct Q4K {  // d, dmin, scales[12], qs[128]: chunk c = qs[32c..] low nibbles, then high
   static inline constexpr int64_t kElems = 256, kBytes = 144;
   static constexpr bool kSigned = false;
   static constexpr int kCodeMax = 15, kPieces = 1;
   static constexpr bool kBlockScales = false;
+  static constexpr int kCodeShift = 0;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
   static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) { scales_mins(b, ws, off); }
   static U8x64 codes(const uint8_t* b, int c) { return shr_and_halves(dup32(b + 16 + 32 * c), 0, 4, 0x0F); }
@@ -92,6 +94,7 @@ struct Q5K {  // d, dmin, scales[12], qh[32], qs[128]: Q4_K's nibbles, bit 2c / 
   static constexpr bool kSigned = false;
   static constexpr int kCodeMax = 31, kPieces = 1;
   static constexpr bool kBlockScales = false;
+  static constexpr int kCodeShift = 0;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
   static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) { scales_mins(b, ws, off); }
   static U8x64 codes(const uint8_t* b, int c) {
@@ -106,6 +109,7 @@ struct Q6K {  // ql[128], qh[64], scales[16] (int8), d: per half h of 128, ql[64
   static constexpr bool kSigned = false;
   static constexpr int kCodeMax = 63, kPieces = 2;
   static constexpr bool kBlockScales = false;
+  static constexpr int kCodeShift = -32;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
   static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) {
     ws = mul(splat_f16(b + 208), load_s8_f32(reinterpret_cast<const int8_t*>(b + 192)));
@@ -123,6 +127,7 @@ struct Q80 {  // d, qs[32] (int8)
   static constexpr bool kSigned = true;
   static constexpr int kCodeMax = 127, kPieces = 1;
   static constexpr bool kBlockScales = true;
+  static constexpr int kCodeShift = 0;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * 8 * kBytes; }
   static void scales(const uint8_t* b, int chunks, F32x16& ws, F32x16& off) {
     ws = block_scales(b, kBytes, chunks);
@@ -136,6 +141,7 @@ struct Q50 {  // d, qh (32 fifth bits), qs[16]: weight j < 16 in the low nibble 
   static constexpr bool kSigned = false;
   static constexpr int kCodeMax = 31, kPieces = 1;
   static constexpr bool kBlockScales = false;
+  static constexpr int kCodeShift = -16;
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * 8 * kBytes; }
   static void scales(const uint8_t* b, int chunks, F32x16& ws, F32x16& off) {
     ws = block_scales(b, kBytes, chunks);

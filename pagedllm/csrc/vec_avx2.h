@@ -171,6 +171,7 @@ inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {
 }
 
 inline I32x16 zero_i32() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline I32x16 splat_i32(int32_t a) { return {_mm256_set1_epi32(a), _mm256_set1_epi32(a)}; }
 inline I32x16 round_i32(F32x16 a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
 inline F32x16 to_f32(I32x16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 inline void store_codes(int8_t* p, I32x16 a) {

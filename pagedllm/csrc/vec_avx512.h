@@ -117,6 +117,7 @@ inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {
 }
 
 inline I32x16 zero_i32() { return {_mm512_setzero_si512()}; }
+inline I32x16 splat_i32(int32_t a) { return {_mm512_set1_epi32(a)}; }
 inline I32x16 round_i32(F32x16 a) { return {_mm512_cvtps_epi32(a.v)}; }
 inline F32x16 to_f32(I32x16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
 #ifdef __AVX512VNNI__

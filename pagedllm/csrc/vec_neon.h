@@ -178,6 +178,7 @@ inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {
 }
 
 inline I32x16 zero_i32() { return {{vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)}}; }
+inline I32x16 splat_i32(int32_t a) { return {{vdupq_n_s32(a), vdupq_n_s32(a), vdupq_n_s32(a), vdupq_n_s32(a)}}; }
 inline I32x16 round_i32(F32x16 a) { return {{vcvtnq_s32_f32(a.v[0]), vcvtnq_s32_f32(a.v[1]), vcvtnq_s32_f32(a.v[2]), vcvtnq_s32_f32(a.v[3])}}; }
 inline F32x16 to_f32(I32x16 a) { return {{vcvtq_f32_s32(a.v[0]), vcvtq_f32_s32(a.v[1]), vcvtq_f32_s32(a.v[2]), vcvtq_f32_s32(a.v[3])}}; }
 inline void store_codes(int8_t* p, I32x16 a) {

@@ -130,6 +130,11 @@ inline F32x16 f16_pairs(const uint8_t* p, int64_t stride, int n) {
 }
 
 inline I32x16 zero_i32() { return I32x16{}; }
+inline I32x16 splat_i32(int32_t a) {
+  I32x16 r;
+  for (int32_t& x : r.v) x = a;
+  return r;
+}
 inline I32x16 round_i32(F32x16 a) {
   I32x16 r;
   for (int i = 0; i < 16; ++i) r.v[i] = int32_t(std::nearbyint(a.v[i]));
