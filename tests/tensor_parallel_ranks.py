@@ -65,24 +65,29 @@ def load(case: Case, tp: TPGroup) -> tuple[torch.nn.Module, ModelConfig]:
 
 @torch.inference_mode()
 def run_steps(
-    model: torch.nn.Module, config: ModelConfig, tp: TPGroup, kv_dtype: torch.dtype = torch.float32
+    model: torch.nn.Module,
+    config: ModelConfig,
+    tp: TPGroup,
+    kv_dtype: torch.dtype = torch.float32,
+    seq_lens: tuple[int, ...] = SEQ_LENS,
+    steps: list[list[tuple[int, int, int]]] = STEPS,
 ) -> torch.Tensor | None:
-    """Logits [tokens of all STEPS, vocab] of two requests through a paged KV cache (of
-    ``kv_dtype``) holding the rank's KV heads (rank 0; None on the others)."""
+    """Logits [tokens of all ``steps``, vocab] of requests of ``seq_lens`` random tokens through
+    a paged KV cache (of ``kv_dtype``) holding the rank's KV heads (rank 0; None on the others)."""
     gen = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in SEQ_LENS]
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in seq_lens]
     groups = kv_cache_groups(config)
-    per_request = -(-max(SEQ_LENS) // BLOCK_SIZE)
-    num_blocks = len(SEQ_LENS) * len(groups) * per_request
+    per_request = -(-max(seq_lens) // BLOCK_SIZE)
+    num_blocks = len(seq_lens) * len(groups) * per_request
     kv_caches = allocate_kv_caches(KVCacheConfig.for_model(config, num_blocks, BLOCK_SIZE, kv_dtype, tp.size))
     # Blocks in reverse order: each request's table in each group is scattered over the pool.
     order = list(range(num_blocks))[::-1]
     tables = [
         [order[(r * len(groups) + g) * per_request :][:per_request] for g in range(len(groups))]
-        for r in range(len(SEQ_LENS))
+        for r in range(len(seq_lens))
     ]
     out = []
-    for step in STEPS:
+    for step in steps:
         ids = [t for r, a, b in step for t in seqs[r][a:b]]
         positions = [p for _, a, b in step for p in range(a, b)]
         meta = build_attention_metadata(

@@ -132,6 +132,29 @@ def test_one_call_equals_the_modules(cases, isa: str, name: str, kv_dtype: torch
     assert torch.equal(got, expected)
 
 
+# One step of three 180-token prompts (540 rows: the MLP in two passes, csrc/decoder.cpp's
+# kMlpRows), then a decode of each.
+_LONG_SEQ_LENS = (181, 181, 181)
+_LONG_STEPS = [[(r, 0, 180) for r in range(3)], [(r, 180, 181) for r in range(3)]]
+
+
+@pytest.mark.parametrize("name", ["qwen2-w8a8", "llama-q4-w4a8", "llama-kquant", "gemma3-float32"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_long_step_equals_the_modules(cases, isa: str, name: str, monkeypatch) -> None:
+    """A step of more rows than one MLP pass takes gives the modules' logits bit for bit (each
+    GEMM's rows computed as in one call over the step)."""
+    with on_isa(isa):
+        model, config = _load(cases[name])
+        calls = []
+        decode_layers = decoder.decode_layers
+        monkeypatch.setattr(native_decoder, "decode_layers", lambda *a: calls.append(out := decode_layers(*a)) or out)
+        got = run_steps(model, config, SINGLE, torch.float32, _LONG_SEQ_LENS, _LONG_STEPS)
+        assert len(calls) == 2 and all(c is not None for c in calls)
+        model.native_decoder = False
+        expected = run_steps(model, config, SINGLE, torch.float32, _LONG_SEQ_LENS, _LONG_STEPS)
+    assert torch.equal(got, expected)
+
+
 def test_models_it_does_not_cover_run_the_modules(cases, monkeypatch) -> None:
     """No native kernels (nn.Linear weights), or a dtype other than float32: no one-call decoder."""
     monkeypatch.setattr(library, "available", lambda: False)

@@ -52,6 +52,15 @@ void lora(const DecoderDesc* m, int64_t i, int64_t p, const float* x, int64_t ld
             s->ranks + at * PAGEDLLM_LORA_MAX_PARTS, s->dtype);
 }
 
+// Rows per pass of a long step's MLP (gate/up, activation, down): the gate/up output of a
+// pass (Qwen2.5-0.5B: 10 MiB at 256 rows) stays in the caches for the activation and the down
+// GEMM instead of going out to memory and back (docs/benchmarks.md, session 24). A step of
+// fewer than 2 * kMlpRows rows takes one pass; else equal passes of at least kMlpRows rows:
+// every GEMM call then has more rows than the K-quant GEMM's switch to its prefill panels (8),
+// from where every linear kind computes each row the same whatever rows share the call, so a
+// row's bits are those of one call over all T rows.
+constexpr int64_t kMlpRows = 256;
+
 // Everything the kernels below could refuse, checked before anything is written.
 bool supported(const DecoderDesc* m, int64_t P) {
   const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
@@ -118,8 +127,10 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
   const int64_t H = m->hidden, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
   const int64_t q_width = Hq * D, kv_width = Hkv * D, qkv_width = q_width + 2 * kv_width, I = m->intermediate;
   const int64_t qkv_parts[3] = {q_width, kv_width, kv_width}, o_part[1] = {H}, gate_up_parts[2] = {I, I};
+  // LoRA's runs address all T rows: with adapters the MLP takes one pass.
+  const int64_t mlp_passes = m->lora ? 1 : std::max<int64_t>(1, T / kMlpRows), mlp_rows = (T + mlp_passes - 1) / mlp_passes;
   std::vector<float> normed(T * H), qkv(T * qkv_width), q(B * q_width), attn(T * q_width), y(T * H),
-      gate_up(T * 2 * I);
+      gate_up(mlp_rows * 2 * I);
   using Attention = decltype(&paged_decode_attention_f32);
   const Attention attention = m->cache_kind == PAGEDLLM_CACHE_BF16   ? paged_decode_attention_bf16
                               : m->cache_kind == PAGEDLLM_CACHE_INT8 ? paged_decode_attention_int8
@@ -166,15 +177,19 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
     if (l.moe) {
       timed(m, kMoe, [&] { fused_moe(l.moe, normed.data(), H, T, y.data()); });
     } else {
-      timed(m, kGateUp, [&] {
-        linear(l.gate_up, normed.data(), H, gate_up.data(), T);
-        lora(m, i, 2, normed.data(), H, gate_up.data(), 2 * I, H, gate_up_parts, 2);
-      });
-      timed(m, kAct, [&] { act_and_mul(gate_up.data(), 2 * I, T, I); });
-      timed(m, kDown, [&] {
-        linear(l.down, gate_up.data(), 2 * I, y.data(), T);
-        lora(m, i, 3, gate_up.data(), 2 * I, y.data(), H, I, o_part, 1);
-      });
+      for (int64_t m0 = 0; m0 < T; m0 += mlp_rows) {
+        const int64_t rows = std::min(mlp_rows, T - m0);
+        const float* x = normed.data() + m0 * H;
+        timed(m, kGateUp, [&] {
+          linear(l.gate_up, x, H, gate_up.data(), rows);
+          lora(m, i, 2, x, H, gate_up.data(), 2 * I, H, gate_up_parts, 2);
+        });
+        timed(m, kAct, [&] { act_and_mul(gate_up.data(), 2 * I, rows, I); });
+        timed(m, kDown, [&] {
+          linear(l.down, gate_up.data(), 2 * I, y.data() + m0 * H, rows);
+          lora(m, i, 3, gate_up.data(), 2 * I, y.data() + m0 * H, H, I, o_part, 1);
+        });
+      }
     }
     if (l.mlp_out_norm) timed(m, kNorms, [&] { add_rms_norm(nullptr, y.data(), l.mlp_out_norm, y.data(), T, H, m->eps); });
   }
