@@ -242,8 +242,9 @@ inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64
 // With kShift != 0 the offset is kShift * ws (Q5_0's -16 d, Q6_K's -32 ws): the code sums
 // xcsum (quantize_rows' csum or csum16) start the int32 sums at kShift * csum, off and xsum
 // are not read, and y[r, n] = sum over pieces xscale[r, g] * ws[p, n] * (sum_k x (q + kShift)):
-// one product per piece where the offset took two. Never inlined (as kquant.h's tile): inlined into kquant.cpp's
-// panel loop, AVX2's Q4_K tile ran slower (docs/benchmarks.md, session 24).
+// one product per piece where the offset took two. Never inlined (as kquant.h's tile):
+// inlined into kquant.cpp's panel loop, AVX2's Q4_K tile ran slower (docs/benchmarks.md,
+// session 24).
 template <int R, int P, int kMax, int kShift>
 [[gnu::noinline]] void tile_u8a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const int32_t* xcsum,
                       const uint8_t* codes, const float* ws, const float* off, int64_t G, float* y, int64_t ldy,

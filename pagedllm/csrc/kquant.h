@@ -113,7 +113,7 @@ struct Q6K {  // ql[128], qh[64], scales[16] (int8), d: per half h of 128, ql[64
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * kBytes; }
   static void scales(const uint8_t* b, int, F32x16& ws, F32x16& off) {
     ws = mul(splat_f16(b + 208), load_s8_f32(reinterpret_cast<const int8_t*>(b + 192)));
-    off = mul(ws, set1(-32.f));
+    off = mul(ws, set1(float(kCodeShift)));
   }
   static U8x64 codes(const uint8_t* b, int c) {
     const int h = c / 2, q = c % 2;
@@ -145,7 +145,7 @@ struct Q50 {  // d, qh (32 fifth bits), qs[16]: weight j < 16 in the low nibble 
   static const uint8_t* unit(const uint8_t* row, int64_t u) { return row + u * 8 * kBytes; }
   static void scales(const uint8_t* b, int chunks, F32x16& ws, F32x16& off) {
     ws = block_scales(b, kBytes, chunks);
-    off = mul(ws, set1(-16.f));
+    off = mul(ws, set1(float(kCodeShift)));
   }
   static U8x64 codes(const uint8_t* b, int c) {
     const uint8_t *x = b + 2 * c * kBytes, *y = x + kBytes;

@@ -18,7 +18,7 @@
 //           integral n), reduce_add, reduce_max, reduce_add16(v[16]) (lane i = reduce_add(v[i]),
 //           the same bits), merge<N> (the transpose-and-add tree, below)
 //   M16     lt, gt, le, eq, mask_first(n), mask_range(lo, hi), &, any, select, maskz
-//   I32x16  zero_i32, splat_i32 (one int32 in every lane), round_i32 (to nearest even), to_f32
+//   I32x16  splat_i32 (one int32 in every lane), round_i32 (to nearest even), to_f32
 //   int8    store_codes (16 activation codes in [-127, 127], in the encoding dot_prepare
 //           reads), DotX dot_prepare(a quad of 4 stored codes), I32x16 dot_init(wsum128),
 //           I32x16 dot(acc, DotX, 64 int8 w): acc[l] += sum_j x[j] * w[4 l + j]
