@@ -22,9 +22,9 @@ class QuantizationConfig:
     Attributes:
         mode: "int8" (symmetric, per output channel) or "int4" (asymmetric, in groups along
             the input dimension). GGUF blocks no more precise than the mode are kept in their
-            own layout instead (Q8_0, Q4_0, Q4_1; see ``gguf.py``). "w8a8": weights and
-            activations both int8, symmetric per group of 32 input features (an integer
-            matmul; every weight is requantized from float). "w4a8": 4-bit weights (d q + m
+            own layout instead (Q8_0, Q4_0, Q4_1; see ``gguf.py``). "w8a8": int8 weights
+            symmetric per output feature, int8 activations symmetric per group of 32 input
+            features (an integer matmul; every weight is requantized from float). "w4a8": 4-bit weights (d q + m
             per group of 32; GGUF Q4_0 / Q4_1 kept, the rest requantized from float) with
             activations as w8a8's, the lm_head as w8a8 (llama.cpp's Q4_1 x Q8_1).
         group_size: int4's group size, 32 (llama.cpp's block size), 64 or 128; int8 ignores it.

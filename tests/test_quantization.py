@@ -450,26 +450,23 @@ INT8_SHAPES = [(5, 7), (40, 64), (96, 577), (100, 200)]
 
 @pytest.mark.parametrize("n,k", INT8_SHAPES)
 def test_w8a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
-    """Integer sums of int8 weights and int8 activations, each symmetric per group of 32 input
-    features, scaled per group: equal to the same scheme in float64, on every ISA's kernels."""
+    """Integer sums of int8 weights, symmetric per output feature, and int8 activations,
+    symmetric per group of 32 input features, each group's sum scaled by x's scale and the
+    total by the row's: equal to the same scheme in float64, on every ISA's kernels."""
     gen = torch.Generator().manual_seed(k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     layer = W8A8Linear(w, b)
     pad = -k % 32
-
-    def groups(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes and scales of t [R, k] in groups of 32 along k: [R, G, 32], [R, G, 1]."""
-        g = torch.nn.functional.pad(t.double(), (0, pad)).view(t.shape[0], -1, 32)
-        scale = g.abs().amax(-1, keepdim=True) / 127
-        return torch.round(g / scale.clamp_min(1e-300)), scale
-
-    wq, ws = groups(w)
+    ws = w.double().abs().amax(-1) / 127
+    wq = torch.nn.functional.pad(torch.round(w.double() / ws.unsqueeze(1)), (0, pad)).view(n, -1, 32)
     for m in (1, 7, 13, 64) if k != 200 else (3, 17, 1402):
         x = torch.randn(m, k, generator=gen) * torch.linspace(0.1, 3, k)
         x[0] = 0.0  # an all-zero row stays exact
         x[1:, 3] = 1e3  # an outlier costs precision in its own group only
-        xq, xs = groups(x)
-        ref = torch.einsum("mgk,ngk,mg,ng->mn", xq, wq, xs[..., 0], ws[..., 0]) + b
+        g = torch.nn.functional.pad(x.double(), (0, pad)).view(m, -1, 32)
+        xs = g.abs().amax(-1, keepdim=True) / 127
+        xq = torch.round(g / xs.clamp_min(1e-300))
+        ref = torch.einsum("mgk,ngk,mg->mn", xq, wq, xs[..., 0]) * ws + b
         torch.testing.assert_close(layer(x), ref.float(), atol=1e-4, rtol=1e-5)
         assert torch.equal(layer(x)[0], b)
         exact = torch.nn.functional.linear(x, w, b)

@@ -63,28 +63,51 @@ inline void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K,
   store<R>(acc, y, ldy, ncols);
 }
 
-// out[r] += xscale[r * G] * wscale * acc[r] (one group's int32 sums of R rows x 32 columns).
-template <int R>
+// out[r] += xscale[r * G] * wscale * acc[r] (one group's int32 sums of R rows x 32 columns);
+// kColumnScales (the weight scales per column, applied once by finish): out[r] += xscale[r * G] * acc[r].
+template <int R, bool kColumnScales>
 inline void add_scaled(F32x16 (&out)[R][2], const I32x16 (&acc)[R][2], const float* wscale, const float* xscale,
                        int64_t G) {
-  const F32x16 d0 = load(wscale), d1 = load(wscale + 16);
-  for (int r = 0; r < R; ++r) {
-    const F32x16 s = set1(xscale[r * G]);
-    out[r][0] = fma(to_f32(acc[r][0]), mul(d0, s), out[r][0]);
-    out[r][1] = fma(to_f32(acc[r][1]), mul(d1, s), out[r][1]);
+  if constexpr (kColumnScales) {
+    for (int r = 0; r < R; ++r) {
+      const F32x16 s = set1(xscale[r * G]);
+      out[r][0] = fma(to_f32(acc[r][0]), s, out[r][0]);
+      out[r][1] = fma(to_f32(acc[r][1]), s, out[r][1]);
+    }
+  } else {
+    const F32x16 d0 = load(wscale), d1 = load(wscale + 16);
+    for (int r = 0; r < R; ++r) {
+      const F32x16 s = set1(xscale[r * G]);
+      out[r][0] = fma(to_f32(acc[r][0]), mul(d0, s), out[r][0]);
+      out[r][1] = fma(to_f32(acc[r][1]), mul(d1, s), out[r][1]);
+    }
   }
 }
 
-// x: R rows of kq quads of codes (store_codes; stride ldx, in int32), groups of QG/4 quads; xscale: R rows
-// of G scales (stride G); panel: [kq][32][4] int8; wscale, wsum128: [G][32].
-// y[r, n] = sum_g xscale[r, g] * wscale[g, n] * (sum_k x w) + bias[n].
+// y = out * wscale + bias (per-column weight scales [32], bias null or [32]) into R rows of y.
 template <int R>
+inline void finish(F32x16 (&out)[R][2], const float* wscale, const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  const F32x16 d0 = load(wscale), d1 = load(wscale + 16);
+  const F32x16 b0 = bias ? load(bias) : zero(), b1 = bias ? load(bias + 16) : zero();
+  for (int r = 0; r < R; ++r) {
+    out[r][0] = fma(out[r][0], d0, b0);
+    out[r][1] = fma(out[r][1], d1, b1);
+  }
+  store<R>(out, y, ldy, ncols);
+}
+
+// x: R rows of kq quads of codes (store_codes; stride ldx, in int32), groups of QG/4 quads; xscale: R rows
+// of G scales (stride G); panel: [kq][32][4] int8; wsum128: [G][32]. kColumnScales (w8a8):
+// wscale [32], one per column, y[r, n] = wscale[n] * sum_g xscale[r, g] * (sum_k x w) + bias[n];
+// else (Q8_0's blocks) wscale [G][32], y[r, n] = sum_g xscale[r, g] * wscale[g, n] * (sum_k x w)
+// + bias[n] (a multiply more per group and accumulator).
+template <int R, bool kColumnScales>
 inline void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const int8_t* panel, int64_t G,
                       const int32_t* wsum128, const float* wscale, const float* bias, float* y, int64_t ldy,
                       int64_t ncols) {
   constexpr int64_t quads = QG / 4;
   F32x16 out[R][2];
-  init<R>(out, bias);
+  init<R>(out, kColumnScales ? nullptr : bias);
   for (int64_t g = 0; g < G; ++g) {
     I32x16 acc[R][2];
     const I32x16 init0 = dot_init(wsum128 + g * NB), init1 = dot_init(wsum128 + g * NB + 16);
@@ -100,9 +123,12 @@ inline void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const 
         acc[r][1] = dot(acc[r][1], a, w + 2 * NB);
       }
     }
-    add_scaled<R>(out, acc, wscale + g * NB, xscale + g, G);
+    add_scaled<R, kColumnScales>(out, acc, wscale + g * NB, xscale + g, G);
   }
-  store<R>(out, y, ldy, ncols);
+  if constexpr (kColumnScales)
+    finish<R>(out, wscale, bias, y, ldy, ncols);
+  else
+    store<R>(out, y, ldy, ncols);
 }
 
 // A panel's int8 codes widened for tile_w8a8_wide: kq quads of [32][4] (linear_pack_w8a8's
@@ -115,14 +141,14 @@ inline void widen_panel(const int8_t* packed, int64_t kq, int16_t* wide) {
 }
 
 // tile_w8a8 for ISAs with kGemmRowsI8Wide > 0: x as R rows of 2 kq pairs of int16 codes
-// (quantize_rows' kWide; stride ldx, in int32), panel as widen_panel's; the same y, the same
-// int32 sums (exact) scaled in the same order.
+// (quantize_rows' kWide; stride ldx, in int32), panel as widen_panel's, wscale per column; the
+// same y, the same int32 sums (exact) scaled in the same order.
 template <int R>
 inline void tile_w8a8_wide(const int32_t* x, int64_t ldx, const float* xscale, const int16_t* panel, int64_t G,
                            const float* wscale, const float* bias, float* y, int64_t ldy, int64_t ncols) {
   constexpr int64_t pairs = QG / 2;
   F32x16 out[R][2];
-  init<R>(out, bias);
+  init<R>(out, nullptr);
   for (int64_t g = 0; g < G; ++g) {
     I32x16 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero_i32();
@@ -136,9 +162,9 @@ inline void tile_w8a8_wide(const int32_t* x, int64_t ldx, const float* xscale, c
         acc[r][1] = dot_wide(acc[r][1], a, w1);
       }
     }
-    add_scaled<R>(out, acc, wscale + g * NB, xscale + g, G);
+    add_scaled<R, true>(out, acc, nullptr, xscale + g, G);
   }
-  store<R>(out, y, ldy, ncols);
+  finish<R>(out, wscale, bias, y, ldy, ncols);
 }
 
 // x: R rows of kq quads of s8 codes (stride ldx, in int32), groups of QG/4 quads; xscale, xsum:

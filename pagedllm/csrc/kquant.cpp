@@ -95,9 +95,9 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
             }
           }
           panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
-            tile_w8a8<decltype(r)::value>(xs.codes.data() + (m0 + m) * kq, kq, xs.scale.data() + (m0 + m) * G,
-                                          reinterpret_cast<const int8_t*>(codes.data()), G, wsum.data(), ws.data(),
-                                          nullptr, out + m * N, N, ncols);
+            tile_w8a8<decltype(r)::value, false>(xs.codes.data() + (m0 + m) * kq, kq, xs.scale.data() + (m0 + m) * G,
+                                                 reinterpret_cast<const int8_t*>(codes.data()), G, wsum.data(),
+                                                 ws.data(), nullptr, out + m * N, N, ncols);
           });
         } else {
           const std::vector<float>& sums = F::kPieces == 2 ? xu.sum16 : xu.sum;

@@ -104,8 +104,8 @@ void run_item(const LinearDesc& l, const Acts& a, const Item& it, float* y, int6
       const int8_t* panel = static_cast<const int8_t*>(l.w) + p * kq * 4 * NB;
       panel_rows<kGemmRowsI8>(it.rows, [&](auto r, int64_t m) {
         const int64_t row = it.row0 + m;
-        tile_w8a8<decltype(r)::value>(a.w8.codes.data() + row * kq, kq, a.w8.scale.data() + row * G, panel, G,
-                                      l.wsum128 + p * G * NB, l.wscale + p * G * NB, bias, out + m * ldy, ldy, ncols);
+        tile_w8a8<decltype(r)::value, true>(a.w8.codes.data() + row * kq, kq, a.w8.scale.data() + row * G, panel, G,
+                                            l.wsum128 + p * G * NB, l.wscale + p * NB, bias, out + m * ldy, ldy, ncols);
       });
       break;
     }

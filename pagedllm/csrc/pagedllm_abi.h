@@ -230,8 +230,10 @@ int paged_prefill_attention(int cache_kind, const float* q, int64_t ldq, const v
 void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K);
 void linear_f32(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t M, int64_t N,
                 int64_t K);
-/* w [N, K] -> int8 codes symmetric per group of 32 k, their scales and code sums * 128. */
-void linear_pack_w8a8(const float* w, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N, int64_t K);
+/* w [N, K] -> int8 codes symmetric per row (scale max|w| / 127, or rowmax / 127 where not
+ * null: [N] float32), the rows' scales and the codes' sums * 128 per group of 32 k. */
+void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N,
+                      int64_t K);
 void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const int32_t* wsum128,
                  const float* bias, float* y, int64_t M, int64_t N, int64_t K);
 /* q [N, K] 4-bit codes (uint8), d and m [N, ceil(K/32)] float16 -> w4a8 panels. */

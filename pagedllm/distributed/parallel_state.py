@@ -53,6 +53,14 @@ class TPGroup:
             self.stats.add("all_reduce", start, x.nbytes)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``x`` over the ranks, in place; returns ``x``."""
+        if self.size > 1:
+            start = time.perf_counter()
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            self.stats.add("all_reduce", start, x.nbytes)
+        return x
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` (same shape on each) along the last dim, on rank 0.
 

@@ -109,6 +109,12 @@ class ModelShard:
         return None
 
 
+def is_row_parallel(layer: str) -> bool:
+    """Whether the linear layer ``layer`` (HF module name, any prefix) splits its inputs over the
+    ranks: each rank holds a slice of every row of its weight, and the outputs are summed."""
+    return layer.rpartition(".")[2] in _ROW_PARALLEL
+
+
 def shard_tensor(tensor: torch.Tensor, split: tuple[int, int, int], elements_per_index: int = 1) -> torch.Tensor:
     """A copy of ``tensor``'s part ``split`` (so the whole tensor can be freed).
 

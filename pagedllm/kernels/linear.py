@@ -1,8 +1,8 @@
 """The GEMMs on packed weights (csrc/linear.cpp): packing a weight once, ``x @ w.T + bias``
 on the packed panels, and a packed layer's descriptor for the one-call decoder
 (``kernels.decoder``). Three formats, each in panels of ``PANEL`` output columns: float32,
-w8a8 (int8 weights and activations per group of ``QUANT_GROUP`` inputs) and w4a8 (4-bit
-weights, int8 activations)."""
+w8a8 (int8 weights per output feature, int8 activations per group of ``QUANT_GROUP`` inputs)
+and w4a8 (4-bit weights, int8 activations)."""
 
 from __future__ import annotations
 
@@ -37,22 +37,33 @@ def linear_pack_f32(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def linear_pack_w8a8(weight: torch.Tensor) -> W8A8Packed:
+def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) -> W8A8Packed:
     """weight [N, K] float -> ``linear_w8a8``'s (packed int8 panels, wscale float32, wsum128 int32):
-    int8 codes symmetric per group of 32 input features, zero padded to whole panels and groups.
+    int8 codes symmetric per output feature (``wscale`` = a row's max|w| / 127, one per padded
+    row), ``wsum128`` per row and group of 32 input features, zero padded to whole panels and
+    groups.
+
+    Args:
+        row_max: [N] float, each row's scale times 127 instead of its own max|w|: a
+            tensor-parallel rank's slice of longer rows takes the whole rows' maxima (never
+            below the slice's own), so its codes are those of the unsharded weight.
 
     Raises:
         RuntimeError: no native library here.
-        ValueError: weight is not a 2-D CPU tensor.
+        ValueError: weight is not a 2-D CPU tensor, or row_max is not [N].
     """
     lib = require()
     w32 = matrix(weight, "weight").float().contiguous()
     n, k = w32.shape
+    if row_max is not None:
+        if tuple(row_max.shape) != (n,):
+            raise ValueError(f"row_max: need [{n}], got {list(row_max.shape)}")
+        row_max = row_max.float().contiguous()
     panels, groups = -(-n // PANEL), -(-k // QUANT_GROUP)
     packed = torch.empty(panels * PANEL * groups * QUANT_GROUP, dtype=torch.int8)
-    wscale = torch.empty(panels * groups * PANEL)
+    wscale = torch.empty(panels * PANEL)
     wsum128 = torch.empty(panels * groups * PANEL, dtype=torch.int32)
-    lib.linear_pack_w8a8(ptr(w32), ptr(packed), ptr(wscale), ptr(wsum128), n, k)
+    lib.linear_pack_w8a8(ptr(w32), ptr_or_none(row_max), ptr(packed), ptr(wscale), ptr(wsum128), n, k)
     return packed, wscale, wsum128
 
 
@@ -199,10 +210,11 @@ def _check_w8a8(packed: W8A8Packed, n: int, k: int, bias: torch.Tensor | None) -
     """``linear_pack_w8a8``'s codes, scales and sums of an [n, k] weight, and a panel-padded bias."""
     codes, wscale, wsum128 = packed
     _check_packed(codes, torch.int8, n, -(-k // QUANT_GROUP) * QUANT_GROUP, bias)
-    groups = -(-n // PANEL) * PANEL * -(-k // QUANT_GROUP)
-    if (wscale.dtype, wsum128.dtype, wscale.numel(), wsum128.numel()) != (torch.float32, torch.int32, groups, groups):
+    rows = -(-n // PANEL) * PANEL
+    groups = rows * -(-k // QUANT_GROUP)
+    if (wscale.dtype, wsum128.dtype, wscale.numel(), wsum128.numel()) != (torch.float32, torch.int32, rows, groups):
         raise ValueError(
-            f"w8a8 scales: need {groups} float32 and int32, "
+            f"w8a8 scales and sums: need {rows} float32 and {groups} int32, "
             f"got {wscale.numel()} {wscale.dtype}, {wsum128.numel()} {wsum128.dtype}"
         )
 

@@ -277,7 +277,7 @@ def load_model(
             model = get_model_class(config.architecture)(config, load_dtype, tp)
         model.load_weights(weights)
         if quantization is not None:
-            quantize_model(model, quantization, dtype, linears, num_workers=num_threads)
+            quantize_model(model, quantization, dtype, linears, num_workers=num_threads, tp=tp)
         if dtype == torch.float32 and library.available():
             pack_linears(model)  # what quantization left float (a float lm_head)
     return model.eval(), config

@@ -93,30 +93,31 @@ void test_linear() {
   linear_f32(x.data(), K, packed.data(), bias.data(), y.data(), M, N, K);
   check("linear_f32", max_error(y, ref), 1e-4f);
 
-  // w8a8: against the same arithmetic in plain integers (codes per group of 32 k, symmetric,
-  // rounded to nearest even; the group's int32 sum scaled by both scales).
+  // w8a8: against the same arithmetic in plain integers (x's codes per group of 32 k, w's per
+  // row, symmetric, rounded to nearest even; each group's int32 sum scaled by x's group scale,
+  // the row's sum by w's scale).
   const int64_t G = (K + 31) / 32, panels = (N + 31) / 32;
   for (int64_t m = 0; m < M; ++m) {
     std::vector<int8_t> xc;
     std::vector<float> xs;
     quantize(x.data() + m * K, K, xc, xs);
     for (int64_t n = 0; n < N; ++n) {
-      std::vector<int8_t> wc;
-      std::vector<float> ws;
-      quantize(w.data() + n * K, K, wc, ws);
-      double s = b[n];
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::fmax(amax, std::fabs(w[n * K + k]));
+      double s = 0;
       for (int64_t g = 0; g < G; ++g) {
         int32_t dot = 0;
-        for (int64_t k = 0; k < 32; ++k) dot += int32_t(xc[g * 32 + k]) * wc[g * 32 + k];
-        s += double(dot) * xs[g] * ws[g];
+        for (int64_t k = g * 32; k < K && k < (g + 1) * 32; ++k)
+          dot += int32_t(xc[k]) * int8_t(std::nearbyint(w[n * K + k] * (127.f / amax)));
+        s += double(dot) * xs[g];
       }
-      ref[m * N + n] = float(s);
+      ref[m * N + n] = float(s * (amax / 127.f) + b[n]);
     }
   }
   std::vector<int8_t> q(panels * 32 * G * 32);
-  std::vector<float> scale(panels * G * 32);
+  std::vector<float> scale(panels * 32);
   std::vector<int32_t> wsum(panels * G * 32);
-  linear_pack_w8a8(w.data(), q.data(), scale.data(), wsum.data(), N, K);
+  linear_pack_w8a8(w.data(), nullptr, q.data(), scale.data(), wsum.data(), N, K);
   linear_w8a8(x.data(), K, q.data(), scale.data(), wsum.data(), bias.data(), y.data(), M, N, K);
   check("linear_w8a8", max_error(y, ref), 1e-4f);
 

@@ -111,30 +111,35 @@ class Int8BlockLinear(Int4Linear):
 
 
 class W8A8Linear(QuantizedLinear):
-    """int8 weights and int8 activations, both symmetric per group of 32 input features.
+    """int8 weights symmetric per output feature, int8 activations symmetric per group of 32.
 
-    The scheme of llama.cpp's Q8_0 x Q8_0 dot product: each group of 32 weights of a row
-    has its scale (``max|w| / 127``), and each row of ``x`` is quantized on the fly per group
-    of 32 the same way, so an outlier feature costs precision only in its own group (SmolLM2
-    perplexity cost: docs/benchmarks.md). The sums run on our native kernel (``csrc/linear.cpp``,
-    the vector layer's int8 dot product, e.g. AVX512-VNNI's ``vpdpbusd``), faster than our
-    float32 GEMM at every batch size (docs/benchmarks.md), and it reads 1.25 bytes per weight.
-    Buffers: ``packed`` int8 panels, ``wscale`` (float32) and ``wsum128`` (int32) per panel and
-    group, the bias in float32, padded to whole panels.
+    Each row of the weight has one scale (``max|w| / 127``, as vLLM's channel-wise int8
+    weights); each row of ``x`` is quantized on the fly per group of 32 input features (as
+    llama.cpp's Q8_0 activations), so an outlier feature costs precision only in its own
+    group (perplexity beside per-group weight scales and float: docs/benchmarks.md). The sums
+    run on our native kernel (``csrc/linear.cpp``, the vector layer's int8 dot product, e.g.
+    AVX512-VNNI's ``vpdpbusd``): each group's int32 sum takes one multiply-add with x's scale,
+    the weight's scale multiplies once at the end; it reads 1.125 bytes per weight. Buffers:
+    ``packed`` int8 panels, ``wscale`` (float32) per padded row, ``wsum128`` (int32) per
+    padded row and group, the bias in float32, padded to whole panels.
 
     Args:
         weight: [out_features, in_features] float.
         bias: [out_features] or None.
+        row_max: [out_features], the max|w| of whole rows this weight is a tensor-parallel
+            slice of (``kernels.linear_pack_w8a8``), or None: its own rows'.
 
     Raises:
         ValueError: where the native kernels are missing.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_max: torch.Tensor | None = None
+    ) -> None:
         n, k = weight.shape
         super().__init__(k, n, None)
         _require_native("w8a8")
-        packed, wscale, wsum128 = kernels.linear_pack_w8a8(weight.detach())
+        packed, wscale, wsum128 = kernels.linear_pack_w8a8(weight.detach(), row_max)
         self.register_buffer("packed", packed)
         self.register_buffer("wscale", wscale)
         self.register_buffer("wsum128", wsum128)

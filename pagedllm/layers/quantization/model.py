@@ -9,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import SINGLE, TPGroup
+from pagedllm.distributed.sharding import is_row_parallel
 from pagedllm.quantization_config import GROUP_SIZES, QuantizationConfig
 from pagedllm.kernels.kquant import StoredWeight
 from pagedllm.layers.quantization.gguf import GGUFLinears
@@ -68,12 +70,23 @@ def _summary(quant: QuantizationConfig, sources: dict[str, list[str]], layouts: 
     return f"{quant.describe()}: " + "; ".join(paths) + ("" if quant.lm_head else "; lm_head float")
 
 
+def _whole_row_maxima(weights: dict[str, torch.Tensor], tp: TPGroup) -> dict[str, torch.Tensor]:
+    """Per layer, the max|w| of each whole row of which ``weights[name]`` is this rank's slice
+    (row-parallel layers): one max all-reduce over the group for all of them, in the same
+    order on every rank; nothing at size 1 (each row is whole)."""
+    if tp.size == 1 or not weights:
+        return {}
+    maxima = tp.all_reduce_max(torch.cat([w.detach().float().abs().amax(dim=1) for w in weights.values()]))
+    return dict(zip(weights, maxima.split([w.shape[0] for w in weights.values()])))
+
+
 def quantize_model(
     model: nn.Module,
     quant: QuantizationConfig,
     dtype: torch.dtype,
     gguf: GGUFLinears | None = None,
     num_workers: int = 1,
+    tp: TPGroup = SINGLE,
 ) -> str:
     """Replace the model's linear layers by quantized ones, then cast its other floats to ``dtype``.
 
@@ -85,6 +98,9 @@ def quantize_model(
         gguf: what the GGUF file holds per layer; its ``kept`` layers take their unpacked
             blocks instead of being quantized from float.
         num_workers: threads quantizing different layers at once (torch ops release the GIL).
+        tp: the tensor-parallel group the model is a shard of: w8a8's row-parallel layers take
+            their whole rows' scales (one collective), so each rank's codes are the unsharded
+            model's.
 
     Returns:
         The load log's summary: which path how many tensors took, by source type.
@@ -96,17 +112,25 @@ def quantize_model(
     _check_group_size(targets, quant)
     kept = {} if gguf is None else gguf.kept
 
+    def is_w8a8(name: str) -> bool:
+        if isinstance(kept.get(name), StoredWeight):
+            return False
+        kept_q4 = isinstance(kept.get(name), Int4Weight)
+        # w4a8 keeps the lm_head at 8 bits, as llama.cpp's 4-bit files keep their output matrix.
+        return quant.mode == "w8a8" or (
+            quant.mode == "w4a8" and (name == "lm_head" or (not kept_q4 and not quant.requantize_4bit))
+        )
+
+    row_max = _whole_row_maxima({n: targets[n][0] for n in targets if is_w8a8(n) and is_row_parallel(n)}, tp)
+
     def build(name: str) -> tuple[str, QuantizedLinear]:
         weight, bias = targets[name]
         qweight: QuantizedWeight
         if isinstance(kept.get(name), StoredWeight):
             return name, KQuantLinear(kept[name], bias)
+        if is_w8a8(name):
+            return name, W8A8Linear(weight, bias, row_max.get(name))
         kept_q4 = kept.get(name) if isinstance(kept.get(name), Int4Weight) else None
-        # w4a8 keeps the lm_head at 8 bits, as llama.cpp's 4-bit files keep their output matrix.
-        if quant.mode == "w8a8" or (
-            quant.mode == "w4a8" and (name == "lm_head" or (kept_q4 is None and not quant.requantize_4bit))
-        ):
-            return name, W8A8Linear(weight, bias)
         if quant.mode == "w4a8":
             return name, W4A8Linear(kept_q4 if kept_q4 is not None else quantize_q4a8(weight), bias)
         if name in kept:
