@@ -545,6 +545,24 @@ def test_w8a8_rows_do_not_depend_on_the_batch(k, native_isa) -> None:
     assert torch.equal(batch[:31], linear_kernels.linear_w8a8(x[:31], packed, None, n))
 
 
+def test_w8a8_slice_with_the_whole_rows_maxima_is_the_whole_rows_codes(native_isa) -> None:
+    """A tensor-parallel rank's slice of each row (here the last 64 of 96 inputs), packed with
+    the whole rows' max|w|, computes what the whole weight does on inputs zero outside the slice,
+    bit for bit; a max below a row's own is refused."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 40, 96
+    w = torch.randn(n, k, generator=gen)
+    w[5, 2] = 9.0  # a row whose largest weight is outside the slice
+    x = torch.randn(7, k, generator=gen)
+    x[:, :32] = 0.0
+    whole = linear_kernels.linear_w8a8(x, linear_kernels.linear_pack_w8a8(w), None, n)
+    row_max = w.abs().amax(dim=1)
+    part = linear_kernels.linear_w8a8(x[:, 32:], linear_kernels.linear_pack_w8a8(w[:, 32:], row_max), None, n)
+    assert torch.equal(part, whole)
+    with pytest.raises(ValueError, match="row_max: below some row's own"):
+        linear_kernels.linear_pack_w8a8(w, row_max / 2)
+
+
 def test_w4a8_takes_gguf_q4_blocks_as_stored(native_isa) -> None:
     """Q4_0 and Q4_1 blocks run as they are: the layer computes with their exact d and m."""
     gen = torch.Generator().manual_seed(1)

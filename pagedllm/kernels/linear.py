@@ -50,7 +50,7 @@ def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) 
 
     Raises:
         RuntimeError: no native library here.
-        ValueError: weight is not a 2-D CPU tensor, or row_max is not [N].
+        ValueError: weight is not a 2-D CPU tensor, or row_max is not [N] or below a row's max|w|.
     """
     lib = require()
     w32 = matrix(weight, "weight").float().contiguous()
@@ -59,6 +59,8 @@ def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) 
         if tuple(row_max.shape) != (n,):
             raise ValueError(f"row_max: need [{n}], got {list(row_max.shape)}")
         row_max = row_max.float().contiguous()
+        if bool((row_max < w32.abs().amax(dim=1)).any()):
+            raise ValueError("row_max: below some row's own max|w| (its codes would pass 127)")
     panels, groups = -(-n // PANEL), -(-k // QUANT_GROUP)
     packed = torch.empty(panels * PANEL * groups * QUANT_GROUP, dtype=torch.int8)
     wscale = torch.empty(panels * PANEL)
