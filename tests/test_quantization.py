@@ -69,6 +69,14 @@ def test_int8_round_trip_within_half_a_step() -> None:
     assert torch.equal(qw.dequantize()[5], torch.zeros(w.shape[1]))
 
 
+def test_int8_slice_with_the_whole_rows_maxima_is_the_whole_rows_codes() -> None:
+    """A tensor-parallel rank's slice of each row, quantized with the whole rows' max|w|, has
+    the whole weight's codes and scales."""
+    w = weights()
+    whole, part = quantize_int8(w), quantize_int8(w[:, 64:], w.abs().amax(dim=1))
+    assert torch.equal(part.q, whole.q[:, 64:]) and torch.equal(part.scales, whole.scales)
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_int4_min_max_round_trip_within_half_a_step(group_size: int) -> None:
     w = weights()

@@ -98,9 +98,9 @@ def quantize_model(
         gguf: what the GGUF file holds per layer; its ``kept`` layers take their unpacked
             blocks instead of being quantized from float.
         num_workers: threads quantizing different layers at once (torch ops release the GIL).
-        tp: the tensor-parallel group the model is a shard of: w8a8's row-parallel layers take
-            their whole rows' scales (one collective), so each rank's codes are the unsharded
-            model's.
+        tp: the tensor-parallel group the model is a shard of: the row-parallel layers of the
+            per-row schemes (w8a8, int8) take their whole rows' scales (one collective), so
+            each rank's codes are the unsharded model's.
 
     Returns:
         The load log's summary: which path how many tensors took, by source type.
@@ -121,7 +121,9 @@ def quantize_model(
             quant.mode == "w4a8" and (name == "lm_head" or (not kept_q4 and not quant.requantize_4bit))
         )
 
-    row_max = _whole_row_maxima({n: targets[n][0] for n in targets if is_w8a8(n) and is_row_parallel(n)}, tp)
+    # The per-row schemes (w8a8, int8) scale a row-parallel slice by its whole row's maximum.
+    per_row = [n for n in targets if is_w8a8(n) or (quant.mode == "int8" and n not in kept)]
+    row_max = _whole_row_maxima({n: targets[n][0] for n in per_row if is_row_parallel(n)}, tp)
 
     def build(name: str) -> tuple[str, QuantizedLinear]:
         weight, bias = targets[name]
@@ -136,7 +138,7 @@ def quantize_model(
         if name in kept:
             qweight = kept[name]
         elif quant.mode == "int8":
-            qweight = quantize_int8(weight)
+            qweight = quantize_int8(weight, row_max.get(name))
         else:
             qweight = quantize_int4(weight, quant.group_size)
         return name, make_linear(qweight, bias)

@@ -97,13 +97,16 @@ class Int4Weight:
 QuantizedWeight = Int8Weight | Int4Weight
 
 
-def quantize_int8(w: torch.Tensor) -> Int8Weight:
+def quantize_int8(w: torch.Tensor, row_max: torch.Tensor | None = None) -> Int8Weight:
     """Symmetric per-output-channel int8 of a [N, K] float matrix: codes in [-127, 127].
 
+    ``row_max`` [N]: each row's max|w| to scale by instead of its own (a tensor-parallel slice
+    of longer rows takes the whole rows', so its codes are the unsharded weight's).
     Error bound: ``|w - dequantize| <= scale / 2`` per element.
     """
     w = w.float()
-    scales = _round_up_to_kernel((w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(_TINY))
+    amax = w.abs().amax(dim=1, keepdim=True) if row_max is None else row_max.float().view(-1, 1)
+    scales = _round_up_to_kernel((amax / 127).clamp_min(_TINY))
     q = (w / scales).round_().clamp_(-127, 127).to(torch.int8)
     return Int8Weight(q, scales)
 
