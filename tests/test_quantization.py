@@ -567,8 +567,26 @@ def test_w8a8_slice_with_the_whole_rows_maxima_is_the_whole_rows_codes(native_is
     row_max = w.abs().amax(dim=1)
     part = linear_kernels.linear_w8a8(x[:, 32:], linear_kernels.linear_pack_w8a8(w[:, 32:], row_max), None, n)
     assert torch.equal(part, whole)
-    with pytest.raises(ValueError, match="row_max: below some row's own"):
-        linear_kernels.linear_pack_w8a8(w, row_max / 2)
+    for bad in (row_max / 2, torch.where(torch.arange(n) == 3, float("nan"), row_max)):
+        with pytest.raises(ValueError, match="row_max: non-finite, or below some row's own"):
+            linear_kernels.linear_pack_w8a8(w, bad)
+
+
+def test_w8a8_packing_refuses_non_finite_weights_and_zeroes_tiny_rows(native_isa) -> None:
+    """NaN or inf cannot be int8 codes (a NaN once hid its row's maximum and wrapped codes past
+    127): refused; a row whose max|w| is under 1e-30 (127 / max would overflow) is zero."""
+    w = torch.randn(40, 64)
+    for value in (float("nan"), float("inf")):
+        bad = w.clone()
+        bad[0, 60] = value
+        with pytest.raises(ValueError, match="weight: 1 non-finite values"):
+            linear_kernels.linear_pack_w8a8(bad)
+    w[1] = 1e-37
+    w[2] = 1e-20  # small, still quantized
+    x = torch.rand(3, 64) + 0.5  # positive: the row sums do not cancel
+    y = linear_kernels.linear_w8a8(x, linear_kernels.linear_pack_w8a8(w), None, 40)
+    assert torch.equal(y[:, 1], torch.zeros(3)) and torch.isfinite(y).all()
+    torch.testing.assert_close(y[:, 2], x.sum(1) * 1e-20, rtol=0.02, atol=0)
 
 
 def test_w4a8_takes_gguf_q4_blocks_as_stored(native_isa) -> None:

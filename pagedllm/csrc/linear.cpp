@@ -47,6 +47,9 @@ void for_panels(int64_t N, const float* bias, F f) {
 // more than the faster tile saves (docs/benchmarks.md, "Int8 prefill GEMMs").
 constexpr int64_t kWideRows = 32;
 
+// Below this max|w| a w8a8 row is all zero codes (127 / amax would overflow float32 near 3.7e-37).
+constexpr float kTinyRowMax = 1e-30f;
+
 // linear_w8a8 on int16 codes: x quantized as there, stored as int16; per chunk of rows and
 // panel, the panel widened once (widen_panel) for all the chunk's tiles of MR rows (a template
 // so that ISAs without the int16 tile never instantiate it).
@@ -87,7 +90,8 @@ void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
 // rank's slice of longer rows: the whole rows' maxima, so every rank's codes are the unsharded
 // ones; >= the slice's own); per column wscale [panels][32] = amax / 127; per panel and group
 // of QG k wsum128 [panels][Kp/QG][32] = -128 * sum of the codes (int32; where the int8 dot
-// product feeds x as x + 128, its accumulator starts there); all zero padded.
+// product feeds x as x + 128, its accumulator starts there); all zero padded. A row whose
+// amax is under kTinyRowMax gets zero codes. w and rowmax finite (the caller's check).
 void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N,
                       int64_t K) {
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4, panels = (N + NB - 1) / NB;
@@ -96,7 +100,7 @@ void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float
       const int64_t n = p * NB + c;
       float amax = rowmax && n < N ? rowmax[n] : 0.f;
       for (int64_t k = 0; k < K && n < N && !rowmax; ++k) amax = std::max(amax, std::abs(w[n * K + k]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      const float inv = amax > kTinyRowMax ? 127.f / amax : 0.f;  // 127 / amax finite
       wscale[p * NB + c] = amax / 127.f;
       for (int64_t g = 0; g < G; ++g) {
         int32_t sum = 0;

@@ -78,7 +78,7 @@ class EngineArgs:
     quantization: str | None = _flag(
         None,
         "quantization of the linear layers: none | int8 (per channel) | int4 (group-wise), weight-only; "
-        "w8a8 (int8 weights and activations in groups of 32); w4a8 (4-bit weights, GGUF Q4_0/Q4_1 kept, "
+        "w8a8 (int8 weights per output feature, int8 activations in groups of 32); w4a8 (4-bit weights, GGUF Q4_0/Q4_1 kept, "
         "int8 activations in groups of 32, the lm_head w8a8) (default: as --dtype decides)",
     )
     quantization_group_size: int = _flag(32, "int4 group size for weights requantized from float: 32 | 64 | 128", type=int)

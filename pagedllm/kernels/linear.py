@@ -40,8 +40,8 @@ def linear_pack_f32(weight: torch.Tensor) -> torch.Tensor:
 def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) -> W8A8Packed:
     """weight [N, K] float -> ``linear_w8a8``'s (packed int8 panels, wscale float32, wsum128 int32):
     int8 codes symmetric per output feature (``wscale`` = a row's max|w| / 127, one per padded
-    row), ``wsum128`` per row and group of 32 input features, zero padded to whole panels and
-    groups.
+    row; a row whose max is under 1e-30 gets zero codes), ``wsum128`` per row and group of 32
+    input features, zero padded to whole panels and groups.
 
     Args:
         row_max: [N] float, each row's scale times 127 instead of its own max|w|: a
@@ -50,17 +50,22 @@ def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) 
 
     Raises:
         RuntimeError: no native library here.
-        ValueError: weight is not a 2-D CPU tensor, or row_max is not [N] or below a row's max|w|.
+        ValueError: weight is not a 2-D CPU tensor or holds NaN or inf; row_max is not a CPU
+            tensor [N], is not finite or is below a row's max|w|.
     """
     lib = require()
     w32 = matrix(weight, "weight").float().contiguous()
     n, k = w32.shape
+    if not bool(torch.isfinite(w32).all()):
+        bad = int((~torch.isfinite(w32)).sum())
+        raise ValueError(f"weight: {bad} non-finite values (NaN or inf), which int8 codes cannot hold")
     if row_max is not None:
-        if tuple(row_max.shape) != (n,):
-            raise ValueError(f"row_max: need [{n}], got {list(row_max.shape)}")
+        if not isinstance(row_max, torch.Tensor) or tuple(row_max.shape) != (n,) or row_max.device.type != "cpu":
+            got = f"{list(row_max.shape)} on {row_max.device}" if isinstance(row_max, torch.Tensor) else type(row_max)
+            raise ValueError(f"row_max: need a CPU tensor [{n}], got {got}")
         row_max = row_max.float().contiguous()
-        if bool((row_max < w32.abs().amax(dim=1)).any()):
-            raise ValueError("row_max: below some row's own max|w| (its codes would pass 127)")
+        if not bool(torch.isfinite(row_max).all()) or bool((row_max < w32.abs().amax(dim=1)).any()):
+            raise ValueError("row_max: non-finite, or below some row's own max|w| (its codes would pass 127)")
     panels, groups = -(-n // PANEL), -(-k // QUANT_GROUP)
     packed = torch.empty(panels * PANEL * groups * QUANT_GROUP, dtype=torch.int8)
     wscale = torch.empty(panels * PANEL)

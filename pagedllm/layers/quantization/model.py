@@ -76,7 +76,9 @@ def _whole_row_maxima(weights: dict[str, torch.Tensor], tp: TPGroup) -> dict[str
     order on every rank; nothing at size 1 (each row is whole)."""
     if tp.size == 1 or not weights:
         return {}
-    maxima = tp.all_reduce_max(torch.cat([w.detach().float().abs().amax(dim=1) for w in weights.values()]))
+    # NaN as inf: the maximum keeps it, so a row with a NaN is non-finite on every rank.
+    local = torch.cat([w.detach().float().abs().amax(dim=1) for w in weights.values()])
+    maxima = tp.all_reduce_max(torch.nan_to_num(local, nan=float("inf")))
     return dict(zip(weights, maxima.split([w.shape[0] for w in weights.values()])))
 
 
@@ -106,7 +108,8 @@ def quantize_model(
         The load log's summary: which path how many tensors took, by source type.
 
     Raises:
-        ValueError: if the int4 group size does not divide some layer's input dimension.
+        ValueError: if the int4 group size does not divide some layer's input dimension, or a
+            w8a8 layer's weight holds NaN or inf (naming the layer).
     """
     targets = _targets(model, quant)
     _check_group_size(targets, quant)
@@ -131,7 +134,10 @@ def quantize_model(
         if isinstance(kept.get(name), StoredWeight):
             return name, KQuantLinear(kept[name], bias)
         if is_w8a8(name):
-            return name, W8A8Linear(weight, bias, row_max.get(name))
+            try:
+                return name, W8A8Linear(weight, bias, row_max.get(name))
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
         kept_q4 = kept.get(name) if isinstance(kept.get(name), Int4Weight) else None
         if quant.mode == "w4a8":
             return name, W4A8Linear(kept_q4 if kept_q4 is not None else quantize_q4a8(weight), bias)
