@@ -123,7 +123,7 @@ inline void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const 
         acc[r][1] = dot(acc[r][1], a, w + 2 * NB);
       }
     }
-    add_scaled<R, kColumnScales>(out, acc, wscale + g * NB, xscale + g, G);
+    add_scaled<R, kColumnScales>(out, acc, kColumnScales ? nullptr : wscale + g * NB, xscale + g, G);
   }
   if constexpr (kColumnScales)
     finish<R>(out, wscale, bias, y, ldy, ncols);
