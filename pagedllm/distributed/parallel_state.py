@@ -47,17 +47,16 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
-        if self.size > 1:
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            self.stats.add("all_reduce", start, x.nbytes)
-        return x
+        return self._all_reduce(x, dist.ReduceOp.SUM)
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise maximum of ``x`` over the ranks, in place; returns ``x``."""
+        return self._all_reduce(x, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         if self.size > 1:
             start = time.perf_counter()
-            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            dist.all_reduce(x, op=op)
             self.stats.add("all_reduce", start, x.nbytes)
         return x
 

@@ -56,7 +56,8 @@ def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) 
     lib = require()
     w32 = matrix(weight, "weight").float().contiguous()
     n, k = w32.shape
-    if not bool(torch.isfinite(w32).all()):
+    own_max = w32.abs().amax(dim=1)  # NaN where a row holds one, inf where it holds inf
+    if not bool(torch.isfinite(own_max).all()):
         bad = int((~torch.isfinite(w32)).sum())
         raise ValueError(f"weight: {bad} non-finite values (NaN or inf), which int8 codes cannot hold")
     if row_max is not None:
@@ -64,7 +65,7 @@ def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) 
             got = f"{list(row_max.shape)} on {row_max.device}" if isinstance(row_max, torch.Tensor) else type(row_max)
             raise ValueError(f"row_max: need a CPU tensor [{n}], got {got}")
         row_max = row_max.float().contiguous()
-        if not bool(torch.isfinite(row_max).all()) or bool((row_max < w32.abs().amax(dim=1)).any()):
+        if not bool(torch.isfinite(row_max).all()) or bool((row_max < own_max).any()):
             raise ValueError("row_max: non-finite, or below some row's own max|w| (its codes would pass 127)")
     panels, groups = -(-n // PANEL), -(-k // QUANT_GROUP)
     packed = torch.empty(panels * PANEL * groups * QUANT_GROUP, dtype=torch.int8)
