@@ -178,7 +178,7 @@ def test_descriptor_refuses_a_packing_of_another_shape() -> None:
     w8a8 = kernels.linear_pack_w8a8(torch.randn(40, 64))
     assert kernels.linear_desc(kernels.LINEAR_W8A8, w8a8, None, 40, 64).kind == kernels.LINEAR_W8A8
     with pytest.raises(ValueError, match="w8a8 scales"):
-        kernels.linear_desc(kernels.LINEAR_W8A8, (w8a8[0], w8a8[1][:-1], w8a8[2]), None, 40, 64)
+        kernels.linear_desc(kernels.LINEAR_W8A8, (w8a8[0], w8a8[1][:-1]), None, 40, 64)
     with pytest.raises(ValueError, match="unknown linear kind"):
         kernels.linear_desc(7, packed, None, 40, 64)
 

@@ -31,7 +31,7 @@ void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t 
       linear_f32(x, ldx, static_cast<const float*>(l.w), l.bias, y, M, l.n, l.k);
       break;
     case PAGEDLLM_LINEAR_W8A8:
-      linear_w8a8(x, ldx, static_cast<const int8_t*>(l.w), l.wscale, l.wsum128, l.bias, y, M, l.n, l.k);
+      linear_w8a8(x, ldx, static_cast<const int8_t*>(l.w), l.wscale, l.bias, y, M, l.n, l.k);
       break;
     case PAGEDLLM_LINEAR_Q4A8:
       linear_q4a8(x, ldx, static_cast<const uint8_t*>(l.w), l.bias, y, M, l.n, l.k);

@@ -96,22 +96,25 @@ inline void finish(F32x16 (&out)[R][2], const float* wscale, const float* bias, 
   store<R>(out, y, ldy, ncols);
 }
 
-// x: R rows of kq quads of codes (store_codes; stride ldx, in int32), groups of QG/4 quads; xscale: R rows
-// of G scales (stride G); panel: [kq][32][4] int8; wsum128: [G][32]. kColumnScales (w8a8):
-// wscale [32], one per column, y[r, n] = wscale[n] * sum_g xscale[r, g] * (sum_k x w) + bias[n];
+// A w8a8 weight code q as the panels hold it (the byte q + 128 where vec.h's kDotXSums), and back.
+inline int8_t stored_code(int8_t q) { return kDotXSums ? static_cast<int8_t>(q ^ 0x80) : q; }
+
+// x: R rows of kq quads of s8 codes (stride ldx, in int32), groups of QG/4 quads; xscale: R rows
+// of G scales (stride G); xsum128: R rows of G (stride G; quantize_rows', read where
+// kDotXSums); panel: [kq][32][4] stored codes (stored_code). kColumnScales (w8a8): wscale
+// [32], one per column, y[r, n] = wscale[n] * sum_g xscale[r, g] * (sum_k x w) + bias[n];
 // else (Q8_0's blocks) wscale [G][32], y[r, n] = sum_g xscale[r, g] * wscale[g, n] * (sum_k x w)
 // + bias[n] (a multiply more per group and accumulator).
 template <int R, bool kColumnScales>
 inline void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const int8_t* panel, int64_t G,
-                      const int32_t* wsum128, const float* wscale, const float* bias, float* y, int64_t ldy,
+                      const int32_t* xsum128, const float* wscale, const float* bias, float* y, int64_t ldy,
                       int64_t ncols) {
   constexpr int64_t quads = QG / 4;
   F32x16 out[R][2];
   init<R>(out, kColumnScales ? nullptr : bias);
   for (int64_t g = 0; g < G; ++g) {
     I32x16 acc[R][2];
-    const I32x16 init0 = dot_init(wsum128 + g * NB), init1 = dot_init(wsum128 + g * NB + 16);
-    for (int r = 0; r < R; ++r) acc[r][0] = init0, acc[r][1] = init1;
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = dot_init(kDotXSums ? xsum128 + r * G + g : nullptr);
     const int8_t* pg = panel + g * quads * 4 * NB;
     __builtin_prefetch(pg + 4 * quads * 4 * NB);
     for (int64_t k = 0; k < quads; ++k) {
@@ -137,7 +140,8 @@ inline void widen_panel(const int8_t* packed, int64_t kq, int16_t* wide) {
   for (int64_t q = 0; q < kq; ++q)
     for (int h = 0; h < 2; ++h)
       for (int64_t c = 0; c < NB; ++c)
-        for (int j = 0; j < 2; ++j) wide[((2 * q + h) * NB + c) * 2 + j] = packed[(q * NB + c) * 4 + 2 * h + j];
+        for (int j = 0; j < 2; ++j)
+          wide[((2 * q + h) * NB + c) * 2 + j] = stored_code(packed[(q * NB + c) * 4 + 2 * h + j]);
 }
 
 // tile_w8a8 for ISAs with kGemmRowsI8Wide > 0: x as R rows of 2 kq pairs of int16 codes
@@ -201,58 +205,75 @@ inline void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const 
 static_assert(QG == 32, "vec.h's quantize_group quantizes activations in groups of 32");
 
 // The M rows of x (stride ldx) quantized per group of QG k for the integer GEMMs: codes
-// [M][kq] (four int8 per int32; Kp = kq * 4 = K rounded up to QG) and scale [M][G]; with
-// kSums (w4a8, llama.cpp's Q8_1; tile_q4a8's and tile_u8a8's input) also csum [M][G], the
-// group's code sum, sum [M][G] = scale * csum, and the codes as plain s8, else (w8a8, Q8_0;
-// tile_w8a8's input) in the encoding the vector layer's dot product takes; with kSums16 as
-// well csum16 and sum16 [M][2G], the same per half group (tile_u8a8's input for 16-weight
-// scales); with kWide instead the codes as int16 ([M][2 kq] in int32: tile_w8a8_wide's input).
+// [M][kq] (four s8 per int32; Kp = kq * 4 = K rounded up to QG; with kWide int16 instead, [M][2
+// kq] in int32: tile_w8a8_wide's input) and scale [M][G]; with kSums (w4a8, llama.cpp's Q8_1,
+// and the K-quants' unsigned codes: tile_q4a8's and tile_u8a8's input) also csum [M][G], the
+// group's code sum, and sum [M][G] = scale * csum, with kSums16 as well csum16 and sum16
+// [M][2G], the same per half group (tile_u8a8's for 16-weight scales); without (w8a8, Q8_0:
+// tile_w8a8's input), where the vector layer's dot product starts from x's sums (kDotXSums),
+// xsum128 [M][G] = -128 * the group's code sum.
 struct QuantizedRows {
   std::vector<int32_t> codes;
   std::vector<float> scale, sum, sum16;
-  std::vector<int32_t> csum, csum16;
+  std::vector<int32_t> csum, csum16, xsum128;
 };
 template <bool kSums, bool kSums16 = false, bool kWide = false>
 inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K) {
   static_assert(kSums || !kSums16, "half-group sums go with the plain s8 codes");
   static_assert(!(kSums && kWide), "int16 codes are w8a8's");
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4 * (kWide ? 2 : 1);  // kq: a row's int32
+  constexpr bool kXSums128 = kDotXSums && !kSums && !kWide;
   QuantizedRows q{std::vector<int32_t>(static_cast<size_t>(M * kq)), std::vector<float>(static_cast<size_t>(M * G)),
                   std::vector<float>(kSums ? static_cast<size_t>(M * G) : 0),
                   std::vector<float>(kSums16 ? static_cast<size_t>(2 * M * G) : 0),
                   std::vector<int32_t>(kSums ? static_cast<size_t>(M * G) : 0),
-                  std::vector<int32_t>(kSums16 ? static_cast<size_t>(2 * M * G) : 0)};
+                  std::vector<int32_t>(kSums16 ? static_cast<size_t>(2 * M * G) : 0),
+                  std::vector<int32_t>(kXSums128 ? static_cast<size_t>(M * G) : 0)};
   par::parallel_for(M, [&](int64_t m) {
     const float* src = x + m * ldx;
     int8_t* row = reinterpret_cast<int8_t*>(q.codes.data() + m * kq);
+    // Code sums (exact integers in float, |sum| <= 32 * 127) of up to 16 groups (8 with
+    // kSums16: a vector per half) reduced at once by reduce_add16, not one tree per group.
+    constexpr int64_t kPer = kSums16 ? 2 : 1, kBatch = 16 / kPer;
+    F32x16 pending[16];
+    for (F32x16& v : pending) v = zero();
+    int64_t g0 = 0;  // the first group whose sums are pending
+    const auto flush = [&](int64_t g1) {
+      float s[16];
+      store(s, reduce_add16(pending));
+      for (int64_t g = g0; g < g1; ++g) {
+        const float* h = s + (g - g0) * kPer;
+        const float sum = kSums16 ? h[0] + h[1] : h[0];
+        const int64_t i = m * G + g;
+        if constexpr (kSums) q.sum[i] = q.scale[i] * sum, q.csum[i] = static_cast<int32_t>(sum);
+        if constexpr (kSums16) {
+          q.sum16[2 * i] = q.scale[i] * h[0], q.sum16[2 * i + 1] = q.scale[i] * h[1];
+          q.csum16[2 * i] = static_cast<int32_t>(h[0]), q.csum16[2 * i + 1] = static_cast<int32_t>(h[1]);
+        }
+        if constexpr (kXSums128) q.xsum128[i] = -128 * static_cast<int32_t>(sum);
+      }
+      g0 = g1;
+    };
     for (int64_t g = 0; g < G; ++g) {
       const GroupCodes c = quantize_group(src, K, g * QG);
       q.scale[m * G + g] = c.scale;
-      if constexpr (kSums) {
-        store_i8(row + g * QG, c.lo);
-        store_i8(row + g * QG + 16, c.hi);
-        // Code sums are exact integers in float (|sum| <= 32 * 127): any order gives the same.
-        float sum;
-        if constexpr (kSums16) {
-          const float lo = reduce_add(to_f32(c.lo)), hi = reduce_add(to_f32(c.hi));
-          sum = lo + hi;
-          q.sum16[2 * (m * G + g)] = c.scale * lo;
-          q.sum16[2 * (m * G + g) + 1] = c.scale * hi;
-          q.csum16[2 * (m * G + g)] = static_cast<int32_t>(lo);
-          q.csum16[2 * (m * G + g) + 1] = static_cast<int32_t>(hi);
-        } else {
-          sum = reduce_add(add(to_f32(c.lo), to_f32(c.hi)));
-        }
-        q.sum[m * G + g] = c.scale * sum;
-        q.csum[m * G + g] = static_cast<int32_t>(sum);
-      } else if constexpr (kWide) {
+      if constexpr (kWide) {
         int8_t s8[QG];
         store_i8(s8, c.lo);
         store_i8(s8 + 16, c.hi);
         std::copy(s8, s8 + QG, reinterpret_cast<int16_t*>(q.codes.data() + m * kq) + g * QG);
       } else {
-        store_codes(row + g * QG, c.lo);
-        store_codes(row + g * QG + 16, c.hi);
+        store_i8(row + g * QG, c.lo);
+        store_i8(row + g * QG + 16, c.hi);
+      }
+      if constexpr (kSums || kXSums128) {
+        if constexpr (kSums16) {
+          pending[2 * (g - g0)] = to_f32(c.lo);
+          pending[2 * (g - g0) + 1] = to_f32(c.hi);
+        } else {
+          pending[g - g0] = add(to_f32(c.lo), to_f32(c.hi));
+        }
+        if (g + 1 - g0 == kBatch || g + 1 == G) flush(g + 1);
       }
     }
   }, 17);

@@ -55,8 +55,9 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
   const int64_t num_chunks = std::max<int64_t>(1, (M + target / 2) / target), chunk = (M + num_chunks - 1) / num_chunks;
   const int64_t num_panels = static_cast<int64_t>(panels.size());
   // Panels with a Q8_0 code of -128, which the sign trick of the w8a8 dot product (AVX2,
-  // AVX-512 without VNNI) cannot negate: the decode path's arithmetic takes them (never met in
-  // files quantized to +-127, as llama.cpp's and gguf's quantizers write them).
+  // AVX-512 without VNNI) cannot negate, where the codes are s8 (not kDotXSums): the decode
+  // path's arithmetic takes them (never met in files quantized to +-127, as llama.cpp's and
+  // gguf's quantizers write them).
   std::vector<char> to_decode_path(static_cast<size_t>(num_panels), 0);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
@@ -67,9 +68,8 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
       const int64_t ncols = sp.n1 - sp.n0;
       thread_local std::vector<uint8_t> codes;
       thread_local std::vector<float> ws, off;
-      thread_local std::vector<int32_t> wsum;
       codes.resize(static_cast<size_t>(K * PANEL));
-      ws.resize(static_cast<size_t>(2 * G * PANEL)), off.resize(ws.size()), wsum.resize(static_cast<size_t>(G * PANEL));
+      ws.resize(static_cast<size_t>(2 * G * PANEL)), off.resize(ws.size());
       float* out = y + m0 * N + sp.col;
       with_format(part.type, [&](auto f) {
         using F = decltype(f);
@@ -77,27 +77,17 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
         decode_panel<F>(static_cast<const uint8_t*>(part.blocks) + sp.n0 * rb, rb, ncols, K, codes.data(), ws.data(),
                         off.data());
         if constexpr (F::kSigned) {
-          if (std::memchr(codes.data(), 0x80, codes.size())) {
+          if constexpr (kDotXSums) {
+            for (uint8_t& c : codes) c ^= 0x80;  // as tile_w8a8 reads them (gemm.h's stored_code)
+          } else if (std::memchr(codes.data(), 0x80, codes.size())) {
             to_decode_path[i] = 1;
             return;
           }
-          uint8_t ones[CHUNK];
-          std::memset(ones, 1, sizeof ones);
-          const U8x64 one = load_u8x64(ones);
-          for (int64_t g = 0; g < G; ++g) {  // -128 * each group's code sum (tile_w8a8's dot_init)
-            for (int64_t h = 0; h < PANEL; h += 16) {  // columns h .. h + 15: each quad's 4 codes summed per lane
-              I32x16 sum = zero_i32();
-              for (int64_t q = g * QG / 4; q < (g + 1) * QG / 4; ++q)
-                sum = dot_u8s8(sum, one, reinterpret_cast<const int8_t*>(codes.data()) + (q * PANEL + h) * 4);
-              float s[16];  // exact: |sum| <= 32 * 128
-              store(s, to_f32(sum));
-              for (int64_t n = 0; n < 16; ++n) wsum[g * PANEL + h + n] = -128 * static_cast<int32_t>(s[n]);
-            }
-          }
           panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
             tile_w8a8<decltype(r)::value, false>(xs.codes.data() + (m0 + m) * kq, kq, xs.scale.data() + (m0 + m) * G,
-                                                 reinterpret_cast<const int8_t*>(codes.data()), G, wsum.data(),
-                                                 ws.data(), nullptr, out + m * N, N, ncols);
+                                                 reinterpret_cast<const int8_t*>(codes.data()), G,
+                                                 xs.xsum128.data() + (m0 + m) * G, ws.data(), nullptr, out + m * N, N,
+                                                 ncols);
           });
         } else {
           const std::vector<float>& sums = F::kPieces == 2 ? xu.sum16 : xu.sum;

@@ -181,7 +181,7 @@ inline int64_t row_bytes(int64_t type, int64_t K) {
 // and unit XF floats: each 16 codes' scale, then each 16 codes' sum times that scale; and per
 // row and chunk XS floats: the scale of its first 32 codes in lanes 0-7, of the next in 8-15
 // (the block-scale formats' operand, as their chunk's two block scales lie); where
-// vec::kDotS8XSums, per row and 4 codes xsum128 = -128 * their sum (dot_s8's), else nothing.
+// vec::kDotXSums, per row and 4 codes xsum128 = -128 * their sum (dot_s8's), else nothing.
 inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* codes, float* f, float* xs,
                           int32_t* xsum128) {
   const int64_t kp = (K + UNIT - 1) / UNIT * UNIT, lf = kp / UNIT * XF, ls = xs_floats(kp);
@@ -204,14 +204,14 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int
       }
       std::fill_n(xs + m * ls + g * (XS / 2), XS / 2, scale);
     }
-    if constexpr (kDotS8XSums)
+    if constexpr (kDotXSums)
       for (int64_t l = 0; l < kp / 4; ++l)
         xsum128[m * kp / 4 + l] = -128 * (row[4 * l] + row[4 * l + 1] + row[4 * l + 2] + row[4 * l + 3]);
   }, 17);
 }
 
-// xsum128 + i, or null where the ISA's dot_s8 takes no x sums (kDotS8XSums false: empty).
-inline const int32_t* xsum_at(const int32_t* xsum128, int64_t i) { return kDotS8XSums ? xsum128 + i : nullptr; }
+// xsum128 + i, or null where the ISA's dot_s8 takes no x sums (kDotXSums false: empty).
+inline const int32_t* xsum_at(const int32_t* xsum128, int64_t i) { return kDotXSums ? xsum128 + i : nullptr; }
 
 // sums[r][j] = row w . x row r as 16 partial sums (their reduce_add is the dot product), for R
 // rows of quantized x (codes stride kp, floats stride lf, chunk scales stride kp / CHUNK * XS).
@@ -282,7 +282,7 @@ inline bool fits(const KQuantWeight& w, int64_t N, int64_t K) {
 }
 
 // M rows of x quantized once for the GEMM (quantize_rows): codes [M][kp], floats [M][lf],
-// chunk scales [M][kp / CHUNK * XS], and where vec::kDotS8XSums xsum128 [M][kp / 4].
+// chunk scales [M][kp / CHUNK * XS], and where vec::kDotXSums xsum128 [M][kp / 4].
 struct QuantizedX {
   int64_t kp, lf;
   std::vector<int8_t> codes;
@@ -296,7 +296,7 @@ struct QuantizedX {
         codes(static_cast<size_t>(M * kp)),
         f(static_cast<size_t>(M * lf)),
         xs(static_cast<size_t>(M * xs_floats(kp))),
-        xsum128(kDotS8XSums ? static_cast<size_t>(M * kp / 4) : 0) {
+        xsum128(kDotXSums ? static_cast<size_t>(M * kp / 4) : 0) {
     quantize_rows(x, ldx, M, K, codes.data(), f.data(), xs.data(), xsum128.data());
   }
 };

@@ -7,12 +7,13 @@
 //   of w), x symmetric per group of QG = 32 k, four products per int32 lane summed by the
 //   vector layer's int8 dot product (VNNI vpdpbusd, AVX2 vpmaddubsw + vpmaddwd, NEON sdot),
 //   each group's int32 sum times x's group scale added into a float32 accumulator, which the
-//   column's scale multiplies once at the end. Panels [Kp/4][32][4] (K padded to QG).
+//   column's scale multiplies once at the end. Panels [Kp/4][32][4] (K padded to QG) of codes
+//   in the byte encoding that dot product takes (gemm.h's stored_code).
 // - 4-bit with int8 activations (w4a8): weights asymmetric per group of QG k, w = d q + m with
 //   q in [0, 15] (GGUF Q4_1; Q4_0 is m = -8 d), x symmetric as for w8a8 (llama.cpp's Q4_1 x
 //   Q8_1 dot product): y = sum_g xs (d sum(q x) + m sum(x)). Per panel and group, Q4_BYTES:
 //   QG/4 quads of 64 bytes of nibbles (vec.h's dot_q4_load layout), then d and m as float16
-//   [32] each: 0.625 bytes per weight, against w8a8's 1.125, for batches bound by memory.
+//   [32] each: 0.625 bytes per weight, against w8a8's 1.0, for batches bound by memory.
 // A micro-tile (gemm.h, shared with moe.cpp) keeps R rows x 32 columns of y in registers while
 // it walks K once (R per ISA: vec::kGemmRows*); every row takes the same instructions in the
 // same order whatever M is, so a row's result does not depend on the rest of the batch. On AVX2
@@ -88,13 +89,11 @@ void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
 // w: [N, K] float32 -> int8 panels [ceil(N/32)][Kp/4][32][4] (Kp = K rounded up to QG), codes
 // round(w * 127 / amax) with amax a row's max|w|, or rowmax[n] where given (a tensor-parallel
 // rank's slice of longer rows: the whole rows' maxima, so every rank's codes are the unsharded
-// ones; >= the slice's own); per column wscale [panels][32] = amax / 127; per panel and group
-// of QG k wsum128 [panels][Kp/QG][32] = -128 * sum of the codes (int32; where the int8 dot
-// product feeds x as x + 128, its accumulator starts there); all zero padded. A row whose
-// amax is under kTinyRowMax gets zero codes. w and rowmax finite (the caller's check).
-void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N,
-                      int64_t K) {
-  const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4, panels = (N + NB - 1) / NB;
+// ones; >= the slice's own), each as gemm.h's stored_code encodes it for this ISA's dot
+// product; per column wscale [panels][32] = amax / 127; all zero padded. A row whose amax is
+// under kTinyRowMax gets zero codes. w and rowmax finite (the caller's check).
+void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float* wscale, int64_t N, int64_t K) {
+  const int64_t kq = (K + QG - 1) / QG * QG / 4, panels = (N + NB - 1) / NB;
   par::parallel_for(panels, [&](int64_t p) {
     for (int64_t c = 0; c < NB; ++c) {
       const int64_t n = p * NB + c;
@@ -102,25 +101,20 @@ void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float
       for (int64_t k = 0; k < K && n < N && !rowmax; ++k) amax = std::max(amax, std::abs(w[n * K + k]));
       const float inv = amax > kTinyRowMax ? 127.f / amax : 0.f;  // 127 / amax finite
       wscale[p * NB + c] = amax / 127.f;
-      for (int64_t g = 0; g < G; ++g) {
-        int32_t sum = 0;
-        for (int64_t k = g * QG; k < (g + 1) * QG; ++k) {
-          const int8_t q = (n < N && k < K) ? static_cast<int8_t>(std::nearbyint(w[n * K + k] * inv)) : 0;
-          packed[((p * kq + k / 4) * NB + c) * 4 + k % 4] = q;
-          sum += q;
-        }
-        wsum128[(p * G + g) * NB + c] = -128 * sum;
+      for (int64_t k = 0; k < kq * 4; ++k) {
+        const int8_t q = (n < N && k < K) ? static_cast<int8_t>(std::nearbyint(w[n * K + k] * inv)) : 0;
+        packed[((p * kq + k / 4) * NB + c) * 4 + k % 4] = stored_code(q);
       }
     }
   });
 }
 
-// x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed, wscale, wsum128 from
+// x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed, wscale from
 // linear_pack_w8a8; bias: null or float32 padded to ceil(N/32)*32. Each row of x is
 // quantized on the fly, symmetric per group of QG k (scale = max|x| / 127, codes rounded to
 // nearest even), as llama.cpp's Q8_0 activations are.
-void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const int32_t* wsum128,
-                 const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const float* bias, float* y,
+                 int64_t M, int64_t N, int64_t K) {
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
   if constexpr (kGemmRowsI8Wide > 0) {
     if (M >= kWideRows) return linear_w8a8_wide<kGemmRowsI8Wide>(x, ldx, packed, wscale, bias, y, M, N, K);
@@ -133,8 +127,8 @@ void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float*
     for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
       panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
         tile_w8a8<decltype(r)::value, true>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
-                                            packed + p * kq * 4 * NB, G, wsum128 + p * G * NB, wscale + p * NB, b,
-                                            y + (m0 + m) * N + p * NB, N, ncols);
+                                            packed + p * kq * 4 * NB, G, xq.xsum128.data() + (m0 + m) * G,
+                                            wscale + p * NB, b, y + (m0 + m) * N + p * NB, N, ncols);
       });
     });
   }

@@ -105,7 +105,8 @@ void run_item(const LinearDesc& l, const Acts& a, const Item& it, float* y, int6
       panel_rows<kGemmRowsI8>(it.rows, [&](auto r, int64_t m) {
         const int64_t row = it.row0 + m;
         tile_w8a8<decltype(r)::value, true>(a.w8.codes.data() + row * kq, kq, a.w8.scale.data() + row * G, panel, G,
-                                            l.wsum128 + p * G * NB, l.wscale + p * NB, bias, out + m * ldy, ldy, ncols);
+                                            a.w8.xsum128.data() + row * G, l.wscale + p * NB, bias, out + m * ldy, ldy,
+                                            ncols);
       });
       break;
     }

@@ -87,7 +87,7 @@ typedef struct KQuantWeight {
 } KQuantWeight;
 
 /* One packed linear layer: kind PAGEDLLM_LINEAR_F32 (w: linear_pack_f32's panels),
- * PAGEDLLM_LINEAR_W8A8 (w, wscale, wsum128: linear_pack_w8a8's), PAGEDLLM_LINEAR_Q4A8 (w:
+ * PAGEDLLM_LINEAR_W8A8 (w, wscale: linear_pack_w8a8's), PAGEDLLM_LINEAR_Q4A8 (w:
  * linear_pack_q4a8's) or PAGEDLLM_LINEAR_KQUANT (w: a KQuantWeight); bias null or float32
  * padded to whole panels. */
 typedef struct LinearDesc {
@@ -96,7 +96,6 @@ typedef struct LinearDesc {
   int64_t k;
   const void* w;
   const float* wscale;
-  const int32_t* wsum128;
   const float* bias;
 } LinearDesc;
 
@@ -231,11 +230,10 @@ void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K);
 void linear_f32(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t M, int64_t N,
                 int64_t K);
 /* w [N, K] -> int8 codes symmetric per row (scale max|w| / 127, or rowmax / 127 where not
- * null: [N] float32), the rows' scales and the codes' sums * 128 per group of 32 k. */
-void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float* wscale, int32_t* wsum128, int64_t N,
-                      int64_t K);
-void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const int32_t* wsum128,
-                 const float* bias, float* y, int64_t M, int64_t N, int64_t K);
+ * null: [N] float32) in the panels' byte encoding for this library's ISA, and the rows' scales. */
+void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float* wscale, int64_t N, int64_t K);
+void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const float* bias, float* y,
+                 int64_t M, int64_t N, int64_t K);
 /* q [N, K] 4-bit codes (uint8), d and m [N, ceil(K/32)] float16 -> w4a8 panels. */
 void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K);
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,

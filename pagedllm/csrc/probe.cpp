@@ -91,7 +91,7 @@ int64_t probe_dot_i8(int64_t n) {
   {
     alignas(64) int8_t w[64] = {};  // zeros: no sum can overflow, and no core skips a multiply by them
     alignas(64) int8_t codes[16];
-    store_codes(codes, round_i32(zero()));
+    store_i8(codes, round_i32(zero()));
     const DotX x = dot_prepare(reinterpret_cast<const int32_t*>(codes));
     I32x16 acc[kChains];
     for (int c = 0; c < kChains; ++c) acc[c] = zero_i32();

@@ -19,13 +19,17 @@
 //           the same bits), merge<N> (the transpose-and-add tree, below)
 //   M16     lt, gt, le, eq, mask_first(n), mask_range(lo, hi), &, any, select, maskz
 //   I32x16  splat_i32 (one int32 in every lane), round_i32 (to nearest even), to_f32
-//   int8    store_codes (16 activation codes in [-127, 127], in the encoding dot_prepare
-//           reads), DotX dot_prepare(a quad of 4 stored codes), I32x16 dot_init(wsum128),
-//           I32x16 dot(acc, DotX, 64 int8 w): acc[l] += sum_j x[j] * w[4 l + j]
-//   int4    (the w4a8 GEMM, kGemmRowsQ4 rows per micro-tile) store_i8 (16 codes in [-127, 127]
-//           as plain s8), load_f16 (16 float16 widened), I32x16 zero_i32, Q4W dot_q4_load(64
-//           bytes of nibbles: byte i holds column i/4's code i%4 in its low nibble, column
-//           16 + i/4's in its high one; loaded once, used by every row), DotQ4X dot_q4_prepare(a
+//   int8    store_i8 (16 activation codes in [-127, 127] as plain s8), kDotXSums (constexpr:
+//           the dot product takes u8 weights and s8 x, as VNNI's vpdpbusd does, so w8a8's
+//           weight codes q are stored as the byte q + 128 and each sum starts at -128 times
+//           x's code sum; else the weight codes are plain s8), DotX dot_prepare(a quad of 4 x
+//           codes), I32x16 dot_init(xsum128: -128 times x's code sum over the quads that
+//           follow, read where kDotXSums; else 0 lanes), I32x16 dot(acc, DotX, 64 stored weight
+//           bytes): acc[l] += sum_j x[j] * w[4 l + j], w the stored byte (q + 128 where kDotXSums)
+//   int4    (the w4a8 GEMM, kGemmRowsQ4 rows per micro-tile) load_f16 (16 float16 widened),
+//           I32x16 zero_i32, Q4W dot_q4_load(64 bytes of nibbles: byte i holds column i/4's
+//           code i%4 in its low nibble, column 16 + i/4's in its high one; loaded once, used
+//           by every row), DotQ4X dot_q4_prepare(a
 //           quad of 4 s8 codes), Q4Sum (one group's partial sums of 16 columns, in whatever
 //           width the ISA adds them: int16 pairs on AVX2) q4sum_zero, dot_q4(lo, hi, DotQ4X,
 //           Q4W): lo[l] += sum_j x[j] * low nibble of byte 4 l + j, hi[l] the same with the
@@ -47,7 +51,7 @@
 //           64 s8 x): acc[l] += sum_j w[4 l + j] x[4 l + j] with w in [0, 127] (AVX2's vpmaddubsw
 //           pairs fit in int16). S8W prepare_s8(U8x64 w) once per chunk of s8 codes (Q8_0's,
 //           -128 included), then for each row of x (in [-127, 127]) I32x16 dot_s8(S8W, 64 s8 x,
-//           xsum128): lane l = sum_j w[4 l + j] x[4 l + j]; where kDotS8XSums, xsum128[l] = -128 *
+//           xsum128): lane l = sum_j w[4 l + j] x[4 l + j]; where kDotXSums, xsum128[l] = -128 *
 //           sum_j x[4 l + j] (kquant's quantize_rows computes it; the other ISAs ignore it).
 //           load_u8_f32 / load_s8_f32 (16 bytes widened to float), u8_f32(lo, hi) (the same
 //           from registers: the 8 bytes of uint64 lo, little-endian, then hi's), f16_pairs(p, stride, n)

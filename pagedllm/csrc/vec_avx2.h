@@ -174,7 +174,7 @@ inline I32x16 zero_i32() { return {_mm256_setzero_si256(), _mm256_setzero_si256(
 inline I32x16 splat_i32(int32_t a) { return {_mm256_set1_epi32(a), _mm256_set1_epi32(a)}; }
 inline I32x16 round_i32(F32x16 a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
 inline F32x16 to_f32(I32x16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
-inline void store_codes(int8_t* p, I32x16 a) {
+inline void store_i8(int8_t* p, I32x16 a) {
   const __m256i h = _mm256_permute4x64_epi64(_mm256_packs_epi32(a.lo, a.hi), 0xD8);  // 16 int16 in order
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
@@ -216,7 +216,6 @@ inline I32x16 dot_wide(I32x16 acc, DotWX x, WideW w) {  // acc[l] += x0 w[2 l] +
   return acc;
 }
 
-inline void store_i8(int8_t* p, I32x16 a) { store_codes(p, a); }  // codes are plain s8 here
 struct Q4W { __m256i lo0, lo1, hi0, hi1; };  // columns 0-7, 8-15, 16-23, 24-31
 inline Q4W dot_q4_load(const uint8_t* nibbles64) {
   const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles64));
@@ -346,7 +345,7 @@ inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) {
   const uint8_t* p = reinterpret_cast<const uint8_t*>(x);
   return {madd_u8s8(acc.lo, w.lo, load256(p)), madd_u8s8(acc.hi, w.hi, load256(p + 32))};
 }
-inline constexpr bool kDotS8XSums = false;  // x negated where w < 0 instead
+inline constexpr bool kDotXSums = false;  // x negated where w < 0 instead
 using S8W = U8x64;
 inline S8W prepare_s8(U8x64 w) { return w; }
 inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t*) {  // |w| times x signed as w

@@ -1,6 +1,6 @@
 // vec.h on AVX-512 (F, BW, VL, DQ): one zmm per F32x16, a __mmask16 per M16. The int8 dot
-// product is VNNI's vpdpbusd where the target has it (u8 x s8: x is fed as x + 128, and the
-// -128 * sum(w) that adds is where the accumulator starts), else vpmaddubsw on |x| and w
+// product is VNNI's vpdpbusd where the target has it (u8 x s8: the weights are stored as q + 128,
+// and the 128 * sum(x) that adds is taken off where the accumulator starts), else vpmaddubsw on |x| and w
 // negated where x < 0, widened by vpmaddwd. The 4-bit x int8 product needs no such trick:
 // weight codes in [0, 15] are u8 and x is s8, so vpdpbusd (or vpmaddubsw, pairs <= 2 * 15 * 127)
 // takes both as they are.
@@ -121,16 +121,13 @@ inline I32x16 splat_i32(int32_t a) { return {_mm512_set1_epi32(a)}; }
 inline I32x16 round_i32(F32x16 a) { return {_mm512_cvtps_epi32(a.v)}; }
 inline F32x16 to_f32(I32x16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
 #ifdef __AVX512VNNI__
-// Codes are stored as x + 128 (u8), so that dot_prepare is one broadcast from memory.
-inline void store_codes(int8_t* p, I32x16 a) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_add_epi32(a.v, _mm512_set1_epi32(128))));
-}
-struct DotX { __m512i u; };  // x + 128 as u8, in every lane
+inline constexpr bool kDotXSums = true;  // weights stored as q + 128 (u8), sums start at -128 * x's code sums
+struct DotX { __m512i x; };  // the 4 s8 x codes, in every lane (vpdpbusd's broadcast operand)
 inline DotX dot_prepare(const int32_t* quad) { return {_mm512_set1_epi32(*quad)}; }
-inline I32x16 dot_init(const int32_t* wsum128) { return {_mm512_loadu_si512(wsum128)}; }
-inline I32x16 dot(I32x16 acc, DotX x, const int8_t* w) { return {_mm512_dpbusd_epi32(acc.v, x.u, _mm512_loadu_si512(w))}; }
+inline I32x16 dot_init(const int32_t* xsum128) { return {_mm512_set1_epi32(*xsum128)}; }
+inline I32x16 dot(I32x16 acc, DotX x, const int8_t* w) { return {_mm512_dpbusd_epi32(acc.v, _mm512_loadu_si512(w), x.x)}; }
 #else
-inline void store_codes(int8_t* p, I32x16 a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a.v)); }
+inline constexpr bool kDotXSums = false;  // x negated where w < 0 instead
 struct DotX { __m512i ax; __mmask64 neg; };  // |x| in every lane; the bytes where x < 0
 inline DotX dot_prepare(const int32_t* quad) {
   const __m512i x = _mm512_set1_epi32(*quad);
@@ -245,7 +242,6 @@ inline F32x16 expand4(F32x16 a, int c) {
 #ifdef __AVX512VNNI__
 inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) { return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_loadu_si512(x))}; }
 // w + 128 as u8, so that a row's dot product is one vpdpbusd that starts from -128 * its x sums.
-inline constexpr bool kDotS8XSums = true;
 struct S8W { __m512i u; };
 inline S8W prepare_s8(U8x64 w) { return {_mm512_xor_si512(w.v, _mm512_set1_epi8(char(0x80)))}; }
 inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t* xsum128) {
@@ -255,7 +251,6 @@ inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t* xsum128) {
 inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) {
   return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.v, _mm512_loadu_si512(x)), _mm512_set1_epi16(1)))};
 }
-inline constexpr bool kDotS8XSums = false;  // x negated where w < 0 instead
 using S8W = U8x64;
 inline S8W prepare_s8(U8x64 w) { return w; }
 inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t*) {  // pairs |w| |x| <= 2 * 128 * 127 fit in int16

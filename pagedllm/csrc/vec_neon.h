@@ -181,7 +181,7 @@ inline I32x16 zero_i32() { return {{vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(
 inline I32x16 splat_i32(int32_t a) { return {{vdupq_n_s32(a), vdupq_n_s32(a), vdupq_n_s32(a), vdupq_n_s32(a)}}; }
 inline I32x16 round_i32(F32x16 a) { return {{vcvtnq_s32_f32(a.v[0]), vcvtnq_s32_f32(a.v[1]), vcvtnq_s32_f32(a.v[2]), vcvtnq_s32_f32(a.v[3])}}; }
 inline F32x16 to_f32(I32x16 a) { return {{vcvtq_f32_s32(a.v[0]), vcvtq_f32_s32(a.v[1]), vcvtq_f32_s32(a.v[2]), vcvtq_f32_s32(a.v[3])}}; }
-inline void store_codes(int8_t* p, I32x16 a) {
+inline void store_i8(int8_t* p, I32x16 a) {
   const int16x8_t lo = vcombine_s16(vqmovn_s32(a.v[0]), vqmovn_s32(a.v[1]));
   const int16x8_t hi = vcombine_s16(vqmovn_s32(a.v[2]), vqmovn_s32(a.v[3]));
   vst1q_s8(p, vcombine_s8(vqmovn_s16(lo), vqmovn_s16(hi)));
@@ -203,7 +203,6 @@ inline I32x16 dot(I32x16 acc, DotX x, const int8_t* w) {
   return acc;
 }
 
-inline void store_i8(int8_t* p, I32x16 a) { store_codes(p, a); }  // codes are plain s8 here
 struct Q4W { int8x16_t lo[4], hi[4]; };  // columns 0-15 and 16-31, 4 codes per int32 lane
 inline Q4W dot_q4_load(const uint8_t* nibbles64) {
   Q4W w;
@@ -317,7 +316,7 @@ inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) {  // codes <= 127 
   for (int i = 0; i < 4; ++i) acc.v[i] = dot4(acc.v[i], vreinterpretq_s8_u8(w.v[i]), vld1q_s8(x + 16 * i));
   return acc;
 }
-inline constexpr bool kDotS8XSums = false;  // sdot is s8 x s8
+inline constexpr bool kDotXSums = false;  // sdot is s8 x s8
 using S8W = U8x64;
 inline S8W prepare_s8(U8x64 w) { return w; }
 inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t*) { return dot_u8s8(zero_i32(), w, x); }

@@ -141,7 +141,7 @@ inline I32x16 round_i32(F32x16 a) {
   return r;
 }
 inline F32x16 to_f32(I32x16 a) { return lanes([&](int i) { return float(a.v[i]); }); }
-inline void store_codes(int8_t* p, I32x16 a) {
+inline void store_i8(int8_t* p, I32x16 a) {
   for (int i = 0; i < 16; ++i) p[i] = int8_t(a.v[i]);
 }
 
@@ -171,7 +171,6 @@ inline I32x16 dot_wide(I32x16 acc, const DotWX& x, WideW w) {
   return acc;
 }
 
-inline void store_i8(int8_t* p, I32x16 a) { store_codes(p, a); }  // codes are plain s8 here
 struct Q4W { uint8_t lo[64], hi[64]; };  // columns 0-15 and 16-31, 4 codes per column
 inline Q4W dot_q4_load(const uint8_t* nibbles64) {
   Q4W w;
@@ -259,7 +258,7 @@ inline I32x16 dot_u8s8(I32x16 acc, const U8x64& w, const int8_t* x) {
     for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(w.b[4 * l + j]) * x[4 * l + j];
   return acc;
 }
-inline constexpr bool kDotS8XSums = false;
+inline constexpr bool kDotXSums = false;
 using S8W = U8x64;
 inline S8W prepare_s8(const U8x64& w) { return w; }
 inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t*) {

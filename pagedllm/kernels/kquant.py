@@ -121,8 +121,7 @@ def linear_desc(weight: StoredWeight, bias: torch.Tensor | None) -> ctypes.Struc
     """
     _check_bias(bias, weight.out_features)
     return _LinearDesc(
-        LINEAR_KQUANT, weight.out_features, weight.in_features, ctypes.addressof(weight.desc), None, None,
-        _ptr_or_none(bias),
+        LINEAR_KQUANT, weight.out_features, weight.in_features, ctypes.addressof(weight.desc), None, _ptr_or_none(bias)
     )
 
 

@@ -19,7 +19,7 @@ Q4A8_GROUP_BYTES = abi.CONSTANTS["PAGEDLLM_Q4A8_GROUP_BYTES"]  # per panel and g
 LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8 = (abi.CONSTANTS[f"PAGEDLLM_LINEAR_{k}"] for k in ("F32", "W8A8", "Q4A8"))
 LinearDesc = abi.STRUCTS["LinearDesc"]  # one packed layer (pagedllm_abi.h documents each field)
 
-W8A8Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # int8 panels, wscale float32, wsum128 int32
+W8A8Packed = tuple[torch.Tensor, torch.Tensor]  # int8 panels, wscale float32
 
 
 def linear_pack_f32(weight: torch.Tensor) -> torch.Tensor:
@@ -38,10 +38,11 @@ def linear_pack_f32(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) -> W8A8Packed:
-    """weight [N, K] float -> ``linear_w8a8``'s (packed int8 panels, wscale float32, wsum128 int32):
-    int8 codes symmetric per output feature (``wscale`` = a row's max|w| / 127, one per padded
-    row; a row whose max is under 1e-30 gets zero codes), ``wsum128`` per row and group of 32
-    input features, zero padded to whole panels and groups.
+    """weight [N, K] float -> ``linear_w8a8``'s (packed int8 panels, wscale float32): int8 codes
+    symmetric per output feature (``wscale`` = a row's max|w| / 127, one per padded row; a row
+    whose max is under 1e-30 gets zero codes), zero padded to whole panels and groups of 32
+    input features, each byte in the encoding this library's int8 dot product reads (q + 128
+    on VNNI kernels, q elsewhere): packed panels belong to the library that packed them.
 
     Args:
         row_max: [N] float, each row's scale times 127 instead of its own max|w|: a
@@ -70,9 +71,8 @@ def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) 
     panels, groups = -(-n // PANEL), -(-k // QUANT_GROUP)
     packed = torch.empty(panels * PANEL * groups * QUANT_GROUP, dtype=torch.int8)
     wscale = torch.empty(panels * PANEL)
-    wsum128 = torch.empty(panels * groups * PANEL, dtype=torch.int32)
-    lib.linear_pack_w8a8(ptr(w32), ptr_or_none(row_max), ptr(packed), ptr(wscale), ptr(wsum128), n, k)
-    return packed, wscale, wsum128
+    lib.linear_pack_w8a8(ptr(w32), ptr_or_none(row_max), ptr(packed), ptr(wscale), n, k)
+    return packed, wscale
 
 
 def linear_pack_q4a8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,7 @@ def linear_w8a8(x: torch.Tensor, packed: W8A8Packed, bias: torch.Tensor | None, 
     [M, K] float32 (rows at any stride) -> [M, out_features] float32.
 
     Args:
-        packed: ``linear_pack_w8a8``'s three tensors.
+        packed: ``linear_pack_w8a8``'s two tensors.
         bias: float32 padded to whole panels ([ceil(N / 32) * 32]), or None.
 
     Raises:
@@ -169,18 +169,16 @@ def linear_desc(
     """
     if kind == LINEAR_F32:
         _check_packed(packed, torch.float32, out_features, in_features, bias)
-        w, wscale, wsum128 = packed, None, None
+        w, wscale = packed, None
     elif kind == LINEAR_W8A8:
         _check_w8a8(packed, out_features, in_features, bias)
-        w, wscale, wsum128 = packed
+        w, wscale = packed
     elif kind == LINEAR_Q4A8:
         _check_q4a8(packed, out_features, in_features, bias)
-        w, wscale, wsum128 = packed, None, None
+        w, wscale = packed, None
     else:
         raise ValueError(f"unknown linear kind {kind}")
-    return LinearDesc(
-        kind, out_features, in_features, ptr(w), ptr_or_none(wscale), ptr_or_none(wsum128), ptr_or_none(bias)
-    )
+    return LinearDesc(kind, out_features, in_features, ptr(w), ptr_or_none(wscale), ptr_or_none(bias))
 
 
 def _gemm(
@@ -215,16 +213,12 @@ def _check_packed(packed: torch.Tensor, dtype: torch.dtype, n: int, k: int, bias
 
 
 def _check_w8a8(packed: W8A8Packed, n: int, k: int, bias: torch.Tensor | None) -> None:
-    """``linear_pack_w8a8``'s codes, scales and sums of an [n, k] weight, and a panel-padded bias."""
-    codes, wscale, wsum128 = packed
+    """``linear_pack_w8a8``'s codes and scales of an [n, k] weight, and a panel-padded bias."""
+    codes, wscale = packed
     _check_packed(codes, torch.int8, n, -(-k // QUANT_GROUP) * QUANT_GROUP, bias)
     rows = -(-n // PANEL) * PANEL
-    groups = rows * -(-k // QUANT_GROUP)
-    if (wscale.dtype, wsum128.dtype, wscale.numel(), wsum128.numel()) != (torch.float32, torch.int32, rows, groups):
-        raise ValueError(
-            f"w8a8 scales and sums: need {rows} float32 and {groups} int32, "
-            f"got {wscale.numel()} {wscale.dtype}, {wsum128.numel()} {wsum128.dtype}"
-        )
+    if (wscale.dtype, wscale.numel(), wscale.is_contiguous()) != (torch.float32, rows, True):
+        raise ValueError(f"w8a8 scales: need {rows} contiguous float32, got {wscale.numel()} {wscale.dtype}")
 
 
 def _check_q4a8(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> None:

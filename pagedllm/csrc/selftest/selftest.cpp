@@ -116,9 +116,8 @@ void test_linear() {
   }
   std::vector<int8_t> q(panels * 32 * G * 32);
   std::vector<float> scale(panels * 32);
-  std::vector<int32_t> wsum(panels * G * 32);
-  linear_pack_w8a8(w.data(), nullptr, q.data(), scale.data(), wsum.data(), N, K);
-  linear_w8a8(x.data(), K, q.data(), scale.data(), wsum.data(), bias.data(), y.data(), M, N, K);
+  linear_pack_w8a8(w.data(), nullptr, q.data(), scale.data(), N, K);
+  linear_w8a8(x.data(), K, q.data(), scale.data(), bias.data(), y.data(), M, N, K);
   check("linear_w8a8", max_error(y, ref), 1e-4f);
 
   // w4a8: codes in [0, 15] with float16 d, m per group (w = d q + m), x as for w8a8 (rows at
@@ -588,10 +587,10 @@ void test_moe() {
     packed_gu.emplace_back((2 * I + 31) / 32 * 32 * H), packed_d.emplace_back((H + 31) / 32 * 32 * I);
     linear_pack_f32(gate_up[e].data(), packed_gu[e].data(), 2 * I, H);
     linear_pack_f32(down[e].data(), packed_d[e].data(), H, I);
-    gu_desc[e] = {PAGEDLLM_LINEAR_F32, 2 * I, H, packed_gu[e].data(), nullptr, nullptr, nullptr};
-    d_desc[e] = {PAGEDLLM_LINEAR_F32, H, I, packed_d[e].data(), nullptr, nullptr, nullptr};
+    gu_desc[e] = {PAGEDLLM_LINEAR_F32, 2 * I, H, packed_gu[e].data(), nullptr, nullptr};
+    d_desc[e] = {PAGEDLLM_LINEAR_F32, H, I, packed_d[e].data(), nullptr, nullptr};
   }
-  const MoeDesc m = {E, top, 1, H, I, {PAGEDLLM_LINEAR_F32, E, H, packed_router.data(), nullptr, nullptr, nullptr},
+  const MoeDesc m = {E, top, 1, H, I, {PAGEDLLM_LINEAR_F32, E, H, packed_router.data(), nullptr, nullptr},
                      gu_desc.data(), d_desc.data()};
   std::vector<float> y(T * H), ref(T * H, 0.f);
   const int status = fused_moe(&m, x.data(), H, T, y.data());
@@ -679,10 +678,10 @@ void test_moe_kquant() {
     gu_w[e].parts[0] = {PAGEDLLM_GGML_Q4_K, I, gate[e].data()}, gu_w[e].parts[1] = {PAGEDLLM_GGML_Q5_K, I, up[e].data()};
     d_w[e] = {};
     d_w[e].num_parts = 1, d_w[e].parts[0] = {down_type, H, down[e].data()};
-    gu_desc[e] = {PAGEDLLM_LINEAR_KQUANT, 2 * I, H, &gu_w[e], nullptr, nullptr, nullptr};
-    d_desc[e] = {PAGEDLLM_LINEAR_KQUANT, H, I, &d_w[e], nullptr, nullptr, nullptr};
+    gu_desc[e] = {PAGEDLLM_LINEAR_KQUANT, 2 * I, H, &gu_w[e], nullptr, nullptr};
+    d_desc[e] = {PAGEDLLM_LINEAR_KQUANT, H, I, &d_w[e], nullptr, nullptr};
   }
-  const MoeDesc m = {E, top, 0, H, I, {PAGEDLLM_LINEAR_F32, E, H, packed_router.data(), nullptr, nullptr, nullptr},
+  const MoeDesc m = {E, top, 0, H, I, {PAGEDLLM_LINEAR_F32, E, H, packed_router.data(), nullptr, nullptr},
                      gu_desc.data(), d_desc.data()};
   std::vector<float> y(T * H), ref(T * H, 0.f), h(2 * I), out(H);
   const int status = fused_moe(&m, x.data(), H, T, y.data());

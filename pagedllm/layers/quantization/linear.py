@@ -119,9 +119,9 @@ class W8A8Linear(QuantizedLinear):
     group (perplexity beside per-group weight scales and float: docs/benchmarks.md). The sums
     run on our native kernel (``csrc/linear.cpp``, the vector layer's int8 dot product, e.g.
     AVX512-VNNI's ``vpdpbusd``): each group's int32 sum takes one multiply-add with x's scale,
-    the weight's scale multiplies once at the end; it reads 1.125 bytes per weight. Buffers:
-    ``packed`` int8 panels, ``wscale`` (float32) per padded row, ``wsum128`` (int32) per
-    padded row and group, the bias in float32, padded to whole panels.
+    the weight's scale multiplies once at the end; it reads one byte per weight. Buffers:
+    ``packed`` int8 panels (in the kernels' byte encoding), ``wscale`` (float32) per padded
+    row, the bias in float32, padded to whole panels.
 
     Args:
         weight: [out_features, in_features] float.
@@ -139,20 +139,19 @@ class W8A8Linear(QuantizedLinear):
         n, k = weight.shape
         super().__init__(k, n, None)
         _require_native("w8a8")
-        packed, wscale, wsum128 = kernels.linear_pack_w8a8(weight.detach(), row_max)
+        packed, wscale = kernels.linear_pack_w8a8(weight.detach(), row_max)
         self.register_buffer("packed", packed)
         self.register_buffer("wscale", wscale)
-        self.register_buffer("wsum128", wsum128)
         self.register_buffer("padded_bias", None if bias is None else pad_to_panels(bias.detach().float()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
-        y = kernels.linear_w8a8(x.float(), (self.packed, self.wscale, self.wsum128), self.padded_bias, self.out_features)
+        y = kernels.linear_w8a8(x.float(), (self.packed, self.wscale), self.padded_bias, self.out_features)
         return y.to(x.dtype)
 
     def native_desc(self) -> kernels.LinearDesc:
         """This layer for the one-call decoder (``kernels.decoder.decode_layers``)."""
-        packed = (self.packed, self.wscale, self.wsum128)
+        packed = (self.packed, self.wscale)
         return kernels.linear_desc(kernels.LINEAR_W8A8, packed, self.padded_bias, self.out_features, self.in_features)
 
 
