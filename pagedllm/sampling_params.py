@@ -15,6 +15,10 @@ _GREEDY_EPS = 1e-5
 _INT64 = 2**63  # msgpack carries signed 64-bit integers; anything wider cannot reach the core
 MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 1024
+# Stop strings are searched in each sequence's new text after every token, in the process that
+# serves every client: the caps bound that work (no real client comes near them).
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 1024
 MAX_LOGIT_BIAS = 100.0
 
 
@@ -83,8 +87,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     Ranges (vLLM's): n >= 1; temperature in [0, 2]; top_p in (0, 1]; top_k 0 or -1 (off) or
     >= 1; min_p in [0, 1]; presence/frequency penalty in [-2, 2]; repetition_penalty > 0;
     max_tokens >= 1 (0 only with prompt_logprobs; None: up to max_model_len); 0 <= min_tokens
-    <= max_tokens; logprobs and prompt_logprobs in [0, 20]; seed any 64-bit integer. Every
-    number must be finite and every integer fit in 64 bits.
+    <= max_tokens; logprobs and prompt_logprobs in [0, 20]; seed any 64-bit integer; at most
+    ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_STRING_CHARS`` characters each and
+    ``MAX_BAD_WORDS`` bad words. Every number must be finite and every integer fit in 64 bits.
 
     Token-level controls, applied to the logits before penalties and sampling (vLLM order):
     ``allowed_token_ids`` (non-empty: every other token is banned), ``bad_words`` (a word's
@@ -179,8 +184,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise bad("prompt_logprobs", self.prompt_logprobs, f"in [0, {MAX_LOGPROBS}]")
+        if isinstance(self.stop, (list, tuple)) and len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"{len(self.stop)} strings", f"at most {MAX_STOP_STRINGS} strings")
         if not isinstance(self.stop, (list, tuple)) or any(not check_text(s, "stop") for s in self.stop):
             raise bad("stop", self.stop, "a string or a list of non-empty strings")
+        if (longest := max(map(len, self.stop), default=0)) > MAX_STOP_STRING_CHARS:
+            raise bad("stop", f"a string of {longest} characters",
+                      f"strings of at most {MAX_STOP_STRING_CHARS} characters")
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
         if self.logit_bias is not None:
             self.logit_bias = self._checked_logit_bias(self.logit_bias)

@@ -205,6 +205,24 @@ def test_stream_never_shows_part_of_a_stop_string(tok, prompt) -> None:
     assert streamed == detok.output_text == "alpha beta"
 
 
+def test_held_back_tail_is_the_longest_that_could_begin_a_stop(tok, prompt) -> None:
+    """With many stop strings sharing prefixes, each step holds back exactly the longest tail
+    of the text that some stop string starts with (found by bisecting the sorted stops)."""
+    rng = random.Random(5)
+    for _ in range(30):
+        words = ["ab", " ab", "b a", "a", " ", "ba"]
+        stops = sorted({"".join(rng.choices(words, k=rng.randint(2, 5))) + "!" for _ in range(60)})
+        detok = IncrementalDetokenizer(tok, prompt, SamplingParams(stop=stops))
+        streamed = ""
+        for token_id in tok.encode("".join(rng.choices(words, k=40))):  # never completes a stop: no "!"
+            assert detok.update([token_id]) is None
+            streamed += detok.get_delta()
+            text = detok.output_text
+            expected = max((k for k in range(1, len(text) + 1) if any(s.startswith(text[-k:]) for s in stops)),
+                           default=0)
+            assert text[len(streamed):] == text[len(text) - expected:]
+
+
 def test_held_back_tail_is_released_by_flush(tok, prompt) -> None:
     ids = tok.encode("alpha beta gam")
     _, deltas, stop = stream(tok, prompt, ids, SamplingParams(stop=[" gamma delta"]))

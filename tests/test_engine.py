@@ -201,6 +201,7 @@ def test_prompt_scoring_with_zero_max_tokens(llm):
     [
         ("", {}, "empty"),
         ("hi", {"max_tokens": 5000}, "maximum context length is 2048"),
+        ("hi " * 2100, {"max_tokens": 1}, "longer than this model's maximum context length of 2048 tokens"),
         ("hi", {"max_tokens": 0}, "max_tokens"),
         ("hi", {"top_p": 1.5}, "top_p"),
         ("hi", {"top_p": 0.0}, "top_p"),

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server, end to end: a live ``pagedllm serve`` on the default model,
-driven by the official ``openai`` client (and raw httpx where the client would hide the wire)."""
+driven by the official ``openai`` client (and raw httpx where the client would hide the wire);
+what is answered before anything generates, on the app in process too (the ``app`` fixture)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from pagedllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from tests.utils import (
     API_KEY,
     MAX_BODY,
@@ -136,6 +140,42 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
         assert max(top, key=top.get) == token  # greedy
 
 
+def _sse_choices(r: httpx.Response) -> list[dict]:
+    """The choices of every chunk of a stream, in order."""
+    assert r.status_code == 200, r.text
+    lines = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [c for line in lines[:-1] for c in json.loads(line)["choices"]]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_completion_top_logprobs_hold_the_sampled_token_streamed_or_not(http: httpx.Client, echo: bool) -> None:
+    """As OpenAI and vLLM: ``top_logprobs`` always holds the sampled token (up to logprobs + 1
+    entries; logprobs 0: the sampled token alone), and a stream's ``text_offset`` counts along
+    each choice's text across chunks, so streamed logprobs join to the non-streamed ones."""
+    body = _completion(prompt="Hello", max_tokens=8, temperature=2.0, seed=3, n=2, ignore_eos=True, echo=echo)
+    for logprobs in (0, 1):
+        r = http.post("/v1/completions", json={**body, "logprobs": logprobs})
+        assert r.status_code == 200, r.text
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        for choice in choices:
+            lp = choice["logprobs"]
+            assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+            for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+                if top is None:  # the echoed prompt's first token: nothing precedes it
+                    continue
+                assert top[token] == value and len(top) <= logprobs + 1
+                assert logprobs or top == {token: value}
+        tops = [top for c in choices for top in c["logprobs"]["top_logprobs"] if top is not None]
+        assert any(len(top) == logprobs + 1 for top in tops)  # a sampled token outside the top `logprobs`
+        streamed: dict[int, dict[str, list]] = {}
+        for chunk in _sse_choices(http.post("/v1/completions", json={**body, "logprobs": logprobs, "stream": True})):
+            joined = streamed.setdefault(chunk["index"], {k: [] for k in chunk["logprobs"]})
+            for key, values in chunk["logprobs"].items():
+                joined[key] += values
+        assert [streamed[c["index"]] for c in choices] == [c["logprobs"] for c in choices]
+
+
 def test_completion_echo(client: openai.OpenAI, http: httpx.Client) -> None:
     prompt = "The quick brown fox jumps"
     n_prompt = _num_tokens(http, prompt=prompt)
@@ -216,6 +256,25 @@ BAD_REQUESTS = [
 ]
 
 
+def test_context_overflow_names_the_field_at_fault(http: httpx.Client) -> None:
+    """A prompt longer than the context is the input's fault (``messages``, ``prompt``), whether
+    or not max_tokens was sent; max_tokens is at fault only when the prompt fits without it."""
+    messages = [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]
+    n_chat, n_prompt = _num_tokens(http, messages=messages), _num_tokens(http, prompt="hello " * MAX_MODEL_LEN)
+    for path, body, param, n in [
+        ("/v1/chat/completions", {"model": MODEL, "messages": messages}, "messages", n_chat),
+        ("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 4}, "messages", n_chat),
+        ("/v1/completions", _completion(prompt="hello " * MAX_MODEL_LEN, max_tokens=None), "prompt", n_prompt),
+    ]:
+        r = http.post(path, json=body)
+        _check_error(r, 400, f"the prompt is {n} tokens, longer than this model's maximum context length of "
+                             f"{MAX_MODEL_LEN} tokens")
+        assert r.json()["error"]["param"] == param and "max_tokens" not in r.json()["error"]["message"]
+    r = http.post("/v1/chat/completions", json=_chat(max_tokens=MAX_MODEL_LEN))
+    _check_error(r, 400, f"prompt tokens + {MAX_MODEL_LEN} max_tokens")
+    assert r.json()["error"]["param"] == "max_tokens"
+
+
 def _check_error(r: httpx.Response, status: int, needle: str) -> None:
     assert r.status_code == status, r.text
     error = r.json()["error"]
@@ -283,6 +342,70 @@ def test_tokenize_detokenize(http: httpx.Client) -> None:
     assert r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_MODEL_LEN
     assert http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
 
+
+class _LoopFreeTokenizer:
+    """A tokenizer that fails (so the route answers 500) when called on an event loop's thread."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self._tokenizer = tokenizer
+
+    @staticmethod
+    def _off_loop() -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        raise AssertionError("the tokenizer ran on the event loop")
+
+    def __getattr__(self, name: str) -> object:
+        self._off_loop()
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        self._off_loop()
+        return self._tokenizer(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def app() -> TestClient:
+    """The app in this process over a stand-in engine: the default model's tokenizer (which
+    must never run on the event loop) and no model, for what is answered before generating."""
+    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.models.loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model("smollm2"))
+    engine = SimpleNamespace(tokenizer=_LoopFreeTokenizer(tokenizer), max_model_len=MAX_MODEL_LEN,
+                             model_config=SimpleNamespace(vocab_size=len(tokenizer)), live_view=None)
+    return TestClient(build_app(engine, MODEL))
+
+
+def test_tokenize_and_detokenize_run_off_the_event_loop(app: TestClient) -> None:
+    """A large body to /tokenize or /detokenize must not stall every other client: the checks,
+    the chat template and the (de)tokenizing run in a worker thread, as the /v1 routes' do."""
+    r = app.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == len(r.json()["token_strs"]) == 2
+    r = app.post("/tokenize", json={"messages": CHAT})
+    assert r.status_code == 200 and r.json()["count"] > 5, r.text
+    r = app.post("/detokenize", json={"tokens": app.post("/tokenize", json={"prompt": "Hi there"}).json()["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": "Hi there"}, r.text
+    _check_error(app.post("/detokenize", json={"tokens": [10**9]}), 400, "vocabulary")
+
+
+def test_empty_body_is_named(app: TestClient) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        r = app.post(path, content=b"", headers={"Content-Type": "application/json"})
+        _check_error(r, 400, "the request body is missing: it must be a JSON object")
+
+
+@pytest.mark.parametrize("stop", [["x"] * (MAX_STOP_STRINGS + 1), ["x" * (MAX_STOP_STRING_CHARS + 1)]])
+def test_stop_strings_are_capped(app: TestClient, stop: list[str]) -> None:
+    """Stop strings are searched after every token of every sequence: beyond the caps (which
+    test_validation.py shows are accepted) a request is refused, naming ``stop``."""
+    for path, body in (("/v1/completions", _completion(stop=stop)), ("/v1/chat/completions", _chat(stop=stop))):
+        r = app.post(path, json=body)
+        _check_error(r, 400, "stop must be")
+        assert r.json()["error"]["param"] == "stop"
 
 
 def test_chat_content_spelling_markup_is_text(http: httpx.Client) -> None:
@@ -576,6 +699,18 @@ def test_metrics(http: httpx.Client) -> None:
     assert after[counters[0]] - before[counters[0]] == 3
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == 3 * 5
     assert after["time_to_first_token_seconds_count"] - before["time_to_first_token_seconds_count"] == 3
+
+
+def test_metrics_count_each_of_n_samples_in_every_per_request_series(http: httpx.Client) -> None:
+    """A request with n = 4 is 4 requests in request_success, TTFT and e2e latency alike (as vLLM
+    counts its n child requests), so the series' ratios do not depend on n."""
+    series = ('request_success_total{finished_reason="length"}', "time_to_first_token_seconds_count",
+              "e2e_request_latency_seconds_count")
+    wait_idle(http)
+    before = {name: metric(http, name) for name in series}
+    r = http.post("/v1/completions", json=_completion(max_tokens=3, n=4, temperature=1.0, ignore_eos=True))
+    assert r.status_code == 200, r.text
+    assert {name: metric(http, name) - before[name] for name in series} == dict.fromkeys(series, 4)
 
 
 def test_reset_prefix_cache(http: httpx.Client) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from pagedllm import LLM
 from pagedllm.errors import InvalidParamError
-from pagedllm.sampling_params import SamplingParams, check_text
+from pagedllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams, check_text
 
 FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
 INT_FIELDS = ["n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"]
@@ -46,6 +46,8 @@ def test_int_fields_must_be_64_bit_integers(field: str, value: object) -> None:
         ({"logprobs": 21}, "logprobs"),
         ({"stop": ["ok", "a\ud800"]}, "stop"),
         ({"stop": [""]}, "stop"),
+        ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"logit_bias": {5: 100.5}}, "logit_bias"),
         ({"logit_bias": {"five": 1.0}}, "logit_bias"),
@@ -66,7 +68,8 @@ def test_out_of_range(kwargs: dict, param: str) -> None:
 
 def test_documented_bounds_are_accepted() -> None:
     p = SamplingParams(temperature=2, top_k=-1, min_p=1, presence_penalty=-2, repetition_penalty=3.0,
-                       seed=2**63 - 1, logit_bias={"3": -100, 4: 100}, allowed_token_ids=[0])
+                       seed=2**63 - 1, logit_bias={"3": -100, 4: 100}, allowed_token_ids=[0],
+                       stop=[f"{i:0{MAX_STOP_STRING_CHARS}}" for i in range(MAX_STOP_STRINGS)])
     assert p.temperature == 2.0 and isinstance(p.temperature, float) and p.top_k == 0
     assert p.logit_bias == {3: -100.0, 4: 100.0}
 

@@ -10,6 +10,7 @@ O(window), not O(output length).
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from typing import TYPE_CHECKING
@@ -70,6 +71,7 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
         self._max_stop_len = max(map(len, params.stop), default=0)
         self._stop_first_chars = {stop[0] for stop in params.stop}
+        self._sorted_stops = sorted(params.stop)  # the stops that start with a given text are consecutive
         self._finished = False
         self._num_sent = 0  # chars of output_text already returned by get_delta()
         self.token_texts: list[str] = []  # per token of the last update(): the text it added
@@ -180,13 +182,19 @@ class IncrementalDetokenizer:
         return stop
 
     def _stop_prefix_len(self) -> int:
-        """Length of the longest tail of ``output_text`` that is a proper prefix of a stop."""
+        """Length of the longest tail of ``output_text`` that is a proper prefix of a stop.
+
+        Runs every step: it looks only at the last ``longest stop - 1`` characters, and tests
+        each position against the one stop that sorts first at or after its tail (if any stop
+        starts with the tail, that one does), so a step costs O(longest stop x log(stops)).
+        """
         text = self.output_text
+        stops = self._sorted_stops
         for start in range(max(0, len(text) - self._max_stop_len + 1), len(text)):
-            # The first-character test skips most positions cheaply (this runs every step).
-            if text[start] in self._stop_first_chars:
+            if text[start] in self._stop_first_chars:  # skips most positions cheaply
                 tail = text[start:]
-                if any(stop.startswith(tail) for stop in self.params.stop):
+                i = bisect.bisect_left(stops, tail)
+                if i < len(stops) and stops[i].startswith(tail):
                     return len(text) - start
         return 0
 

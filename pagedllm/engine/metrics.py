@@ -5,6 +5,11 @@ the data-parallel core's index ("0" alone without data parallelism), so that one
 serves any number of cores (``sum(pagedllm:num_requests_running)``); a dead core's series are
 removed. Counters and histograms are the sums over every core: each core reports
 cumulative counts, and each core's increments are added.
+
+The per-request series (``request_success``, ``e2e_request_latency_seconds``,
+``time_to_first_token_seconds``) count one request per sequence: a request with ``n`` samples
+is ``n`` engine requests and counts ``n`` in each of them, as vLLM counts its ``n`` child
+requests, so that ratios between the series hold whatever the ``n`` of the requests.
 """
 
 from __future__ import annotations
@@ -141,9 +146,12 @@ class EngineMetrics:
             gauge.remove(str(engine))
 
     def record_finished(self, output: RequestOutput, now: float) -> None:
-        """Count a finished request (each of its samples) and its end-to-end latency."""
-        self.e2e.observe(now - output.metrics["arrival_time"])
+        """Count a finished request: each of its ``n`` samples as one request (in
+        ``request_success`` and ``e2e_request_latency``, as in ``time_to_first_token``), at its
+        request's end-to-end latency (arrival to ``now``, when its last sample finished)."""
+        latency = now - output.metrics["arrival_time"]
         for c in output.outputs:
+            self.e2e.observe(latency)
             self.success.labels(finished_reason=c.finish_reason or "abort").inc()
 
     def render(self) -> bytes:

@@ -99,10 +99,11 @@ class Processor:
 
         Raises:
             InvalidParamError (a ValueError naming the field): empty prompt, token ids outside
-                the vocabulary (prompt, stop_token_ids, logit_bias, allowed_token_ids),
-                prompt + max_tokens beyond max_model_len (the message gives the numbers), or
+                the vocabulary (prompt, stop_token_ids, logit_bias, allowed_token_ids), a
+                prompt that leaves no room for output within max_model_len (``prompt``), a
+                prompt + max_tokens beyond it (``max_tokens``; the messages give the numbers),
                 ``structured_outputs`` that do not compile (``structured_outputs.json``, ...),
-                a ``lora_request`` with LoRA disabled.
+                or a ``lora_request`` with LoRA disabled.
             LoRAError (a ValueError): an adapter that cannot be read or does not fit the model.
         """
         if not isinstance(params, SamplingParams):
@@ -127,6 +128,13 @@ class Processor:
         if params.bad_words:
             params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
+        if n_prompt + min(max_tokens, 1) > self.max_model_len:  # no room even for the least output
+            than = "longer than" if n_prompt > self.max_model_len else "leaving no room for output in"
+            raise InvalidParamError(
+                "prompt",
+                f"the prompt is {n_prompt} tokens, {than} this model's maximum context length of "
+                f"{self.max_model_len} tokens",
+            )
         if n_prompt + max_tokens > self.max_model_len:
             raise InvalidParamError(
                 "max_tokens",

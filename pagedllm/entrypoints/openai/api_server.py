@@ -164,6 +164,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_TAG.fullmatch(str(p))]
     param = ".".join(loc) or None
+    if param is None and kind == "missing":  # no body at all
+        return "the request body is missing: it must be a JSON object (Content-Type: application/json)", None
     if param is None and kind == "model_attributes_type":  # not a JSON object: an array, text/plain
         return "the request body must be a JSON object (Content-Type: application/json)", None
     if kind == "extra_forbidden":
@@ -253,8 +255,7 @@ def build_app(
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    def tokenize_sync(body: TokenizeRequest) -> JSONResponse:
         chat.check_request(body)
         if body.messages is not None and body.prompt is not None:
             raise OpenAIError(400, "give either prompt or messages, not both", param="messages")
@@ -267,16 +268,26 @@ def build_app(
         result: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
         if body.return_token_strs:
             result["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
-        return result
+        return JSONResponse(result)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+    def detokenize_sync(body: DetokenizeRequest) -> JSONResponse:
         chat.check_request(body)
         vocab = engine.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+
+    # Checks, chat template, (de)tokenizing and the JSON of the answer (millions of ids for a
+    # large body) in a worker thread, as the /v1 routes prepare requests: a large body never
+    # holds the event loop that serves every other client.
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await asyncio.to_thread(tokenize_sync, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await asyncio.to_thread(detokenize_sync, body)
 
     app.include_router(live_view_router(engine.live_view))
 

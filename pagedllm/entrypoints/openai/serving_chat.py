@@ -102,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         if req.tool_mode == "auto":  # call markers such as Qwen's <tool_call> are special tokens: the parser needs them
             params = msgspec.structs.replace(params, skip_special_tokens=False)
-        return self.prepare(random_id("chatcmpl"), token_ids, params, req.cache_salt, req.model)
+        return self.prepare(random_id("chatcmpl"), token_ids, params, req.cache_salt, req.model, "messages")
 
     def render(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[ChatTool] | None = None,

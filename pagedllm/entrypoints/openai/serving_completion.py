@@ -98,6 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         finished: set[int] = set()
         echoed: set[int] = set()
+        offsets: dict[int, int] = {}  # per choice: the text_offset of its next token
         completion_tokens = 0
         try:
             async for prompt_idx, out in merge([self.engine.generate(p, stream=True) for p in prepared]):
@@ -118,7 +119,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     # The choice's first chunk carries the echoed prompt (its logprobs are complete by now).
                     echo = req.echo and index not in echoed
                     echoed.add(index)
-                    choice = self._choice(req, out, c, index, text, logprobs, echo)
+                    choice = self._choice(req, out, c, index, text, logprobs, echo, offsets.get(index, 0))
+                    if choice.logprobs is not None and choice.logprobs.tokens:
+                        offsets[index] = choice.logprobs.text_offset[-1] + len(choice.logprobs.tokens[-1])
                     yield sse(CompletionResponse(id=request_id, created=created,
                                                  model=self.response_model(req.model), choices=[choice]))
             if req.include_usage:
@@ -141,7 +144,12 @@ class OpenAIServingCompletion(OpenAIServing):
         text: str,
         logprobs: list[dict[int, Logprob]] | None,
         echo: bool | None = None,
+        text_offset: int = 0,
     ) -> CompletionChoice:
+        """One choice of ``text`` (after the prompt's text if ``echo``, default ``req.echo``);
+        its logprobs' ``text_offset`` counts from ``text_offset``, the characters of this
+        choice's tokens already sent (a stream's earlier chunks), so that a streamed choice's
+        offsets equal the non-streamed ones."""
         echo = req.echo if echo is None else echo
         prompt_text = ""
         if echo:
@@ -150,8 +158,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.logprobs is not None:
             lp = CompletionLogprobs()
             if echo:
-                self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], req.logprobs, 0)
-            self._add_logprobs(lp, c.token_ids, logprobs or [], req.logprobs, len(prompt_text))
+                self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], req.logprobs, text_offset)
+            self._add_logprobs(lp, c.token_ids, logprobs or [], req.logprobs, text_offset + len(prompt_text))
         return CompletionChoice(index=index, text=prompt_text + text, logprobs=lp, finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason)
 
@@ -159,15 +167,21 @@ class OpenAIServingCompletion(OpenAIServing):
         self, lp: CompletionLogprobs, token_ids: list[int], entries: list[dict[int, Logprob] | None], n: int,
         offset: int,
     ) -> None:
-        # The first prompt position has no logprob (nothing precedes it): None, as OpenAI.
+        """Append one entry per token, the first at text ``offset``. Each ``top_logprobs`` holds
+        the sampled token and the ``n`` most likely ones, as OpenAI and vLLM: up to n + 1
+        entries (with n = 0, the sampled token alone). The first prompt position has no
+        logprob (nothing precedes it): None, as OpenAI."""
         for tid, entry in zip(token_ids, entries):
             chosen = None if entry is None else entry.get(tid)
             token = self.token_str(tid, chosen)
             lp.tokens.append(token)
             lp.token_logprobs.append(None if chosen is None else chosen.logprob)
-            lp.top_logprobs.append(
-                None if entry is None else {self.token_str(t, v): v.logprob for t, v in top_n(entry, n)}
-            )
+            top = None
+            if entry is not None:
+                top = {} if chosen is None else {token: chosen.logprob}
+                for t, v in top_n(entry, n):
+                    top.setdefault(self.token_str(t, v), v.logprob)
+            lp.top_logprobs.append(top)
             lp.text_offset.append(offset)
             offset += len(token)
 

@@ -167,14 +167,17 @@ class OpenAIServing:
 
     def prepare(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None,
-        model: str | None = None,
+        model: str | None = None, prompt_field: str = "prompt",
     ) -> PreparedRequest:
         """Validate and tokenize one prompt for ``model`` (the base or an adapter): 400 naming
-        the field on invalid input, 404 for an unknown model."""
+        the field on invalid input, 404 for an unknown model. ``prompt_field`` is the request
+        field the prompt comes from: an error of the prompt itself names it."""
         lora = self.check_model(model)
         try:
             return self.engine.prepare(request_id, prompt, params, cache_salt, lora)
         except ValueError as e:
+            if getattr(e, "param", None) == "prompt" and prompt_field != "prompt":
+                raise OpenAIError(400, f"{prompt_field}: {e}", param=prompt_field) from None
             raise OpenAIError.bad_request(e) from None
 
     def token_str(self, token_id: int, logprob: Logprob | None = None) -> str:
