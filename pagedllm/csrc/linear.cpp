@@ -90,8 +90,8 @@ void linear_pack_f32(const float* w, float* packed, int64_t N, int64_t K) {
 // round(w * 127 / amax) with amax a row's max|w|, or rowmax[n] where given (a tensor-parallel
 // rank's slice of longer rows: the whole rows' maxima, so every rank's codes are the unsharded
 // ones; >= the slice's own), each as gemm.h's stored_code encodes it for this ISA's dot
-// product; per column wscale [panels][32] = amax / 127; all zero padded. A row whose amax is
-// under kTinyRowMax gets zero codes. w and rowmax finite (the caller's check).
+// product; per column wscale [panels][32] = amax / 127; padded with zero codes and scales. A
+// row whose amax is under kTinyRowMax gets zero codes. w and rowmax finite (the caller's check).
 void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float* wscale, int64_t N, int64_t K) {
   const int64_t kq = (K + QG - 1) / QG * QG / 4, panels = (N + NB - 1) / NB;
   par::parallel_for(panels, [&](int64_t p) {

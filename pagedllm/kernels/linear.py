@@ -40,9 +40,10 @@ def linear_pack_f32(weight: torch.Tensor) -> torch.Tensor:
 def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) -> W8A8Packed:
     """weight [N, K] float -> ``linear_w8a8``'s (packed int8 panels, wscale float32): int8 codes
     symmetric per output feature (``wscale`` = a row's max|w| / 127, one per padded row; a row
-    whose max is under 1e-30 gets zero codes), zero padded to whole panels and groups of 32
-    input features, each byte in the encoding this library's int8 dot product reads (q + 128
-    on VNNI kernels, q elsewhere): packed panels belong to the library that packed them.
+    whose max is under 1e-30 gets zero codes), padded with zero codes to whole panels and
+    groups of 32 input features, each byte in the encoding this library's int8 dot product
+    reads (q + 128 on VNNI kernels, q elsewhere): packed panels belong to the library that
+    packed them.
 
     Args:
         row_max: [N] float, each row's scale times 127 instead of its own max|w|: a
