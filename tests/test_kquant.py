@@ -54,7 +54,8 @@ def test_gemm_is_exact_for_its_scheme(qtype: Q, native_isa: str) -> None:
     ISA, at M = 1 to 5 (decode), M = 8 to 29 (the prefill panels: M not a multiple of the
     micro-tile), N not a multiple of the 16-row spans or 32-row panels, rows at a stride, with
     a bias; and within int8's rounding of F.linear. Q8_0 also as quantizers write it, codes in
-    [-127, 127] (random blocks hold -128, which the prefill panels hand to the decode path)."""
+    [-127, 127] (random blocks hold -128, which the prefill panels take as stored on VNNI and
+    hand to the decode path where the dot product's sign trick cannot negate it)."""
     n = 37
     torch.manual_seed(0)
     cases = [(k, random_gguf_blocks(qtype, n, k, seed=k)) for k in SIZES[qtype]]
