@@ -1,11 +1,11 @@
 """GGUF files (llama.cpp's format): metadata -> ModelConfig, tensors -> HF-named float tensors.
 
 A small header parser of our own instead of ``gguf.GGUFReader``: the reader builds numpy
-views for every string of the vocabulary and merges (2.4 s for SmolLM2); here string arrays
-are skipped (35 ms for Qwen2's 150k tokens + merges) and walked only when a token is looked
-up. The blocks of 32 (Q8_0, Q4_0, Q4_1, Q5_0) are dequantized in torch
-(``layers.quantization.gguf.dequantize_blocks``), bit-identical to ``gguf.quants`` and 4x
-faster on SmolLM2's Q4_1/Q8_0; Q4_K, Q5_K, Q6_K by the native kernels (``kernels.kquant``);
+views for every string of the vocabulary and merges; here string arrays are skipped and
+walked only when a token is looked up (times: docs/benchmarks.md, session 26). The blocks
+of 32 (Q8_0, Q4_0, Q4_1, Q5_0) are dequantized in torch
+(``layers.quantization.gguf.dequantize_blocks``), bit-identical to ``gguf.quants`` and
+faster; Q4_K, Q5_K, Q6_K by the native kernels (``kernels.kquant``);
 other formats, or K-quants without a native library, by ``gguf.quants``. Tensors the model
 keeps as stored are not dequantized at all (``gguf_weights``'s ``stored``).
 """
