@@ -1,7 +1,7 @@
 // vec.h on AVX-512 (F, BW, VL, DQ): one zmm per F32x16, a __mmask16 per M16. The int8 dot
-// product is VNNI's vpdpbusd where the target has it (u8 x s8: the weights are stored as q + 128,
-// and the 128 * sum(x) that adds is taken off where the accumulator starts), else vpmaddubsw on |x| and w
-// negated where x < 0, widened by vpmaddwd. The 4-bit x int8 product needs no such trick:
+// product is VNNI's vpdpbusd where the target has it (u8 x s8: the weights are stored as q +
+// 128, and the 128 * sum(x) that adds is taken off where the accumulator starts), else
+// vpmaddubsw on |x| and w negated where x < 0, widened by vpmaddwd. The 4-bit x int8 product needs no such trick:
 // weight codes in [0, 15] are u8 and x is s8, so vpdpbusd (or vpmaddubsw, pairs <= 2 * 15 * 127)
 // takes both as they are.
 #pragma once
