@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -129,6 +129,18 @@ class EngineConfig:
     model_runner_cls: str = field(default_factory=lambda: os.environ.get(MODEL_RUNNER_CLS_ENV, ""))
 
     def __post_init__(self) -> None:
+        """Check every setting.
+
+        Raises:
+            ValueError: a setting out of its range, or an integer setting that is not an int
+                (``max_model_len="256"``); the message names the setting.
+        """
+        for f in fields(self):  # the settings annotated int (or int | None)
+            value = getattr(self, f.name)
+            if f.type in ("int", "int | None") and not (value is None and f.type != "int") and (
+                isinstance(value, bool) or not isinstance(value, int)
+            ):
+                raise ValueError(f"{f.name} must be an integer, got {value!r:.80}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.quantization_config()  # raises on a bad mode or group size
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -208,14 +220,13 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map a dtype name ("auto", "bfloat16", "float32", ...) to a torch dtype.
 
     Raises:
-        ValueError: for an unknown name.
+        ValueError: for an unknown name, or a value that is neither a str nor a torch dtype.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
-    try:
-        return _DTYPES[dtype.lower()]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}") from None
+    if not isinstance(dtype, str) or dtype.lower() not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype.lower()]
 
 
 # --kv-cache-dtype's names beyond parse_dtype's: the 8-bit caches (vLLM's names for fp8, and torch's).
@@ -231,13 +242,13 @@ def parse_kv_cache_dtype(name: str | torch.dtype) -> torch.dtype | None:
     """Map a K/V cache dtype name to a torch dtype; None for "auto" (as the engine's dtype decides).
 
     Raises:
-        ValueError: for an unknown name.
+        ValueError: for an unknown name, or a value that is neither a str nor a torch dtype.
     """
     if isinstance(name, torch.dtype):
         return name
-    if name.lower() == "auto":
+    if isinstance(name, str) and name.lower() == "auto":
         return None
-    if name.lower() in _KV_CACHE_DTYPES:
+    if isinstance(name, str) and name.lower() in _KV_CACHE_DTYPES:
         return _KV_CACHE_DTYPES[name.lower()]
     try:
         return parse_dtype(name)

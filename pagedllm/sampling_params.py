@@ -14,6 +14,9 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 _GREEDY_EPS = 1e-5
 _INT64 = 2**63  # msgpack carries signed 64-bit integers; anything wider cannot reach the core
 MAX_LOGPROBS = 20
+# vLLM's VLLM_MAX_N_SEQUENCES default: each of a request's n samples is a request of its own, made
+# before any runs, so an unbounded n (2**62) would allocate until the process dies.
+MAX_N = 16384
 MAX_BAD_WORDS = 1024
 # Stop strings are searched in each sequence's new text after every token, in the process that
 # serves every client: the caps bound that work (no real client comes near them).
@@ -84,7 +87,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``frequency_penalty`` act on output tokens only (OpenAI's definition),
     ``repetition_penalty`` on prompt and output tokens (CTRL, Keskar et al. 2019, §4.1).
 
-    Ranges (vLLM's): n >= 1; temperature in [0, 2]; top_p in (0, 1]; top_k 0 or -1 (off) or
+    Ranges (vLLM's): n in [1, ``MAX_N``]; temperature in [0, 2]; top_p in (0, 1]; top_k 0 or -1 (off) or
     >= 1; min_p in [0, 1]; presence/frequency penalty in [-2, 2]; repetition_penalty > 0;
     max_tokens >= 1 (0 only with prompt_logprobs; None: up to max_model_len); 0 <= min_tokens
     <= max_tokens; logprobs and prompt_logprobs in [0, 20]; seed any 64-bit integer; at most
@@ -156,8 +159,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 _check_int(field, getattr(self, field))
         for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             setattr(self, field, _check_float(field, getattr(self, field)))
-        if self.n < 1:
-            raise bad("n", self.n, "at least 1")
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, f"in [1, {MAX_N}]")
         if not 0.0 <= self.temperature <= 2.0:
             raise bad("temperature", self.temperature, "in [0, 2]")
         if not 0.0 < self.top_p <= 1.0:

@@ -87,6 +87,8 @@ BAD_FLAGS = [
     (["serve", "--timeout-request-head", "inf"], "timeout-request-head"),
     (["serve", "--limit-concurrency", "0"], "limit-concurrency"),
     (["bench", "throughput", "--kv-cache-dtype", "int2"], "--kv-cache-dtype must be"),
+    (["bench", "throughput", "--num-prompts", "0"], "argument --num-prompts: must be at least 1, got 0"),
+    (["bench", "spec", "--repeats", "-1"], "argument --repeats: must be at least 1, got -1"),
     (["generate", "--prompt", "x", "--json-schema", "{not json"], "json-schema"),
     (["generate", "--prompt", "x", "--json-schema", '{"type": "strin"}'], "error: --json-schema: the schema cannot be compiled"),
     (["generate", "--prompt", "x", "--chat", "--chat-template", "{% for %}"], "--chat-template: the template does not parse"),

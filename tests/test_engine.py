@@ -257,6 +257,20 @@ def test_dtype_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         dtype_settings("auto", "int4")
     with pytest.raises(ValueError, match="dtype must be one of"):
         dtype_settings("float8")
+    with pytest.raises(ValueError, match="dtype must be one of"):  # not an AttributeError on .lower()
+        dtype_settings(5)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        dtype_settings("auto", 8)
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_model_len", "256"), ("seed", "x"), ("block_size", 16.0),
+                                              ("max_num_seqs", True), ("kv_cache_memory", None)])
+def test_engine_config_refuses_non_integer_settings(field: str, value: object) -> None:
+    """Named before a comparison or torch.manual_seed fails on the value (a TypeError naming nothing)."""
+    from pagedllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"{field} must be an integer, got {value!r}"):
+        EngineConfig(**{field: value})
 
 
 def test_dtype_settings_without_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -115,6 +115,15 @@ def test_directory_without_config(tmp_path: Path) -> None:
         resolve_model(str(tmp_path))
 
 
+def test_corrupt_safetensors_is_named(tmp_path: Path) -> None:
+    # safetensors' own error type used to escape: a traceback from the command line.
+    transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10" + b"\0" * 7 + b"{}")
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        load_model(resolve_model(str(tmp_path)), torch.float32)
+
+
 def test_unknown_alias_lists_aliases_and_pip_commands() -> None:
     with pytest.raises(ValueError) as err:
         resolve_model("gpt-5")

@@ -9,7 +9,7 @@ import pytest
 
 from pagedllm import LLM
 from pagedllm.errors import InvalidParamError
-from pagedllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams, check_text
+from pagedllm.sampling_params import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams, check_text
 
 FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
 INT_FIELDS = ["n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"]
@@ -42,6 +42,7 @@ def test_int_fields_must_be_64_bit_integers(field: str, value: object) -> None:
         ({"presence_penalty": -2.5}, "presence_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"n": 0}, "n"),
+        ({"n": MAX_N + 1}, "n"),  # each sample is a request made up front: 2**62 never returned
         ({"max_tokens": 0}, "max_tokens"),
         ({"logprobs": 21}, "logprobs"),
         ({"stop": ["ok", "a\ud800"]}, "stop"),
@@ -67,7 +68,7 @@ def test_out_of_range(kwargs: dict, param: str) -> None:
 
 
 def test_documented_bounds_are_accepted() -> None:
-    p = SamplingParams(temperature=2, top_k=-1, min_p=1, presence_penalty=-2, repetition_penalty=3.0,
+    p = SamplingParams(n=MAX_N, temperature=2, top_k=-1, min_p=1, presence_penalty=-2, repetition_penalty=3.0,
                        seed=2**63 - 1, logit_bias={"3": -100, 4: 100}, allowed_token_ids=[0],
                        stop=[f"{i:0{MAX_STOP_STRING_CHARS}}" for i in range(MAX_STOP_STRINGS)])
     assert p.temperature == 2.0 and isinstance(p.temperature, float) and p.top_k == 0
@@ -216,3 +217,55 @@ def test_bad_words_are_capped() -> None:
     with pytest.raises(InvalidParamError) as e:
         SamplingParams(bad_words=["w"] * (MAX_BAD_WORDS + 1))
     assert e.value.param == "bad_words"
+
+
+# -- found by a hostile offline-user pass ----------------------------------------------------------
+@pytest.mark.parametrize(("params", "lora", "param"), [
+    ([], None, "sampling_params"),  # used to run SamplingParams() as if None had been passed
+    ({"temperature": 0}, None, "sampling_params"),  # used to name each key "expected SamplingParams, got str"
+    (5, None, "sampling_params"),  # used to be a TypeError from len()
+    (None, 5, "lora_request"),
+    ([SamplingParams()] * 3, None, "sampling_params"),
+    (None, [None] * 3, "lora_request"),
+])
+def test_generate_refuses_what_is_not_one_per_prompt(llm: LLM, params: object, lora: object, param: str) -> None:
+    with pytest.raises(InvalidParamError) as e:
+        llm.generate(["Hello", "Bye"], params, use_tqdm=False, lora_request=lora)
+    assert e.value.param == param and _idle(llm)
+
+
+@pytest.mark.parametrize(("messages", "kwargs", "param"), [
+    (None, {}, "messages"),  # was a TypeError: not iterable
+    ({"role": "user", "content": "Hi"}, {}, "messages"),  # one message, not in a list: was KeyError 0
+    ([{"role": "user", "content": ["Hi"]}], {}, "messages.0.content.0"),  # a str part: the template's TypeError
+    ([{"role": "user", "content": None}], {}, "messages"),  # SmolLM2's template refuses it (jinja's UndefinedError)
+    ([[{"role": "user", "content": "Hi"}]] * 2, {"chat_template": "{{ raise_exception('no') }}"}, "messages.0"),
+    ([{"role": "user", "content": "Hi"}], {"chat_template": "{% for %}"}, "messages"),
+])
+def test_chat_refuses_malformed_messages(llm: LLM, messages: object, kwargs: dict, param: str) -> None:
+    with pytest.raises(InvalidParamError) as e:
+        llm.chat(messages, use_tqdm=False, **kwargs)
+    assert e.value.param == param and _idle(llm) and llm.engine.core.kv_cache.usage == 0.0
+    out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2  # the engine still serves
+
+
+def test_generate_interrupted_mid_step_leaves_the_engine_whole(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl-C between the scheduler's step and its update used to leave the interrupted requests
+    # queued half-stepped: the next generate ran them and failed in the decode kernel's spans.
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    alone = llm.generate("The sky is", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    executor, calls = llm.engine.core.executor, []
+    execute = executor.execute
+
+    def interrupted(sched):
+        calls.append(1)
+        if len(calls) == 3:  # after a prefill and a decode step
+            raise KeyboardInterrupt
+        return execute(sched)
+
+    monkeypatch.setattr(executor, "execute", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Count to a hundred:", "Hello"], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    assert _idle(llm) and llm.engine.core.kv_cache.usage == 0.0
+    assert llm.generate("The sky is", greedy, use_tqdm=False)[0].outputs[0].token_ids == alone

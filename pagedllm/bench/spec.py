@@ -16,6 +16,8 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
+from pagedllm.engine.arg_utils import positive_int
+
 _FRUITS = (
     "apple, apricot, banana, blackberry, blueberry, cherry, coconut, cranberry, date, elderberry, fig, "
     "grape, guava, honeydew, kiwi, lemon, lime, lychee, mango, nectarine, orange, papaya, peach, pear"
@@ -183,8 +185,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="speculative config of the 'on' runs when --speculative-config is not given",
     )
     parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
-    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per workload (at most 8)")
-    parser.add_argument("--output-len", type=int, default=128, help="max tokens per request")
-    parser.add_argument("--repeats", type=int, default=1, help="off/on pairs per case; each side's fastest is reported")
+    parser.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per workload (at most 8)")
+    parser.add_argument("--output-len", type=positive_int, default=128, help="max tokens per request")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=1, help="off/on pairs per case; each side's fastest is reported"
+    )
     parser.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS), help="copy,open")
     parser.add_argument("--result-json", default=None)

@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from pagedllm.bench.datasets import BenchRequest, parse_range, prefix_repetition_requests, random_requests
+from pagedllm.engine.arg_utils import non_negative_int, positive_int
 
 
 @dataclass
@@ -178,10 +179,12 @@ def run(args: argparse.Namespace) -> None:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", choices=["random", "prefix-repetition"], default="random")
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--prefix-len", type=int, default=512, help="prefix-repetition: shared prefix tokens")
-    parser.add_argument("--suffix-len", type=int, default=128, help="prefix-repetition: own suffix tokens")
-    parser.add_argument("--num-prefixes", type=int, default=10, help="prefix-repetition: distinct prefixes")
+    parser.add_argument("--num-prompts", type=positive_int, default=256)
+    parser.add_argument(
+        "--prefix-len", type=non_negative_int, default=512, help="prefix-repetition: shared prefix tokens"
+    )
+    parser.add_argument("--suffix-len", type=non_negative_int, default=128, help="prefix-repetition: own suffix tokens")
+    parser.add_argument("--num-prefixes", type=positive_int, default=10, help="prefix-repetition: distinct prefixes")
     parser.add_argument("--input-len-range", default="32:512", help="LO:HI prompt tokens")
     parser.add_argument("--output-len-range", default="32:256", help="LO:HI output tokens")
     parser.add_argument("--backend", choices=["pagedllm", "hf"], default="pagedllm")
@@ -192,7 +195,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "blocks, requests held at once and preemptions printed); print the ratio",
     )
     parser.add_argument("--compare-kv-cache-dtype", default="int8", help="kv-cache-dtype: the second run's KV dtype")
-    parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")
+    parser.add_argument("--hf-batch-size", type=positive_int, default=16, help="static batch size of the hf backend")
     parser.add_argument("--result-json", default=None)
     parser.add_argument(
         "--trace", default=None,

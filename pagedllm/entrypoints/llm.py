@@ -117,13 +117,17 @@ class LLM:
         Args:
             prompts: a prompt or a list of them; a prompt is a string, a token-id list, or
                 vLLM's dict of either: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
-            sampling_params: one for all prompts, or one per prompt.
-            lora_request: the LoRA adapter of all prompts, or one (or None: the base model)
-                per prompt; needs ``enable_lora=True``.
+            sampling_params: one for all prompts, or a list of one per prompt; None:
+                ``SamplingParams()``.
+            lora_request: the LoRA adapter of all prompts, or a list of one (or None: the base
+                model) per prompt; needs ``enable_lora=True``.
 
         Raises:
-            ValueError: if any prompt or parameter is invalid (an ``InvalidParamError`` naming
-                the field); nothing is queued then, so no earlier prompt of the list runs.
+            ValueError: if any prompt or parameter is invalid, or a list of ``sampling_params``
+                or ``lora_request`` is not one per prompt (an ``InvalidParamError`` naming the
+                field); nothing is queued then, so no earlier prompt of the list runs.
+            KeyboardInterrupt, or an error of an engine step: propagated after this call's
+                unfinished requests are aborted, so the engine stays usable.
             OSError: with ``trace``, if the trace file cannot be written (after generating).
         """
         if isinstance(prompts, Mapping):  # one prompt dict
@@ -155,15 +159,28 @@ class LLM:
             chat_template: a Jinja template to use instead of the model's (its text).
 
         Raises:
-            ValueError: a message that is not such a dict, text that is not Unicode scalar
-                values (lone surrogates), or any error ``generate`` raises; nothing is run then.
+            ValueError: ``messages`` that are not such a list, a message that is not such a
+                dict, text that is not Unicode scalar values (lone surrogates), a conversation
+                the chat template refuses to render (as vLLM, the template's error as a
+                ValueError), or any error ``generate`` raises; nothing is run then. Each is an
+                ``InvalidParamError`` naming the field (``messages.0.content``).
         """
+        if not isinstance(messages, list):
+            raise InvalidParamError("messages", "messages must be a list of messages or a list of conversations, "
+                                    f"got {type(messages).__name__}")
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else messages
-        for i, conv in enumerate(conversations):
-            _check_conversation(conv, "messages" if single else f"messages.{i}")
-        rendered = [chat_prompt(self.engine.tokenizer, conv, add_generation_prompt, chat_template=chat_template)
-                    for conv in conversations]
+        paths = ["messages"] if single else [f"messages.{i}" for i in range(len(conversations))]
+        for conv, path in zip(conversations, paths, strict=True):
+            _check_conversation(conv, path)
+        rendered = []
+        for conv, path in zip(conversations, paths, strict=True):
+            try:
+                rendered.append(
+                    chat_prompt(self.engine.tokenizer, conv, add_generation_prompt, chat_template=chat_template)
+                )
+            except Exception as e:  # jinja's own errors, or a TypeError, for what a template refuses
+                raise InvalidParamError(path, f"the chat template cannot render {path}: {e}") from e
         return self._generate([ids for _, ids in rendered], sampling_params, use_tqdm, [text for text, _ in rendered])
 
     def _generate(
@@ -176,14 +193,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """``generate`` for a list of prompts; ``texts``: the text each token-id prompt was
         rendered from (a chat template's), for the outputs' ``prompt``."""
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
-        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) else lora_request
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora_request")
+        params = _per_prompt(SamplingParams() if sampling_params is None else sampling_params, SamplingParams,
+                             "sampling_params", len(prompts))
+        loras = _per_prompt(lora_request, LoRARequest, "lora_request", len(prompts))
         # Validate everything before queueing anything.
         ids = [str(next(self._counter)) for _ in prompts]
         prepared = [
@@ -194,20 +206,51 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until it is idle; the outputs of ``request_ids``, in that order.
+
+        Whatever interrupts the loop (Ctrl-C, an error of the step) aborts every request of
+        ``request_ids`` not yet finished before it propagates, so the engine is left idle with
+        its blocks free: a later ``generate`` neither runs them nor trips over their state.
+        """
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start, num_out = time.perf_counter(), 0
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    num_out += sum(len(o.token_ids) for o in out.outputs)
-                    bar.update(1)
-                    bar.set_postfix_str(f"output: {num_out / (time.perf_counter() - start):.1f} tok/s")
-        bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        num_out += sum(len(o.token_ids) for o in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output: {num_out / (time.perf_counter() - start):.1f} tok/s")
+        except BaseException:
+            for request_id in request_ids:
+                if request_id not in done:
+                    self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
         if self.trace is not None:
             write_trace(self.engine.live_view, self.trace)
         return [done[i] for i in request_ids]
+
+
+def _per_prompt(value: object, kind: type, field: str, num_prompts: int) -> list:
+    """``value`` for each of ``num_prompts`` prompts: one ``kind`` (or None) for all, or a list
+    or tuple of exactly one per prompt (its items are checked by the engine).
+
+    Raises:
+        InvalidParamError (param ``field``): anything else, or a list of another length.
+    """
+    if value is None or isinstance(value, kind):
+        return [value] * num_prompts
+    if not isinstance(value, (list, tuple)):
+        raise InvalidParamError(
+            field, f"{field} must be a {kind.__name__} or a list of one per prompt, got {type(value).__name__}"
+        )
+    if len(value) != num_prompts:
+        raise InvalidParamError(field, f"got {num_prompts} prompts but {len(value)} {field}")
+    return list(value)
 
 
 def _check_conversation(conversation: object, path: str) -> None:
@@ -221,6 +264,9 @@ def _check_conversation(conversation: object, path: str) -> None:
         content = message.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
-                check_text(part.get("text") if isinstance(part, dict) else part, f"{where}.content.{j}.text")
+                if not isinstance(part, dict):
+                    raise InvalidParamError(f"{where}.content.{j}", f'{where}.content.{j} must be a '
+                                            f'{{"type": "text", "text": str}} part, got {type(part).__name__}')
+                check_text(part.get("text"), f"{where}.content.{j}.text")
         elif content is not None:
             check_text(content, f"{where}.content")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig
 from pagedllm.models.registry import QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture
@@ -114,11 +114,18 @@ def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 def hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of every ``*.safetensors`` file in the directory."""
+    """(HF name, tensor) for every tensor of every ``*.safetensors`` file in the directory.
+
+    Raises:
+        ValueError: no such file, or one that is not safetensors (truncated, corrupt), named.
+    """
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield key, f.get_tensor(key)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    yield key, f.get_tensor(key)
+        except SafetensorError as e:
+            raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
