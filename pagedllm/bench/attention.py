@@ -25,6 +25,7 @@ import argparse
 import time
 
 from pagedllm.bench.gemm import MODEL_SHAPES
+from pagedllm.engine.arg_utils import positive_int
 
 _DTYPES = ("bfloat16", "int8", "fp8", "float32")
 
@@ -36,9 +37,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-lens", default="4096,16384", help="comma list of keys per request")
     parser.add_argument("--batch-sizes", default="1,8", help="comma list of requests per call")
     parser.add_argument("--kv-cache-dtypes", default="bfloat16,int8", help=f"comma list of {', '.join(_DTYPES)}")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
+    parser.add_argument("--repeats", type=positive_int, default=7)
+    parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument(
+        "--block-size", type=positive_int, default=None, help="tokens per KV block (default: the engine's)"
+    )
     parser.add_argument("--block-order", choices=("random", "sequential"), default="random",
                         help="where a request's blocks lie in the pool: random (a long-running server's) or consecutive")
 

@@ -7,11 +7,15 @@ import statistics
 import time
 from importlib import resources
 
+from pagedllm.engine.arg_utils import positive_int
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="whose tokenizer (default: the default model)")
-    parser.add_argument("--num-tokens", type=int, default=2000, help="tokens of the bench text, one update each")
-    parser.add_argument("--runs", type=int, default=5, help="timed runs; median and minimum printed")
+    parser.add_argument(
+        "--num-tokens", type=positive_int, default=2000, help="tokens of the bench text, one update each"
+    )
+    parser.add_argument("--runs", type=positive_int, default=5, help="timed runs; median and minimum printed")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -24,6 +24,8 @@ import argparse
 import time
 from collections.abc import Callable
 
+from pagedllm.engine.arg_utils import positive_int
+
 # Layer shapes per model: hidden, intermediate, attention heads, K/V heads, head dim.
 MODEL_SHAPES = {
     "smollm2-135m": (576, 1536, 9, 3, 64),
@@ -47,8 +49,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b", help=f"comma list of {', '.join(MODEL_SHAPES)}")
     parser.add_argument("--rows", default="1,16,256,512,1024,2048", help="comma list of M (rows of x)")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--threads", type=positive_int, default=1)
 
 
 def _kernels(kinds: list[str], n: int, k: int) -> dict[str, Callable[[object], object]]:

@@ -15,6 +15,7 @@ from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.arg_utils import positive_int
 from pagedllm.models.loader import load_config, resolve_model
 from pagedllm.sampling_params import SamplingParams
 
@@ -72,10 +73,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     parser.add_argument("--model", default="gemma-3-270m")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--block-size", type=positive_int, default=defaults.block_size)
     parser.add_argument("--kv-cache-memory", type=parse_memory, default="1GiB", help="KV cache budget, e.g. 1GiB")
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=4096)
-    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--num-requests", type=positive_int, default=64)
+    parser.add_argument("--prompt-len", type=positive_int, default=4096)
+    parser.add_argument("--output-len", type=positive_int, default=16)

@@ -32,16 +32,18 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from pagedllm.engine.arg_utils import positive_int
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-lens", default="1024,4096,8192,16384", help="comma-separated prompt lengths, tokens")
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated decode batch sizes")
-    parser.add_argument("--output-len", type=int, default=32, help="tokens decoded per request in the decode runs")
+    parser.add_argument("--output-len", type=positive_int, default=32, help="tokens decoded per request in the decode runs")
     parser.add_argument(
         "--kv-cache-dtypes", default=None,
         help="comma-separated KV cache dtypes to compare (default: the --kv-cache-dtype flag's value)",
     )
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=positive_int, default=1)
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference (GGUF models)")
 
 

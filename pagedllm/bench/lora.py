@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedllm.engine.arg_utils import positive_int
+
 
 def write_random_adapter(path: Path, config, rank: int, seed: int) -> Path:
     """A PEFT LoRA folder of rank ``rank`` on every projection of ``config``'s model (random A
@@ -76,13 +78,13 @@ def decode_rates(
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rank", type=int, default=16, help="the adapters' rank")
+    parser.add_argument("--rank", type=positive_int, default=16, help="the adapters' rank")
     parser.add_argument("--adapter-counts", default="0,1,4,16",
                         help="distinct adapters in the batch, comma list (0 first: the others' reference)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--prompt-len", type=positive_int, default=32)
+    parser.add_argument("--output-len", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="runs per measurement; the median is reported")
     parser.add_argument("--result-json", default=None, help="write the results to this JSON file")
 
 

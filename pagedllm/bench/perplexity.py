@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagedllm.engine.arg_utils import positive_int
+
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "pride_and_prejudice_ch1-2.txt"
 
 
@@ -96,8 +98,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--file", type=Path, default=DEFAULT_TEXT, help="UTF-8 text (default: a shipped public-domain text)"
     )
-    parser.add_argument("--window", type=int, default=512, help="tokens per window")
-    parser.add_argument("--stride", type=int, default=256, help="tokens between window starts")
+    parser.add_argument("--window", type=positive_int, default=512, help="tokens per window")
+    parser.add_argument("--stride", type=positive_int, default=256, help="tokens between window starts")
     parser.add_argument(
         "--compare",
         default="",

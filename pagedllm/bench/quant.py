@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from pagedllm.engine.arg_utils import positive_int
+
 if TYPE_CHECKING:  # torch is imported where used: building the CLI parser stays light
     from torch import nn
 
@@ -151,10 +153,10 @@ def _reference(results: list[QuantBenchResult]) -> QuantBenchResult | None:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="auto,fp32,bf16,int8,int4,int4+lm_head,w8a8", help=f"comma list of {', '.join(MODES)}")
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=32, help="the batched run's requests (1: skip it)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
+    parser.add_argument("--prompt-len", type=positive_int, default=64)
+    parser.add_argument("--output-len", type=positive_int, default=64)
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="the batched run's requests (1: skip it)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="runs per measurement; the median is reported")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     parser.add_argument("--result-json", default=None, help="write the results to this JSON file")
 

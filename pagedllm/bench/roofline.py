@@ -24,15 +24,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pagedllm.engine.arg_utils import positive_int
 from pagedllm.kernels.isa import cpu_vendor_family
 
 _PROBE_STEPS = 20_000_000  # per thread: ~10 ms at 2 GHz, well above timer and fork/join noise
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", type=int, default=1536, help="M = N = K of the GEMMs")
-    parser.add_argument("--memory-mib", type=int, default=1024, help="size of the tensor read for bandwidth, MiB")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--size", type=positive_int, default=1536, help="M = N = K of the GEMMs")
+    parser.add_argument("--memory-mib", type=positive_int, default=1024, help="size of the tensor read for bandwidth, MiB")
+    parser.add_argument("--repeats", type=positive_int, default=5)
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:

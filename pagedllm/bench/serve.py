@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from pagedllm.bench.datasets import BenchRequest, parse_range, prefix_repetition_requests, random_requests
 from pagedllm.config import DEFAULT_MODEL
+from pagedllm.engine.arg_utils import non_negative_int, positive_int
 
 
 @dataclass
@@ -43,15 +44,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", choices=["random", "prefix-repetition"], default="random")
     parser.add_argument("--prompt-format", choices=["token-ids", "text"], default="token-ids",
                         help="send prompts as token ids (exact lengths) or decoded text")
-    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--num-prompts", type=positive_int, default=200)
     parser.add_argument("--input-len-range", default="128:512", help="LO:HI prompt tokens (random)")
     parser.add_argument("--output-len-range", default="32:128", help="LO:HI output tokens")
-    parser.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens (prefix-repetition)")
-    parser.add_argument("--suffix-len", type=int, default=64, help="per-request suffix tokens (prefix-repetition)")
-    parser.add_argument("--num-prefixes", type=int, default=4, help="distinct prefixes (prefix-repetition)")
+    parser.add_argument(
+        "--prefix-len", type=non_negative_int, default=256, help="shared prefix tokens (prefix-repetition)"
+    )
+    parser.add_argument(
+        "--suffix-len", type=non_negative_int, default=64, help="per-request suffix tokens (prefix-repetition)"
+    )
+    parser.add_argument("--num-prefixes", type=positive_int, default=4, help="distinct prefixes (prefix-repetition)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)")
-    load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    load.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="gamma shape of inter-arrival times: 1 = Poisson, <1 burstier, >1 steadier")
     parser.add_argument("--seed", type=int, default=0)

@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from pagedllm.engine.arg_utils import positive_int
+
 # A typical response schema: an array of small records (strings, bounded integers, enums).
 PERSON = {
     "type": "object",
@@ -144,9 +146,9 @@ def run(args: argparse.Namespace) -> None:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=32, help="concurrent requests (and the large mask batch)")
-    parser.add_argument("--output-len", type=int, default=96, help="max_tokens of every request")
-    parser.add_argument("--repeats", type=int, default=20, help="compilations timed")
-    parser.add_argument("--steps", type=int, default=60, help="mask steps timed per batch size")
-    parser.add_argument("--rounds", type=int, default=2, help="throughput runs of each kind, interleaved; best kept")
+    parser.add_argument("--num-prompts", type=positive_int, default=32, help="concurrent requests (and the large mask batch)")
+    parser.add_argument("--output-len", type=positive_int, default=96, help="max_tokens of every request")
+    parser.add_argument("--repeats", type=positive_int, default=20, help="compilations timed")
+    parser.add_argument("--steps", type=positive_int, default=60, help="mask steps timed per batch size")
+    parser.add_argument("--rounds", type=positive_int, default=2, help="throughput runs of each kind, interleaved; best kept")
     parser.add_argument("--skip-throughput", action="store_true", help="only the compile and mask figures")
