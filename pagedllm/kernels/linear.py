@@ -72,7 +72,8 @@ def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) 
     panels, groups = -(-n // PANEL), -(-k // QUANT_GROUP)
     packed = torch.empty(panels * PANEL * groups * QUANT_GROUP, dtype=torch.int8)
     wscale = torch.empty(panels * PANEL)
-    lib.linear_pack_w8a8(ptr(w32), ptr_or_none(row_max), ptr(packed), ptr(wscale), n, k)
+    scale_max = own_max if row_max is None else row_max  # own_max: the kernel need not find it again
+    lib.linear_pack_w8a8(ptr(w32), ptr(scale_max), ptr(packed), ptr(wscale), n, k)
     return packed, wscale
 
 
