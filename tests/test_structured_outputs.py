@@ -71,6 +71,17 @@ def test_json_regex_choice_grammar(llm, greedy):
     assert re.fullmatch(r"x=[0-9]{2};", outs[2].outputs[0].text)
 
 
+def test_choices_beyond_the_parsers_row_limit(llm):
+    """3000 choices (within --max-grammar-choices, 4096; llguidance's parser holds 2000 items in
+    a row): every sample is one of them."""
+    choices = [f"option {i}" for i in range(3000)]
+    params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    out = llm.generate("Pick an option:", params, use_tqdm=False)[0]
+    assert [c.finish_reason for c in out.outputs] == ["stop"] * 3
+    assert all(c.text in choices for c in out.outputs), [c.text for c in out.outputs]
+
+
 def test_stop_string_cuts_a_constrained_output(llm, greedy):
     out = llm.generate(CHAT, json_params(temperature=0, stop=[","]), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == ","

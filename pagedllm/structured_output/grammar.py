@@ -47,7 +47,10 @@ def grammar_text(kind: str, text: str) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "choice":
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
+        # One terminal: its alternatives go to the lexer. As alternatives of a rule, each would
+        # be an item of the parser's first row, which holds at most 2000 (``max_items_in_row``).
+        choices = " | ".join(json.dumps(c) for c in json.loads(text))
+        return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {choices}")
     try:  # Lark as is; GBNF (``root ::= ...``) converted to Lark
         return llguidance.grammar_from("grammar", text)
     except ValueError as e:
