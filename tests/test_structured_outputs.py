@@ -82,6 +82,19 @@ def test_choices_beyond_the_parsers_row_limit(llm):
     assert all(c.text in choices for c in out.outputs), [c.text for c in out.outputs]
 
 
+def test_a_grammar_past_a_lexer_limit_fails_its_request_alone(llm):
+    """A regex that compiles but outgrows llguidance's lexer at its first tokens: finish_reason
+    "error" naming ``structured_outputs`` (the request's own fault), the first time (its token
+    fails) and again (its cached matcher's mask fails); its neighbour is served."""
+    bad = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(a{997}){1000}"))
+    for _ in range(2):
+        failed, fine = llm.generate(["Say aaaa", "Today's date is"], [bad, regex_params(temperature=0)], use_tqdm=False)
+        assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].error_param == "structured_outputs"
+        assert "the grammar failed while generating: lexer error" in failed.outputs[0].error
+        assert re.fullmatch(DATE, fine.outputs[0].text)
+    assert not llm.engine.core.has_unfinished_requests() and pool_is_whole(llm)
+
+
 def test_stop_string_cuts_a_constrained_output(llm, greedy):
     out = llm.generate(CHAT, json_params(temperature=0, stop=[","]), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == ","

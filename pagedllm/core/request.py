@@ -115,7 +115,7 @@ class Request:
         structured output never reads as cut off ("length").
         """
         if self.structured_output is not None and self.structured_output.is_terminated:
-            self.status = RequestStatus.FINISHED_ERROR if self.structured_output.error else RequestStatus.FINISHED_STOPPED
+            self.status = RequestStatus.FINISHED_ERROR if self.structured_output.error is not None else RequestStatus.FINISHED_STOPPED
             return True
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH

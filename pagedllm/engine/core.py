@@ -169,6 +169,8 @@ class EngineCore:
                 request = s.request
                 if s.spec_token_ids:  # rejected drafts are neither prompt nor generated tokens
                     num_kept_tokens -= len(s.spec_token_ids) + 1 - len(new_tokens)
+                # A grammar that failed at a token hit a parser or lexer limit: the request's own error.
+                grammar_error = None if request.structured_output is None else request.structured_output.error
                 outputs.append(
                     EngineCoreOutput(
                         request.request_id,
@@ -179,9 +181,7 @@ class EngineCore:
                         None if result.logprobs[i] is None else result.logprobs[i].first(len(new_tokens)),
                         result.prompt_logprobs[i],
                         max(request.num_cached_tokens, 0),
-                        # A token the grammar refused (it was sampled under its mask, so a bug).
-                        RequestError(f"the grammar refused a sampled token: {request.structured_output.error}")
-                        if request.structured_output is not None and request.structured_output.error else None,
+                        None if grammar_error is None else RequestError.of(grammar_error),
                     )
                 )
             if self.proposer is not None:

@@ -7,6 +7,9 @@ from concurrent.futures import Future
 
 import llguidance
 
+from pagedllm.errors import InvalidParamError
+from pagedllm.structured_output.grammar import short_error
+
 
 class StructuredOutputRequest:
     """A sequence's matcher: absent while its grammar compiles, then advanced with every
@@ -45,8 +48,8 @@ class StructuredOutputRequest:
         return self._matcher
 
     def accept(self, token_id: int) -> None:
-        """Advance past an output token; a token the grammar forbids leaves the matcher in
-        its error state (see ``is_error``)."""
+        """Advance past an output token; a token the grammar forbids, or one that takes it past
+        a parser or lexer limit, leaves the matcher in its error state (see ``error``)."""
         self.matcher.consume_token(token_id)
 
     @property
@@ -55,9 +58,16 @@ class StructuredOutputRequest:
         return self.matcher.is_stopped()
 
     @property
-    def error(self) -> str | None:
-        """Why the matcher failed (a forbidden token was accepted), or None."""
-        return self.matcher.get_error() if self.matcher.is_error() else None
+    def error(self) -> InvalidParamError | None:
+        """Why the matcher failed, or None. Tokens are sampled under the grammar's mask, so
+        what fails is the grammar: a parser or lexer limit hit at some token (a row of more
+        than 2000 items, a regex whose lexer states outgrow the limit). That is the request's
+        own constraint at fault: ``param`` is ``structured_outputs``."""
+        if not self.matcher.is_error():
+            return None
+        return InvalidParamError(
+            "structured_outputs", f"the grammar failed while generating: {short_error(self.matcher.get_error())}"
+        )
 
     def num_valid(self, token_ids: Sequence[int]) -> int:
         """How many of ``token_ids`` (drafts) the grammar allows in a row from here; state unchanged."""

@@ -39,7 +39,6 @@ from pagedllm.errors import InvalidParamError
 from pagedllm.core.request import Request
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.structured_output.bitmask import PendingMasks, fill_bitmask
-from pagedllm.structured_output.grammar import short_error
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.step_input import BlockTableMirror, SamplePlan, StepInput
@@ -288,9 +287,9 @@ class ModelRunner:
             grammars = [reqs[j].request.structured_output for j in constrained]
             bitmask = fill_bitmask(grammars, logits.shape[1]) if self._masks is None else self._masks.masks(grammars)
             meta = replace(meta, grammar_mask=(bitmask, constrained))
-            if any(g.matcher.is_error() for g in grammars):  # fails this batch; ``_isolated`` retries each alone
-                error = next(g.matcher.get_error() for g in grammars if g.matcher.is_error())
-                raise InvalidParamError("structured_outputs", f"the grammar failed while generating: {short_error(error)}")
+            failed = next((e for g in grammars if (e := g.error) is not None), None)
+            if failed is not None:  # fails this batch; ``_isolated`` retries each alone
+                raise failed
         out = self.sampler(logits, meta)
         if out.unsamplable:  # fails this batch; ``_isolated`` retries each request alone
             raise InvalidParamError(

@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     top_n,
 )
 from pagedllm.entrypoints.openai.serving_lora import ServingLoRA
+from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_field
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.generic import GenericToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
@@ -78,8 +79,10 @@ class OpenAIServingChat(OpenAIServing):
             logger.info("the chat template of %s has no tool section: tools, tool calls and results use pagedllm's "
                         "generic format (a system message; replies constrained to text or a JSON call)", served_model_name)
 
-    def _prepare(self, req: ChatCompletionRequest) -> PreparedRequest:
-        """Validate and tokenize a request (blocking; 400 naming the field on invalid input)."""
+    def _prepare(self, req: ChatCompletionRequest) -> tuple[PreparedRequest, str | None]:
+        """Validate and tokenize a request (blocking; 400 naming the field on invalid input);
+        also return the request field its output constraint comes from (``tools`` for a tool
+        choice's; None: unconstrained), which ``generation_error`` names."""
         self.check_request(req)
         if req.top_logprobs is not None:
             if not req.logprobs:
@@ -98,11 +101,13 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, len(token_ids), max_tokens, logprobs)
+        constraint_field = "tools" if constraint is not None else structured_outputs_field(req)
         if constraint is not None:
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         if req.tool_mode == "auto":  # call markers such as Qwen's <tool_call> are special tokens: the parser needs them
             params = msgspec.structs.replace(params, skip_special_tokens=False)
-        return self.prepare(random_id("chatcmpl"), token_ids, params, req.cache_salt, req.model, "messages")
+        prepared = self.prepare(random_id("chatcmpl"), token_ids, params, req.cache_salt, req.model, "messages")
+        return prepared, constraint_field
 
     def render(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[ChatTool] | None = None,
@@ -135,11 +140,11 @@ class OpenAIServingChat(OpenAIServing):
         Raises:
             OpenAIError: 404 for another model, 400 for invalid input (before anything runs).
         """
-        prepared = await asyncio.to_thread(self._prepare, req)
+        prepared, constraint_field = await asyncio.to_thread(self._prepare, req)
         if req.stream:
-            return self._stream(req, prepared)
+            return self._stream(req, prepared, constraint_field)
         (out,) = await gather_final([self.engine.generate(prepared)])
-        if (error := generation_error(out)) is not None:
+        if (error := generation_error(out, constraint_field)) is not None:
             raise error
         choices = []
         for c in out.outputs:
@@ -186,7 +191,9 @@ class OpenAIServingChat(OpenAIServing):
         parser) for a generic "required", whose output is one call or a list of them."""
         return "auto" if self.generic_tools and req.tool_mode == "required" else req.tool_mode
 
-    async def _stream(self, req: ChatCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
+    async def _stream(
+        self, req: ChatCompletionRequest, prepared: PreparedRequest, constraint_field: str | None
+    ) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -205,7 +212,7 @@ class OpenAIServingChat(OpenAIServing):
             tool_streams = {i: ToolStream(mode, self.tool_parser(_tool_names(req)), name) for i in range(req.n)}
         try:
             async for out in self.engine.generate(prepared, stream=True):
-                if (error := generation_error(out)) is not None:
+                if (error := generation_error(out, constraint_field)) is not None:
                     yield sse(error.body())
                     yield SSE_DONE
                     return  # leaving the stream aborts the other samples

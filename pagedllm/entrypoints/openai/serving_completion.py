@@ -30,6 +30,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     sse,
     top_n,
 )
+from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_field
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -45,11 +46,12 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         # Validation (grammar checks, tokenizing) in a worker thread: the event loop serves everyone.
         prepared = await asyncio.to_thread(self._prepare_all, request_id, req)
+        constraint_field = structured_outputs_field(req)
         if req.stream:
-            return self._stream(req, request_id, prepared)
+            return self._stream(req, request_id, prepared, constraint_field)
         outputs = await gather_final([self.engine.generate(p) for p in prepared])
         for out in outputs:
-            if (error := generation_error(out)) is not None:
+            if (error := generation_error(out, constraint_field)) is not None:
                 raise error
         choices = [
             self._choice(req, out, c, prompt_idx * req.n + c.index, c.text, c.logprobs)
@@ -93,7 +95,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # -- running -----------------------------------------------------------------------------
     async def _stream(
-        self, req: CompletionRequest, request_id: str, prepared: list[PreparedRequest]
+        self, req: CompletionRequest, request_id: str, prepared: list[PreparedRequest], constraint_field: str | None
     ) -> AsyncIterator[str]:
         created = int(time.time())
         finished: set[int] = set()
@@ -102,7 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = 0
         try:
             async for prompt_idx, out in merge([self.engine.generate(p, stream=True) for p in prepared]):
-                if (error := generation_error(out)) is not None:
+                if (error := generation_error(out, constraint_field)) is not None:
                     yield sse(error.body())
                     yield SSE_DONE
                     return  # leaving the merge aborts the other prompts

@@ -52,6 +52,33 @@ def structured_outputs_params(req: SamplingRequest) -> StructuredOutputsParams |
             constraint, or one that is malformed or does not compile (empty ``choice``,
             invalid schema, regex or grammar); ``param`` is the request field at fault.
     """
+    found = _constraint(req)
+    if found is None:
+        return None
+    param, kwargs = found
+    try:
+        params = StructuredOutputsParams(**kwargs)
+        backend.check(params)
+    except InvalidParamError as e:
+        raise InvalidParamError(param, f"{param}: {e}") from None
+    return params
+
+
+def structured_outputs_field(req: SamplingRequest) -> str | None:
+    """The request field the constraint of a checked request (``structured_outputs_params``)
+    comes from: ``guided_regex``, ``structured_outputs.json``, ``response_format.json_schema.schema``,
+    ...; None when it asks for none."""
+    found = _constraint(req)
+    return None if found is None else found[0]
+
+
+def _constraint(req: SamplingRequest) -> tuple[str, dict[str, Any]] | None:
+    """(request field, ``StructuredOutputsParams`` kwargs) of the one constraint a request asks
+    for, unchecked; None when it asks for none.
+
+    Raises:
+        InvalidParamError: an unknown ``response_format`` type or field, or more than one constraint.
+    """
     found: list[tuple[str, dict[str, Any]]] = []
     if req.response_format is not None and (rf := _response_format(req.response_format)) is not None:
         found.append(rf)
@@ -66,16 +93,8 @@ def structured_outputs_params(req: SamplingRequest) -> StructuredOutputsParams |
     for name, kind in GUIDED_FIELDS.items():
         if (value := getattr(req, name)) is not None:
             found.append((name, {kind: value}))
-    if not found:
-        return None
     if len(found) > 1:
         raise InvalidParamError(
             found[1][0], f"a request takes one structured output constraint; got {found[0][0]} and {found[1][0]}"
         )
-    param, kwargs = found[0]
-    try:
-        params = StructuredOutputsParams(**kwargs)
-        backend.check(params)
-    except InvalidParamError as e:
-        raise InvalidParamError(param, f"{param}: {e}") from None
-    return params
+    return found[0] if found else None
