@@ -285,6 +285,9 @@ def test_generic_auto_answers_in_text_when_no_tool_fits(client: openai.OpenAI) -
 BAD_TOOLS = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nowhere"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),  # as vLLM: any tool_choice but "none" needs tools
+    ({"tool_choice": "auto", "tools": []}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
@@ -297,7 +300,9 @@ BAD_TOOLS = [
 
 @pytest.mark.parametrize(("fields", "param"), BAD_TOOLS, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_TOOLS)])
 def test_bad_tools_are_400_naming_the_field(http: httpx.Client, fields: dict, param: str) -> None:
-    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **fields})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["type"] == "BadRequestError" and error["param"] == param, error
+    for stream in (False, True):
+        r = http.post("/v1/chat/completions",
+                      json={"model": MODEL, "messages": ASK, "max_tokens": 4, "stream": stream, **fields})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "BadRequestError" and error["param"] == param, error

@@ -38,7 +38,7 @@ def check_tools(req: ChatCompletionRequest) -> None:
     """``tool_choice`` against ``tools``, and the tools' parameters where they will constrain.
 
     Raises:
-        InvalidParamError: ``tool_choice`` "required" or named without ``tools``, a named
+        InvalidParamError: ``tool_choice`` other than "none" without ``tools`` (as vLLM), a named
             function not in ``tools``, two tools of one name, a tool choice that constrains
             together with another structured output field, parameters that are not a
             JSON schema the grammar engine compiles (``tools.i.function.parameters``), or
@@ -49,7 +49,7 @@ def check_tools(req: ChatCompletionRequest) -> None:
     if len(set(names)) != len(names):
         raise InvalidParamError("tools", "tools: function names must be unique")
     mode = req.tool_mode
-    if mode in ("required", "named") and not tools:
+    if mode != "none" and not tools:
         raise InvalidParamError("tool_choice", f"tool_choice {mode!r} needs tools")
     if mode == "named" and req.tool_choice.function.name not in names:
         raise InvalidParamError(
