@@ -196,6 +196,23 @@ def test_prompt_scoring_with_zero_max_tokens(llm):
     assert pool_is_whole(llm)
 
 
+def test_prompt_tokens_count_each_samples_prompt_once(llm, monkeypatch):
+    """The prompt tokens the stat logger gets (as /metrics' prompt_tokens): each of n samples'
+    whole prompt, prefix-cache hits included, once its prefill completes; a prompt-only
+    request's (max_tokens 0) at its end."""
+    counted = []
+    monkeypatch.setattr(llm.engine, "stat_logger", type("Log", (), {"record": lambda _, s, p, g: counted.append(p)})())
+    tok = llm.get_tokenizer()
+    prompts = ["Far away, beyond seven mountains, there was a quiet lake", "A B C D"]
+    params = [SamplingParams(n=2, max_tokens=3, temperature=1.0), SamplingParams(max_tokens=0, prompt_logprobs=0)]
+    expected = 2 * len(tok.encode(prompts[0])) + len(tok.encode(prompts[1]))
+    for _ in range(2):  # the second time, the prompts are prefix-cache hits
+        counted.clear()
+        llm.generate(prompts, params, use_tqdm=False)
+        assert sum(counted) == expected
+    assert llm.engine.output_processor.take_metrics() == ([], 0)  # taken every step: nothing piles up
+
+
 @pytest.mark.parametrize(
     "prompt, kwargs, match",
     [

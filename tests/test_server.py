@@ -713,6 +713,19 @@ def test_metrics_count_each_of_n_samples_in_every_per_request_series(http: httpx
     assert {name: metric(http, name) - before[name] for name in series} == dict.fromkeys(series, 4)
 
 
+def test_prompt_tokens_count_each_samples_prompt(http: httpx.Client) -> None:
+    """As vLLM's prompt_tokens: every prompt token of each of n samples, prefix-cache hits
+    included (the repeat), counted once its prefill completes; a prompt-only request's too."""
+    prompt = "Far away, beyond seven mountains, there was a quiet lake where swans lived"
+    for body in (_completion(prompt=prompt, n=2, temperature=1.0), _completion(prompt=prompt, n=2, temperature=1.0),
+                 _completion(prompt=prompt, max_tokens=0, echo=True, logprobs=0)):
+        wait_idle(http)
+        before = metric(http, "prompt_tokens_total")
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert metric(http, "prompt_tokens_total") - before == body.get("n", 1) * r.json()["usage"]["prompt_tokens"]
+
+
 def test_reset_prefix_cache(http: httpx.Client) -> None:
     wait_idle(http)
     assert http.post("/reset_prefix_cache").json() == {"success": True}

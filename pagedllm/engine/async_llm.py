@@ -234,11 +234,8 @@ class AsyncLLM:
                 queue.put_nowait(out)
             if out.finished:
                 self.metrics.record_finished(out, now)
-        timings = list(self.output_processor.timings)
-        self.output_processor.timings.clear()
+        timings, num_prompt = self.output_processor.take_metrics()
         num_gen = sum(len(o.new_token_ids) for o in core_out.outputs)
-        num_batched = core_out.stats.num_batched_tokens if core_out.stats else 0
-        num_prompt = max(num_batched - num_gen, 0)
         self.metrics.record_step(engine, core_out.stats, num_prompt, num_gen, timings)
         if self.stat_logger is not None:
             stats = core_out.stats

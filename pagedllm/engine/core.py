@@ -155,7 +155,6 @@ class EngineCore:
         entries = recorder.entries(sched) if recorder is not None else None
         sampled = None
         failed = list(sched.failed)
-        num_kept_tokens = sched.num_batched_tokens
         outputs: list[EngineCoreOutput] = []
         if not sched.is_empty:
             result = self.executor.execute(sched)
@@ -167,8 +166,6 @@ class EngineCore:
             for s, new_tokens in updated:
                 i = index[id(s)]
                 request = s.request
-                if s.spec_token_ids:  # rejected drafts are neither prompt nor generated tokens
-                    num_kept_tokens -= len(s.spec_token_ids) + 1 - len(new_tokens)
                 # A grammar that failed at a token hit a parser or lexer limit: the request's own error.
                 grammar_error = None if request.structured_output is None else request.structured_output.error
                 outputs.append(
@@ -196,7 +193,7 @@ class EngineCore:
         record = None
         if recorder is not None:
             record = recorder.finish(self.scheduler, self.kv_cache.usage, entries, sched, sampled)
-        return EngineCoreOutputs(outputs, self.stats(num_kept_tokens), time.monotonic(), step=record)
+        return EngineCoreOutputs(outputs, self.stats(), time.monotonic(), step=record)
 
     def idle_outputs(self) -> EngineCoreOutputs:
         """Stats (and with the live view, the block operations) of a moment without a step: after aborts."""
@@ -216,7 +213,7 @@ class EngineCore:
                         r.spec_probs = r.spec_probs[:n] if n else None
         self.proposer.remove_finished(self.scheduler.requests)
 
-    def stats(self, num_batched_tokens: int = 0) -> SchedulerStats:
+    def stats(self) -> SchedulerStats:
         spec = self.scheduler.spec_stats
         return SchedulerStats(
             num_running=len(self.scheduler.running),
@@ -225,7 +222,6 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv_cache.prefix_queries,
             prefix_cache_hits=self.kv_cache.prefix_hits,
-            num_batched_tokens=num_batched_tokens,
             resident_memory_bytes=resident_memory_bytes(),
             spec_num_drafts=spec.num_drafts,
             spec_num_draft_tokens=spec.num_draft_tokens,

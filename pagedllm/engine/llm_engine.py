@@ -108,8 +108,8 @@ class LLMEngine:
             self.core.abort_requests(to_abort)
             if self.live_view is not None:
                 self.live_view.on_finish(to_abort, "stop", time.monotonic())
+        _, num_prompt = self.output_processor.take_metrics()  # taken every step, so none pile up
         if self.stat_logger is not None:
             num_gen = sum(len(o.new_token_ids) for o in core_out.outputs)
-            num_batched = core_out.stats.num_batched_tokens if core_out.stats else 0
-            self.stat_logger.record(core_out.stats, max(num_batched - num_gen, 0), num_gen)
+            self.stat_logger.record(core_out.stats, num_prompt, num_gen)
         return outputs

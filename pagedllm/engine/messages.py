@@ -41,7 +41,6 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0  # cumulative
     prefix_cache_queries: int = 0  # cumulative, tokens
     prefix_cache_hits: int = 0  # cumulative, tokens
-    num_batched_tokens: int = 0  # this step, less rejected speculative draft tokens
     resident_memory_bytes: int = 0  # the core process's resident set size
     # Speculative decoding, cumulative (pagedllm.core.spec_decode_stats.SpecDecodingStats).
     spec_num_drafts: int = 0  # verifications: request-steps with draft tokens

@@ -83,7 +83,12 @@ class EngineMetrics:
             for gauge in self._gauges:
                 gauge.labels(engine=str(engine))
         self.preemptions = Counter("pagedllm:num_preemptions", "Preemptions of running requests.", registry=r)
-        self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prefill tokens computed.", registry=r)
+        self.prompt_tokens = Counter(
+            "pagedllm:prompt_tokens",
+            "Prompt tokens of requests whose prefill completed, prefix-cache hits included; each of n samples "
+            "counts its prompt.",
+            registry=r,
+        )
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", registry=r)
         self.prefix_queries = Counter(
             "pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r

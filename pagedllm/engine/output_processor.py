@@ -75,7 +75,11 @@ class OutputProcessor:
         self.token_bytes = TokenBytes(tokenizer)
         self.requests: dict[str, RequestState] = {}
         self._child_to_parent: dict[str, tuple[RequestState, SampleState]] = {}
-        self.timings: list[TokenTiming] = []  # drained by metrics consumers
+        self.timings: list[TokenTiming] = []  # taken by ``take_metrics``
+        # Prompt tokens of the samples whose prefill completed (their first token, or the end of
+        # a prompt-only one: max_tokens 0), prefix-cache hits included, each of n samples
+        # counting its prompt (vLLM's count); taken by ``take_metrics``.
+        self.num_prompt_tokens = 0
 
     def add_request(
         self,
@@ -98,6 +102,12 @@ class OutputProcessor:
         self.requests[request_id] = state
         for r, s in zip(core_requests, samples):
             self._child_to_parent[r.request_id] = (state, s)
+
+    def take_metrics(self) -> tuple[list[TokenTiming], int]:
+        """The token timings and the prompt tokens (``num_prompt_tokens``) since the last call."""
+        timings, num_prompt_tokens = self.timings, self.num_prompt_tokens
+        self.timings, self.num_prompt_tokens = [], 0
+        return timings, num_prompt_tokens
 
     def child_ids(self, request_id: str) -> list[str]:
         state = self.requests.get(request_id)
@@ -133,6 +143,8 @@ class OutputProcessor:
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(self._to_dicts(out.prompt_logprobs))
             state.num_cached_tokens = out.num_cached_tokens
+            if sample.first_token_time is None and (out.new_token_ids or out.finish_reason not in (None, "error")):
+                self.num_prompt_tokens += len(state.prompt_token_ids)
             if out.new_token_ids:
                 self._record_timing(state, sample, out.request_id, now, len(out.new_token_ids))
                 num_before = sample.detokenizer.num_output_tokens
