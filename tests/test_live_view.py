@@ -295,6 +295,31 @@ def test_rates_cover_a_recent_window_and_fall_to_zero_when_idle():
     assert idle["steps"] == busy["steps"] == len(view.steps)
 
 
+def test_headline_after_aborts_with_the_engine_idle():
+    """Aborts with no step after them: the core's idle record sets the headline's queues and KV
+    usage (as /metrics), not the last step's; the steps shown stay as they were."""
+    rng = random.Random(5)
+    sched, recorder = make_engine(GLOBAL)
+    view = LiveView(20, BS, [0], 24)
+    for i in range(4):
+        request = make_request(f"r{i}", rng, [[11, 12, 13, 14]])
+        sched.add_request(request)
+        view.on_arrival([EngineCoreRequest(request.request_id, request.prompt_token_ids, request.sampling_params,
+                                           [EOS], request.arrival_time)])
+    for _ in range(2):
+        record = fake_step(sched, recorder, rng)
+        view.on_outputs(EngineCoreOutputs([], timestamp=record.end, step=record))
+    busy = view.headline(record.end)
+    assert busy["running"] > 0 and busy["kv_usage"] > 0
+    sched.finish_requests(list(sched.requests), RequestStatus.FINISHED_ABORTED)
+    idle = recorder.finish(sched, sched.kv_cache.usage)
+    view.on_outputs(EngineCoreOutputs(timestamp=idle.end, step=idle))
+    headline = view.headline(idle.end)
+    assert (headline["running"], headline["waiting"], headline["kv_usage"]) == (0, 0, 0.0)
+    assert headline["steps"] == busy["steps"] and len(view.steps) == 2
+    assert all(r == 0 for r in view.blocks.ref)
+
+
 def test_shown_requests_put_unfinished_first_then_the_latest_finished():
     view = LiveView(20, BS, [0], 24)
     for rid, t in [("a", 1.0), ("b", 2.0), ("c", 3.0), ("d", 4.0), ("e", 5.0)]:

@@ -88,6 +88,8 @@ class LiveView:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.blocks = BlockMap(num_blocks)
         self.steps: deque[StepRecord] = deque(maxlen=max_steps)
+        # The latest record, a step's or an idle moment's (after aborts): the queues and KV usage now.
+        self.latest: StepRecord | None = None
         # Per step in ``steps``: (prompt tokens computed, tokens emitted).
         self.step_tokens: deque[tuple[int, int]] = deque(maxlen=max_steps)
         self.requests: OrderedDict[str, RequestTimeline] = OrderedDict()
@@ -157,6 +159,7 @@ class LiveView:
         """Apply a step record; return the blocks its operations touched."""
         blocks = self.blocks.apply(record.ops)
         record.ops = []  # applied; the ring keeps the step's shape only
+        self.latest = record
         for rid in record.preempted:
             self.num_preemptions += 1
             timeline = self.requests.get(rid)
@@ -204,13 +207,15 @@ class LiveView:
         return blocks, requests
 
     def headline(self, now: float) -> dict[str, Any]:
-        """Queue lengths, KV usage, prefix hit rate, tokens/s in and out, preemptions.
+        """Queue lengths and KV usage as of the latest record (a step, or the idle moment after
+        aborts), prefix hit rate, tokens/s in and out, preemptions, steps run.
 
         The rates are those of the steps that ended in the last ``_RATE_WINDOW_S`` seconds
         before ``now`` (``time.monotonic()`` seconds), over the time from the first one's
         start (or the window's, if earlier) to ``now``: they fall to 0 when the engine idles.
         """
         last = self.steps[-1] if self.steps else None
+        latest = self.latest
         prefill = output = 0
         since = now - _RATE_WINDOW_S
         start = now
@@ -222,9 +227,9 @@ class LiveView:
             start = max(record.start, since)
         span = now - start
         return {
-            "running": last.num_running if last else 0,
-            "waiting": last.num_waiting if last else 0,
-            "kv_usage": last.kv_usage if last else 0.0,
+            "running": latest.num_running if latest else 0,
+            "waiting": latest.num_waiting if latest else 0,
+            "kv_usage": latest.kv_usage if latest else 0.0,
             "prefix_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else None,
             "tokens_in_per_s": prefill / span if span > 0 else 0.0,
             "tokens_out_per_s": output / span if span > 0 else 0.0,
