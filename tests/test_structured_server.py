@@ -163,6 +163,17 @@ def test_bad_constraints_are_400_naming_the_field(http: httpx.Client, path: str,
     assert http.get("/health").status_code == 200
 
 
+@pytest.mark.parametrize(("value", "param"), [({}, "structured_outputs"), ({"json": None}, "structured_outputs"),
+                                              ({"json_object": False}, "structured_outputs.json_object")])
+def test_structured_outputs_setting_no_field_is_refused(http: httpx.Client, value: dict, param: str) -> None:
+    """As vLLM: exactly one field, never a silently unconstrained request."""
+    for path, prompt in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": _messages("Hi")})):
+        r = http.post(path, json={"model": MODEL, "max_tokens": 4, "structured_outputs": value} | prompt)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and "exactly one of json, regex, choice, grammar, json_object" in error["message"]
+
+
 # -- tool calling -----------------------------------------------------------------------------
 WEATHER = {
     "type": "object",

@@ -74,7 +74,8 @@ def structured_outputs_field(req: SamplingRequest) -> str | None:
 
 def _constraint(req: SamplingRequest) -> tuple[str, dict[str, Any]] | None:
     """(request field, ``StructuredOutputsParams`` kwargs) of the one constraint a request asks
-    for, unchecked; None when it asks for none.
+    for, unchecked (``structured_outputs`` that sets no field is one, which the check refuses);
+    None when it asks for none.
 
     Raises:
         InvalidParamError: an unknown ``response_format`` type or field, or more than one constraint.
@@ -90,6 +91,9 @@ def _constraint(req: SamplingRequest) -> tuple[str, dict[str, Any]] | None:
             )
         if value is not None:
             found.append((f"structured_outputs.{key}", {key: value}))
+    if req.structured_outputs is not None and all(v is None for v in req.structured_outputs.values()):
+        # {} or only nulls: as a whole, so that the check refuses it (exactly one field is needed)
+        found.append(("structured_outputs", req.structured_outputs))
     for name, kind in GUIDED_FIELDS.items():
         if (value := getattr(req, name)) is not None:
             found.append((name, {kind: value}))
