@@ -219,7 +219,7 @@ def test_prompt_tokens_count_each_samples_prompt_once(llm, monkeypatch):
         ("", {}, "empty"),
         ("hi", {"max_tokens": 5000}, "maximum context length is 2048"),
         ("hi " * 2100, {"max_tokens": 1}, "longer than this model's maximum context length of 2048 tokens"),
-        ("hi", {"max_tokens": 0}, "max_tokens"),
+        ("hi", {"max_tokens": 0}, r"max_tokens must be at least 1 \(0 only with prompt_logprobs\)"),
         ("hi", {"top_p": 1.5}, "top_p"),
         ("hi", {"top_p": 0.0}, "top_p"),
         ("hi", {"temperature": -1.0}, "temperature"),

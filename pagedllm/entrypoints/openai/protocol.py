@@ -134,6 +134,11 @@ class CompletionRequest(SamplingRequest):
 
     def check(self) -> None:
         super().check()
+        # 0 scores the prompt only, which echo returns (SamplingParams' prompt_logprobs).
+        if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
+            raise InvalidParamError(
+                "max_tokens", f"max_tokens must be at least 1 (0 only with echo), got {self.max_tokens}"
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidParamError("best_of", f"best_of must equal n ({self.n}) if set, got {self.best_of}")
 
@@ -197,6 +202,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check(self) -> None:
         super().check()
+        name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        if (value := getattr(self, name)) is not None and value < 1:  # no echo here: nothing scores a prompt
+            raise InvalidParamError(name, f"{name} must be at least 1, got {value}")
         check_tools(self)
 
     @property
