@@ -11,7 +11,9 @@ an Intel Xeon (Emerald Rapids), recorded at 4620a08: under -ffast-math GCC divid
 1/sqrt through the x86 estimate instructions (rcpps, vrcp14ps, ...) whose last bits differ
 between the two vendors, and the int8 activation codes move at near-ties (docs/benchmarks.md,
 "Intel Xeon, session 18"). A refactoring that changes no arithmetic keeps every token; a change
-that means to alter the numbers re-records the file and says why in its commit.
+that means to alter the numbers re-records the file and says why in its commit. ``avx512_bf16``'s
+``auto`` tokens were re-recorded (AMD Zen 5) when prefill attention took bfloat16 pairs there; its
+Intel tokens are owed (null: the test skips) until an Intel machine records them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,6 @@ def test_auto_greedy_tokens_match_the_recording_for_this_isa() -> None:
     recording = RECORDING["auto"]
     if cpu_vendor_family()[0] == "GenuineIntel":  # Intel's tokens where they differ
         recording = recording | RECORDING["auto_on_intel"]
-    if isa not in recording:
-        pytest.skip(f"no recording of dtype auto on {isa or 'the PyTorch fallback'}")
+    if recording.get(isa) is None:
+        pytest.skip(f"no recording of dtype auto on {isa or 'the PyTorch fallback'} on this CPU vendor")
     assert _greedy("auto") == recording[isa]

@@ -11,12 +11,22 @@
 // (request, KV head, up to kTiles consecutive tiles): the item's tiles share each widening of
 // a block and each broadcast element, every tile doing the same arithmetic in the same order as
 // it would alone (a row's result does not depend on its neighbours). Masked scores are dropped
-// by lane masks, so a lane whose keys all lie in later blocks gets weight 0, not exp(0). All
-// arithmetic float32, whatever the storage dtype: a block's K/V rows are widened (8-bit codes
-// times their row's scale, kv_rows.h) into L1 once per item.
+// by lane masks, so a lane whose keys all lie in later blocks gets weight 0, not exp(0). A
+// block's K/V rows are widened (8-bit codes times their row's scale, kv_rows.h) into L1 once
+// per item.
+//
+// The arithmetic is float32, but for pair mode: on an ISA that multiplies bfloat16 pairs
+// (vec.h's kBf16Dot), with a bfloat16 or 8-bit cache and an even block size, both products
+// take pairs, twice the multiply-adds per instruction: q.K pairs a key's consecutive elements,
+// p.V consecutive keys. The queries (pre-scaled) and the softmax weights are rounded to
+// bfloat16, as the bfloat16 K/V are stored (8-bit rows: code times scale, rounded); the running
+// max, sums and output stay float32. Pairs of keys are absolute (2m, 2m + 1), so a row's result
+// still does not depend on its neighbours, the step's chunking or the tile's first key. A
+// float32 cache keeps float32 arithmetic.
 #include <stdint.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -46,34 +56,55 @@ inline void load_row(float* dst, const T* src, int64_t D) {
 }
 
 // A tile of 16 query vectors, one per lane, and its online softmax: queries transposed and
-// pre-scaled, the output transposed ([D][16 lanes], in L1), each lane's running max and sum.
-template <int D>
+// pre-scaled (float32 [D][16 lanes], or in pair mode P bfloat16 pairs of elements [D / 2][16]),
+// the output transposed ([D][16 lanes], in L1), each lane's running max and sum.
+template <int D, bool P>
 struct Tile {
-  alignas(64) float qt[D][kLanes];
+  alignas(64) std::conditional_t<P, uint32_t[D / 2][kLanes], float[D][kLanes]> qt;
   alignas(64) float ot[D][kLanes];
   F32x16 pos, m, l;
   int64_t lo_key, hi_key;  // keys [lo_key, hi_key) hold every key some lane sees
+  int64_t all_lo, all_hi;  // keys [all_lo, all_hi) are seen by every lane (none when all_lo >= all_hi)
 };
 
-// Tiles t[0..NT) attend to keys k0 .. k0 + nk - 1 of one block, widened into kb / vb (rows
-// from nk up to the next multiple of kChains zero). Keys a lane may not see are dropped by
-// its masks (causal: key <= pos; window: key > pos - window), so a tile given more keys than
-// its own range computes exactly what it would on its own range: a dropped key adds 0 to the
-// sum and to every output element.
-template <int NT, int D>
-void attend(Tile<D>* const* t, const float (*kb)[D], const float (*vb)[D], int64_t k0, int64_t nk, F32x16 win_v) {
+// Keys k0 .. k0 + nk - 1 of one block as the products read them, rows from nk up to the next
+// multiple of kChains zero: float32 rows; in pair mode K rows of bfloat16 pairs of elements
+// ([key][D / 2]) and V's pairs of keys ([key / 2][D]: element d of keys 2i and 2i + 1).
+template <int D, bool P>
+struct Block {
+  alignas(64) std::conditional_t<P, uint32_t[kMaxBlock][D / 2], float[kMaxBlock][D]> k;
+  alignas(64) std::conditional_t<P, uint32_t[kMaxBlock / 2][D], float[kMaxBlock][D]> v;
+};
+
+// Tiles t[0..NT) attend to the nk keys of b from key k0 on. Keys a lane may not see are
+// dropped by its masks (causal: key <= pos; window: key > pos - window), so a tile given more
+// keys than its own range computes exactly what it would on its own range: a dropped key adds
+// 0 to the sum and to every output element.
+template <int NT, int D, bool P>
+void attend(Tile<D, P>* const* t, const Block<D, P>& b, int64_t k0, int64_t nk, F32x16 win_v) {
   const int64_t nkc = (nk + kChains - 1) / kChains * kChains;
   F32x16 s[NT][kMaxBlock];
   for (int64_t i = 0; i < nkc; i += kChains) {
     F32x16 a[NT][kChains];
     for (int u = 0; u < NT; ++u)
       for (int j = 0; j < kChains; ++j) a[u][j] = zero();
-    for (int d = 0; d < D; ++d) {
-      F32x16 qd[NT];
-      for (int u = 0; u < NT; ++u) qd[u] = load(t[u]->qt[d]);
-      for (int j = 0; j < kChains; ++j) {
-        const F32x16 kd = set1(kb[i + j][d]);
-        for (int u = 0; u < NT; ++u) a[u][j] = fma(qd[u], kd, a[u][j]);
+    if constexpr (P) {
+      for (int d = 0; d < D / 2; ++d) {
+        BF16x32 qd[NT];
+        for (int u = 0; u < NT; ++u) qd[u] = load_pairs(t[u]->qt[d]);
+        for (int j = 0; j < kChains; ++j) {
+          const BF16x32 kd = set1_pair(b.k[i + j][d]);
+          for (int u = 0; u < NT; ++u) a[u][j] = dot_pairs(a[u][j], qd[u], kd);
+        }
+      }
+    } else {
+      for (int d = 0; d < D; ++d) {
+        F32x16 qd[NT];
+        for (int u = 0; u < NT; ++u) qd[u] = load(t[u]->qt[d]);
+        for (int j = 0; j < kChains; ++j) {
+          const F32x16 kd = set1(b.k[i + j][d]);
+          for (int u = 0; u < NT; ++u) a[u][j] = fma(qd[u], kd, a[u][j]);
+        }
       }
     }
     for (int u = 0; u < NT; ++u)
@@ -81,10 +112,17 @@ void attend(Tile<D>* const* t, const float (*kb)[D], const float (*vb)[D], int64
   }
   F32x16 corr[NT];
   for (int u = 0; u < NT; ++u) {
-    // Causal and window masks per lane; the block's max; the online softmax's rescale.
+    // Causal and window masks per lane (none where every lane sees the block's keys: the same
+    // values); the block's max; the online softmax's rescale.
+    const bool all = k0 >= t[u]->all_lo && k0 + nk <= t[u]->all_hi;
     M16 valid[kMaxBlock];
     F32x16 mx = t[u]->m;
     for (int64_t i = 0; i < nkc; ++i) {
+      if (all) {
+        valid[i] = mask_first(i < nk ? kLanes : 0);
+        if (i < nk) mx = max(mx, s[u][i]);
+        continue;
+      }
       const F32x16 kp = set1(static_cast<float>(k0 + i));
       valid[i] = i < nk ? le(kp, t[u]->pos) & gt(kp, sub(t[u]->pos, win_v)) : mask_first(0);
       mx = select(valid[i], max(mx, s[u][i]), mx);
@@ -93,37 +131,91 @@ void attend(Tile<D>* const* t, const float (*kb)[D], const float (*vb)[D], int64
     t[u]->m = mx;
     F32x16 l = mul(t[u]->l, corr[u]);
     for (int64_t i = 0; i < nkc; ++i) {
-      s[u][i] = maskz(valid[i], exp_nonpositive(sub(s[u][i], mx)));
+      s[u][i] = all ? (i < nk ? exp_nonpositive(sub(s[u][i], mx)) : zero()) : maskz(valid[i], exp_nonpositive(sub(s[u][i], mx)));
       l = add(l, s[u][i]);
     }
     t[u]->l = l;
   }
-  // Output += P V, transposed, kChains value elements at a time (one chain each per tile).
-  for (int d = 0; d < D; d += kChains) {
-    F32x16 o[NT][kChains];
+  // Output += P V, transposed, C value elements at a time (one chain each per tile). Pair mode
+  // takes half the chains: the weights of a pair of keys stay in registers beside them.
+  constexpr int C = P ? kChains / 2 : kChains;
+  [[maybe_unused]] BF16x32 pp[P ? NT : 1][P ? kMaxBlock / 2 : 1];  // pair mode: the weights of keys 2i, 2i + 1
+  if constexpr (P) {
     for (int u = 0; u < NT; ++u)
-      for (int j = 0; j < kChains; ++j) o[u][j] = mul(load(t[u]->ot[d + j]), corr[u]);
-    for (int64_t i = 0; i < nkc; ++i)
-      for (int j = 0; j < kChains; ++j) {
-        const F32x16 vd = set1(vb[i][d + j]);
-        for (int u = 0; u < NT; ++u) o[u][j] = fma(s[u][i], vd, o[u][j]);
+      for (int64_t i = 0; i < nkc; i += 2) pp[u][i / 2] = pack_pairs(s[u][i], s[u][i + 1]);
+  }
+  for (int d = 0; d < D; d += C) {
+    F32x16 o[NT][C];
+    for (int u = 0; u < NT; ++u)
+      for (int j = 0; j < C; ++j) o[u][j] = mul(load(t[u]->ot[d + j]), corr[u]);
+    if constexpr (P) {
+      for (int64_t i = 0; i < nkc / 2; ++i) {
+        BF16x32 pi[NT];
+        for (int u = 0; u < NT; ++u) pi[u] = pp[u][i];
+        for (int j = 0; j < C; ++j) {
+          const BF16x32 vd = set1_pair(b.v[i][d + j]);
+          for (int u = 0; u < NT; ++u) o[u][j] = dot_pairs(o[u][j], pi[u], vd);
+        }
       }
+    } else {
+      for (int64_t i = 0; i < nkc; ++i)
+        for (int j = 0; j < C; ++j) {
+          const F32x16 vd = set1(b.v[i][d + j]);
+          for (int u = 0; u < NT; ++u) o[u][j] = fma(s[u][i], vd, o[u][j]);
+        }
+    }
     for (int u = 0; u < NT; ++u)
-      for (int j = 0; j < kChains; ++j) store(t[u]->ot[d + j], o[u][j]);
+      for (int j = 0; j < C; ++j) store(t[u]->ot[d + j], o[u][j]);
   }
 }
 
 // attend<n> for a count n in [1, kTiles] known only at run time.
-template <int D, int N = kTiles>
-void attend_n(int n, Tile<D>* const* t, const float (*kb)[D], const float (*vb)[D], int64_t k0, int64_t nk,
-              F32x16 win_v) {
+template <int D, bool P, int N = kTiles>
+void attend_n(int n, Tile<D, P>* const* t, const Block<D, P>& b, int64_t k0, int64_t nk, F32x16 win_v) {
   if constexpr (N > 1) {
-    if (n < N) return attend_n<D, N - 1>(n, t, kb, vb, k0, nk, win_v);
+    if (n < N) return attend_n<D, P, N - 1>(n, t, b, k0, nk, win_v);
   }
-  attend<N, D>(t, kb, vb, k0, nk, win_v);
+  attend<N, D, P>(t, b, k0, nk, win_v);
 }
 
-template <typename T, int D>
+// Rows k0 .. k0 + nk - 1 of a block (k, v: the first key's row of the head; stride: elements
+// from one key's row to the next) into b, zeros up to nkc rows.
+template <typename T, int D, bool P>
+void widen(Block<D, P>& b, const T* k, const T* v, int64_t stride, int64_t nk, int64_t nkc) {
+  if constexpr (P) {
+    for (int64_t i = 0; i < nkc; ++i) {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(b.k[i]);
+      if (i >= nk) {
+        std::fill_n(dst, D, uint16_t(0));
+      } else if constexpr (std::is_same_v<T, uint16_t>) {
+        std::memcpy(dst, k + i * stride, D * sizeof(uint16_t));
+      } else {
+        const float sc = kv::row_scale(k + i * stride, D);
+        for (int64_t d = 0; d < D; d += 16) store_bf16_first(dst + d, kv::load16_scaled(k + i * stride + d, sc), 16);
+      }
+    }
+    for (int64_t i = 0; i < nkc; i += 2) {
+      const float s0 = i < nk ? kv::row_scale(v + i * stride, D) : 0.f;
+      const float s1 = i + 1 < nk ? kv::row_scale(v + (i + 1) * stride, D) : 0.f;
+      for (int64_t d = 0; d < D; d += 16) {
+        const F32x16 a = i < nk ? kv::load16_scaled(v + i * stride + d, s0) : zero();
+        const F32x16 c = i + 1 < nk ? kv::load16_scaled(v + (i + 1) * stride + d, s1) : zero();
+        store_pairs(b.v[i / 2] + d, pack_pairs(a, c));
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < nkc; ++i) {
+      if (i < nk) {
+        load_row(b.k[i], k + i * stride, D);
+        load_row(b.v[i], v + i * stride, D);
+      } else {
+        std::fill_n(b.k[i], D, 0.f), std::fill_n(b.v[i], D, 0.f);
+      }
+    }
+  }
+}
+
+template <typename T, int D, bool P>
 void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                        int64_t max_blocks, const int64_t* query_starts, const int64_t* query_lens,
                        const int64_t* seq_lens, float* out, int64_t R, int64_t Hq, int64_t Hkv, int64_t BS,
@@ -143,61 +235,64 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
     const int nt = static_cast<int>(std::min<int64_t>(kTiles, tiles_of(r) - group * kTiles));
 
     // Tile u's lanes: vector j = (group * kTiles + u) * 16 + lane is query row j / G, head h * G + j % G.
-    Tile<D> tiles[kTiles];
+    Tile<D, P> tiles[kTiles];
     int64_t lo_key = S, hi_key = 0;
     for (int u = 0; u < nt; ++u) {
-      Tile<D>& t = tiles[u];
+      Tile<D, P>& t = tiles[u];
       alignas(64) float qpos[kLanes];
-      t.lo_key = S, t.hi_key = 0;
+      [[maybe_unused]] alignas(64) float qtmp[P ? D : 1][kLanes];  // pair mode: the queries before rounding
+      float (*qf)[kLanes];
+      if constexpr (P) qf = qtmp;
+      else qf = t.qt;
+      t.lo_key = S, t.hi_key = 0, t.all_lo = 0, t.all_hi = S;
       for (int lane = 0; lane < kLanes; ++lane) {
         const int64_t j = (group * kTiles + u) * kLanes + lane, row = j / G;
         for (int d = 0; d < D; ++d) t.ot[d][lane] = 0.f;
         if (row >= n) {
           qpos[lane] = -1.f;  // no keys: every score masked
-          for (int d = 0; d < D; ++d) t.qt[d][lane] = 0.f;
+          t.all_hi = 0;
+          for (int d = 0; d < D; ++d) qf[d][lane] = 0.f;
           continue;
         }
         const int64_t pos = first_pos + row;
         qpos[lane] = static_cast<float>(pos);
         t.lo_key = std::min(t.lo_key, window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
         t.hi_key = std::max(t.hi_key, pos + 1);
+        t.all_lo = std::max(t.all_lo, window > 0 ? pos - window + 1 : 0), t.all_hi = std::min(t.all_hi, pos + 1);
         const float* src = q + (query_starts[r] + row) * ldq + (h * G + j % G) * D;
-        for (int d = 0; d < D; ++d) t.qt[d][lane] = src[d] * scale;
+        for (int d = 0; d < D; ++d) qf[d][lane] = src[d] * scale;
+      }
+      if constexpr (P) {
+        for (int d = 0; d < D; d += 2) store_pairs(t.qt[d / 2], pack_pairs(load(qf[d]), load(qf[d + 1])));
       }
       t.pos = load(qpos);
       t.m = set1(-1e30f), t.l = zero();  // finite: -ffast-math
       lo_key = std::min(lo_key, t.lo_key), hi_key = std::max(hi_key, t.hi_key);
     }
     const F32x16 win_v = set1(window > 0 ? static_cast<float>(window) : 1e30f);
-    alignas(64) float kb[kMaxBlock][D], vb[kMaxBlock][D];
+    Block<D, P> b;
 
     // Per block of keys, the tiles whose own range reaches into it (every tile sees the same
     // blocks it would alone), all fed from one widening of the block's rows.
     for (int64_t blk = lo_key / BS; blk * BS < hi_key; ++blk) {
-      Tile<D>* active[kTiles];
+      Tile<D, P>* active[kTiles];
       int na = 0;
       int64_t k0 = (blk + 1) * BS, k1 = blk * BS;
       for (int u = 0; u < nt; ++u) {
-        Tile<D>& t = tiles[u];
+        Tile<D, P>& t = tiles[u];
         if (t.lo_key / BS > blk || blk * BS >= t.hi_key) continue;
         active[na++] = &t;
         k0 = std::min(k0, std::max(blk * BS, t.lo_key)), k1 = std::max(k1, std::min((blk + 1) * BS, t.hi_key));
       }
       if (na == 0) continue;
+      if constexpr (P) k0 &= ~int64_t(1);  // absolute pairs of keys (BS is even: still in the block)
       const int64_t nk = k1 - k0, nkc = (nk + kChains - 1) / kChains * kChains;
-      const int64_t base = table[blk] * BS * stride + h * RW;
-      for (int64_t i = 0; i < nkc; ++i) {
-        if (i < nk) {
-          load_row(kb[i], k_cache + base + (k0 - blk * BS + i) * stride, D);
-          load_row(vb[i], v_cache + base + (k0 - blk * BS + i) * stride, D);
-        } else {
-          std::fill_n(kb[i], D, 0.f), std::fill_n(vb[i], D, 0.f);
-        }
-      }
-      attend_n<D>(na, active, kb, vb, k0, nk, win_v);
+      const int64_t first = table[blk] * BS * stride + h * RW + (k0 - blk * BS) * stride;
+      widen(b, k_cache + first, v_cache + first, stride, nk, nkc);
+      attend_n<D, P>(na, active, b, k0, nk, win_v);
     }
     for (int u = 0; u < nt; ++u) {
-      const Tile<D>& t = tiles[u];
+      const Tile<D, P>& t = tiles[u];
       alignas(64) float inv[kLanes];
       store(inv, div(set1(1.f), t.l));
       for (int64_t lane = 0; lane < kLanes; ++lane) {
@@ -218,7 +313,14 @@ int dispatch(const float* q, int64_t ldq, const void* kc, const void* vc, const 
   const T* k = static_cast<const T*>(kc);
   const T* v = static_cast<const T*>(vc);
   return head_dims::with(D, [&](auto d) {
-    prefill_attention<T, decltype(d)::value>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
+    constexpr int kD = decltype(d)::value;
+    if constexpr (kBf16Dot && !std::is_same_v<T, float>) {
+      if (BS % 2 == 0) {
+        prefill_attention<T, kD, true>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
+        return 0;
+      }
+    }
+    prefill_attention<T, kD, false>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
     return 0;
   });
 }

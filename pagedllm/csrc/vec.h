@@ -59,6 +59,16 @@
 //           built in registers), expand4(v, c): lane l = v[4 c + l / 4] (the scale of each
 //           16-byte quarter of a U8x64, per 4-lane dot sum), halves_f16(a, b) (lanes 0-7
 //           the float16 at a, 8-15 the one at b, unaligned).
+//   bf16    kBf16Dot (constexpr: the ISA multiplies bfloat16 pairs, AVX-512 BF16's vdpbf16ps,
+//           at the float32 FMA's instruction rate: twice its multiply-adds), BF16x32 (16 lanes
+//           of a bfloat16 pair each: the low half the pair's first value), load_pairs /
+//           store_pairs (16 pairs as uint32), set1_pair (one pair in every lane), pack_pairs(lo,
+//           hi) (lane l = (lo[l], hi[l]), each rounded to nearest even), F32x16 dot_pairs(acc, a,
+//           b): acc[l] + the two products of a's pair l and b's (each exact; their addition to acc
+//           rounded as the hardware does it, so a pair's grouping is part of the result;
+//           denormal inputs and results flush to 0). Where kBf16Dot is false, BF16x32 is an
+//           empty placeholder and its functions are declared below, never defined: kernels
+//           take them only under `if constexpr`.
 //   fp8     load_e4m3 (16 bytes of float8 e4m3, OCP's "e4m3fn": bias 7, subnormals, no
 //           infinities, 0x7F / 0xFF NaN and never stored by us, widened to float32 exactly)
 #pragma once
@@ -78,6 +88,16 @@
 #endif
 
 namespace vec {
+
+#ifndef PAGEDLLM_VEC_BF16_DOT
+inline constexpr bool kBf16Dot = false;
+struct BF16x32 {};
+BF16x32 load_pairs(const uint32_t* p);
+BF16x32 set1_pair(uint32_t pair);
+void store_pairs(uint32_t* p, BF16x32 a);
+BF16x32 pack_pairs(F32x16 lo, F32x16 hi);
+F32x16 dot_pairs(F32x16 acc, BF16x32 a, BF16x32 b);
+#endif
 
 // exp(x) for x <= 0: 2^(x log2 e), the fraction by a degree-6 polynomial (relative error
 // < 2e-7); very negative x flush to 0 (2^-126 and below are never produced).

@@ -259,5 +259,21 @@ inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t*) {  // pairs 
   return {_mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w.v), sx), _mm512_set1_epi16(1))};
 }
 #endif
+#ifdef __AVX512BF16__
+#define PAGEDLLM_VEC_BF16_DOT 1
+inline constexpr bool kBf16Dot = true;
+struct BF16x32 { __m512i v; };
+inline BF16x32 load_pairs(const uint32_t* p) { return {_mm512_loadu_si512(p)}; }
+inline BF16x32 set1_pair(uint32_t pair) { return {_mm512_set1_epi32(int(pair))}; }
+inline void store_pairs(uint32_t* p, BF16x32 a) { _mm512_storeu_si512(p, a.v); }
+inline BF16x32 pack_pairs(F32x16 lo, F32x16 hi) {  // vcvtne2ps2bf16 gives lo's 16 then hi's: interleave
+  const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi.v, lo.v));
+  return {_mm512_permutexvar_epi16(_mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                    22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0), h)};
+}
+inline F32x16 dot_pairs(F32x16 acc, BF16x32 a, BF16x32 b) {
+  return {_mm512_dpbf16_ps(acc.v, reinterpret_cast<__m512bh>(a.v), reinterpret_cast<__m512bh>(b.v))};
+}
+#endif
 
 }  // namespace vec

@@ -67,6 +67,18 @@ def prefill_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int
     return lib is not None and head_dim in _head_dims(lib) and num_heads % num_kv_heads == 0
 
 
+def prefill_rounds_to_bfloat16(cache_dtype: torch.dtype, block_size: int) -> bool:
+    """Whether the library in use computes prefill attention over such a cache in bfloat16
+    pairs (csrc/prefill_attention.cpp's pair mode: the queries and softmax weights rounded to
+    bfloat16, 8-bit K/V rows as code x scale rounded; sums float32): a bfloat16 or 8-bit cache
+    of an even block size on a library built with AVX-512 BF16. False without a library."""
+    lib = native_library()
+    return (
+        lib is not None and cache_dtype != torch.float32 and block_size % 2 == 0
+        and "avx512_bf16" in lib.pagedllm_requires().decode().split()
+    )
+
+
 @functools.cache
 def _head_dims(lib: ctypes.CDLL) -> tuple[int, ...]:
     """The head sizes ``lib``'s attention kernels take (its ``pagedllm_limits()``)."""
@@ -134,7 +146,8 @@ def paged_prefill_attention(
         q: [T, num_heads, head_dim] float32, heads contiguous (rows at any stride).
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, row] of a ``CACHE_DTYPES``
             dtype, contiguous, block_size <= ``MAX_PREFILL_BLOCK``, already holding this
-            step's K/V.
+            step's K/V. Float32 arithmetic, or bfloat16 pairs where
+            ``prefill_rounds_to_bfloat16``.
         block_tables: [R, max_blocks] int64, contiguous: each prefill request's blocks.
         spans: [3, R] int64, contiguous: per request its first query row, query count and keys.
         window: > 0: a query at position p sees keys p - window + 1 .. p; 0: all before it.
