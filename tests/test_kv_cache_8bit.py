@@ -29,14 +29,14 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.kernels import abi
-from pagedllm.kernels.attention import prefill_rounds_to_bfloat16
+from pagedllm.kernels.attention import attention_in_bfloat16_pairs
 from pagedllm.kernels import attention as kernels
 from pagedllm.layers.attention import AttentionMetadata, PagedAttention, _write_kv_torch
 from pagedllm.models.loader import load_config, resolve_model
 from pagedllm.sampling_params import SamplingParams
 from tests.models_util import randomize_vectors
 from tests.native_isa import ISAS, on_isa
-from tests.utils import assert_pool_whole, pool_is_whole
+from tests.utils import assert_pool_whole, bfloat16_pair_bound, pool_is_whole
 
 EIGHT_BIT = [torch.int8, torch.float8_e4m3fn]
 
@@ -157,7 +157,7 @@ def test_attention_reads_the_cache_as_stored(backend: str, dtype: torch.dtype, w
         with on_isa(backend):
             assert attn.uses_native and attn.native_decode
             out = attn(q, k, v, (k_cache, v_cache), meta)
-            pairs = prefill_rounds_to_bfloat16(dtype, block_size)
+            pairs = attention_in_bfloat16_pairs(dtype, block_size, decode=False)
     assert torch.isfinite(out).all()
     start = 0
     for (cached, new), table in zip(reqs, tables):
@@ -170,24 +170,11 @@ def test_attention_reads_the_cache_as_stored(backend: str, dtype: torch.dtype, w
         values[:first_key] = 0
         ref = _dense(q[start : start + new], keys, values, d**-0.5, window)
         if pairs and new > 1:
-            bound = _bfloat16_pair_bound(q[start : start + new], keys, values, d**-0.5)
+            bound = bfloat16_pair_bound(q[start : start + new], keys, values, d**-0.5)
             assert ((out[start : start + new] - ref).abs() <= bound + 1e-4).all()
         else:
             torch.testing.assert_close(out[start : start + new], ref, atol=1e-4, rtol=1e-4)
         start += new
-
-
-def _bfloat16_pair_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Twice the largest error of prefill attention in bfloat16 pairs against float32 over the
-    same K/V, per output element ([n, H * D]): each score's q and k rounded to bfloat16
-    (relative 2^-9 each) move it by at most delta = 2^-8 scale sum_d |q_d k_d|, which moves the
-    normalized weights by a factor within e^(+-2 delta); the weights and the values rounded
-    (2^-9 each) move the output by at most 2^-8 max |v| more."""
-    group = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(group, dim=1).abs(), v.repeat_interleave(group, dim=1).abs()
-    delta = 2**-8 * scale * torch.einsum("qhd,khd->qhk", q.abs(), kk).amax(-1, keepdim=True)  # [n, H, 1]
-    vmax = vv.amax(0)[None]  # [1, H, D]
-    return (2 * (torch.exp(2 * delta) - 1 + 2**-8) * vmax).reshape(q.shape[0], -1)
 
 
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=["int8", "fp8"])

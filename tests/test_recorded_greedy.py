@@ -12,8 +12,8 @@ an Intel Xeon (Emerald Rapids), recorded at 4620a08: under -ffast-math GCC divid
 between the two vendors, and the int8 activation codes move at near-ties (docs/benchmarks.md,
 "Intel Xeon, session 18"). A refactoring that changes no arithmetic keeps every token; a change
 that means to alter the numbers re-records the file and says why in its commit. ``avx512_bf16``'s
-``auto`` tokens were re-recorded (AMD Zen 5) when prefill attention took bfloat16 pairs there; its
-Intel tokens are owed (null: the test skips) until an Intel machine records them.
+``auto`` tokens were re-recorded (AMD Zen 5) when its attention took bfloat16 pairs; its Intel
+tokens are owed (null: the test skips) until an Intel machine records them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Helpers shared by the test modules: a live server subprocess, the block pool checks, a
-streamed tool-call reader, hostile grammar inputs and random GGUF blocks. Tiny models:
+streamed tool-call reader, hostile grammar inputs, random GGUF blocks and the error bound of
+attention in bfloat16 pairs. Tiny models:
 ``models_util.py``.
 
 Test modules import from here, never from one another.
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import torch
 
 from pagedllm.config import MODEL_RUNNER_CLS_ENV
 from pagedllm.distributed.parallel_state import free_port
@@ -196,3 +198,17 @@ def random_gguf_blocks(qtype, n: int, k: int, seed: int = 0, scale: float = 1.0)
     else:
         blocks[..., 0:2] = half(1e-2 * scale)
     return blocks.view(n, -1)
+
+
+def bfloat16_pair_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Twice the largest error of attention in bfloat16 pairs (``kernels.attention.
+    attention_in_bfloat16_pairs``) against float32 over the same K/V, per output element
+    ([n, H * D]) of queries q [n, H, D] over keys and values [L, Hkv, D]: each score's q and k
+    rounded to bfloat16 (relative 2^-9 each) move it by at most delta = 2^-8 scale sum_d
+    |q_d k_d|, which moves the normalized weights by a factor within e^(+-2 delta); the weights
+    and the values rounded (2^-9 each) move the output by at most 2^-8 max |v| more."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, dim=1).abs(), v.repeat_interleave(group, dim=1).abs()
+    delta = 2**-8 * scale * torch.einsum("qhd,khd->qhk", q.abs(), kk).amax(-1, keepdim=True)  # [n, H, 1]
+    vmax = vv.amax(0)[None]  # [1, H, D]
+    return (2 * (torch.exp(2 * delta) - 1 + 2**-8) * vmax).reshape(q.shape[0], -1)

@@ -21,10 +21,14 @@
 //   softmax then works in place.
 // Scores and accumulators are float32 whatever the storage dtype (bfloat16 rows are widened
 // 16 values at a time; 8-bit codes too, unscaled: a key's scale multiplies its score once, a
-// value's its softmax weight, a tile's 16 scales as one vector). Written on the vector layer
+// value's its softmax weight, a tile's 16 scales as one vector), but for a bfloat16 cache on an
+// ISA that multiplies bfloat16 pairs (vec.h's kBf16Dot): there q.K takes the rows' consecutive
+// elements as stored against the queries rounded to bfloat16, and p.V two keys' elements
+// against their weights rounded (kPairs), with float32 sums. Written on the vector layer
 // (vec.h): one source for every ISA.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "head_dims.h"
@@ -52,29 +56,47 @@ inline void prefetch_row(const T* p) {
     __builtin_prefetch(reinterpret_cast<const char*>(p) + line, 0, 3);
 }
 
+// Whether both products take bfloat16 pairs (vec.h's kBf16Dot) over rows of T: q.K a bfloat16
+// row's consecutive elements as stored against the queries rounded to bfloat16
+// (HeadState::qp), p.V two keys' elements against their weights rounded to bfloat16.
+template <typename T>
+inline constexpr bool kPairs = kBf16Dot && std::is_same_v<T, uint16_t>;
+
 // scores[g] = q[g] . k for the N keys whose rows are at offsets rows[S0 .. S0 + N) in cache,
-// in the tree's layout for N (for N = 16: key s in lane s). Depth first, so that only a few
-// partial vectors are live at once. With `ahead` (a later tile's row offsets, or null), each
-// key's turn also asks for the K and V rows of the key in its lane of that tile.
+// in the tree's layout for N (for N = 16: key s in lane s); q in float32, or qp in bfloat16
+// pairs where kPairs<T>. Depth first, so that only a few partial vectors are live at
+// once. With `ahead` (a later tile's row offsets, or null), each key's turn also asks for the
+// K and V rows of the key in its lane of that tile.
 template <int D, int G, int N, int S0 = 0, typename T>
-inline void tile_scores(const F32x16 (&q)[G][D / 16], const T* cache, const T* v_cache, const int64_t* rows,
-                        const int64_t* ahead, F32x16 (&scores)[G]) {
+inline void tile_scores(const F32x16 (&q)[G][D / 16], const BF16x32 (&qp)[G][D / 32], const T* cache,
+                        const T* v_cache, const int64_t* rows, const int64_t* ahead, F32x16 (&scores)[G]) {
   if constexpr (N == 1) {
     if (ahead) {
       prefetch_row<D>(cache + ahead[S0]);
       prefetch_row<D>(v_cache + ahead[S0]);
     }
-    F32x16 k[D / 16];
-    load_row<D>(cache + rows[S0], k);
-    for (int g = 0; g < G; ++g) {
-      F32x16 d = mul(q[g][0], k[0]);
-      for (int c = 1; c < D / 16; ++c) d = fma(q[g][c], k[c], d);
-      scores[g] = d;
+    if constexpr (kPairs<T>) {
+      const uint32_t* row = reinterpret_cast<const uint32_t*>(cache + rows[S0]);
+      BF16x32 k[D / 32];
+      for (int c = 0; c < D / 32; ++c) k[c] = load_pairs(row + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        F32x16 d = dot_pairs(zero(), qp[g][0], k[0]);
+        for (int c = 1; c < D / 32; ++c) d = dot_pairs(d, qp[g][c], k[c]);
+        scores[g] = d;
+      }
+    } else {
+      F32x16 k[D / 16];
+      load_row<D>(cache + rows[S0], k);
+      for (int g = 0; g < G; ++g) {
+        F32x16 d = mul(q[g][0], k[0]);
+        for (int c = 1; c < D / 16; ++c) d = fma(q[g][c], k[c], d);
+        scores[g] = d;
+      }
     }
   } else {
     F32x16 a[G], b[G];
-    tile_scores<D, G, N / 2, S0>(q, cache, v_cache, rows, ahead, a);
-    tile_scores<D, G, N / 2, S0 + N / 2>(q, cache, v_cache, rows, ahead, b);
+    tile_scores<D, G, N / 2, S0>(q, qp, cache, v_cache, rows, ahead, a);
+    tile_scores<D, G, N / 2, S0 + N / 2>(q, qp, cache, v_cache, rows, ahead, b);
     for (int g = 0; g < G; ++g) scores[g] = merge<N / 2>(a[g], b[g]);
   }
 }
@@ -128,6 +150,36 @@ inline void add_weighted_values(const T* v_cache, const int64_t* rows, int lo, i
     }
 }
 
+// add_weighted_values in bfloat16 pairs (kPairs): keys 2i and 2i + 1 of the tile together,
+// their weights rounded to bfloat16 (p is 0 outside [lo, hi), whose clamped rows are finite).
+template <int D, int G>
+inline void add_weighted_value_pairs(const uint16_t* v_cache, const int64_t* rows, int lo, int hi,
+                                     const float (&p)[G][kTile], F32x16 (&acc)[G][D / 16]) {
+  using B = ValueBlocks<D, G>;
+  alignas(64) uint32_t w[G][kTile / 2];  // (p[g][2i], p[g][2i + 1]) rounded
+  for (int g = 0; g < G; ++g) store_bf16_first(reinterpret_cast<uint16_t*>(w[g]), load(p[g]), kTile);
+  for (int c0 = 0; c0 < D / 16; c0 += B::kCols)
+    for (int g0 = 0; g0 < G; g0 += B::kHeads) {
+      constexpr int kH = B::kHeads, kC = B::kCols;
+      F32x16 a[kH][kC];
+      for (int g = 0; g < kH; ++g)
+        for (int c = 0; c < kC; ++c)
+          if (g0 + g < G) a[g][c] = acc[g0 + g][c0 + c];
+      for (int s = lo & ~1; s < hi; s += 2) {
+        BF16x32 v[kC];
+        for (int c = 0; c < kC; ++c) v[c] = zip_bf16(v_cache + rows[s] + 16 * (c0 + c), v_cache + rows[s + 1] + 16 * (c0 + c));
+        for (int g = 0; g < kH; ++g) {
+          if (g0 + g >= G) break;
+          const BF16x32 wg = set1_pair(w[g0 + g][s / 2]);
+          for (int c = 0; c < kC; ++c) a[g][c] = dot_pairs(a[g][c], wg, v[c]);
+        }
+      }
+      for (int g = 0; g < kH; ++g)
+        for (int c = 0; c < kC; ++c)
+          if (g0 + g < G) acc[g0 + g][c0 + c] = a[g][c];
+    }
+}
+
 // Keys per piece of a long context: a (request, KV head) whose window spans more than one
 // piece of positions [i * kPiece, (i + 1) * kPiece) is attended piece by piece in parallel,
 // and the pieces' partial softmaxes are merged (flash-decoding: Dao et al. 2023, "Flash-
@@ -144,6 +196,7 @@ constexpr int64_t kPiece = 1024;
 template <int D, int G>
 struct HeadState {
   F32x16 q[G][D / 16], acc[G][D / 16], m[G], l[G];
+  BF16x32 qp[G][D / 32];  // q rounded to bfloat16 pairs, where kBf16Dot
 };
 
 template <int D, int G>
@@ -156,6 +209,8 @@ inline void start_head(const float* q, float scale, HeadState<D, G>& st) {
     }
     st.m[g] = set1(-1e30f);  // finite: -ffast-math assumes no infinities
     st.l[g] = zero();
+    if constexpr (kBf16Dot)
+      for (int c = 0; c < D / 32; ++c) st.qp[g][c] = round_pairs(st.q[g][2 * c], st.q[g][2 * c + 1]);
   }
 }
 
@@ -167,7 +222,7 @@ inline void attend_tile(const T* k_cache, const T* v_cache, const int64_t* rows,
                         int64_t first, int64_t end, HeadState<D, G>& st) {
   constexpr int ND = D / 16;
   F32x16 scores[G];
-  tile_scores<D, G, kTile>(st.q, k_cache, v_cache, rows, ahead, scores);
+  tile_scores<D, G, kTile>(st.q, st.qp, k_cache, v_cache, rows, ahead, scores);
   // 8-bit rows: the tile's 16 key scales multiply its scores (lane s: key s) and its 16
   // value scales the softmax weights, one vector multiply per query head each.
   F32x16 k_scales = set1(1.f), v_scales = set1(1.f);
@@ -196,7 +251,8 @@ inline void attend_tile(const T* k_cache, const T* v_cache, const int64_t* rows,
     if constexpr (kv::kQuantized<T>) store(p[g], mul(e, v_scales));
     else store(p[g], e);
   }
-  add_weighted_values<D, G>(v_cache, rows, lo, hi, p, st.acc);
+  if constexpr (kPairs<T>) add_weighted_value_pairs<D, G>(v_cache, rows, lo, hi, p, st.acc);
+  else add_weighted_values<D, G>(v_cache, rows, lo, hi, p, st.acc);
 }
 
 // Keys [first, end) of a block table in tiles: fn(t0, rows, ahead) per tile of 16 positions
@@ -208,7 +264,7 @@ inline void attend_tile(const T* k_cache, const T* v_cache, const int64_t* rows,
 // over the arithmetic. A tile's lines asked for at once (hundreds of prefetches in a burst, to
 // L2 three tiles ahead and to L1 one ahead) ran 2-3x slower from DRAM and from L3 alike
 // (docs/benchmarks.md, "AMD EPYC Zen 5, session 22").
-constexpr int kAhead = 2;  // tiles between a key read and the key it prefetches (1-4 measured alike)
+constexpr int kAhead = 1;  // tiles between a key read and the key it prefetches (docs/benchmarks.md, session 27)
 template <typename Fn>
 inline void for_tiles(const int64_t* table, int64_t BS, int64_t stride, int64_t first, int64_t end, Fn fn) {
   auto look_up = [&](int64_t t0, int64_t* off) {

@@ -63,7 +63,9 @@
 //           at the float32 FMA's instruction rate: twice its multiply-adds), BF16x32 (16 lanes
 //           of a bfloat16 pair each: the low half the pair's first value), load_pairs /
 //           store_pairs (16 pairs as uint32), set1_pair (one pair in every lane), pack_pairs(lo,
-//           hi) (lane l = (lo[l], hi[l]), each rounded to nearest even), F32x16 dot_pairs(acc, a,
+//           hi) (lane l = (lo[l], hi[l]), each rounded to nearest even), round_pairs(lo, hi) (the 32
+//           values lo then hi rounded, in order: lane l = values 2l, 2l + 1), zip_bf16(a, b) (16
+//           bfloat16 values at each: lane l = (a[l], b[l])), F32x16 dot_pairs(acc, a,
 //           b): acc[l] + the two products of a's pair l and b's (each exact; their addition to acc
 //           rounded as the hardware does it, so a pair's grouping is part of the result;
 //           denormal inputs and results flush to 0). Where kBf16Dot is false, BF16x32 is an
@@ -96,6 +98,8 @@ BF16x32 load_pairs(const uint32_t* p);
 BF16x32 set1_pair(uint32_t pair);
 void store_pairs(uint32_t* p, BF16x32 a);
 BF16x32 pack_pairs(F32x16 lo, F32x16 hi);
+BF16x32 round_pairs(F32x16 lo, F32x16 hi);
+BF16x32 zip_bf16(const uint16_t* a, const uint16_t* b);
 F32x16 dot_pairs(F32x16 acc, BF16x32 a, BF16x32 b);
 #endif
 

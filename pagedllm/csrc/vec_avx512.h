@@ -271,6 +271,13 @@ inline BF16x32 pack_pairs(F32x16 lo, F32x16 hi) {  // vcvtne2ps2bf16 gives lo's 
   return {_mm512_permutexvar_epi16(_mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                     22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0), h)};
 }
+inline BF16x32 round_pairs(F32x16 lo, F32x16 hi) { return {reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi.v, lo.v))}; }
+inline BF16x32 zip_bf16(const uint16_t* a, const uint16_t* b) {
+  const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                                       36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  return {_mm512_permutex2var_epi16(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), idx,
+                                    _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))))};
+}
 inline F32x16 dot_pairs(F32x16 acc, BF16x32 a, BF16x32 b) {
   return {_mm512_dpbf16_ps(acc.v, reinterpret_cast<__m512bh>(a.v), reinterpret_cast<__m512bh>(b.v))};
 }

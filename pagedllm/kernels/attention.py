@@ -67,16 +67,16 @@ def prefill_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int
     return lib is not None and head_dim in _head_dims(lib) and num_heads % num_kv_heads == 0
 
 
-def prefill_rounds_to_bfloat16(cache_dtype: torch.dtype, block_size: int) -> bool:
-    """Whether the library in use computes prefill attention over such a cache in bfloat16
-    pairs (csrc/prefill_attention.cpp's pair mode: the queries and softmax weights rounded to
-    bfloat16, 8-bit K/V rows as code x scale rounded; sums float32): a bfloat16 or 8-bit cache
-    of an even block size on a library built with AVX-512 BF16. False without a library."""
+def attention_in_bfloat16_pairs(cache_dtype: torch.dtype, block_size: int, decode: bool) -> bool:
+    """Whether the library in use multiplies bfloat16 pairs in attention over such a cache
+    (csrc's pair modes: the queries and softmax weights rounded to bfloat16, 8-bit K/V rows as
+    code x scale rounded; sums float32): on a library built with AVX-512 BF16, decode over a
+    bfloat16 cache, prefill over a bfloat16 or 8-bit cache of an even block size. False without
+    a library."""
     lib = native_library()
-    return (
-        lib is not None and cache_dtype != torch.float32 and block_size % 2 == 0
-        and "avx512_bf16" in lib.pagedllm_requires().decode().split()
-    )
+    if lib is None or "avx512_bf16" not in lib.pagedllm_requires().decode().split():
+        return False
+    return cache_dtype == torch.bfloat16 if decode else cache_dtype != torch.float32 and block_size % 2 == 0
 
 
 @functools.cache
@@ -147,7 +147,7 @@ def paged_prefill_attention(
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, row] of a ``CACHE_DTYPES``
             dtype, contiguous, block_size <= ``MAX_PREFILL_BLOCK``, already holding this
             step's K/V. Float32 arithmetic, or bfloat16 pairs where
-            ``prefill_rounds_to_bfloat16``.
+            ``attention_in_bfloat16_pairs``.
         block_tables: [R, max_blocks] int64, contiguous: each prefill request's blocks.
         spans: [3, R] int64, contiguous: per request its first query row, query count and keys.
         window: > 0: a query at position p sees keys p - window + 1 .. p; 0: all before it.

@@ -41,11 +41,11 @@ struct Rng {  // xorshift64: the same inputs on every machine
   }
 };
 
-// Prefill attention over a bfloat16 or 8-bit cache where the ISA multiplies bfloat16 pairs
-// (vec.h's kBf16Dot): the queries and softmax weights rounded to 8 significant bits move these
-// unit-normal outputs by a few 2^-9 steps (tests/test_kv_cache_8bit.py holds the kernel to the
-// rounding's bound); elsewhere float32 rounding only.
-constexpr float kPrefillTolerance = vec::kBf16Dot ? 0x1p-6f : 1e-4f;
+// Attention in bfloat16 pairs, where the ISA multiplies them (vec.h's kBf16Dot: prefill over a
+// bfloat16 or 8-bit cache, decode over a bfloat16 one): the queries and softmax weights rounded
+// to 8 significant bits move these unit-normal outputs by a few 2^-9 steps (the Python tests
+// hold the kernels to the rounding's bound, tests/utils.py); elsewhere float32 rounding only.
+constexpr float kPairTolerance = vec::kBf16Dot ? 0x1p-6f : 1e-4f;
 
 float max_error(const std::vector<float>& a, const std::vector<float>& b) {
   float e = 0.f;
@@ -355,7 +355,7 @@ void test_attention(bool bf16, int64_t window) {
         q.data(), kc.data(), vc.data(), bt, 3, sl, out.data(), 1, Hq, Hkv, D, BS, scale, window);
     attention_reference(q.data(), kd[0], vd[0], 1, S[0], Hq, Hkv, D, scale, window, ref.data());
     std::snprintf(name, sizeof(name), "decode attention %s window %lld", bf16 ? "bf16" : "f32", (long long)window);
-    check(name, status == 0 ? max_error(out, ref) : 1e9f, 1e-4f);
+    check(name, status == 0 ? max_error(out, ref) : 1e9f, bf16 ? kPairTolerance : 1e-4f);
   }
   {  // prefill: both requests in one call (the decode is a one-row chunk)
     const int64_t rows = n[0] + n[1];
@@ -369,7 +369,7 @@ void test_attention(bool bf16, int64_t window) {
       attention_reference(q.data() + starts[r] * Hq * D, kd[r], vd[r], n[r], S[r], Hq, Hkv, D, scale, window,
                           ref.data() + starts[r] * Hq * D);
     std::snprintf(name, sizeof(name), "prefill attention %s window %lld", bf16 ? "bf16" : "f32", (long long)window);
-    check(name, status == 0 ? max_error(out, ref) : 1e9f, bf16 ? kPrefillTolerance : 1e-4f);
+    check(name, status == 0 ? max_error(out, ref) : 1e9f, bf16 ? kPairTolerance : 1e-4f);
   }
 }
 
@@ -460,7 +460,7 @@ void test_attention_8bit(int kind, int64_t window) {
       attention_reference(q.data() + starts[r] * Hq * D, kd[r], vd[r], n[r], S[r], Hq, Hkv, D, scale, window,
                           ref.data() + starts[r] * Hq * D);
     std::snprintf(name, sizeof(name), "prefill attention %s window %lld", kname, (long long)window);
-    check(name, status == 0 ? max_error(out, ref) : 1e9f, kPrefillTolerance);
+    check(name, status == 0 ? max_error(out, ref) : 1e9f, kPairTolerance);
   }
   // Every code but the NaNs, 64 per one-key V row, read back through the softmax's 1 / l
   // (l = 1 here): relative error, since with -ffast-math GCC turns x86 vector divisions into a
