@@ -119,7 +119,6 @@ void attend(Tile<D, P>* const* t, const Block<D, P>& b, int64_t k0, int64_t nk, 
     F32x16 mx = t[u]->m;
     for (int64_t i = 0; i < nkc; ++i) {
       if (all) {
-        valid[i] = mask_first(i < nk ? kLanes : 0);
         if (i < nk) mx = max(mx, s[u][i]);
         continue;
       }
