@@ -126,6 +126,15 @@ def test_phi3_features_it_does_not_compute_are_refused(changes, message, tmp_pat
         load_config(resolve_model(str(tmp_path)))
 
 
+@pytest.mark.parametrize("act", ["gelu", "relu"])
+def test_activation_other_than_silu_is_refused(act: str, tmp_path: Path, tokenizer_dir: Path) -> None:
+    """The model classes compute SiLU: another ``hidden_act`` is refused, not run as SiLU."""
+    _checkpoint("qwen3", tmp_path, tokenizer_dir)
+    _edit_config(tmp_path, hidden_act=act)
+    with pytest.raises(ValueError, match=f"hidden_act='{act}': only silu is supported for qwen3"):
+        load_config(resolve_model(str(tmp_path)))
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "phi3"])
 def test_gguf_as_llama_cpp_writes_it_matches_transformers(arch: str, tmp_path: Path, tokenizer_dir: Path) -> None:
     """Qwen3's q/k norms under llama.cpp's names; Phi-3's ``attn_qkv`` and ``ffn_up`` (gate and

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from pagedllm.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.models.loader import load_model, resolve_model
+from pagedllm.models.loader import load_config, load_model, resolve_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
@@ -84,6 +85,17 @@ def test_hf_checkpoint_directory_loads(tiny, tmp_path) -> None:
     assert dataclasses.replace(loaded_config, name="", bos_token_id=None, eos_token_ids=[]) == config
     ids = list(range(3, 40))
     torch.testing.assert_close(prefill_logits(loaded, loaded_config, ids), _hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_activation_other_than_gelu_tanh_is_refused(tiny, tmp_path) -> None:
+    """Gemma 3's activation is ``hidden_activation`` (GELU-tanh); another one is refused."""
+    hf, _, _ = tiny
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["hidden_activation"] == "gelu_pytorch_tanh"
+    (tmp_path / "config.json").write_text(json.dumps(config | {"hidden_activation": "gelu"}))
+    with pytest.raises(ValueError, match="hidden_activation='gelu': only gelu_pytorch_tanh is supported for gemma3"):
+        load_config(resolve_model(str(tmp_path)))
 
 
 def test_groups_of_the_tiny_model(tiny) -> None:

@@ -40,6 +40,12 @@ def check_architecture(arch: str) -> None:
         )
 
 
+def mlp_activation(arch: str) -> tuple[str, str]:
+    """The MLP activation ``arch``'s model class computes, as config.json names it: (its key,
+    its value). Gemma 3's GELU-tanh, else SiLU."""
+    return ("hidden_activation", "gelu_pytorch_tanh") if arch == "gemma3" else ("hidden_act", "silu")
+
+
 def get_model_class(arch: str) -> type[nn.Module]:
     """The model class for an architecture name.
 

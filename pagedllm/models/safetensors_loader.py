@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig
-from pagedllm.models.registry import QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture
+from pagedllm.models.registry import QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture, mlp_activation
 
 
 def _ids(value: Any) -> list[int]:
@@ -26,7 +26,8 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
 
     Raises:
         ValueError: unsupported architecture, RoPE scaling (Phi-3's LongRoPE included),
-            partial rotary embeddings, Qwen's ``use_sliding_window`` or an MLP bias.
+            partial rotary embeddings, Qwen's ``use_sliding_window``, an MLP bias, or an MLP
+            activation other than the architecture's (``hidden_act``, Gemma 3's ``hidden_activation``).
     """
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg = cfg.get("text_config", cfg) if cfg.get("model_type") == "gemma3" else cfg  # the multimodal wrapper
@@ -45,6 +46,9 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
             raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     if cfg.get("use_sliding_window") or cfg.get("mlp_bias"):
         raise ValueError("sliding-window attention and MLP biases are not supported")
+    act_key, act = mlp_activation(arch)
+    if cfg.get(act_key, act) != act:
+        raise ValueError(f"unsupported activation {act_key}={cfg[act_key]!r}: only {act} is supported for {arch}")
     eos = _ids(cfg.get("eos_token_id"))
     gen_path = model_dir / "generation_config.json"
     if gen_path.exists():
