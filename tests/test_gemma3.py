@@ -87,6 +87,24 @@ def test_hf_checkpoint_directory_loads(tiny, tmp_path) -> None:
     torch.testing.assert_close(prefill_logits(loaded, loaded_config, ids), _hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
+def test_first_published_config_format_loads(tiny, tmp_path) -> None:
+    """Google's first Gemma 3 config.json (transformers 4.50): ``sliding_window_pattern``,
+    ``rope_theta`` and ``rope_local_base_freq`` instead of ``layer_types`` and
+    ``rope_parameters``: the same config and logits."""
+    hf, _, config = tiny
+    hf.save_pretrained(tmp_path)
+    old = json.loads((tmp_path / "config.json").read_text())
+    rope, layer_types = old.pop("rope_parameters"), old.pop("layer_types")
+    old |= dict(sliding_window_pattern=6, rope_theta=rope["full_attention"]["rope_theta"],
+                rope_local_base_freq=rope["sliding_attention"]["rope_theta"], rope_scaling=None)
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert transformers.AutoConfig.from_pretrained(tmp_path).layer_types == layer_types
+    loaded, loaded_config = load_model(resolve_model(str(tmp_path)), torch.float32)
+    assert dataclasses.replace(loaded_config, name="", bos_token_id=None, eos_token_ids=[]) == config
+    ids = list(range(3, 40))
+    torch.testing.assert_close(prefill_logits(loaded, loaded_config, ids), _hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
 def test_activation_other_than_gelu_tanh_is_refused(tiny, tmp_path) -> None:
     """Gemma 3's activation is ``hidden_activation`` (GELU-tanh); another one is refused."""
     hf, _, _ = tiny

@@ -28,7 +28,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import kquant
 from pagedllm.layers.quantization.gguf import dequantize_blocks
-from pagedllm.models.registry import QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture
+from pagedllm.models.registry import QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture, gemma3_layer_types
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B",
@@ -242,10 +242,10 @@ _PER_LAYER_ARCH = {
 # weight + 1 in the GGUF. gguf_weights subtracts the one again, so every loader hands the
 # model transformers' values (as transformers' own GGUF loader does).
 _NORM_PLUS_ONE = {"gemma3"}
-# llama.cpp's Gemma 3 (src/llama-model.cpp): 5 sliding-window layers then a global one,
-# the sliding ones with RoPE base 10000; queries scaled by head_dim ** -0.5, except the 27B
-# (62 layers), which uses hidden / heads as transformers' query_pre_attn_scalar.
-_GEMMA3_SWA_PATTERN = 6
+# llama.cpp's Gemma 3 (src/llama-model.cpp): 5 sliding-window layers then a global one
+# (gemma3_layer_types), the sliding ones with RoPE base 10000; queries scaled by
+# head_dim ** -0.5, except the 27B (62 layers), which uses hidden / heads as transformers'
+# query_pre_attn_scalar.
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
@@ -286,10 +286,7 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
     if arch == "gemma3":
         num_layers = int(get("block_count"))
         extra_fields = {
-            "layer_types": [
-                "sliding_attention" if (i + 1) % _GEMMA3_SWA_PATTERN else "full_attention"
-                for i in range(num_layers)
-            ],
+            "layer_types": gemma3_layer_types(num_layers),
             "sliding_window": int(get("attention.sliding_window")),
             "rope_local_theta": _GEMMA3_LOCAL_ROPE_BASE,
             "query_pre_attn_scalar": float(hidden // num_heads if num_layers == 62 else head_dim),

@@ -30,6 +30,9 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3"})
 # Architectures with q/k head norms (``ModelConfig.qk_norm``).
 QK_NORM = frozenset({"qwen3", "qwen3_moe"})
+# Gemma 3's sliding_window_pattern where the checkpoint gives none: 5 sliding-window layers,
+# then a global one (transformers' Gemma3TextConfig default, llama.cpp's).
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
 
 
 def check_architecture(arch: str) -> None:
@@ -44,6 +47,14 @@ def mlp_activation(arch: str) -> tuple[str, str]:
     """The MLP activation ``arch``'s model class computes, as config.json names it: (its key,
     its value). Gemma 3's GELU-tanh, else SiLU."""
     return ("hidden_activation", "gelu_pytorch_tanh") if arch == "gemma3" else ("hidden_act", "silu")
+
+
+def gemma3_layer_types(num_layers: int, pattern: int | None = None) -> list[str]:
+    """Gemma 3's ``layer_types`` from its ``sliding_window_pattern`` (None: the default 6), as
+    transformers derives them: every ``pattern``-th layer (1-based) is ``full_attention``, the
+    rest ``sliding_attention``."""
+    pattern = int(pattern or _GEMMA3_SLIDING_WINDOW_PATTERN)
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
 
 
 def get_model_class(arch: str) -> type[nn.Module]:

@@ -11,7 +11,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig
-from pagedllm.models.registry import QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture, mlp_activation
+from pagedllm.models.registry import (
+    QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture, gemma3_layer_types, mlp_activation,
+)
 
 
 def _ids(value: Any) -> list[int]:
@@ -63,7 +65,10 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
     if arch == "gemma3":
         local = kinds.get("sliding_attention", {})
         extra = dict(
-            layer_types=list(cfg["layer_types"]),
+            # Google's first Gemma 3 configs give sliding_window_pattern instead of layer_types.
+            layer_types=list(
+                cfg.get("layer_types") or gemma3_layer_types(cfg["num_hidden_layers"], cfg.get("sliding_window_pattern"))
+            ),
             sliding_window=cfg.get("sliding_window"),
             rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
