@@ -1,6 +1,7 @@
 """End to end on the real default model: correctness against transformers, batch invariance,
 chunked prefill, preemption, sampling features, bad input, and the block pool after each."""
 
+import logging
 import math
 
 import pytest
@@ -233,6 +234,23 @@ def test_bad_input_raises_before_scheduling(llm, prompt, kwargs, match):
         llm.generate(["fine prompt", prompt], SamplingParams(**kwargs) if kwargs else None)
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate(["still serving"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_max_model_len_beyond_the_kv_cache_is_lowered_with_a_warning(caplog):
+    """The pool's capacity caps an explicit max_model_len: a warning names both lengths and
+    the flags, and a prompt over the cap is refused naming the KV cache, not the model."""
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        llm = LLM(dtype="float32", kv_cache_memory="8MiB", max_model_len=2048)
+    try:
+        n = llm.engine.max_model_len
+        assert 0 < n < 2048
+        assert f"max_model_len 2048 does not fit in the KV cache" in caplog.text
+        assert f"limited to {n} tokens; raise --kv-cache-memory or lower --max-model-len" in caplog.text
+        with pytest.raises(ValueError, match=rf"longer than the maximum context length the KV cache holds "
+                                             rf"\(--kv-cache-memory\) of {n} tokens"):
+            llm.generate([{"prompt_token_ids": [5] * (n + 1)}], use_tqdm=False)
+    finally:
+        llm.shutdown()
 
 
 def test_abort_frees_blocks(llm):

@@ -26,11 +26,15 @@ The perplexity it keeps: docs/benchmarks.md ("An 8-bit KV cache").
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layers_per_block, max_request_tokens
+
+logger = logging.getLogger("pagedllm")
 
 # The 8-bit caches, and the bytes after each head's codes in their rows: its float16 scale
 # (the kernels' PAGEDLLM_KV_SCALE_BYTES, pagedllm_abi.h; tests/test_kv_cache_8bit.py checks they agree).
@@ -57,6 +61,8 @@ class KVCacheConfig(msgspec.Struct, frozen=True):
         dtype: the caches' torch dtype, by name ("float32", "bfloat16", "float16", "int8",
             "float8_e4m3fn").
         max_model_len: the longest request (prompt + output, tokens) whose blocks fit.
+        kv_limited: whether ``max_model_len`` is the pool's capacity, below the length asked
+            for (``--max-model-len``, else the model's context).
     """
 
     num_blocks: int
@@ -67,6 +73,7 @@ class KVCacheConfig(msgspec.Struct, frozen=True):
     head_dim: int
     dtype: str
     max_model_len: int
+    kv_limited: bool = False
 
     @classmethod
     def for_model(
@@ -77,12 +84,13 @@ class KVCacheConfig(msgspec.Struct, frozen=True):
         dtype: torch.dtype,
         tp_size: int = 1,
         max_model_len: int = 0,
+        kv_limited: bool = False,
     ) -> KVCacheConfig:
         """The geometry of ``num_blocks`` blocks for ``model_config`` split over ``tp_size`` ranks."""
         return cls(
             num_blocks, block_size, kv_cache_groups(model_config), model_config.num_layers,
             kv_heads_per_rank(model_config, tp_size), model_config.head_dim, str(dtype).removeprefix("torch."),
-            max_model_len,
+            max_model_len, kv_limited,
         )
 
     @property
@@ -135,7 +143,8 @@ def create_kv_cache_config(config: EngineConfig, model_config: ModelConfig) -> K
     """The geometry an engine with ``config`` serving ``model_config`` uses.
 
     The block count is ``config.kv_cache_memory`` (bytes per rank) over one rank's bytes per
-    block, or ``config.num_gpu_blocks_override``.
+    block, or ``config.num_gpu_blocks_override``. A ``config.max_model_len`` longer than the
+    blocks hold is lowered to what they hold, with a warning.
 
     Raises:
         ValueError: if the budget cannot hold one token in every group, or max_model_len is too long.
@@ -146,14 +155,19 @@ def create_kv_cache_config(config: EngineConfig, model_config: ModelConfig) -> K
     num_blocks = config.num_gpu_blocks_override
     if num_blocks is None:
         num_blocks = config.kv_cache_memory // block_bytes(groups, config.block_size, heads, model_config.head_dim, dtype)
-    max_len = max_request_tokens(
-        groups, num_blocks, config.block_size, config.max_num_batched_tokens, resolve_max_model_len(config, model_config)
-    )
+    wanted = resolve_max_model_len(config, model_config)
+    max_len = max_request_tokens(groups, num_blocks, config.block_size, config.max_num_batched_tokens, wanted)
     if max_len < 1:
         raise ValueError(
             f"kv_cache_memory {config.kv_cache_memory} bytes ({num_blocks} KV blocks) cannot hold one token "
             f"in every KV cache group ({len(groups)} groups)"
         )
+    if config.max_model_len is not None and max_len < wanted:
+        logger.warning(
+            "max_model_len %d does not fit in the KV cache (%d blocks): requests are limited to %d tokens; "
+            "raise --kv-cache-memory or lower --max-model-len",
+            wanted, num_blocks, max_len,
+        )
     return KVCacheConfig.for_model(
-        model_config, num_blocks, config.block_size, dtype, config.tensor_parallel_size, max_len
+        model_config, num_blocks, config.block_size, dtype, config.tensor_parallel_size, max_len, max_len < wanted
     )

@@ -81,7 +81,7 @@ class AsyncLLM:
         self.block_size = self.kv_config.block_size
         self.processor = Processor(
             self.tokenizer, self.max_model_len, self.model_config.vocab_size, self.model_config.eos_token_ids,
-            LoRAChecker(config, self.model_config),
+            LoRAChecker(config, self.model_config), self.kv_config.kv_limited,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.num_engines, self.kv_config)

@@ -40,14 +40,21 @@ class Processor:
         vocab_size: token ids must lie in [0, vocab_size).
         eos_token_ids: ids that end generation unless ``ignore_eos``.
         lora: the check of requests' LoRA adapters (None: a request naming one fails).
+        kv_limited: whether ``max_model_len`` is the KV cache's capacity (``KVCacheConfig.kv_limited``),
+            which the errors then name instead of the model's context.
     """
 
     def __init__(
-        self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int], lora: LoRAChecker | None = None
+        self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int], lora: LoRAChecker | None = None,
+        kv_limited: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.lora = lora
         self.max_model_len = max_model_len
+        self.limit_name = (
+            "the maximum context length the KV cache holds (--kv-cache-memory)" if kv_limited
+            else "this model's maximum context length"
+        )
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
@@ -132,13 +139,12 @@ class Processor:
             than = "longer than" if n_prompt > self.max_model_len else "leaving no room for output in"
             raise InvalidParamError(
                 "prompt",
-                f"the prompt is {n_prompt} tokens, {than} this model's maximum context length of "
-                f"{self.max_model_len} tokens",
+                f"the prompt is {n_prompt} tokens, {than} {self.limit_name} of {self.max_model_len} tokens",
             )
         if n_prompt + max_tokens > self.max_model_len:
             raise InvalidParamError(
                 "max_tokens",
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{self.limit_name} is {self.max_model_len} tokens, but "
                 f"{n_prompt} prompt tokens + {max_tokens} max_tokens = {n_prompt + max_tokens} were requested"
             )
         now = time.monotonic()
