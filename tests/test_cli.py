@@ -23,6 +23,7 @@ from pagedllm import LLM, __version__
 from pagedllm.entrypoints.chat_repl import stream_reply
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import build_parser, main
+from pagedllm.kernels.attention import MAX_PREFILL_BLOCK
 from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS, SERVE_MAX_NUM_BATCHED_TOKENS
 from tests.utils import pool_is_whole
 
@@ -60,6 +61,12 @@ def test_help_shows_every_default() -> None:
             shown = formatter._get_help_string(action)
             assert "%(default)" in shown or "(default: " in shown, (parser.prog, action.dest)
             assert shown.count("(default: ") == 1, (parser.prog, action.dest, shown)  # once, not twice
+
+
+def test_block_size_help_names_the_prefill_kernel_limit() -> None:
+    generate = next(p for p in _parsers(build_parser()) if p.prog == "pagedllm generate")
+    help_text = generate.format_help()
+    assert f"above {MAX_PREFILL_BLOCK} prefill attention runs in PyTorch" in " ".join(help_text.split())
 
 
 def test_serve_takes_smaller_steps_than_offline_commands() -> None:

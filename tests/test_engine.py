@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.kernels.attention import MAX_PREFILL_BLOCK
 from tests.utils import pool_is_whole
 
 PROMPTS = [
@@ -251,6 +252,18 @@ def test_max_model_len_beyond_the_kv_cache_is_lowered_with_a_warning(caplog):
             llm.generate([{"prompt_token_ids": [5] * (n + 1)}], use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_block_size_above_the_prefill_kernel_warns(caplog):
+    """Blocks larger than the native prefill kernel takes run prefill attention in PyTorch: said once at start-up."""
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        llm = LLM(dtype="float32", kv_cache_memory="32MiB", max_model_len=256, block_size=2 * MAX_PREFILL_BLOCK)
+    llm.shutdown()
+    warned = [r.getMessage() for r in caplog.records if "prefill attention runs in PyTorch" in r.getMessage()]
+    assert warned == [
+        f"block_size {2 * MAX_PREFILL_BLOCK}: prefill attention runs in PyTorch, not the native kernel, above block "
+        f"size {MAX_PREFILL_BLOCK} (slower prompts; lower --block-size)"
+    ]
 
 
 def test_abort_frees_blocks(llm):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.default_model import DEFAULT_MODEL
+from pagedllm.kernels.abi import CONSTANTS
 from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS
 
 
@@ -67,7 +68,13 @@ class EngineArgs:
         0, "most tokens one request computes in a step (0: no cap beyond the budget)", type=non_negative_int
     )
     kv_cache_memory: str = _flag("2GiB", "KV cache budget, e.g. 2GiB or 512MiB")
-    block_size: int = _flag(16, "tokens per KV block: 8 | 16 | 32 | 64 | 128", type=int)
+    block_size: int = _flag(
+        16,
+        # kernels.attention.MAX_PREFILL_BLOCK, read from the header: this module imports no torch.
+        f"tokens per KV block: 8 | 16 | 32 | 64 | 128; above {CONSTANTS['PAGEDLLM_MAX_PREFILL_BLOCK']} "
+        "prefill attention runs in PyTorch, not the native kernel (slower)",
+        type=int,
+    )
     enable_prefix_caching: bool = _flag(
         True, "reuse cached KV blocks of shared prefixes", action=argparse.BooleanOptionalAction
     )

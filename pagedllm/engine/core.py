@@ -22,6 +22,7 @@ from pagedllm.outputs import RequestError
 from pagedllm.live_view.recorder import StepRecorder
 from pagedllm.distributed.sharding import check_tensor_parallel_size
 from pagedllm.executor.executor import create_executor
+from pagedllm.kernels.attention import MAX_PREFILL_BLOCK
 from pagedllm.models.loader import load_config, load_tokenizer, resolve_model
 from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -78,6 +79,11 @@ class EngineCore:
             kv.num_blocks, kv.block_size, len(kv.groups[0].layers), kv.num_bytes / 1024**3, kv.dtype, len(kv.groups),
             [g.window for g in kv.groups], kv.max_model_len,
         )
+        if kv.block_size > MAX_PREFILL_BLOCK:
+            logger.warning(
+                "block_size %d: prefill attention runs in PyTorch, not the native kernel, above block size %d "
+                "(slower prompts; lower --block-size)", kv.block_size, MAX_PREFILL_BLOCK,
+            )
         self.kv_cache = KVCacheManager(kv.num_blocks, kv.block_size, config.enable_prefix_caching, kv.groups)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
