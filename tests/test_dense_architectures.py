@@ -135,6 +135,14 @@ def test_activation_other_than_silu_is_refused(act: str, tmp_path: Path, tokeniz
         load_config(resolve_model(str(tmp_path)))
 
 
+def test_attention_bias_with_an_o_proj_bias_is_refused(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Qwen3's (and Llama's) attention_bias puts a bias on o_proj too, which the model lacks:
+    refused by name, not a state-dict error."""
+    _checkpoint("qwen3", tmp_path, tokenizer_dir, transformers.Qwen3Config(**COMMON, head_dim=64, attention_bias=True))
+    with pytest.raises(ValueError, match=r"attention_bias on qwen3 \(a bias on o_proj as well as q/k/v\)"):
+        load_config(resolve_model(str(tmp_path)))
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "phi3"])
 def test_gguf_as_llama_cpp_writes_it_matches_transformers(arch: str, tmp_path: Path, tokenizer_dir: Path) -> None:
     """Qwen3's q/k norms under llama.cpp's names; Phi-3's ``attn_qkv`` and ``ffn_up`` (gate and

@@ -30,6 +30,10 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3"})
 # Architectures with q/k head norms (``ModelConfig.qk_norm``).
 QK_NORM = frozenset({"qwen3", "qwen3_moe"})
+# Architectures whose ``attention_bias`` puts a bias on o_proj as well as on q/k/v (transformers'
+# Llama, Qwen3, Qwen3-MoE, Gemma 3; Qwen2's is q/k/v only). The model classes have no o_proj
+# bias: the loaders refuse these.
+O_PROJ_BIAS = frozenset({"llama", "qwen3", "qwen3_moe", "gemma3"})
 # Gemma 3's sliding_window_pattern where the checkpoint gives none: 5 sliding-window layers,
 # then a global one (transformers' Gemma3TextConfig default, llama.cpp's).
 _GEMMA3_SLIDING_WINDOW_PATTERN = 6

@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig
 from pagedllm.models.registry import (
-    QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture, gemma3_layer_types, mlp_activation,
+    O_PROJ_BIAS, QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture, gemma3_layer_types, mlp_activation,
 )
 
 
@@ -28,7 +28,8 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
 
     Raises:
         ValueError: unsupported architecture, RoPE scaling (Phi-3's LongRoPE included),
-            partial rotary embeddings, Qwen's ``use_sliding_window``, an MLP bias, or an MLP
+            partial rotary embeddings, Qwen's ``use_sliding_window``, an MLP bias, an o_proj bias
+            (``attention_bias`` beyond Qwen2's q/k/v, ``O_PROJ_BIAS``), or an MLP
             activation other than the architecture's (``hidden_act``, Gemma 3's ``hidden_activation``).
     """
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -48,6 +49,8 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
             raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     if cfg.get("use_sliding_window") or cfg.get("mlp_bias"):
         raise ValueError("sliding-window attention and MLP biases are not supported")
+    if cfg.get("attention_bias") and arch in O_PROJ_BIAS:
+        raise ValueError(f"attention_bias on {arch} (a bias on o_proj as well as q/k/v) is not supported")
     act_key, act = mlp_activation(arch)
     if cfg.get(act_key, act) != act:
         raise ValueError(f"unsupported activation {act_key}={cfg[act_key]!r}: only {act} is supported for {arch}")
