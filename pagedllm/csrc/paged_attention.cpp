@@ -123,11 +123,15 @@ struct ValueBlocks {
 };
 
 // acc[g] += sum over keys s in [lo, hi) of p[g][s] * (value row at rows[s]), per element in
-// key order.
+// key order; where kPairs<T>, keys 2i and 2i + 1 of the tile together, their weights rounded to
+// bfloat16 (p is 0 outside [lo, hi), whose clamped rows are finite).
 template <int D, int G, typename T>
 inline void add_weighted_values(const T* v_cache, const int64_t* rows, int lo, int hi, const float (&p)[G][kTile],
                                 F32x16 (&acc)[G][D / 16]) {
   using B = ValueBlocks<D, G>;
+  [[maybe_unused]] alignas(64) uint32_t wp[kPairs<T> ? G : 1][kTile / 2];  // (p[g][2i], p[g][2i + 1]) rounded
+  if constexpr (kPairs<T>)
+    for (int g = 0; g < G; ++g) store_bf16_first(reinterpret_cast<uint16_t*>(wp[g]), load(p[g]), kTile);
   for (int c0 = 0; c0 < D / 16; c0 += B::kCols)
     for (int g0 = 0; g0 < G; g0 += B::kHeads) {
       constexpr int kH = B::kHeads, kC = B::kCols;
@@ -135,43 +139,26 @@ inline void add_weighted_values(const T* v_cache, const int64_t* rows, int lo, i
       for (int g = 0; g < kH; ++g)
         for (int c = 0; c < kC; ++c)
           if (g0 + g < G) a[g][c] = acc[g0 + g][c0 + c];
-      for (int s = lo; s < hi; ++s) {
-        F32x16 v[kC];
-        for (int c = 0; c < kC; ++c) v[c] = kv::load16(v_cache + rows[s] + 16 * (c0 + c));
-        for (int g = 0; g < kH; ++g) {
-          if (g0 + g >= G) break;
-          const F32x16 w = set1(p[g0 + g][s]);
-          for (int c = 0; c < kC; ++c) a[g][c] = fma(w, v[c], a[g][c]);
+      if constexpr (kPairs<T>) {
+        for (int s = lo & ~1; s < hi; s += 2) {
+          BF16x32 v[kC];
+          for (int c = 0; c < kC; ++c)
+            v[c] = zip_bf16(v_cache + rows[s] + 16 * (c0 + c), v_cache + rows[s + 1] + 16 * (c0 + c));
+          for (int g = 0; g < kH; ++g) {
+            if (g0 + g >= G) break;
+            const BF16x32 wg = set1_pair(wp[g0 + g][s / 2]);
+            for (int c = 0; c < kC; ++c) a[g][c] = dot_pairs(a[g][c], wg, v[c]);
+          }
         }
-      }
-      for (int g = 0; g < kH; ++g)
-        for (int c = 0; c < kC; ++c)
-          if (g0 + g < G) acc[g0 + g][c0 + c] = a[g][c];
-    }
-}
-
-// add_weighted_values in bfloat16 pairs (kPairs): keys 2i and 2i + 1 of the tile together,
-// their weights rounded to bfloat16 (p is 0 outside [lo, hi), whose clamped rows are finite).
-template <int D, int G>
-inline void add_weighted_value_pairs(const uint16_t* v_cache, const int64_t* rows, int lo, int hi,
-                                     const float (&p)[G][kTile], F32x16 (&acc)[G][D / 16]) {
-  using B = ValueBlocks<D, G>;
-  alignas(64) uint32_t w[G][kTile / 2];  // (p[g][2i], p[g][2i + 1]) rounded
-  for (int g = 0; g < G; ++g) store_bf16_first(reinterpret_cast<uint16_t*>(w[g]), load(p[g]), kTile);
-  for (int c0 = 0; c0 < D / 16; c0 += B::kCols)
-    for (int g0 = 0; g0 < G; g0 += B::kHeads) {
-      constexpr int kH = B::kHeads, kC = B::kCols;
-      F32x16 a[kH][kC];
-      for (int g = 0; g < kH; ++g)
-        for (int c = 0; c < kC; ++c)
-          if (g0 + g < G) a[g][c] = acc[g0 + g][c0 + c];
-      for (int s = lo & ~1; s < hi; s += 2) {
-        BF16x32 v[kC];
-        for (int c = 0; c < kC; ++c) v[c] = zip_bf16(v_cache + rows[s] + 16 * (c0 + c), v_cache + rows[s + 1] + 16 * (c0 + c));
-        for (int g = 0; g < kH; ++g) {
-          if (g0 + g >= G) break;
-          const BF16x32 wg = set1_pair(w[g0 + g][s / 2]);
-          for (int c = 0; c < kC; ++c) a[g][c] = dot_pairs(a[g][c], wg, v[c]);
+      } else {
+        for (int s = lo; s < hi; ++s) {
+          F32x16 v[kC];
+          for (int c = 0; c < kC; ++c) v[c] = kv::load16(v_cache + rows[s] + 16 * (c0 + c));
+          for (int g = 0; g < kH; ++g) {
+            if (g0 + g >= G) break;
+            const F32x16 w = set1(p[g0 + g][s]);
+            for (int c = 0; c < kC; ++c) a[g][c] = fma(w, v[c], a[g][c]);
+          }
         }
       }
       for (int g = 0; g < kH; ++g)
@@ -251,8 +238,7 @@ inline void attend_tile(const T* k_cache, const T* v_cache, const int64_t* rows,
     if constexpr (kv::kQuantized<T>) store(p[g], mul(e, v_scales));
     else store(p[g], e);
   }
-  if constexpr (kPairs<T>) add_weighted_value_pairs<D, G>(v_cache, rows, lo, hi, p, st.acc);
-  else add_weighted_values<D, G>(v_cache, rows, lo, hi, p, st.acc);
+  add_weighted_values<D, G>(v_cache, rows, lo, hi, p, st.acc);
 }
 
 // Keys [first, end) of a block table in tiles: fn(t0, rows, ahead) per tile of 16 positions
