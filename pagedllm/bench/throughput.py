@@ -44,10 +44,20 @@ class BenchResult:
         return line
 
 
-def run_pagedllm(requests: list[BenchRequest], llm, label: str = "pagedllm") -> BenchResult:
+def run_pagedllm(requests: list[BenchRequest], llm, args: argparse.Namespace, label: str = "pagedllm") -> BenchResult:
+    """Every request at its own output length (``ignore_eos``), sampled as ``args`` says: greedy
+    at temperature 0, else at ``--temperature`` / ``--top-p`` / ``--top-k`` with seed ``--seed``
+    + its index, so two runs draw the same tokens from the same logits."""
     from pagedllm import SamplingParams
 
-    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+    sampled = args.temperature > 0
+    params = [
+        SamplingParams(
+            max_tokens=r.output_len, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed + i if sampled else None, ignore_eos=True,
+        )
+        for i, r in enumerate(requests)
+    ]
     prompts = [r.prompt_token_ids for r in requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -106,7 +116,9 @@ def run_hf(args: argparse.Namespace, requests: list[BenchRequest]) -> BenchResul
             new = max(r.output_len for r in batch)
             model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, pad_token_id=pad,
+                do_sample=args.temperature > 0, pad_token_id=pad,
+                **({"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k or None}
+                   if args.temperature > 0 else {}),
             )
             out_tokens += sum(r.output_len for r in batch)  # only the tokens each request asked for
     elapsed = time.perf_counter() - start
@@ -149,17 +161,17 @@ def run(args: argparse.Namespace) -> None:
         label = ("pagedllm, prefix caching on" if args.compare == "prefix-caching"
                  else f"pagedllm, kv {llm.engine.core.kv_config.dtype}" if args.compare == "kv-cache-dtype"
                  else "pagedllm")
-        results.append(run_pagedllm(requests, llm, label))
+        results.append(run_pagedllm(requests, llm, args, label))
         comm = collectives_report(llm, results[-1])
     if args.compare == "prefix-caching":
         llm.shutdown()
         llm = LLM(**(kwargs | {"enable_prefix_caching": False}))
-        results.append(run_pagedllm(requests, llm, "pagedllm, prefix caching off"))
+        results.append(run_pagedllm(requests, llm, args, "pagedllm, prefix caching off"))
     if args.compare == "kv-cache-dtype":
         print(_pool_report(llm, requests))
         llm.shutdown()
         llm = LLM(**(kwargs | {"kv_cache_dtype": args.compare_kv_cache_dtype}))
-        results.append(run_pagedllm(requests, llm, f"pagedllm, kv {llm.engine.core.kv_config.dtype}"))
+        results.append(run_pagedllm(requests, llm, args, f"pagedllm, kv {llm.engine.core.kv_config.dtype}"))
         print(_pool_report(llm, requests))
     llm.shutdown()
     if args.backend == "hf" or args.compare == "hf":
@@ -188,6 +200,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len-range", default="32:512", help="LO:HI prompt tokens")
     parser.add_argument("--output-len-range", default="32:256", help="LO:HI output tokens")
     parser.add_argument("--backend", choices=["pagedllm", "hf"], default="pagedllm")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="sampling temperature of every request (0: greedy); above 0 each request is seeded (--seed + its index)",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="top-p of every request (1: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k of every request (0: off)")
     parser.add_argument(
         "--compare", choices=["hf", "prefix-caching", "kv-cache-dtype"], default=None,
         help="hf: also run transformers generate; prefix-caching: run with caching on, then off; kv-cache-dtype: "

@@ -3,9 +3,11 @@
 // Why: in PyTorch the same row is some forty ops over the vocabulary (softmax, block maxima,
 // topk, gather, cumsum, searchsorted...), each a dispatch and a pass of its own, which at
 // batch 1 cost about a tenth of a decode step (docs/benchmarks.md). Here a row is a vector pass
-// for its maximum and one for its weights' sum: with top-k / top-p that pass also collects the
-// tokens near the maximum, sorted only as far as the kept prefix reaches; without, a last pass
-// stops at the drawn token.
+// for its maximum and one for its weights' sum; with top-k / top-p that pass also counts the
+// tokens and weight within a few cutoffs of the maximum, one more collects the tokens within
+// the narrowest cutoff that holds the kept ones, and top-k, top-p and the draw select among
+// those by weight in expected linear time (nothing is sorted but the last few of a selection);
+// without, a last pass stops at the drawn token.
 //
 // Semantics are the sampler's (pagedllm/layers/sampler.py), with vLLM's order: top-k keeps
 // the k most likely tokens; top-p keeps each token whose more likely tokens hold less than
@@ -30,9 +32,13 @@ namespace {
 // A logit at or below this is banned (-inf): compared as a finite number, since the kernels
 // build with -ffast-math, under which the compiler may take any test for infinity as false.
 constexpr float kBanned = -3.0e38f;
-// Candidates of a top-k / top-p row: tokens with p >= p_max * exp(-c), c from this list
-// (0: every token not banned, last), widened while the kept prefix may reach past them.
-constexpr float kCutoffs[] = {16.f, 32.f, 64.f, 0.f};
+// Candidates of a top-k / top-p row: the tokens with p >= p_max * exp(-c), c from this list
+// (0: every token not banned, last). The row's first pass counts the tokens (top-k) or sums
+// the weights (top-p alone) above the first kCounted cutoffs, and the candidates are taken at
+// the first of those that holds the k most likely tokens or top_p of the mass; the later ones
+// are for rows where it does not (a flat row, or rounding at the limit).
+constexpr float kCutoffs[] = {2.f, 4.f, 8.f, 16.f, 32.f, 64.f, 0.f};
+constexpr int kCounted = 4;
 
 // Values i .. i + 15 of a row of n (banned past its end).
 inline F32x16 load_block(const float* x, int64_t i, int64_t n) {
@@ -48,54 +54,100 @@ struct Row {
   const float* x;
   int64_t n;
   float m, inv_t;
-  // Token i's weight exp((x - m) * inv_t) = p / max p, as weights16 computes it.
-  float weight(int64_t i) const {
-    return x[i] <= kBanned ? 0.f : reduce_max(exp_nonpositive(set1((x[i] - m) * inv_t)));
-  }
 };
 
-// The token at the inverse CDF of u over weights w (in the order given; ids alongside).
-int64_t draw(const std::vector<std::pair<float, int64_t>>& kept, float u) {
-  double total = 0.0;  // sums in double: a flat row's nucleus is thousands of tiny weights
-  for (const auto& c : kept) total += c.first;
-  const double target = u * total;
-  double mass = 0.0;
-  for (const auto& c : kept) {
-    mass += c.first;
-    if (mass >= target && c.first > 0.f) return c.second;
+struct Candidate {
+  float x, w;  // logit, weight p / max p
+  int64_t id;
+};
+inline bool more_likely(const Candidate& a, const Candidate& b) { return a.x > b.x || (a.x == b.x && a.id < b.id); }
+
+// c[0, n) reordered so that its first b + 1 entries are the b + 1 most likely (in any order) and
+// c[b] the least likely of them, for the least b at which the weights of the b + 1 reach limit
+// (in the order most likely first); returns b, or -1 where all n stay below it. *mass gets the
+// weight of c[0, b] (of all n for -1). Expected O(n): a quickselect on the weight, not a sort.
+int64_t reach(Candidate* c, int64_t n, double limit, double* mass) {
+  int64_t lo = 0, hi = n;  // c[0, lo) is in the prefix, c[hi, n) past it
+  double acc = 0.0;        // the weight of c[0, lo)
+  while (hi - lo > 24) {
+    const int64_t mid = lo + (hi - lo) / 2;  // median of three as the pivot, moved to c[hi - 1]
+    if (more_likely(c[mid], c[lo])) std::swap(c[mid], c[lo]);
+    if (more_likely(c[hi - 1], c[lo])) std::swap(c[hi - 1], c[lo]);
+    if (more_likely(c[mid], c[hi - 1])) std::swap(c[mid], c[hi - 1]);
+    const Candidate pivot = c[hi - 1];
+    int64_t i = lo;
+    double left = 0.0;
+    for (int64_t j = lo; j < hi - 1; ++j)
+      if (more_likely(c[j], pivot)) left += c[j].w, std::swap(c[i++], c[j]);
+    std::swap(c[i], c[hi - 1]);
+    if (acc + left >= limit) {  // reached before the pivot
+      hi = i;
+      continue;
+    }
+    acc += left + c[i].w;
+    if (acc >= limit) return *mass = acc, i;
+    lo = i + 1;
   }
-  for (auto it = kept.rbegin(); it != kept.rend(); ++it)  // rounding left the target unreached
-    if (it->first > 0.f) return it->second;
-  return kept.empty() ? 0 : kept.front().second;
+  std::sort(c + lo, c + hi, more_likely);
+  for (int64_t j = lo; j < hi; ++j) {
+    acc += c[j].w;
+    if (acc >= limit) return *mass = acc, j;
+  }
+  // c[hi] (a pivot) reaches it where a partition's sum and the one-by-one sums round apart.
+  if (hi < n) return *mass = acc + c[hi].w, hi;
+  *mass = acc;
+  return -1;
 }
 
-using Candidate = std::pair<float, int64_t>;  // (logit, id)
-inline bool more_likely(const Candidate& a, const Candidate& b) {
-  return a.first > b.first || (a.first == b.first && a.second < b.second);
+// The token at the inverse CDF of u over the kept candidates, most likely first.
+int64_t draw(Candidate* kept, int64_t n, float u) {
+  double total = 0.0;  // sums in double: a flat row's nucleus is thousands of tiny weights
+  for (int64_t j = 0; j < n; ++j) total += kept[j].w;
+  double mass;
+  const int64_t b = reach(kept, n, u * total, &mass);
+  if (b >= 0 && kept[b].w > 0.f) return kept[b].id;
+  const Candidate* last = nullptr;  // rounding left the target unreached: the least likely drawable
+  for (int64_t j = 0; j < n; ++j)
+    if (kept[j].w > 0.f && (last == nullptr || more_likely(*last, kept[j]))) last = &kept[j];
+  return last != nullptr ? last->id : kept[0].id;
 }
 
-// A row with top-k or top-p: the tokens near the maximum are the candidates, sorted only as
-// far as the kept prefix reaches.
+// A row with top-k or top-p: the tokens near the maximum are the candidates; top-k selects
+// among them, top-p reaches into them by weight, neither sorts them.
 int64_t draw_truncated(const Row& r, int64_t top_k, float top_p, float min_p, float u) {
   const int64_t k = top_k > 0 && top_k < r.n ? top_k : r.n;
-  const F32x16 m = set1(r.m), inv_t = set1(r.inv_t);
+  const F32x16 m = set1(r.m), inv_t = set1(r.inv_t), one = set1(1.f);
+  F32x16 cuts[kCounted], above[kCounted];  // per counted cutoff: tokens (top-k) or weight (top-p) above it
+  for (int l = 0; l < kCounted; ++l) cuts[l] = set1(r.m - kCutoffs[l] / r.inv_t), above[l] = zero();
+  F32x16 zs = zero();
+  for (int64_t i = 0; i < r.n; i += 16) {
+    const F32x16 v = load_block(r.x, i, r.n);
+    if (k == r.n) {
+      const F32x16 w = weights16(v, m, inv_t);
+      zs = add(zs, w);
+      for (int l = 0; l < kCounted; ++l) above[l] = add(above[l], maskz(gt(v, cuts[l]), w));
+    } else {
+      for (int l = 0; l < kCounted; ++l) above[l] = add(above[l], maskz(gt(v, cuts[l]), one));
+    }
+  }
+  const double z = reduce_add(zs);  // the row's weight sum (top-p without top-k)
+  int first = 0;
+  while (first < kCounted && (k < r.n ? reduce_add(above[first]) < float(k) : reduce_add(above[first]) < top_p * z))
+    ++first;
   std::vector<Candidate> cand;
-  std::vector<std::pair<float, int64_t>> kept;  // (weight, id), most likely first
-  double z = 0.0;  // the row's weight sum (top-p without top-k), taken in the first pass
-  for (float c : kCutoffs) {
-    const bool all = c == 0.f, first = c == kCutoffs[0];
-    const float cut = all ? kBanned : r.m - c / r.inv_t;
+  alignas(64) float w16[16];
+  for (int c = first; c < int(std::size(kCutoffs)); ++c) {
+    const bool all = kCutoffs[c] == 0.f;
+    const float cut = all ? kBanned : r.m - kCutoffs[c] / r.inv_t;
     cand.clear();
     const F32x16 vcut = set1(cut);
-    F32x16 zs = zero();
     for (int64_t i = 0; i < r.n; i += 16) {
       const F32x16 v = load_block(r.x, i, r.n);
-      if (first && k == r.n) zs = add(zs, weights16(v, m, inv_t));
       if (!any(gt(v, vcut))) continue;
+      store(w16, weights16(v, m, inv_t));
       for (int64_t j = i; j < std::min(i + 16, r.n); ++j)
-        if (r.x[j] > cut) cand.emplace_back(r.x[j], j);
+        if (r.x[j] > cut) cand.push_back({r.x[j], w16[j - i], j});
     }
-    if (first) z = reduce_add(zs);
     if (!all && int64_t(cand.size()) < k && k < r.n) continue;  // top-k reaches past the cut
     double mass_limit = top_p * z;
     if (k < int64_t(cand.size())) {  // top-k: only the k most likely can be kept
@@ -104,27 +156,22 @@ int64_t draw_truncated(const Row& r, int64_t top_k, float top_p, float min_p, fl
     }
     if (k < r.n) {  // top-p acts on the top-k distribution
       double top_k_mass = 0.0;
-      for (const auto& e : cand) top_k_mass += r.weight(e.second);
+      for (const Candidate& e : cand) top_k_mass += e.w;
       mass_limit = top_p * top_k_mass;
     }
-    // Keep each token whose more likely tokens hold less than the limit; sorting in growing
-    // steps, since a flat row's nucleus is thousands of tokens and a peaked one's a few.
-    const int64_t size = int64_t(cand.size());
-    kept.clear();
-    double before = 0.0;
-    for (int64_t j = 0, sorted = 0; j < size && (top_p >= 1.f || before < mass_limit); ++j) {
-      if (j == sorted) {
-        sorted = std::min(size, std::max<int64_t>(64, 4 * sorted));
-        std::partial_sort(cand.begin() + j, cand.begin() + sorted, cand.end(), more_likely);
-      }
-      kept.emplace_back(r.weight(cand[j].second), cand[j].second);
-      before += kept.back().first;
+    // Keep each token whose more likely tokens hold less than the limit: the least prefix
+    // whose weight reaches it.
+    int64_t kept = int64_t(cand.size());
+    if (top_p < 1.f) {
+      double mass;
+      const int64_t b = reach(cand.data(), kept, mass_limit, &mass);
+      if (b < 0 && !all && k == r.n) continue;  // the nucleus reaches past the cut
+      if (b >= 0) kept = b + 1;
     }
-    if (!all && int64_t(kept.size()) == size && k == r.n && before < mass_limit) continue;  // past the cut
     if (min_p > 0.f)  // the most likely token has weight 1 and is always kept
-      kept.erase(std::remove_if(kept.begin() + 1, kept.end(), [&](const auto& e) { return e.first < min_p; }),
-                 kept.end());
-    return draw(kept, u);
+      kept = std::remove_if(cand.begin(), cand.begin() + kept,
+                            [&](const Candidate& e) { return e.w < min_p && e.x < r.m; }) - cand.begin();
+    return draw(cand.data(), kept, u);
   }
   return 0;  // not reached: the last cutoff takes every token not banned
 }
