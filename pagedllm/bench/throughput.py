@@ -44,20 +44,24 @@ class BenchResult:
         return line
 
 
-def run_pagedllm(requests: list[BenchRequest], llm, args: argparse.Namespace, label: str = "pagedllm") -> BenchResult:
-    """Every request at its own output length (``ignore_eos``), sampled as ``args`` says: greedy
-    at temperature 0, else at ``--temperature`` / ``--top-p`` / ``--top-k`` with seed ``--seed``
-    + its index, so two runs draw the same tokens from the same logits."""
+def sampling(args: argparse.Namespace, output_len: int, index: int):
+    """Request ``index``'s SamplingParams: ``output_len`` tokens (``ignore_eos``), greedy at
+    temperature 0, else at ``--temperature`` / ``--top-p`` / ``--top-k`` with seed ``--seed`` +
+    ``index``, so two runs draw the same tokens from the same logits.
+
+    Raises:
+        ValueError: a sampling flag out of its range.
+    """
     from pagedllm import SamplingParams
 
-    sampled = args.temperature > 0
-    params = [
-        SamplingParams(
-            max_tokens=r.output_len, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            seed=args.seed + i if sampled else None, ignore_eos=True,
-        )
-        for i, r in enumerate(requests)
-    ]
+    return SamplingParams(
+        max_tokens=output_len, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed + index if args.temperature > 0 else None, ignore_eos=True,
+    )
+
+
+def run_pagedllm(requests: list[BenchRequest], llm, args: argparse.Namespace, label: str = "pagedllm") -> BenchResult:
+    params = [sampling(args, r.output_len, i) for i, r in enumerate(requests)]
     prompts = [r.prompt_token_ids for r in requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -151,6 +155,7 @@ def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM
     from pagedllm.engine.arg_utils import EngineArgs
 
+    sampling(args, 1, 0)  # a sampling flag out of range fails before the model loads
     kwargs = EngineArgs.from_cli_args(args).kwargs() | {"trace": args.trace}
     if args.compare == "prefix-caching":
         kwargs["enable_prefix_caching"] = True

@@ -227,7 +227,7 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: for a value out of its range (the message names the flag's setting).
     """
-    if hasattr(args, "temperature"):
+    if hasattr(args, "sampling_seed"):  # the commands with add_sampling_args' flags
         sampling_params(args)
     if hasattr(args, "chat_template"):
         from pagedllm.entrypoints.chat_template import load_chat_template
