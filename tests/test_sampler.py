@@ -10,12 +10,12 @@ import torch
 from pagedllm.kernels import library
 from pagedllm.layers.sampler import (
     RowDraw,
+    RowLogprobs,
     Sampler,
     SamplerOutput,
     _apply_penalties,
     _largest,
     _nucleus_size,
-    compute_logprobs,
     process_logits,
 )
 from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
@@ -50,11 +50,12 @@ def sampled_set(probs: list[float], n: int = 4000, **params: object) -> set[int]
 
 @pytest.fixture(autouse=True, params=["native", "pytorch"])
 def draw_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with the random draw on the native kernel and in PyTorch."""
+    """Every test runs with the random draw and the logprobs on the native kernels and in PyTorch."""
     if request.param == "native" and not library.available():
         pytest.skip("no native kernels here")
     if request.param == "pytorch":
         monkeypatch.setattr(RowDraw, "forward_cpu", RowDraw.forward_native)
+        monkeypatch.setattr(RowLogprobs, "forward_cpu", RowLogprobs.forward_native)
     torch.manual_seed(0)
     return request.param
 
@@ -386,12 +387,40 @@ def test_logprobs_are_raw_with_the_sampled_token_first() -> None:
 
 def test_compute_logprobs_for_prompt_positions() -> None:
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    ids, lps, ranks = compute_logprobs(logits, torch.tensor([2, 3]), 0)
+    ids, lps, ranks = RowLogprobs()(logits, torch.tensor([2, 3]), 0)
     assert ids.tolist() == [[2], [3]]
     assert torch.allclose(lps[:, 0], torch.tensor([logits[0].log_softmax(0)[2], -math.log(4)]))
     assert ranks.tolist() == [2, 4]  # tied tokens count against the scored one, as in vLLM
-    ids, lps, _ = compute_logprobs(logits, torch.tensor([0, 3]), 2)
-    assert ids[0].tolist() == [0, 1, 2] and lps.shape == (2, 3)
+    ids, lps, _ = RowLogprobs()(logits, torch.tensor([0, 3]), 2)
+    assert ids[0].tolist()[0] == 0 and sorted(ids[0].tolist()[1:]) == [1, 2] and lps.shape == (2, 3)
+
+
+@pytest.mark.skipif(not library.available(), reason="no native kernels here")
+def test_native_logprobs_match_pytorch(draw_impl: str) -> None:
+    """The kernel's log-probabilities, top tokens and ranks against PyTorch's, on rows of a
+    length that is no multiple of the vector width, with banned (-inf) tokens and with ties
+    (which the kernel orders by lower token id)."""
+    if draw_impl == "pytorch":
+        pytest.skip("compares the two itself")
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab = 37, 1003
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[::5, 7:300] = float("-inf")
+    tokens = torch.randint(0, vocab, (rows,), generator=gen)
+    tokens[::5] = 0  # a scored token that is finite in the banned rows
+    op = RowLogprobs()
+    assert op.uses_native
+    for num_top in (0, 1, 5, 20):
+        ids, lps, ranks = op(logits, tokens, num_top)
+        ref_ids, ref_lps, ref_ranks = op.forward_native(logits, tokens, num_top)
+        assert torch.equal(ids, ref_ids) and torch.equal(ranks, ref_ranks), num_top
+        assert torch.allclose(lps, ref_lps, atol=1e-5, rtol=0), num_top
+    tied = torch.randint(0, 4, (rows, vocab), generator=gen).float()
+    ids, lps, ranks = op(tied, tokens, 20)
+    order = sorted(range(vocab), key=lambda i: (-float(tied[3, i]), i))
+    assert ids[3, 1:].tolist() == order[:20]
+    assert torch.equal(ranks, (tied >= tied.gather(1, tokens[:, None])).sum(-1))
+    assert torch.allclose(lps, tied.log_softmax(-1).gather(1, ids), atol=1e-5, rtol=0)
 
 
 def test_mixed_batch_of_greedy_and_random_rows() -> None:

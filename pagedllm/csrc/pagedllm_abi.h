@@ -280,6 +280,16 @@ void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
 void sample_rows(const float* x, int64_t ld, int64_t rows, int64_t n, const float* temperature,
                  const int64_t* top_k, const float* top_p, const float* min_p, const float* u, int64_t* out);
 
+/* --- log-probabilities (logprobs.cpp) --- */
+
+/* Per row r of x [rows, n] (row stride ld), lse = log sum exp x[r]: ids[r, 0] = token[r] and
+ * logprobs[r, 0] = x[r, token[r]] - lse; ids[r, 1 + k], logprobs[r, 1 + k] for k < num_top
+ * (<= n) the k-th largest logit's token and log-probability, largest first, equal logits by
+ * lower id (ids, logprobs: [rows, num_top + 1]); rank[r] = the number of tokens with
+ * x >= x[r, token[r]]. Rows of finite logits (-inf allowed, never all). */
+void logprobs_rows(const float* x, int64_t ld, int64_t rows, int64_t n, const int64_t* token, int64_t num_top,
+                   int64_t* ids, float* logprobs, int64_t* rank);
+
 /* --- a mixture-of-experts block (moe.cpp) --- */
 
 /* y [T, hidden] = the block of x [T, hidden] (row stride ldx): each token's top_k experts'

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import elementwise, sampling
+from pagedllm.kernels import elementwise, logprobs, sampling
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.sampling_metadata import PenaltyTensors, SamplingMetadata, TruncationTensors
 from pagedllm.structured_output.bitmask import apply_bitmask
@@ -71,29 +71,32 @@ class SamplerOutput:
     unsamplable: list[int] = field(default_factory=list)
 
 
-def compute_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
-) -> LogprobsTensors:
-    """Log-probabilities of ``token_ids`` and of the ``num_top`` most likely tokens per row.
+class RowLogprobs(CustomOp):
+    """Log-probabilities of one token per row and of the row's N most likely tokens.
 
-    Args:
-        logits: FloatTensor[S, V], unprocessed model logits.
-        token_ids: LongTensor[S], the token to score at each position (the sampled one, or
-            the next prompt token for prompt logprobs).
-        num_top: N >= 0.
-
-    Returns:
-        ``LogprobsTensors`` with token_ids / logprobs of shape [S, N + 1] and ranks [S].
+    ``forward(logits, token_ids, num_top)``: logits FloatTensor[S, V], unprocessed model
+    logits; token_ids LongTensor[S], the token to score at each position (the sampled one, or
+    the next prompt token for prompt logprobs); num_top N >= 0. Returns ``LogprobsTensors``
+    with token_ids / logprobs of shape [S, N + 1] and ranks [S]. Native: two passes over each
+    float32 row (``kernels.logprobs``; equal logits among the N by lower token id); PyTorch:
+    logsumexp, a comparison for the ranks and a top-k.
     """
-    # logit - logsumexp is log_softmax without materializing another [S, V] float tensor;
-    # ranks and top-N are taken on the logits, whose order is the logprobs' order.
-    log_norm = logits.logsumexp(dim=-1, keepdim=True)
-    token_ids = token_ids.unsqueeze(1)
-    token_logits = logits.gather(1, token_ids)
-    ranks = (logits >= token_logits).sum(dim=-1)
-    top_logits, top_ids = _largest(logits, num_top)
-    ids = torch.cat([token_ids, top_ids], dim=1)
-    return LogprobsTensors(ids, torch.cat([token_logits, top_logits], dim=1) - log_norm, ranks)
+
+    def forward_native(self, logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+        # logit - logsumexp is log_softmax without materializing another [S, V] float tensor;
+        # ranks and top-N are taken on the logits, whose order is the logprobs' order.
+        log_norm = logits.logsumexp(dim=-1, keepdim=True)
+        token_ids = token_ids.unsqueeze(1)
+        token_logits = logits.gather(1, token_ids)
+        ranks = (logits >= token_logits).sum(dim=-1)
+        top_logits, top_ids = _largest(logits, num_top)
+        ids = torch.cat([token_ids, top_ids], dim=1)
+        return LogprobsTensors(ids, torch.cat([token_logits, top_logits], dim=1) - log_norm, ranks)
+
+    def forward_cpu(self, logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+        if logits.dtype != torch.float32 or logits.stride(-1) != 1:  # the kernel reads float32 rows
+            return self.forward_native(logits, token_ids, num_top)
+        return LogprobsTensors(*logprobs.logprobs_rows(logits, token_ids.contiguous(), num_top))
 
 
 class Sampler(torch.nn.Module):
@@ -103,15 +106,16 @@ class Sampler(torch.nn.Module):
         super().__init__()
         self.argmax = RowArgmax()
         self.draw = RowDraw()
+        self.logprobs = RowLogprobs()
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from ``logits`` (FloatTensor[S, V], float32, left unmodified)."""
         processed = process_logits(logits, meta)
         sampled = self.argmax(processed) if meta.all_greedy else _sample(processed, meta, self.argmax, self.draw)
-        logprobs = None
+        scored = None
         if meta.max_num_logprobs is not None:  # of ``logits``: the model's own distribution
-            logprobs = compute_logprobs(logits, sampled, meta.max_num_logprobs)
-        return SamplerOutput(sampled, logprobs, unsamplable_rows(logits, processed))
+            scored = self.logprobs(logits, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled, scored, unsamplable_rows(logits, processed))
 
 
 class RowArgmax(CustomOp):

@@ -32,7 +32,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.rejection_sampler import RejectionSampler
-from pagedllm.layers.sampler import Sampler, _in_this_thread, compute_logprobs
+from pagedllm.layers.sampler import Sampler, _in_this_thread
 from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.outputs import RequestError, TokenLogprobs
 from pagedllm.errors import InvalidParamError
@@ -362,7 +362,7 @@ class ModelRunner:
             lp = None
             num = s.request.sampling_params.logprobs
             if num is not None:  # raw logprobs of each emitted token, at its own position
-                ids, lps, ranks = compute_logprobs(
+                ids, lps, ranks = self.sampler.logprobs(
                     logits[row : row + len(tokens)], torch.tensor(tokens, dtype=torch.long), num
                 )
                 lp = TokenLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())
@@ -370,8 +370,7 @@ class ModelRunner:
             row += len(s.spec_token_ids) + 1
         return results
 
-    @staticmethod
-    def _prompt_logprobs(s: ScheduledRequest, logits: torch.Tensor) -> TokenLogprobs:
+    def _prompt_logprobs(self, s: ScheduledRequest, logits: torch.Tensor) -> TokenLogprobs:
         """Log-probabilities of the prompt tokens this chunk predicts (token p+1 from position p).
 
         Args:
@@ -381,7 +380,7 @@ class ModelRunner:
         start = s.num_computed_before
         end = start + logits.shape[0]
         targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], dtype=torch.long)
-        top_ids, top_lps, ranks = compute_logprobs(logits, targets, request.sampling_params.prompt_logprobs)
+        top_ids, top_lps, ranks = self.sampler.logprobs(logits, targets, request.sampling_params.prompt_logprobs)
         return TokenLogprobs(top_ids.tolist(), top_lps.tolist(), ranks.tolist())
 
 
