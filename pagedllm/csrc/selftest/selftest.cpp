@@ -296,6 +296,36 @@ void test_elementwise() {
     }
     check("sample_rows (cases drawn otherwise)", wrong, 0.f);
   }
+  {  // logprobs: log-softmax in double, the 5 largest by lower id among equals, the rank
+    const int64_t n = 1003, top = 5;
+    auto x = rng.normals(2 * n);
+    for (int64_t i = 0; i < n; i += 9) x[i] = -INFINITY;  // banned tokens in row 0
+    x[n + 40] = x[n + 700] = x[n + 5] = 9.f;                // a three-way tie on top of row 1
+    const int64_t token[2] = {1001, 6};
+    int64_t ids[2 * (top + 1)], rank[2];
+    float lps[2 * (top + 1)];
+    logprobs_rows(x.data(), n, 2, n, token, top, ids, lps, rank);
+    float error = 0.f, wrong = 0.f;
+    for (int64_t r = 0; r < 2; ++r) {
+      const float* row = x.data() + r * n;
+      double m = -INFINITY, z = 0.0;
+      for (int64_t i = 0; i < n; ++i) m = std::fmax(m, double(row[i]));
+      for (int64_t i = 0; i < n; ++i) z += row[i] == -INFINITY ? 0.0 : std::exp(double(row[i]) - m);
+      std::vector<int64_t> order(n);
+      for (int64_t i = 0; i < n; ++i) order[i] = i;
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return row[a] > row[b]; });
+      int64_t at_least = 0;
+      for (int64_t i = 0; i < n; ++i) at_least += row[i] >= row[token[r]];
+      wrong += float(rank[r] != at_least) + float(ids[r * (top + 1)] != token[r]);
+      for (int64_t k = 0; k <= top; ++k) {
+        const int64_t id = k == 0 ? token[r] : order[k - 1];
+        wrong += float(ids[r * (top + 1) + k] != id);
+        error = std::fmax(error, float(std::fabs(lps[r * (top + 1) + k] - (double(row[id]) - m - std::log(z)))));
+      }
+    }
+    check("logprobs_rows (ids and ranks wrong)", wrong, 0.f);
+    check("logprobs_rows", error, 1e-5f);
+  }
 }
 
 // Causal attention of each request's last n positions over its context, per query head, from
