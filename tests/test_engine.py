@@ -131,6 +131,23 @@ def test_preemption_matches_no_preemption(llm):
     assert pool_is_whole(tight)
 
 
+def test_prompt_logprobs_through_preemption_are_one_per_prompt_token(llm):
+    """A request preempted mid-prefill or mid-decode is recomputed, but its prompt positions are
+    scored once: one entry per prompt token, the same as without preemption."""
+    prompts = [f"{i}: The quick brown fox jumps over the lazy dog. " * 4 for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prompt_logprobs=1, logprobs=0)
+    expected = llm.generate(prompts, params)
+    tight = LLM(dtype="float32", num_gpu_blocks_override=10, block_size=16, enable_prefix_caching=False,
+                max_num_batched_tokens=32)
+    got = tight.generate(prompts, params)
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    for e, g in zip(expected, got, strict=True):
+        assert len(g.prompt_logprobs) == len(g.prompt_token_ids)
+        assert [d and list(d) for d in g.prompt_logprobs] == [d and list(d) for d in e.prompt_logprobs]
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids and len(g.outputs[0].logprobs) == 40
+    assert pool_is_whole(tight)
+
+
 def test_seed_reproducible_regardless_of_batch(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
     a = llm.generate(["Tell me a story."], params)[0].outputs[0].token_ids

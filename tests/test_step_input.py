@@ -68,7 +68,7 @@ def test_a_step_holds_tokens_positions_and_only_new_blocks() -> None:
     assert [(r.req_id, r.num_computed_before, r.token_ids) for r in first.requests] == [("a", 0, prompt)]
     assert [(u.group, u.start, len(u.block_ids)) for u in first.block_updates] == [(0, 0, 3)]
     assert first.logit_rows == [9, *range(9)]  # the sampled row, then the prompt-logprob rows
-    assert (plan.num_sample, plan.num_verify, plan.prompt[0][2:]) == (1, 0, (0, 9))
+    assert (plan.num_sample, plan.num_verify, plan.prompt[0][2:]) == (1, 0, (0, 0, 9))
     sched.update_from_output(out, [[20]])
     second, _ = build_step(out := sched.schedule())
     assert [(r.num_computed_before, r.token_ids) for r in second.requests] == [(10, [20])]

@@ -76,6 +76,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.num_preemptions = 0
+        # prompt_logprobs: prompt positions already scored (``build_step`` advances it), which
+        # the recompute after a preemption does not score again.
+        self.num_scored_prompt_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (prefix caching)

@@ -155,9 +155,9 @@ class ModelRunner:
             return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, errors)
 
         base = plan.num_sample + plan.num_verify
-        for i, s, first, rows in plan.prompt:
+        for i, s, first, position, rows in plan.prompt:
             try:
-                prompt_logprobs[i] = self._prompt_logprobs(s, logits[base + first : base + first + rows])
+                prompt_logprobs[i] = self._prompt_logprobs(s.request, position, logits[base + first : base + first + rows])
             except _FATAL:
                 raise
             except Exception as e:
@@ -370,16 +370,15 @@ class ModelRunner:
             row += len(s.spec_token_ids) + 1
         return results
 
-    def _prompt_logprobs(self, s: ScheduledRequest, logits: torch.Tensor) -> TokenLogprobs:
-        """Log-probabilities of the prompt tokens this chunk predicts (token p+1 from position p).
+    def _prompt_logprobs(self, request: Request, position: int, logits: torch.Tensor) -> TokenLogprobs:
+        """Log-probabilities of the prompt tokens after ``position`` and the R - 1 positions that
+        follow it (token p+1 from position p).
 
         Args:
-            logits: [R, V] float32 raw logits of the chunk's first R positions, R > 0.
+            logits: [R, V] float32 raw logits of positions ``position`` .. ``position + R - 1``, R > 0.
         """
-        request = s.request
-        start = s.num_computed_before
-        end = start + logits.shape[0]
-        targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], dtype=torch.long)
+        end = position + logits.shape[0]
+        targets = torch.tensor(request.prompt_token_ids[position + 1 : end + 1], dtype=torch.long)
         top_ids, top_lps, ranks = self.sampler.logprobs(logits, targets, request.sampling_params.prompt_logprobs)
         return TokenLogprobs(top_ids.tolist(), top_lps.tolist(), ranks.tolist())
 

@@ -60,19 +60,21 @@ class SamplePlan:
     Attributes:
         sample: (scheduler index, request) per sampled row, in row order.
         verify: (scheduler index, request, first row within the verify run).
-        prompt: (scheduler index, request, first row within the prompt run, rows).
+        prompt: (scheduler index, request, first row within the prompt run, first prompt position
+            scored, rows): position p's row scores prompt token p + 1.
         num_sample, num_verify: the rows of the first two runs.
     """
 
     sample: list[tuple[int, ScheduledRequest]] = field(default_factory=list)
     verify: list[tuple[int, ScheduledRequest, int]] = field(default_factory=list)
-    prompt: list[tuple[int, ScheduledRequest, int, int]] = field(default_factory=list)
+    prompt: list[tuple[int, ScheduledRequest, int, int, int]] = field(default_factory=list)
     num_sample: int = 0
     num_verify: int = 0
 
 
 def build_step(sched: SchedulerOutput) -> tuple[StepInput, SamplePlan]:
-    """The step every rank runs for ``sched``, and rank 0's plan for its logits."""
+    """The step every rank runs for ``sched``, and rank 0's plan for its logits. Advances each
+    planned request's ``num_scored_prompt_tokens`` past the prompt positions the plan scores."""
     # Decodes first: the attention batches them in one call; then by adapter: one LoRA run each.
     def key(i: int) -> tuple[bool, int]:
         s = sched.scheduled[i]
@@ -97,11 +99,14 @@ def build_step(sched: SchedulerOutput) -> tuple[StepInput, SamplePlan]:
         requests.append(RequestTokens(request.request_id, start, tokens, request.lora_request))
         updates += s.block_updates
         if request.sampling_params.prompt_logprobs is not None:
-            # Token p + 1 is predicted from position p, up to the prompt's last token.
-            rows = min(end, request.num_prompt_tokens - 1) - start
+            # Token p + 1 is predicted from position p, up to the prompt's last token; positions
+            # scored before a preemption are not scored again when they are recomputed.
+            lo = max(start, request.num_scored_prompt_tokens)
+            rows = min(end, request.num_prompt_tokens - 1) - lo
             if rows > 0:
-                plan.prompt.append((i, s, len(prompt_idx), rows))
-                prompt_idx.extend(range(first, first + rows))
+                plan.prompt.append((i, s, len(prompt_idx), lo, rows))
+                prompt_idx.extend(range(first + lo - start, first + lo - start + rows))
+                request.num_scored_prompt_tokens = lo + rows
         if s.spec_token_ids:
             plan.verify.append((i, s, len(verify_idx)))
             verify_idx.extend(range(num_tokens - len(s.spec_token_ids) - 1, num_tokens))
