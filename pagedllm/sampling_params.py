@@ -90,7 +90,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     Ranges (vLLM's): n in [1, ``MAX_N``]; temperature in [0, 2]; top_p in (0, 1]; top_k 0 or -1 (off) or
     >= 1; min_p in [0, 1]; presence/frequency penalty in [-2, 2]; repetition_penalty > 0;
     max_tokens >= 1 (0 only with prompt_logprobs; None: up to max_model_len); 0 <= min_tokens
-    <= max_tokens; logprobs and prompt_logprobs in [0, 20]; seed any 64-bit integer; at most
+    <= max_tokens; logprobs and prompt_logprobs in [0, 20]; seed any 64-bit integer; the flags
+    (``ignore_eos``, ``detokenize``, ...) bools, not truthy values; at most
     ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_STRING_CHARS`` characters each and
     ``MAX_BAD_WORDS`` bad words. Every number must be finite and every integer fit in 64 bits.
 
@@ -159,6 +160,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 _check_int(field, getattr(self, field))
         for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             setattr(self, field, _check_float(field, getattr(self, field)))
+        for field in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, getattr(self, field), "true or false")
         if not 1 <= self.n <= MAX_N:
             raise bad("n", self.n, f"in [1, {MAX_N}]")
         if not 0.0 <= self.temperature <= 2.0:

@@ -13,6 +13,7 @@ from pagedllm.sampling_params import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRI
 
 FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
 INT_FIELDS = ["n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"]
+BOOL_FIELDS = ["include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"]
 
 
 @pytest.mark.parametrize("field", FLOAT_FIELDS)
@@ -29,6 +30,15 @@ def test_int_fields_must_be_64_bit_integers(field: str, value: object) -> None:
     with pytest.raises(InvalidParamError) as e:
         SamplingParams(**{field: value})
     assert e.value.param == field
+
+
+@pytest.mark.parametrize("field", BOOL_FIELDS)
+@pytest.mark.parametrize("value", ["no", 0, 1, None, 1.0])
+def test_bool_fields_must_be_booleans(field: str, value: object) -> None:
+    """A truthy "no" must not turn a flag on, nor None reach the engine core's decoder."""
+    with pytest.raises(InvalidParamError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field and field in str(e.value)
 
 
 @pytest.mark.parametrize(
