@@ -57,6 +57,20 @@ def test_content_spelling_special_tokens_is_text(tokenizer, content, template: s
     assert _plain(tokenizer, conversation, chat_template=template).count(start) == turns + 1  # what it prevents
 
 
+@pytest.mark.parametrize(("template", "expected"), [
+    (None, "a\nb"),  # SmolLM2's concatenates strings: vLLM's "string" format joins the parts
+    (PARTS, "ab"),  # loops over the parts: vLLM's "openai" format hands them over
+], ids=["string", "parts"])
+def test_content_parts_in_the_templates_format(tokenizer, template: str | None, expected: str) -> None:
+    """Text parts, and a None content, render under either kind of template (SmolLM2's own
+    used to fail on a list: "can only concatenate str (not "list") to str")."""
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    text, ids = chat_prompt(tokenizer, [{"role": "user", "content": parts}], chat_template=template)
+    assert f"<|im_start|>user\n{expected}<|im_end|>" in text and tokenizer.decode(ids) == text
+    text, _ = chat_prompt(tokenizer, [{"role": "user", "content": None}, {"role": "user"}], chat_template=template)
+    assert text.count("<|im_start|>user\n<|im_end|>") == 2
+
+
 def test_trimming_template_keeps_its_trim(tokenizer) -> None:
     """A template that trims contents (as Gemma 3's and Llama 3's do) still gets them trimmed."""
     template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"

@@ -248,7 +248,8 @@ def test_generate_refuses_what_is_not_one_per_prompt(llm: LLM, params: object, l
     (None, {}, "messages"),  # was a TypeError: not iterable
     ({"role": "user", "content": "Hi"}, {}, "messages"),  # one message, not in a list: was KeyError 0
     ([{"role": "user", "content": ["Hi"]}], {}, "messages.0.content.0"),  # a str part: the template's TypeError
-    ([{"role": "user", "content": None}], {}, "messages"),  # SmolLM2's template refuses it (jinja's UndefinedError)
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {}, "messages.0.content.0.type"),
+    ([{"role": "user", "content": [{"text": "Hi"}]}], {}, "messages.0.content.0.type"),
     ([[{"role": "user", "content": "Hi"}]] * 2, {"chat_template": "{{ raise_exception('no') }}"}, "messages.0"),
     ([{"role": "user", "content": "Hi"}], {"chat_template": "{% for %}"}, "messages"),
 ])

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import functools
 import re
 import secrets
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,44 @@ def _texts(message: dict[str, Any]) -> list[str]:
     return []
 
 
+def joined_text(texts: Iterable[str]) -> str:
+    """A content's text parts as one string, for a template that takes contents as strings
+    (vLLM's "string" content format: the parts joined by newlines)."""
+    return "\n".join(texts)
+
+
+@functools.lru_cache(maxsize=16)
+def _takes_content_parts(template: str) -> bool:
+    """Whether ``template`` loops over a message's content (``{% for p in message['content'] %}``),
+    as vLLM detects its "openai" content format; False for a template that does not parse
+    (rendering it will say why)."""
+    import jinja2
+    import jinja2.nodes
+
+    try:
+        ast = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    return any(
+        isinstance(loop.iter, jinja2.nodes.Getattr) and loop.iter.attr == "content"
+        or isinstance(loop.iter, jinja2.nodes.Getitem) and isinstance(loop.iter.arg, jinja2.nodes.Const)
+        and loop.iter.arg.value == "content"
+        for loop in ast.find_all(jinja2.nodes.For)
+    )
+
+
+def _template_message(message: dict[str, Any], parts: bool) -> dict[str, Any]:
+    """``message`` with its content in the template's format: a list of parts if the template
+    takes ``parts``, else a str (the parts' texts joined, as vLLM does); None or no content is
+    no parts, or ""."""
+    content = message.get("content")
+    if content is None:
+        return message | {"content": [] if parts else ""}
+    if isinstance(content, list) and not parts:
+        return message | {"content": joined_text(_texts(message))}
+    return message
+
+
 def _with_texts(message: dict[str, Any], texts: list[str]) -> dict[str, Any]:
     """``message`` with its content's texts replaced, in ``_texts``' order."""
     content = message.get("content")
@@ -99,7 +138,10 @@ def chat_prompt(
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
         conversation: messages as templates take them ({"role", "content", ...}; a content is
-            a str, a list of {"type": "text", "text": str} parts, or None).
+            a str, a list of {"type": "text", "text": str} parts, or None). A template that
+            does not loop over a content gets its parts' texts joined by newlines, and None as
+            "" (vLLM's "string" content format; one that does, vLLM's "openai" one, gets the
+            parts, and None as no parts).
         add_generation_prompt: end with the opening of the assistant's turn.
         **template_kwargs: passed to the template (``tools``).
 
@@ -113,6 +155,10 @@ def chat_prompt(
     Raises:
         Exception: whatever the template raises for a conversation it refuses (jinja's errors).
     """
+    template = template_kwargs.get("chat_template")
+    template = tokenizer.chat_template if template is None else template
+    parts = isinstance(template, str) and _takes_content_parts(template)
+    conversation = [_template_message(m, parts) for m in conversation]
     text = tokenizer.apply_chat_template(
         conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )

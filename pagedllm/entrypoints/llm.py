@@ -155,7 +155,8 @@ class LLM:
 
         Args:
             messages: one conversation (a list of {"role", "content"} dicts) or a list of them;
-                a content is a str or a list of {"type": "text", "text": str} parts.
+                a content is a str, a list of {"type": "text", "text": str} parts or None, given
+                to the template as vLLM does (``chat_template.chat_prompt``).
             chat_template: a Jinja template to use instead of the model's (its text).
 
         Raises:
@@ -267,6 +268,9 @@ def _check_conversation(conversation: object, path: str) -> None:
                 if not isinstance(part, dict):
                     raise InvalidParamError(f"{where}.content.{j}", f'{where}.content.{j} must be a '
                                             f'{{"type": "text", "text": str}} part, got {type(part).__name__}')
+                if part.get("type") != "text":  # images, audio: this engine serves text models only
+                    raise InvalidParamError(f"{where}.content.{j}.type", f'{where}.content.{j}.type must be "text", '
+                                            f'got {part.get("type")!r:.80}')
                 check_text(part.get("text"), f"{where}.content.{j}.text")
         elif content is not None:
             check_text(content, f"{where}.content")

@@ -15,6 +15,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.entrypoints import generic_tools
+from pagedllm.entrypoints.chat_template import joined_text
 from pagedllm.entrypoints.openai.model_json import loads
 from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output import StructuredOutputsParams, backend
@@ -136,7 +137,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for m in messages:
         message: dict[str, Any] = {
             "role": m.role,
-            "content": m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or []),
+            "content": m.content if isinstance(m.content, str) else joined_text(p.text for p in m.content or []),
         }
         if m.tool_calls:
             message["tool_calls"] = [
