@@ -137,15 +137,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.top_k == -1:
-            self.top_k = 0
         self.check()
 
     def check(self) -> None:
         """Validate every field (run at construction; again before queueing, since a struct is
-        mutable). Normalizes numbers to float and ``logit_bias`` keys to int.
+        mutable). Normalizes numbers to float, ``logit_bias`` keys to int, one ``stop`` string
+        to a list and ``top_k`` -1 to 0, whenever they were set.
 
         Raises:
             InvalidParamError: the first field at fault.
@@ -153,8 +150,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         def bad(field: str, value: object, allowed: str) -> InvalidParamError:
             return InvalidParamError(field, f"{field} must be {allowed}, got {value!r:.200}")  # bounded echo
 
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         for field in ("n", "top_k", "min_tokens"):
             _check_int(field, getattr(self, field))
+        if self.top_k == -1:
+            self.top_k = 0
         for field in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             if getattr(self, field) is not None:
                 _check_int(field, getattr(self, field))

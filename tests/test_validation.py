@@ -131,6 +131,18 @@ def test_generate_rechecks_a_mutated_params_struct(llm: LLM) -> None:
     assert e.value.param == "temperature" and _idle(llm)
 
 
+def test_a_mutated_params_struct_is_normalized_as_at_construction() -> None:
+    """top_k -1 and one stop string set after construction mean what they mean in the
+    constructor (the recheck used to refuse them: "top_k must be 0 or -1 ..., got -1")."""
+    p = SamplingParams()
+    p.top_k, p.stop = -1, "abc"
+    p.check()
+    assert (p.top_k, p.stop) == (0, ["abc"])
+    with pytest.raises(InvalidParamError) as e:
+        SamplingParams(top_k=-1.0)  # was taken as -1, then 0
+    assert e.value.param == "top_k"
+
+
 def test_chat_refuses_lone_surrogates(llm: LLM) -> None:
     conversations = [[{"role": "user", "content": "Hi"}],
                      [{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]]
