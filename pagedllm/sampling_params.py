@@ -93,7 +93,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     <= max_tokens; logprobs and prompt_logprobs in [0, 20]; seed any 64-bit integer; the flags
     (``ignore_eos``, ``detokenize``, ...) bools, not truthy values; at most
     ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_STRING_CHARS`` characters each and
-    ``MAX_BAD_WORDS`` bad words. Every number must be finite and every integer fit in 64 bits.
+    ``MAX_BAD_WORDS`` bad words, and stop strings only with ``detokenize``. Every number must be
+    finite and every integer fit in 64 bits.
 
     Token-level controls, applied to the logits before penalties and sampling (vLLM order):
     ``allowed_token_ids`` (non-empty: every other token is banned), ``bad_words`` (a word's
@@ -199,6 +200,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if (longest := max(map(len, self.stop), default=0)) > MAX_STOP_STRING_CHARS:
             raise bad("stop", f"a string of {longest} characters",
                       f"strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if self.stop and not self.detokenize:  # stop strings are searched in the output's text
+            raise InvalidParamError("stop", "stop strings need detokenize=True")
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
         if self.logit_bias is not None:
             self.logit_bias = self._checked_logit_bias(self.logit_bias)

@@ -274,8 +274,6 @@ def test_detokenize_off(tok, prompt) -> None:
     assert detok.update(tok.encode("some text")) is None
     assert detok.flush() == detok.output_text == ""
     assert detok.num_output_tokens == 2
-    with pytest.raises(ValueError, match="detokenize"):
-        IncrementalDetokenizer(tok, prompt, SamplingParams(stop=["x"], detokenize=False))
 
 
 # --- sentencepiece-style tokenizer ----------------------------------------------------

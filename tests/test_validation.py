@@ -69,6 +69,7 @@ def test_bool_fields_must_be_booleans(field: str, value: object) -> None:
         ({"allowed_token_ids": [1, -3]}, "allowed_token_ids"),
         ({"bad_words": ["\udfff"]}, "bad_words"),
         ({"bad_words": ["  "]}, "bad_words"),
+        ({"stop": "x", "detokenize": False}, "stop"),  # was a bare ValueError from the detokenizer
     ],
 )
 def test_out_of_range(kwargs: dict, param: str) -> None:
@@ -97,6 +98,14 @@ def llm() -> LLM:
     return LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
 
 
+def _mutated(**fields: object) -> SamplingParams:
+    """A struct with ``fields`` set after construction, past its checks."""
+    params = SamplingParams()
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
 def _idle(llm: LLM) -> bool:
     return not llm.engine.has_unfinished_requests()
 
@@ -114,6 +123,8 @@ def _idle(llm: LLM) -> bool:
         (["Hello", "Hi", "Bye"], [SamplingParams(), SamplingParams(allowed_token_ids=[10**6]), SamplingParams()],
          "allowed_token_ids"),
         (["Hello", "Hi", "Bye"], [SamplingParams(), "greedy", SamplingParams()], "sampling_params"),
+        # refused only when the detokenizer was made, after "Hello" was queued: the next generate ran it
+        (["Hello", "Hi"], [SamplingParams(), _mutated(detokenize=False, stop=["x"])], "stop"),
     ],
 )
 def test_generate_refuses_the_whole_batch(llm: LLM, prompts: list, params: list | None, param: str) -> None:

@@ -58,12 +58,8 @@ class IncrementalDetokenizer:
 
         Args:
             tokenizer: a fast (``tokenizers``-backed) transformers tokenizer.
-
-        Raises:
-            ValueError: if ``params`` has stop strings but ``detokenize`` is off.
+            params: checked (``SamplingParams.check``): stop strings only with ``detokenize``.
         """
-        if params.stop and not params.detokenize:
-            raise ValueError("stop strings need detokenize=True")
         self.tokenizer = tokenizer
         self.params = params
         self.output_text = ""
