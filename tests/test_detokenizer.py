@@ -269,6 +269,14 @@ def test_stop_strings_wait_for_min_tokens(tok, prompt) -> None:
     assert "".join(deltas) == detok.output_text
 
 
+def test_stop_string_needs_a_token_past_min_tokens(tok, prompt) -> None:
+    """As EOS and stop_token_ids (masked while the output is under ``min_tokens``), a stop
+    string counts from the token after the first ``min_tokens`` (vLLM: ``len(output) > min_tokens``)."""
+    ids = tok.encode("stop here, stop")
+    detok, _, stop = stream(tok, prompt, ids, SamplingParams(stop=["stop"], min_tokens=1, max_tokens=50))
+    assert stop == "stop" and detok.output_text == "stop here, "  # the first token's "stop" was cut at once
+
+
 def test_detokenize_off(tok, prompt) -> None:
     detok = IncrementalDetokenizer(tok, prompt, SamplingParams(detokenize=False))
     assert detok.update(tok.encode("some text")) is None

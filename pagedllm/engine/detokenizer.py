@@ -44,8 +44,8 @@ class IncrementalDetokenizer:
 
     Stop strings are searched across token boundaries, after each token. When several
     complete with the same token, the one that ends first wins (the longest of those ending at the same place), so
-    the result does not depend on how the text was split into tokens. Matching starts once the
-    output has ``min_tokens`` tokens.
+    the result does not depend on how the text was split into tokens. Matching starts with the
+    token after the first ``min_tokens``, the first that EOS or a stop token id can be (vLLM's rule).
     """
 
     def __init__(
@@ -111,7 +111,7 @@ class IncrementalDetokenizer:
             delta = self._decode_step(token_id)
             self.token_texts.append(delta)
             self.output_text += delta
-            matching = self.params.stop and self.num_output_tokens >= self.params.min_tokens
+            matching = self.params.stop and self.num_output_tokens > self.params.min_tokens
             if matching and (stop := self._match_stop(old_len)) is not None:
                 return stop
         return None
