@@ -208,6 +208,15 @@ def test_logprobs_and_prompt_logprobs(llm):
         assert tid in entry and entry[tid].logprob <= 0.0
 
 
+def test_prompt_logprobs_once_for_n_samples(llm):
+    """Each of n samples scores the prompt; the output used to hold n copies end to end."""
+    params = SamplingParams(temperature=1.0, seed=0, n=3, max_tokens=2, prompt_logprobs=1)
+    out = llm.generate(["The sun rises in the"], params)[0]
+    one = llm.generate(["The sun rises in the"], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    assert len(out.outputs) == 3 and out.prompt_logprobs == one.prompt_logprobs
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+
+
 def test_prompt_scoring_with_zero_max_tokens(llm):
     out = llm.generate(["A B C D"], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
     assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"

@@ -140,7 +140,8 @@ class OutputProcessor:
                 continue  # finished here already (stop string) or aborted
             state, sample = entry
             touched[state.request_id] = state
-            if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
+            # Each of n samples scores the same prompt: the output holds the first's scores once.
+            if out.prompt_logprobs is not None and state.prompt_logprobs is not None and sample.index == 0:
                 state.prompt_logprobs.extend(self._to_dicts(out.prompt_logprobs))
             state.num_cached_tokens = out.num_cached_tokens
             if sample.first_token_time is None and (out.new_token_ids or out.finish_reason not in (None, "error")):
