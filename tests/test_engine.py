@@ -178,6 +178,11 @@ def test_eos_and_stop_token_ids(llm):
     first = chat.token_ids[0]
     stopped = llm.chat(CHAT[0], SamplingParams(temperature=0.0, max_tokens=200, stop_token_ids=[first]))[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == first and stopped.token_ids == [first]
+    # EOS or a stop token as the last allowed token is still a stop (vLLM's order), its text left out.
+    last = llm.chat(CHAT[0], SamplingParams(temperature=0.0, max_tokens=len(chat.token_ids)))[0].outputs[0]
+    assert (last.finish_reason, last.token_ids) == ("stop", chat.token_ids)
+    at_max = llm.chat(CHAT[0], SamplingParams(temperature=0.0, max_tokens=1, stop_token_ids=[first]))[0].outputs[0]
+    assert (at_max.finish_reason, at_max.stop_reason, at_max.text) == ("stop", first, "")
     forced = llm.chat(CHAT[0], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
     assert len(forced.outputs[0].token_ids) == 10 and forced.outputs[0].finish_reason == "length"
     times = forced.metrics  # what bench long-context's batch-1 decode rate is read from

@@ -114,23 +114,23 @@ class Request:
     def check_stop(self, max_model_len: int) -> bool:
         """Set a finished status if the last token ends the request; return whether it did.
 
-        A complete grammar stops the request even at its last allowed token, so a complete
-        structured output never reads as cut off ("length").
+        A complete grammar, EOS or a stop token id stops the request even at its last allowed
+        token (vLLM's order), so an output that ended by itself never reads as cut off
+        ("length").
         """
         if self.structured_output is not None and self.structured_output.is_terminated:
             self.status = RequestStatus.FINISHED_ERROR if self.structured_output.error is not None else RequestStatus.FINISHED_STOPPED
             return True
+        if self.num_output_tokens >= self.sampling_params.min_tokens:
+            last = self.output_token_ids[-1]
+            if last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in self.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
-            return True
-        if self.num_output_tokens < self.sampling_params.min_tokens:
-            return False
-        last = self.output_token_ids[-1]
-        if last in self.eos_token_ids:
-            self.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if last in self.stop_token_ids:
-            self.status = RequestStatus.FINISHED_STOPPED
-            self.stop_reason = last
             return True
         return False
