@@ -143,7 +143,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def check(self) -> None:
         """Validate every field (run at construction; again before queueing, since a struct is
         mutable). Normalizes numbers to float, ``logit_bias`` keys to int, one ``stop`` string
-        to a list and ``top_k`` -1 to 0, whenever they were set.
+        to a list, ``stop`` and ``stop_token_ids`` None (vLLM's defaults) to [] and ``top_k`` -1
+        to 0, whenever they were set.
 
         Raises:
             InvalidParamError: the first field at fault.
@@ -151,8 +152,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         def bad(field: str, value: object, allowed: str) -> InvalidParamError:
             return InvalidParamError(field, f"{field} must be {allowed}, got {value!r:.200}")  # bounded echo
 
-        if isinstance(self.stop, str):
+        if self.stop is None:  # vLLM's default: no stop strings
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         for field in ("n", "top_k", "min_tokens"):
             _check_int(field, getattr(self, field))
         if self.top_k == -1:

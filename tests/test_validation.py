@@ -149,6 +149,9 @@ def test_a_mutated_params_struct_is_normalized_as_at_construction() -> None:
     p.top_k, p.stop = -1, "abc"
     p.check()
     assert (p.top_k, p.stop) == (0, ["abc"])
+    # vLLM's defaults for the stop lists are None: None means none (it used to be refused)
+    p = SamplingParams(stop=None, stop_token_ids=None)
+    assert (p.stop, p.stop_token_ids) == ([], [])
     with pytest.raises(InvalidParamError) as e:
         SamplingParams(top_k=-1.0)  # was taken as -1, then 0
     assert e.value.param == "top_k"
