@@ -71,6 +71,17 @@ def test_content_parts_in_the_templates_format(tokenizer, template: str | None, 
     assert text.count("<|im_start|>user\n<|im_end|>") == 2
 
 
+def test_tool_call_arguments_reach_the_template_parsed(tokenizer) -> None:
+    """As vLLM (and the server) hand them over: a template serializing the arguments writes the
+    object once, not a JSON string of it (``LLM.chat`` used to pass the text through)."""
+    template = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}"
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]
+    text, _ = chat_prompt(tokenizer, [{"role": "assistant", "content": None, "tool_calls": calls}],
+                          add_generation_prompt=False, chat_template=template)
+    assert text == '{"city": "Paris"}"not json"'
+
+
 def test_trimming_template_keeps_its_trim(tokenizer) -> None:
     """A template that trims contents (as Gemma 3's and Llama 3's do) still gets them trimmed."""
     template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"

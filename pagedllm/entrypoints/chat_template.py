@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from pagedllm.entrypoints.openai.model_json import loads
+
 _SPECIALS: weakref.WeakKeyDictionary[Any, re.Pattern[str] | None] = weakref.WeakKeyDictionary()
 
 # How templates pass a content through: as it is, or trimmed (Gemma 3, Llama 3).
@@ -107,16 +109,38 @@ def _takes_content_parts(template: str) -> bool:
     )
 
 
+def call_arguments(arguments: Any) -> Any:
+    """A tool call's arguments as templates take them (they serialize them): JSON text as its
+    value, as vLLM hands them over; anything else (parsed already, not JSON, or too deep to
+    hand to a template) as it came."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return loads(arguments)
+    except ValueError:
+        return arguments
+
+
 def _template_message(message: dict[str, Any], parts: bool) -> dict[str, Any]:
-    """``message`` with its content in the template's format: a list of parts if the template
-    takes ``parts``, else a str (the parts' texts joined, as vLLM does); None or no content is
-    no parts, or ""."""
+    """``message`` as vLLM hands it to the template: its content a list of parts if the
+    template takes ``parts``, else a str (the parts' texts joined); None or no content no
+    parts, or ""; the arguments of its ``tool_calls`` parsed (``call_arguments``)."""
     content = message.get("content")
     if content is None:
-        return message | {"content": [] if parts else ""}
-    if isinstance(content, list) and not parts:
-        return message | {"content": joined_text(_texts(message))}
+        message = message | {"content": [] if parts else ""}
+    elif isinstance(content, list) and not parts:
+        message = message | {"content": joined_text(_texts(message))}
+    if isinstance(calls := message.get("tool_calls"), list):
+        message = message | {"tool_calls": [_parsed_call(c) for c in calls]}
     return message
+
+
+def _parsed_call(call: Any) -> Any:
+    """A ``tool_calls`` entry with its function's arguments parsed; any other shape as it came."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or "arguments" not in function:
+        return call
+    return call | {"function": function | {"arguments": call_arguments(function["arguments"])}}
 
 
 def _with_texts(message: dict[str, Any], texts: list[str]) -> dict[str, Any]:
@@ -141,7 +165,8 @@ def chat_prompt(
             a str, a list of {"type": "text", "text": str} parts, or None). A template that
             does not loop over a content gets its parts' texts joined by newlines, and None as
             "" (vLLM's "string" content format; one that does, vLLM's "openai" one, gets the
-            parts, and None as no parts).
+            parts, and None as no parts). Tool calls' arguments given as JSON text are parsed
+            (``call_arguments``).
         add_generation_prompt: end with the opening of the assistant's turn.
         **template_kwargs: passed to the template (``tools``).
 

@@ -15,7 +15,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.entrypoints import generic_tools
-from pagedllm.entrypoints.chat_template import joined_text
+from pagedllm.entrypoints.chat_template import call_arguments, joined_text
 from pagedllm.entrypoints.openai.model_json import loads
 from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output import StructuredOutputsParams, backend
@@ -141,17 +141,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         }
         if m.tool_calls:
             message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": call_arguments(c.function.arguments)}}
                 for c in m.tool_calls
             ]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         conversation.append(message)
     return conversation
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return loads(text)
-    except ValueError:
-        return text  # not JSON (or too deep to hand to a template): the template shows it as it came
