@@ -19,6 +19,7 @@ import transformers
 from peft import LoraConfig, get_peft_model
 
 from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.entrypoints.chat_template import chat_prompt
 from pagedllm.errors import InvalidParamError, LoRAError
 from pagedllm.models.loader import load_tokenizer, resolve_model
 from tests.models_util import (
@@ -432,6 +433,23 @@ def test_lora_dtype_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         lora_dtype_setting("auto", "float16")
     monkeypatch.setattr(library, "active_isa", lambda: None)
     assert lora_dtype_setting("auto") is None
+
+
+def _tokens(llm, prompt: list[int], lora: LoRARequest | None) -> list[int]:
+    return llm.generate([prompt], _greedy(), use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+
+
+def test_chat_runs_with_the_adapter(llm, adapters) -> None:
+    """``LLM.chat`` takes ``lora_request`` as ``generate`` does (it used to be a TypeError)."""
+    messages = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    loras = [_lora(adapters, "all"), None]
+    chats = llm.chat(messages, _greedy(), use_tqdm=False, chat_template=CHAT_TEMPLATE, lora_request=loras)
+    for conversation, lora, out in zip(messages, loras, chats, strict=True):
+        _, ids = chat_prompt(llm.get_tokenizer(), conversation, chat_template=CHAT_TEMPLATE)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == _tokens(llm, ids, lora)
+    assert chats[0].outputs[0].token_ids != _tokens(llm, chats[0].prompt_token_ids, None)  # the adapter counts
+    assert_pool_whole(llm.engine.core)
 
 
 def test_lora_request_without_enable_lora_is_refused(base, adapters) -> None:

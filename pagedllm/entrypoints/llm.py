@@ -148,6 +148,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate. Contents are
         text: a content that spells a special token gets no special token from it
@@ -158,6 +159,7 @@ class LLM:
                 a content is a str, a list of {"type": "text", "text": str} parts or None, given
                 to the template as vLLM does (``chat_template.chat_prompt``).
             chat_template: a Jinja template to use instead of the model's (its text).
+            lora_request: as ``generate``'s, one for all conversations or one per conversation.
 
         Raises:
             ValueError: ``messages`` that are not such a list, a message that is not such a
@@ -182,7 +184,9 @@ class LLM:
                 )
             except Exception as e:  # jinja's own errors, or a TypeError, for what a template refuses
                 raise InvalidParamError(path, f"the chat template cannot render {path}: {e}") from e
-        return self._generate([ids for _, ids in rendered], sampling_params, use_tqdm, [text for text, _ in rendered])
+        return self._generate(
+            [ids for _, ids in rendered], sampling_params, use_tqdm, [text for text, _ in rendered], lora_request
+        )
 
     def _generate(
         self,
