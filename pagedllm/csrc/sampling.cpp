@@ -9,7 +9,7 @@
 // those by weight in expected linear time (nothing is sorted but the last few of a selection);
 // without, a last pass stops at the drawn token.
 //
-// Semantics are the sampler's (pagedllm/layers/sampler.py), with vLLM's order: top-k keeps
+// Semantics are the sampler's (pagedllm/layers/sampler.py), with vLLM V0's order: top-k keeps
 // the k most likely tokens; top-p keeps each token whose more likely tokens hold less than
 // top_p of the top-k mass; min-p keeps p >= min_p * max p. A row with top-k or top-p draws
 // among its kept tokens from the most likely down; a row with neither draws in vocabulary

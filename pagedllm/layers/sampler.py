@@ -8,7 +8,9 @@ Pipeline per step, each stage skipped when no row of the batch uses it (vLLM's o
 2. penalties (repetition on prompt + output tokens, presence and frequency on output tokens);
 3. ``min_tokens``: EOS and stop token ids masked while the output is still too short;
 4. greedy rows (temperature 0) take the argmax;
-5. the other rows: temperature -> top-k -> top-p -> min-p -> one draw (inverse CDF).
+5. the other rows: temperature -> top-k -> top-p -> min-p -> one draw (inverse CDF). (vLLM's
+   V1 sampler applies min-p before top-k / top-p: with min-p and top-p together its nucleus is
+   top_p of the mass min-p keeps, here of the whole top-k mass.)
 
 Logprobs are those of the raw model distribution (vLLM's default ``raw_logprobs``): the
 log-softmax of the logits as the model produced them, before any of the stages above.
@@ -17,8 +19,9 @@ On the CPU, full-vocabulary sorts and per-token random numbers would cost more t
 everything else (docs/benchmarks.md), so the sampler uses neither:
 each sampling row draws one uniform (inverse CDF), and top-k / top-p rows draw among their
 few most likely tokens. Stage 5 is one native call for all rows where the kernels run
-(``RowDraw``: the tokens near each row's maximum, sorted only as far as its nucleus reaches),
-else tensor ops with ``topk`` candidates (a full sort only for extremely flat rows).
+(``RowDraw``: the tokens near each row's maximum, selected by weight without a sort), else
+tensor ops with ``topk`` candidates (a full sort only for extremely flat rows). Logprobs are
+one native call too (``RowLogprobs``).
 Tensors may live on any device; seeded generators are CPU ones.
 """
 
