@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import library
+from pagedllm.layers import sampler as sampler_module
 from pagedllm.layers.sampler import (
     RowDraw,
     RowLogprobs,
@@ -50,12 +51,13 @@ def sampled_set(probs: list[float], n: int = 4000, **params: object) -> set[int]
 
 @pytest.fixture(autouse=True, params=["native", "pytorch"])
 def draw_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with the random draw and the logprobs on the native kernels and in PyTorch."""
+    """Every test runs with the random draw, logprobs and penalties on the native kernels and in PyTorch."""
     if request.param == "native" and not library.available():
         pytest.skip("no native kernels here")
     if request.param == "pytorch":
         monkeypatch.setattr(RowDraw, "forward_cpu", RowDraw.forward_native)
         monkeypatch.setattr(RowLogprobs, "forward_cpu", RowLogprobs.forward_native)
+        monkeypatch.setattr(sampler_module.library, "available", lambda: False)  # penalties in PyTorch
     torch.manual_seed(0)
     return request.param
 
@@ -333,6 +335,32 @@ def test_repetition_then_presence_and_frequency_in_one_row() -> None:
     assert first.tolist() == [[3.0, -1.0, 4.0], [3.0, -1.0, 2.0]]
 
 
+@pytest.mark.skipif(not library.available(), reason="no native kernels here")
+def test_native_penalties_match_pytorch(draw_impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Histories with repeats, rows with one kind of penalty, both or none, long prompts:
+    the kernel's one walk per row gives PyTorch's sparse updates."""
+    if draw_impl == "pytorch":
+        pytest.skip("compares the two itself")
+    gen = torch.Generator().manual_seed(6)
+    vocab = 1000
+    logits = torch.randn(12, vocab, generator=gen) * 4
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, 40 if n % 2 else vocab, (n,), generator=gen).tolist()  # odd: many repeats
+
+    settings = [dict(repetition_penalty=1.3), dict(presence_penalty=0.5), dict(frequency_penalty=-0.7),
+                dict(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=0.4), dict()]
+    rows = [row(prompt=ids(300 + i), output=ids(i * 7), **settings[i % len(settings)]) for i in range(12)]
+    meta = SamplingMetadata.build(rows)
+    native = logits.clone()
+    _apply_penalties(native, meta.penalties)
+    monkeypatch.setattr(sampler_module.library, "available", lambda: False)
+    reference = logits.clone()
+    _apply_penalties(reference, meta.penalties)
+    assert not torch.equal(native, logits)
+    assert torch.allclose(native, reference, atol=1e-5, rtol=0)
+
+
 def test_penalties_apply_to_their_rows_and_flip_greedy() -> None:
     logits = torch.tensor([[5.0, 4.0, 0.0]] * 3)
     rows = [
@@ -341,8 +369,8 @@ def test_penalties_apply_to_their_rows_and_flip_greedy() -> None:
         row(temperature=0.0, output=[0, 0], frequency_penalty=0.6),  # 5 - 1.2 < 4
     ]
     meta = SamplingMetadata.build(rows)
-    assert meta.penalties.seen[0].unique().tolist() == [0]
-    assert meta.penalties.output[0].tolist() == [2]
+    assert meta.penalties.rows.tolist() == [0, 2] and meta.penalties.tokens.tolist() == [0, 0, 0]
+    assert meta.penalties.num_prompt.tolist() == [0, 0] and meta.penalties.offsets.tolist() == [0, 1, 3]
     assert Sampler()(logits, meta).sampled_token_ids.tolist() == [1, 0, 1]
     assert SamplingMetadata.build(rows[1:2]).no_penalties
 

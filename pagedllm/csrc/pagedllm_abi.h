@@ -280,6 +280,17 @@ void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
 void sample_rows(const float* x, int64_t ld, int64_t rows, int64_t n, const float* temperature,
                  const int64_t* top_k, const float* top_p, const float* min_p, const float* u, int64_t* out);
 
+/* --- penalties (penalties.cpp) --- */
+
+/* In place on `rows` rows of logits x (row r at x + row_ids[r] * ld, n values), row r's token
+ * history being tokens[offsets[r] .. offsets[r + 1]) (each in [0, n)), the first num_prompt[r]
+ * its prompt's, the rest its output's: each distinct token's logit divided by repetition[r]
+ * where positive, else multiplied by it (1: off); then each distinct output token's logit
+ * minus frequency[r] times its count in the output, minus presence[r] (0 and 0: off). */
+void apply_penalties(float* x, int64_t ld, int64_t rows, int64_t n, const int64_t* row_ids, const int32_t* tokens,
+                     const int64_t* offsets, const int64_t* num_prompt, const float* repetition,
+                     const float* presence, const float* frequency);
+
 /* --- log-probabilities (logprobs.cpp) --- */
 
 /* Per row r of x [rows, n] (row stride ld), lse = log sum exp x[r]: ids[r, 0] = token[r] and

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import elementwise, logprobs, sampling
+from pagedllm.kernels import elementwise, library, logprobs, penalties, sampling
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.sampling_metadata import PenaltyTensors, SamplingMetadata, TruncationTensors
 from pagedllm.structured_output.bitmask import apply_bitmask
@@ -240,10 +240,27 @@ def _apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> None:
     the prompt or output is divided by the penalty if positive and multiplied by it otherwise.
     Then presence and frequency (OpenAI's definition): subtract ``frequency * count`` and
     ``presence`` from the logit of each token that occurs ``count > 0`` times in the output.
+    Native (one walk of each row's history, ``kernels.penalties``) for float32 CPU logits with
+    unit column stride where the kernels run; else sparse gathers and scatters in PyTorch.
     """
-    seen = logits[pen.seen]
-    logits[pen.seen] = torch.where(seen > 0, seen / pen.repetition, seen * pen.repetition)
-    logits[pen.output] = logits[pen.output] - pen.frequency * pen.output_counts - pen.presence
+    if _in_this_thread(logits) and logits.stride(-1) == 1 and library.available():
+        penalties.apply_penalties(
+            logits, pen.rows, pen.tokens, pen.offsets, pen.num_prompt, pen.repetition, pen.presence, pen.frequency
+        )
+        return
+    lengths = pen.offsets.diff()
+    owner = torch.arange(len(pen.rows), device=logits.device).repeat_interleave(lengths)  # index into pen.rows
+    tokens = pen.tokens.long()
+    prompt_end = pen.offsets[:-1] + pen.num_prompt
+    in_output = torch.arange(len(tokens), device=logits.device) >= prompt_end[owner]
+    repeating = pen.repetition[owner] != 1.0
+    seen = (pen.rows[owner[repeating]], tokens[repeating])  # repeats are harmless: same value written
+    values, factor = logits[seen], pen.repetition[owner[repeating]]
+    logits[seen] = torch.where(values > 0, values / factor, values * factor)
+    # One int64 key per (row, token) output pair: a 1-D unique, far faster than unique(dim=1).
+    keys, counts = torch.unique(owner[in_output] << 32 | tokens[in_output], return_counts=True)
+    index = (pen.rows[keys >> 32], keys & 0xFFFFFFFF)
+    logits[index] = logits[index] - pen.frequency[keys >> 32] * counts - pen.presence[keys >> 32]
 
 
 def _sample(logits: torch.Tensor, meta: SamplingMetadata, argmax: RowArgmax, draw: RowDraw) -> torch.Tensor:

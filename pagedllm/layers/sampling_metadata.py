@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.sampling_params import SamplingParams
@@ -39,25 +40,28 @@ class SamplingRow:
 
 @dataclass(frozen=True, slots=True)
 class PenaltyTensors:
-    """Penalties as sparse updates of the logits they change (vLLM semantics).
+    """Penalties (vLLM semantics) of the rows that use any, as each row's token history.
 
-    Only tokens of a row's prompt or output are penalized, so the sampler gathers and
-    rewrites those logits instead of building [S, V] count tensors.
+    Only tokens of a row's prompt or output are penalized, so the sampler rewrites those
+    logits instead of building [S, V] count tensors.
 
     Attributes:
-        seen: (LongTensor[N] batch row, LongTensor[N] token id), every prompt and output token
-            of the rows with a repetition penalty (repeats are harmless: same value written).
-        repetition: FloatTensor[N], the repetition penalty of each ``seen`` pair's row.
-        output: (LongTensor[U] batch row, LongTensor[U] token id), the distinct output tokens
-            of the rows with a presence or frequency penalty.
-        output_counts: FloatTensor[U], how often each occurs in its row's output.
-        presence, frequency: FloatTensor[U], the penalties of each ``output`` pair's row.
+        rows: LongTensor[P], the batch rows with a repetition, presence or frequency penalty.
+        tokens: IntTensor[N], row after row: the row's prompt tokens (only where it has a
+            repetition penalty), then its output tokens.
+        offsets: LongTensor[P + 1], row p's tokens are ``tokens[offsets[p] : offsets[p + 1]]``.
+        num_prompt: LongTensor[P], how many of those are the prompt's.
+        repetition: FloatTensor[P] (1: off); a distinct token's logit is divided by it where
+            positive, else multiplied.
+        presence, frequency: FloatTensor[P] (0: off); each distinct output token's logit loses
+            ``frequency * count + presence``, after the repetition penalty.
     """
 
-    seen: tuple[torch.Tensor, torch.Tensor]
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    num_prompt: torch.Tensor
     repetition: torch.Tensor
-    output: tuple[torch.Tensor, torch.Tensor]
-    output_counts: torch.Tensor
     presence: torch.Tensor
     frequency: torch.Tensor
 
@@ -228,30 +232,33 @@ def _build_truncation(
 
 def _build_penalties(rows: Sequence[SamplingRow], device: Device) -> PenaltyTensors | None:
     params = [row.params for row in rows]
-    repeating = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    additive = [
-        i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    penalized = [
+        i for i, p in enumerate(params)
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
     ]
-    if not repeating and not additive:
+    if not penalized:
         return None
-    seen_rows, seen_tokens = _coo(
-        repeating, [[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in repeating]
+    prompts = [rows[i].prompt_token_ids if params[i].repetition_penalty != 1.0 else () for i in penalized]
+    outputs = [rows[i].output_token_ids for i in penalized]
+    num_prompt = [len(p) for p in prompts]
+    offsets = np.zeros(len(penalized) + 1, dtype=np.int64)
+    np.cumsum([a + len(b) for a, b in zip(num_prompt, outputs)], out=offsets[1:])
+    tokens = np.fromiter(
+        itertools.chain.from_iterable(itertools.chain(p, o) for p, o in zip(prompts, outputs)),
+        dtype=np.int32, count=int(offsets[-1]),
     )
-    output_rows, output_tokens = _coo(additive, [rows[i].output_token_ids for i in additive])
-    # One int64 key per (row, token) pair: a 1-D unique, far faster than unique(dim=1).
-    keys, counts = torch.unique(output_rows << 32 | output_tokens, return_counts=True)
-    output_rows, output_tokens = keys >> 32, keys & 0xFFFFFFFF
 
-    def per_row(values: list[float], batch_rows: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32)[batch_rows].to(device)
+    def per_row(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
 
     return PenaltyTensors(
-        seen=(seen_rows.to(device), seen_tokens.to(device)),
-        repetition=per_row([p.repetition_penalty for p in params], seen_rows),
-        output=(output_rows.to(device), output_tokens.to(device)),
-        output_counts=counts.to(device, torch.float32),
-        presence=per_row([p.presence_penalty for p in params], output_rows),
-        frequency=per_row([p.frequency_penalty for p in params], output_rows),
+        rows=_indices(penalized, device),
+        tokens=torch.from_numpy(tokens).to(device),
+        offsets=torch.from_numpy(offsets).to(device),
+        num_prompt=_indices(num_prompt, device),
+        repetition=per_row([params[i].repetition_penalty for i in penalized]),
+        presence=per_row([params[i].presence_penalty for i in penalized]),
+        frequency=per_row([params[i].frequency_penalty for i in penalized]),
     )
 
 

@@ -326,6 +326,17 @@ void test_elementwise() {
     check("logprobs_rows (ids and ranks wrong)", wrong, 0.f);
     check("logprobs_rows", error, 1e-5f);
   }
+  {  // penalties: repetition over prompt + output once per distinct token, then the output's counts
+    float x[2][6] = {{3.f, -1.f, 2.f, -2.f, .5f, 1.f}, {1.f, 1.f, 1.f, 1.f, 1.f, 1.f}};
+    const int64_t row_ids[1] = {0}, offsets[2] = {0, 7}, num_prompt[1] = {3};
+    const int32_t tokens[7] = {0, 1, 0, 3, 3, 3, 1};  // prompt 0 1 0, output 3 3 3 1
+    const float rep[1] = {2.f}, pres[1] = {.5f}, freq[1] = {.25f};
+    apply_penalties(&x[0][0], 6, 1, 6, row_ids, tokens, offsets, num_prompt, rep, pres, freq);
+    const float want[6] = {1.5f, -2.f - .25f - .5f, 2.f, -4.f - .75f - .5f, .5f, 1.f};
+    float error = 0.f;
+    for (int i = 0; i < 6; ++i) error = std::fmax(error, std::fabs(x[0][i] - want[i]) + std::fabs(x[1][i] - 1.f));
+    check("apply_penalties", error, 1e-6f);
+  }
 }
 
 // Causal attention of each request's last n positions over its context, per query head, from
