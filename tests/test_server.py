@@ -312,11 +312,13 @@ def test_auth(server: Server) -> None:
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [(["--port", "99999"], "--port"), (["--port", "-1"], "--port"), (["--api-key="], "--api-key"),
-     (["--max-request-body-size", "huge"], "huge")],
+     (["--max-request-body-size", "huge"], "huge"),
+     (["--served-model-name="], "--served-model-name")],
 )
 def test_bad_server_flags_exit_2_before_loading(flags: list[str], needle: str, monkeypatch, capsys) -> None:
     # --port 99999 used to load the model, then die of an OverflowError traceback (exit 1); an empty
-    # --api-key silently served without authentication. In process: the module's ``main`` is what
+    # --api-key silently served without authentication, an empty --served-model-name under the
+    # model argument's name. In process: the module's ``main`` is what
     # ``python -m`` runs (every server these tests start runs it that way).
     from pagedllm.entrypoints.openai import api_server, cli_args
 

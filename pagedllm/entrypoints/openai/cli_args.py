@@ -35,6 +35,13 @@ def api_key(text: str) -> str:
     return text
 
 
+def model_name(text: str) -> str:
+    """argparse type: a non-empty name (an empty one would silently serve the model argument's)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (omit --served-model-name to serve the model argument's)")
+    return text
+
+
 def positive_seconds(text: str) -> float:
     """argparse type: a finite duration in seconds, above 0."""
     value = float(text)
@@ -73,7 +80,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)  # first tokens sooner under load
     parser.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0: every interface")
     parser.add_argument("--port", type=port_number, default=8000, help="TCP port; 0: any free one")
-    parser.add_argument("--served-model-name", default=None,
+    parser.add_argument("--served-model-name", type=model_name, default=None,
                         help="model name in the API, the `model` field requests give (default: the model argument)")
     parser.add_argument("--api-key", type=api_key, default=None,
                         help="require `Authorization: Bearer KEY` on every route but /health, /metrics, /version")
