@@ -313,7 +313,7 @@ def test_auth(server: Server) -> None:
     ("flags", "needle"),
     [(["--port", "99999"], "--port"), (["--port", "-1"], "--port"), (["--api-key="], "--api-key"),
      (["--max-request-body-size", "huge"], "huge"),
-     (["--served-model-name="], "--served-model-name")],
+     (["--served-model-name="], "--served-model-name"), (["--allowed-origins", "*"], "--allowed-origins")],
 )
 def test_bad_server_flags_exit_2_before_loading(flags: list[str], needle: str, monkeypatch, capsys) -> None:
     # --port 99999 used to load the model, then die of an OverflowError traceback (exit 1); an empty
@@ -372,16 +372,47 @@ class _LoopFreeTokenizer:
 
 
 @pytest.fixture(scope="module")
-def app() -> TestClient:
-    """The app in this process over a stand-in engine: the default model's tokenizer (which
-    must never run on the event loop) and no model, for what is answered before generating."""
-    from pagedllm.entrypoints.openai.api_server import build_app
+def stand_in_engine() -> SimpleNamespace:
+    """An engine with the default model's tokenizer (which must never run on the event loop)
+    and no model, for what the app answers before generating."""
     from pagedllm.models.loader import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model("smollm2"))
-    engine = SimpleNamespace(tokenizer=_LoopFreeTokenizer(tokenizer), max_model_len=MAX_MODEL_LEN,
-                             model_config=SimpleNamespace(vocab_size=len(tokenizer)), live_view=None)
-    return TestClient(build_app(engine, MODEL))
+    return SimpleNamespace(tokenizer=_LoopFreeTokenizer(tokenizer), max_model_len=MAX_MODEL_LEN,
+                           model_config=SimpleNamespace(vocab_size=len(tokenizer)), live_view=None)
+
+
+@pytest.fixture(scope="module")
+def app(stand_in_engine: SimpleNamespace) -> TestClient:
+    """The app in this process over the stand-in engine."""
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    return TestClient(build_app(stand_in_engine, MODEL))
+
+
+def test_cors_preflight_before_the_key_and_headers_on_every_answer(
+    app: TestClient, stand_in_engine: SimpleNamespace
+) -> None:
+    """vLLM's --allowed-origins: a browser page of an allowed origin gets its preflight answered
+    without the key (a browser sends none with it), and the CORS headers on a 401 too, so it
+    sees why; another origin's preflight is refused. Without the flag, no CORS headers at all."""
+    from pagedllm.entrypoints.openai.api_server import CorsPolicy, build_app
+
+    page = "http://ui.example:3000"
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = app.options("/v1/chat/completions", headers=preflight)
+    assert "access-control-allow-origin" not in r.headers
+    cors = TestClient(build_app(stand_in_engine, MODEL, api_key=API_KEY, cors=CorsPolicy((page,))))
+    r = cors.options("/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page, r.text
+    r = cors.post("/tokenize", json={"prompt": "Hi"}, headers={"Origin": page})
+    _check_error(r, 401, "API key")
+    assert r.headers["access-control-allow-origin"] == page
+    r = cors.post("/tokenize", json={"prompt": "Hi"}, headers={"Origin": page, "Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page, r.text
+    r = cors.options("/v1/chat/completions", headers=preflight | {"Origin": "http://evil.example"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
 
 
 def test_tokenize_and_detokenize_run_off_the_event_loop(app: TestClient) -> None:

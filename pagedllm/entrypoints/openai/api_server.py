@@ -13,6 +13,7 @@ import secrets
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from types import FrameType
 from urllib.parse import parse_qs
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -127,6 +129,19 @@ class BodySizeLimitMiddleware:
         return http_error(413, f"request body exceeds the limit of {self.max_bytes} bytes")
 
 
+@dataclass(frozen=True)
+class CorsPolicy:
+    """Which pages of other origins a browser lets call the server (CORS), vLLM's
+    ``--allowed-origins``, ``--allowed-methods``, ``--allowed-headers`` and
+    ``--allow-credentials``. No origins (the default): no CORS headers, so a browser keeps
+    every other site's pages off the server (vLLM allows every origin by default)."""
+
+    origins: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+
 # -- the app --------------------------------------------------------------------------------
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
@@ -183,11 +198,15 @@ def build_app(
     tool_call_parser: str = "hermes",
     chat_template: str | None = None,
     lora_modules: list[tuple[str, str]] = (),
+    cors: CorsPolicy = CorsPolicy(),
 ) -> FastAPI:
     """The FastAPI app over a started-or-not engine (the app's lifespan starts and stops it);
     ``tool_call_parser`` names the format of "auto" tool calls (``tool_parsers.TOOL_PARSERS``),
     ``chat_template`` a Jinja template's text to use instead of the model's, ``lora_modules``
-    the (name, PEFT folder or GGUF file) of the LoRA adapters served from the start (``--enable-lora``).
+    the (name, PEFT folder or GGUF file) of the LoRA adapters served from the start (``--enable-lora``),
+    ``cors`` the other origins' pages a browser lets call it. CORS is the outermost layer: a
+    preflight is answered before the API key is asked for (a browser sends none with it), and
+    a 401 or 413 carries the CORS headers, so that the page sees it.
 
     Raises:
         ValueError: a LoRA module that cannot be served (LoRA off, a bad adapter, a name twice).
@@ -321,6 +340,9 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+    if cors.origins:  # added last: the outermost
+        app.add_middleware(CORSMiddleware, allow_origins=cors.origins, allow_methods=cors.methods,
+                           allow_headers=cors.headers, allow_credentials=cors.credentials)
     return app
 
 

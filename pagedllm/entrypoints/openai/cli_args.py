@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import TYPE_CHECKING
@@ -40,6 +41,17 @@ def model_name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty (omit --served-model-name to serve the model argument's)")
     return text
+
+
+def json_str_list(text: str) -> tuple[str, ...]:
+    """argparse type: a JSON list of strings, as vLLM's ``--allowed-origins '["*"]'``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, such as '[\"*\"]', got {text}")
+    return tuple(value)
 
 
 def positive_seconds(text: str) -> float:
@@ -85,6 +97,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", type=api_key, default=None,
                         help="require `Authorization: Bearer KEY` on every route but /health, /metrics, /version")
     parser.add_argument("--max-request-body-size", default="16MiB", help="larger request bodies get 413")
+    # vLLM's CORS flags; api_server.CorsPolicy says why no origin is the default.
+    parser.add_argument("--allowed-origins", type=json_str_list, default="[]", metavar="JSON",
+                        help='origins whose pages a browser lets call the server (CORS), a JSON list: \'["*"]\' '
+                        "for any, [] for none (no CORS headers)")
+    parser.add_argument("--allowed-methods", type=json_str_list, default='["*"]', metavar="JSON",
+                        help="HTTP methods allowed to those origins, a JSON list")
+    parser.add_argument("--allowed-headers", type=json_str_list, default='["*"]', metavar="JSON",
+                        help="request headers allowed to those origins, a JSON list")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="let those origins' pages send cookies and HTTP authentication")
     # vLLM has no flags for these (its keep-alive is the VLLM_HTTP_TIMEOUT_KEEP_ALIVE variable): uvicorn's names.
     parser.add_argument("--timeout-keep-alive", type=positive_seconds, default=5.0,
                         help="close a connection that sends nothing this many seconds after connecting or after a response")
@@ -192,7 +214,7 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from pagedllm.config import parse_memory
     from pagedllm.engine.async_llm import AsyncLLM
-    from pagedllm.entrypoints.openai.api_server import ApiServer, build_app
+    from pagedllm.entrypoints.openai.api_server import ApiServer, CorsPolicy, build_app
     from pagedllm.entrypoints.openai.connections import http_protocol
 
     from pagedllm.structured_output import checker
@@ -210,7 +232,9 @@ def run_serve(args: argparse.Namespace) -> None:
         from pagedllm.entrypoints.openai.serving_lora import parse_lora_module
 
         app = build_app(engine, name, args.api_key, max_body, args.tool_call_parser,
-                        load_chat_template(args.chat_template), [parse_lora_module(m) for m in args.lora_modules])
+                        load_chat_template(args.chat_template), [parse_lora_module(m) for m in args.lora_modules],
+                        CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                                   args.allow_credentials))
         server = ApiServer(
             uvicorn.Config(
                 app, host=args.host, port=args.port, access_log=not args.disable_access_log,
