@@ -243,7 +243,7 @@ def test_prompt_tokens_count_each_samples_prompt_once(llm, monkeypatch):
         counted.clear()
         llm.generate(prompts, params, use_tqdm=False)
         assert sum(counted) == expected
-    assert llm.engine.output_processor.take_metrics() == ([], 0)  # taken every step: nothing piles up
+    assert llm.engine.output_processor.take_metrics() == ([], 0, 0)  # taken every step: nothing piles up
 
 
 @pytest.mark.parametrize(

@@ -737,6 +737,23 @@ def test_metrics(http: httpx.Client) -> None:
     assert after["time_to_first_token_seconds_count"] - before["time_to_first_token_seconds_count"] == 3
 
 
+def test_generation_tokens_count_what_requests_got(http: httpx.Client) -> None:
+    """generation_tokens_total adds up the requests' usage: a stop string ends a sample in the
+    front end while its core may sample it once more before the abort arrives; that token
+    reaches no one and is not counted (as vLLM), streamed or not."""
+    body = _completion(prompt="The capital of France is Paris. The capital of Germany is", max_tokens=40,
+                       temperature=0.0, n=4, stop=[" The"])
+    for stream in (False, True):
+        wait_idle(http)
+        before = metric(http, "generation_tokens_total")
+        extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        r = http.post("/v1/completions", json=body | extra)
+        assert r.status_code == 200, r.text
+        last = json.loads(r.text.split("data: ")[-2]) if stream else r.json()  # the usage chunk when streamed
+        wait_idle(http)  # the core's late tokens have come back by now
+        assert metric(http, "generation_tokens_total") - before == last["usage"]["completion_tokens"]
+
+
 def test_metrics_count_each_of_n_samples_in_every_per_request_series(http: httpx.Client) -> None:
     """A request with n = 4 is 4 requests in request_success, TTFT and e2e latency alike (as vLLM
     counts its n child requests), so the series' ratios do not depend on n."""

@@ -234,8 +234,7 @@ class AsyncLLM:
                 queue.put_nowait(out)
             if out.finished:
                 self.metrics.record_finished(out, now)
-        timings, num_prompt = self.output_processor.take_metrics()
-        num_gen = sum(len(o.new_token_ids) for o in core_out.outputs)
+        timings, num_prompt, num_gen = self.output_processor.take_metrics()
         self.metrics.record_step(engine, core_out.stats, num_prompt, num_gen, timings)
         if self.stat_logger is not None:
             stats = core_out.stats

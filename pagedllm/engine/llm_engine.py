@@ -108,8 +108,7 @@ class LLMEngine:
             self.core.abort_requests(to_abort)
             if self.live_view is not None:
                 self.live_view.on_finish(to_abort, "stop", time.monotonic())
-        _, num_prompt = self.output_processor.take_metrics()  # taken every step, so none pile up
+        _, num_prompt, num_gen = self.output_processor.take_metrics()  # taken every step, so none pile up
         if self.stat_logger is not None:
-            num_gen = sum(len(o.new_token_ids) for o in core_out.outputs)
             self.stat_logger.record(core_out.stats, num_prompt, num_gen)
         return outputs

@@ -89,7 +89,10 @@ class EngineMetrics:
             "counts its prompt.",
             registry=r,
         )
-        self.generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", registry=r)
+        self.generation_tokens = Counter(
+            "pagedllm:generation_tokens", "Output tokens the requests got (their usage's completion_tokens).",
+            registry=r,
+        )
         self.prefix_queries = Counter(
             "pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
         )

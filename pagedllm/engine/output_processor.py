@@ -80,6 +80,10 @@ class OutputProcessor:
         # a prompt-only one: max_tokens 0), prefix-cache hits included, each of n samples
         # counting its prompt (vLLM's count); taken by ``take_metrics``.
         self.num_prompt_tokens = 0
+        # Output tokens the requests got (what their usage counts); not those a core sampled for
+        # a request already finished here (a stop string) or aborted, as vLLM counts; taken by
+        # ``take_metrics``.
+        self.num_generation_tokens = 0
 
     def add_request(
         self,
@@ -103,11 +107,12 @@ class OutputProcessor:
         for r, s in zip(core_requests, samples):
             self._child_to_parent[r.request_id] = (state, s)
 
-    def take_metrics(self) -> tuple[list[TokenTiming], int]:
-        """The token timings and the prompt tokens (``num_prompt_tokens``) since the last call."""
-        timings, num_prompt_tokens = self.timings, self.num_prompt_tokens
-        self.timings, self.num_prompt_tokens = [], 0
-        return timings, num_prompt_tokens
+    def take_metrics(self) -> tuple[list[TokenTiming], int, int]:
+        """The token timings, the prompt tokens (``num_prompt_tokens``) and the output tokens
+        (``num_generation_tokens``) since the last call."""
+        taken = self.timings, self.num_prompt_tokens, self.num_generation_tokens
+        self.timings, self.num_prompt_tokens, self.num_generation_tokens = [], 0, 0
+        return taken
 
     def child_ids(self, request_id: str) -> list[str]:
         state = self.requests.get(request_id)
@@ -157,6 +162,7 @@ class OutputProcessor:
                 # output at the token that completed it: the tokens after it are dropped.
                 num_new = sample.detokenizer.num_output_tokens - num_before
                 sample.token_ids.extend(out.new_token_ids[:num_new])
+                self.num_generation_tokens += num_new
                 if out.logprobs is not None:
                     self._add_logprobs(sample, out.logprobs.first(num_new), sample.detokenizer.token_texts)
                 if stop is not None:
