@@ -97,12 +97,14 @@ class AsyncLLM:
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        """Start reading core outputs (call inside the running event loop)."""
+        """Start reading core outputs, and the log line's timer (call inside the running event loop)."""
         self.client.start()
         self._handlers = [
             asyncio.create_task(self._output_loop(i), name=f"pagedllm-output-handler-{i}")
             for i in range(self.num_engines)
         ]
+        if self.stat_logger is not None:
+            self._handlers.append(asyncio.create_task(self._stat_log_loop(), name="pagedllm-stat-logger"))
 
     def on_dead(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (in the loop) once, when the last core process dies unexpectedly."""
@@ -207,6 +209,12 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise self.dead_error
         return all(await self.client.call_utility("reset_prefix_cache"))
+
+    async def _stat_log_loop(self) -> None:
+        """The log line's timer: a burst's last line comes when its interval ends."""
+        while True:
+            await asyncio.sleep(self.stat_logger.interval)
+            self.stat_logger.tick()
 
     # -- the output handlers ---------------------------------------------------------------
     async def _output_loop(self, engine: int) -> None:

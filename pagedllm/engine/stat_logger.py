@@ -13,7 +13,13 @@ logger = logging.getLogger("pagedllm")
 
 
 class StatLogger:
-    """Accumulates token counts and logs one line every ``interval`` seconds.
+    """Accumulates token counts and logs one line per ``interval`` seconds of work.
+
+    ``record`` takes each step's outputs and ``tick`` is also called on a timer (the server's),
+    so that a burst's last line comes when its interval ends, with its last tokens and the
+    idle engine's stats, not with the next request, averaged over the idle time between. An
+    interval starts with its first step: nothing is logged while the engine idles, and idle
+    time is no part of a throughput.
 
     Args:
         interval: seconds between log lines.
@@ -21,16 +27,30 @@ class StatLogger:
 
     def __init__(self, interval: float = 5.0) -> None:
         self.interval = interval
-        self._last = time.monotonic()
+        self._last = 0.0  # the start of the interval, set by its first step
+        self._recorded = False  # a step recorded since the last line
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._stats: SchedulerStats | None = None  # the latest, which the line shows
         self._last_stats = SchedulerStats()  # cumulative counts at the previous line
 
     def record(self, stats: SchedulerStats | None, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """Add one step's outputs: token counts and the scheduler's stats (None: unchanged);
+        log the line if the interval has ended."""
+        if not self._recorded:
+            self._last, self._recorded = time.monotonic(), True
         self._prompt_tokens += num_prompt_tokens
         self._generation_tokens += num_generation_tokens
+        if stats is not None:
+            self._stats = stats
+        self.tick()
+
+    def tick(self) -> None:
+        """Log the line if a step was recorded and ``interval`` seconds have passed since its
+        interval started: throughput over them, the latest stats."""
         now = time.monotonic()
-        if stats is None or now - self._last < self.interval:
+        stats = self._stats
+        if not self._recorded or stats is None or now - self._last < self.interval:
             return
         elapsed = now - self._last
         hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
@@ -46,7 +66,7 @@ class StatLogger:
             stats.num_preemptions,
         )
         self._log_spec_decoding(stats)
-        self._last = now
+        self._recorded = False
         self._prompt_tokens = self._generation_tokens = 0
 
     def _log_spec_decoding(self, stats: SchedulerStats) -> None:
