@@ -273,9 +273,10 @@ def test_context_overflow_names_the_field_at_fault(http: httpx.Client) -> None:
         _check_error(r, 400, f"the prompt is {n} tokens, longer than this model's maximum context length of "
                              f"{MAX_MODEL_LEN} tokens")
         assert r.json()["error"]["param"] == param and "max_tokens" not in r.json()["error"]["message"]
-    r = http.post("/v1/chat/completions", json=_chat(max_tokens=MAX_MODEL_LEN))
-    _check_error(r, 400, f"prompt tokens + {MAX_MODEL_LEN} max_tokens")
-    assert r.json()["error"]["param"] == "max_tokens"
+    for field in ("max_tokens", "max_completion_tokens"):  # the field the client sent
+        r = http.post("/v1/chat/completions", json=_chat(**{field: MAX_MODEL_LEN}))
+        _check_error(r, 400, f"prompt tokens + {MAX_MODEL_LEN} max_tokens")
+        assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
 
 
 def _check_error(r: httpx.Response, status: int, needle: str) -> None:

@@ -99,14 +99,18 @@ class OpenAIServingChat(OpenAIServing):
         token_ids = self.render(req.messages, req.add_generation_prompt, req.tools if req.tool_mode != "none" else None,
                                 req.tool_mode, req.tool_choice.function.name if req.tool_mode == "named" else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        # The request's names for the engine's parameters where they differ: an error names what the client sent.
+        fields = {"prompt": "messages"}
+        if req.max_completion_tokens is not None:
+            fields["max_tokens"] = "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, len(token_ids), max_tokens, logprobs)
+        params = self.sampling_params(req, len(token_ids), max_tokens, logprobs, fields=fields)
         constraint_field = "tools" if constraint is not None else structured_outputs_field(req)
         if constraint is not None:
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         if req.tool_mode == "auto":  # call markers such as Qwen's <tool_call> are special tokens: the parser needs them
             params = msgspec.structs.replace(params, skip_special_tokens=False)
-        prepared = self.prepare(random_id("chatcmpl"), token_ids, params, req.cache_salt, req.model, "messages")
+        prepared = self.prepare(random_id("chatcmpl"), token_ids, params, req.cache_salt, req.model, fields)
         return prepared, constraint_field
 
     def render(

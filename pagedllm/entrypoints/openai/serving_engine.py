@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel
@@ -45,9 +45,14 @@ class OpenAIError(Exception):
         self.param = None if param is None else _printable(param)
 
     @classmethod
-    def bad_request(cls, error: ValueError) -> OpenAIError:
-        """A 400 for invalid input; ``param`` is the field an ``InvalidParamError`` names."""
-        return cls(400, str(error), param=getattr(error, "param", None))
+    def bad_request(cls, error: ValueError, fields: Mapping[str, str] = {}) -> OpenAIError:
+        """A 400 for invalid input; ``param`` is the field an ``InvalidParamError`` names, or
+        the request's own name for it in ``fields`` (engine parameter -> request field, where
+        they differ), which then heads the message too."""
+        param = getattr(error, "param", None)
+        if param in fields:
+            return cls(400, f"{fields[param]}: {error}", param=fields[param])
+        return cls(400, str(error), param=param)
 
     def body(self) -> dict:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status)
@@ -125,10 +130,12 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        fields: Mapping[str, str] = {},
     ) -> SamplingParams:
         """SamplingParams for one prompt; unset fields keep SamplingParams' defaults.
 
-        ``max_tokens`` None means all the room the context leaves after the prompt.
+        ``max_tokens`` None means all the room the context leaves after the prompt; ``fields``
+        as ``OpenAIError.bad_request``'s.
 
         Raises:
             OpenAIError: 400 naming the field, for values outside their ranges.
@@ -163,22 +170,21 @@ class OpenAIServing:
                 **kwargs,
             )
         except ValueError as e:
-            raise OpenAIError.bad_request(e) from None
+            raise OpenAIError.bad_request(e, fields) from None
 
     def prepare(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None,
-        model: str | None = None, prompt_field: str = "prompt",
+        model: str | None = None, fields: Mapping[str, str] = {},
     ) -> PreparedRequest:
         """Validate and tokenize one prompt for ``model`` (the base or an adapter): 400 naming
-        the field on invalid input, 404 for an unknown model. ``prompt_field`` is the request
-        field the prompt comes from: an error of the prompt itself names it."""
+        the field on invalid input (the request's name for it in ``fields``, as
+        ``OpenAIError.bad_request``'s: chat's prompt comes from ``messages``), 404 for an
+        unknown model."""
         lora = self.check_model(model)
         try:
             return self.engine.prepare(request_id, prompt, params, cache_salt, lora)
         except ValueError as e:
-            if getattr(e, "param", None) == "prompt" and prompt_field != "prompt":
-                raise OpenAIError(400, f"{prompt_field}: {e}", param=prompt_field) from None
-            raise OpenAIError.bad_request(e) from None
+            raise OpenAIError.bad_request(e, fields) from None
 
     def token_str(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
