@@ -429,6 +429,25 @@ def test_tokenize_and_detokenize_run_off_the_event_loop(app: TestClient) -> None
     _check_error(app.post("/detokenize", json={"tokens": [10**9]}), 400, "vocabulary")
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [(_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]),
+      "messages.0.content.0.type", "Input should be 'text'"),
+     (_chat(messages=[{"role": "user", "content": [{"type": "text", "txt": "Hi"}]}]), "messages.0.content.0.text",
+      "Field required"),
+     (_chat(tool_choice={"type": "function", "function": {}}), "tool_choice.function.name", "Field required"),
+     (_chat(stop=["a", 5]), "stop.1", "valid string")],
+)
+def test_union_errors_name_the_member_meant(app: TestClient, body: dict, param: str, needle: str) -> None:
+    """A value of a union field (content: text or parts; tool_choice: a mode or an object; stop)
+    that fails inside the member it was meant for is reported there: an image part used to get
+    "messages.0.content: Input should be a valid string", a tool choice object lacking its
+    function's name "should be 'none', 'auto' or 'required'"."""
+    r = app.post("/v1/chat/completions", json=body)
+    _check_error(r, 400, needle)
+    assert r.json()["error"]["param"] == param
+
+
 def test_empty_body_is_named(app: TestClient) -> None:
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
         r = app.post(path, content=b"", headers={"Content-Type": "application/json"})

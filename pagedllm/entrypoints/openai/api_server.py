@@ -38,6 +38,7 @@ from pagedllm.entrypoints.openai.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    RequestModel,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -165,19 +166,31 @@ async def _respond(request: Request, result: Awaitable[BaseModel | AsyncIterator
     return StreamingResponse(guard_sse(body), media_type="text/event-stream")
 
 
-# pydantic's names for the members of a union, which it puts in an error's location.
+# pydantic's names for the members of a union, which it puts in an error's location: types,
+# and request models by class name (``_request_models``).
 _UNION_TAG = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]")
 
 
+def _request_models(cls: type[RequestModel] = RequestModel) -> set[str]:
+    """The class names of ``cls``'s subclasses, at any depth."""
+    return {name for sub in cls.__subclasses__() for name in {sub.__name__} | _request_models(sub)}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The message and the field (dotted) of the error to report: the one found deepest in the
+    body, which for a union is the member the value was meant for (the parts of a ``content``
+    list, not "should be a valid string"; a tool choice object's ``function``, not "should be
+    'none', 'auto' or 'required'")."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    first = max(errors, key=lambda e: len(e.get("loc", ())))  # the earliest of the deepest
     kind = first.get("type")
     if kind == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_TAG.fullmatch(str(p))]
+    tags = _request_models()
+    loc = [str(p) for p in first.get("loc", ())
+           if p != "body" and not _UNION_TAG.fullmatch(str(p)) and str(p) not in tags]
     param = ".".join(loc) or None
     if param is None and kind == "missing":  # no body at all
         return "the request body is missing: it must be a JSON object (Content-Type: application/json)", None
