@@ -448,6 +448,22 @@ def test_union_errors_name_the_member_meant(app: TestClient, body: dict, param: 
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"messages": CHAT, "add_special_tokens": True}, "add_special_tokens"),
+     ({"prompt": "Hi", "add_generation_prompt": False}, "add_generation_prompt")],
+)
+def test_tokenize_settings_of_the_other_form_are_refused(app: TestClient, body: dict, param: str) -> None:
+    """add_special_tokens does nothing to messages (the chat template writes the special tokens)
+    nor add_generation_prompt to a prompt: refused, not silently ignored; messages with
+    add_special_tokens false (vLLM's default for them) are what they do anyway."""
+    r = app.post("/tokenize", json=body)
+    _check_error(r, 400, f"{param} applies to")
+    assert r.json()["error"]["param"] == param
+    r = app.post("/tokenize", json={"messages": CHAT, "add_special_tokens": False})
+    assert r.status_code == 200 and r.json()["tokens"] == app.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+
+
 def test_empty_body_is_named(app: TestClient) -> None:
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
         r = app.post(path, content=b"", headers={"Content-Type": "application/json"})

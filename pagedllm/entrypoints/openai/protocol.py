@@ -216,12 +216,25 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(RequestModel):
+    """``prompt``, text tokenized with ``add_special_tokens``, or ``messages`` under the chat
+    template with ``add_generation_prompt`` (the template writes the special tokens)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+    def check(self) -> None:
+        super().check()
+        # A setting of the other form would do nothing: refused, not ignored (false is what
+        # messages do anyway, vLLM's default there).
+        if self.messages is not None and "add_special_tokens" in self.model_fields_set and self.add_special_tokens:
+            raise InvalidParamError("add_special_tokens", "add_special_tokens applies to prompt: with messages the "
+                                    "chat template writes the special tokens")
+        if self.prompt is not None and "add_generation_prompt" in self.model_fields_set:
+            raise InvalidParamError("add_generation_prompt", "add_generation_prompt applies to messages, not prompt")
 
 
 class LoadLoRAAdapterRequest(RequestModel):
