@@ -464,6 +464,23 @@ def test_tokenize_settings_of_the_other_form_are_refused(app: TestClient, body: 
     assert r.status_code == 200 and r.json()["tokens"] == app.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [({"role": "user", "content": "Hi", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]},
+      "messages.1.tool_calls"),
+     ({"role": "user", "content": "Hi", "tool_call_id": "c"}, "messages.1.tool_call_id"),
+     ({"role": "assistant", "content": "Hi", "tool_call_id": "c"}, "messages.1.tool_call_id")],
+)
+def test_message_fields_of_another_role_are_refused(app: TestClient, path: str, message: dict, param: str) -> None:
+    """A user message's tool_calls or tool_call_id reached no template (the prompt was that of
+    the message without them): refused naming the field, not silently ignored."""
+    body = {"messages": [{"role": "system", "content": "Be brief."}, message]}
+    r = app.post(path, json=_chat(**body) if path.startswith("/v1") else body)
+    _check_error(r, 400, "belong")
+    assert r.json()["error"]["param"] == param
+
+
 def test_empty_body_is_named(app: TestClient) -> None:
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
         r = app.post(path, content=b"", headers={"Content-Type": "application/json"})

@@ -167,6 +167,22 @@ class ChatMessage(RequestModel):
     tool_call_id: str | None = None  # tool: the call this message answers
 
 
+def check_messages(messages: list[ChatMessage]) -> None:
+    """A message's fields of another role, which nothing would read, are refused: ``tool_calls``
+    belong to an assistant's message, ``tool_call_id`` to a tool result.
+
+    Raises:
+        InvalidParamError: naming the message's field (``messages.2.tool_calls``).
+    """
+    for i, m in enumerate(messages):
+        if m.tool_calls and m.role != "assistant":
+            raise InvalidParamError(f"messages.{i}.tool_calls",
+                                    f"tool_calls belong to assistant messages, not {m.role}")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise InvalidParamError(f"messages.{i}.tool_call_id",
+                                    f"tool_call_id belongs to tool messages, not {m.role}")
+
+
 class FunctionDefinition(RequestModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
@@ -205,6 +221,7 @@ class ChatCompletionRequest(SamplingRequest):
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         if (value := getattr(self, name)) is not None and value < 1:  # no echo here: nothing scores a prompt
             raise InvalidParamError(name, f"{name} must be at least 1, got {value}")
+        check_messages(self.messages)
         check_tools(self)
 
     @property
@@ -228,6 +245,8 @@ class TokenizeRequest(RequestModel):
 
     def check(self) -> None:
         super().check()
+        if self.messages is not None:
+            check_messages(self.messages)
         # A setting of the other form would do nothing: refused, not ignored (false is what
         # messages do anyway, vLLM's default there).
         if self.messages is not None and "add_special_tokens" in self.model_fields_set and self.add_special_tokens:
