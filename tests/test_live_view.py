@@ -320,6 +320,28 @@ def test_headline_after_aborts_with_the_engine_idle():
     assert all(r == 0 for r in view.blocks.ref)
 
 
+def test_a_row_ends_when_the_front_end_ends_its_request():
+    """The core's step in flight when the front end ended a request (a stop string, a client
+    gone) comes after the finish: its tokens and time are no longer the row's, whose output
+    counts what the request got and whose bars end at its finish tick."""
+    rng = random.Random(3)
+    sched, recorder = make_engine(GLOBAL)
+    request = make_request("r0", rng, [[11, 12, 13, 14]])
+    sched.add_request(request)
+    view = LiveView(20, BS, [0], 24)
+    view.on_arrival([EngineCoreRequest("r0", request.prompt_token_ids, request.sampling_params, [EOS],
+                                       request.arrival_time)])
+    first = fake_step(sched, recorder, rng)
+    view.on_outputs(EngineCoreOutputs([EngineCoreOutput("r0", [7])], timestamp=first.end, step=first))
+    view.on_finish(["r0"], "abort", first.end)
+    late = fake_step(sched, recorder, rng)  # the abort had not reached the core yet
+    view.on_outputs(EngineCoreOutputs([EngineCoreOutput("r0", [7])], timestamp=late.end, step=late))
+    (row,) = [t.to_json() for t in view.shown_requests(10)]
+    assert row["output"] == 1 and row["last_token"] == row["finished"] == first.end
+    assert all(end <= row["finished"] for _, end, _ in row["segments"])
+    assert len(view.steps) == 2  # the step itself is shown
+
+
 def test_shown_requests_put_unfinished_first_then_the_latest_finished():
     view = LiveView(20, BS, [0], 24)
     for rid, t in [("a", 1.0), ("b", 2.0), ("c", 3.0), ("d", 4.0), ("e", 5.0)]:

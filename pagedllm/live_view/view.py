@@ -140,9 +140,9 @@ class LiveView:
         for o in out.outputs:
             timeline = self.requests.get(o.request_id)
             num_output += len(o.new_token_ids)
+            if timeline is None or timeline.finished is not None:
+                continue  # tokens of a step in flight when the front end ended it: nobody gets them
             requests.add(o.request_id)
-            if timeline is None:
-                continue
             if o.new_token_ids:
                 if timeline.first_token is None:
                     timeline.first_token = out.timestamp
@@ -170,8 +170,8 @@ class LiveView:
         self.steps.append(record)
         for entry in record.scheduled:
             timeline = self.requests.get(entry.request_id)
-            if timeline is None:
-                continue
+            if timeline is None or timeline.finished is not None:
+                continue  # a step in flight when the front end ended the request: no longer its row's
             if timeline.first_scheduled is None:
                 timeline.first_scheduled = record.start
                 timeline.cached_tokens = max(entry.cached, 0)
