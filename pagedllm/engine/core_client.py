@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 from collections import deque
 from typing import Any
@@ -87,8 +88,7 @@ class MPClient:
         poller.poll()  # until the handshake arrives or the process exits
         # A core that failed sent its reason just before exiting: give it a moment to arrive.
         if not self._output.poll(1000):
-            self.proc.join()
-            raise RuntimeError(f"{self.name} process exited with code {self.proc.exitcode} during startup")
+            raise RuntimeError(f"{self.exit_description()} during startup")
         ready = msgspec.msgpack.decode(self._output.recv(), type=EngineCoreReady)
         if ready.error is not None:
             raise RuntimeError(f"{self.name} failed to start: {ready.error}")
@@ -97,6 +97,16 @@ class MPClient:
     @property
     def is_alive(self) -> bool:
         return self.proc.is_alive()
+
+    def exit_description(self) -> str:
+        """How the exited core process ended: "the engine core process was killed by SIGKILL"
+        (the OOM killer's signal) or "... exited with code 1". It is reaped first: its sentinel
+        closes a moment before it can be, when its exit code would still read None."""
+        self.proc.join()
+        code = self.proc.exitcode
+        if code is not None and code < 0:
+            return f"the {self.name} process was killed by {signal.Signals(-code).name}"
+        return f"the {self.name} process exited with code {code}"
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         for r in requests:
@@ -178,7 +188,7 @@ class SyncMPClient(MPClient):
 
     def _recv(self) -> EngineCoreOutputs:
         if self._output not in dict(self._poller.poll()):  # only the sentinel fired
-            raise EngineDeadError(f"the {self.name} process exited with code {self.proc.exitcode}")
+            raise EngineDeadError(self.exit_description())
         return self._decoder.decode(self._output.recv())
 
 
@@ -205,7 +215,7 @@ class AsyncMPClient(MPClient):
         asyncio.get_running_loop().remove_reader(self.proc.sentinel)
         if not self._dead.done():
             self._dead.set_result(None)
-        error = EngineDeadError(f"the {self.name} process exited with code {self.proc.exitcode}")
+        error = EngineDeadError(self.exit_description())
         for fut in self._utility_futures.values():
             if not fut.done():
                 fut.set_exception(error)
@@ -221,7 +231,7 @@ class AsyncMPClient(MPClient):
             await asyncio.wait((recv, self._dead), return_when=asyncio.FIRST_COMPLETED)
             if not recv.done():
                 recv.cancel()
-                raise EngineDeadError(f"the {self.name} process exited with code {self.proc.exitcode}")
+                raise EngineDeadError(self.exit_description())
             out = self._decoder.decode(recv.result())
             if out.utility_call_id is None:
                 return out
