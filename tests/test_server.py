@@ -199,6 +199,28 @@ def test_completion_streaming_echo_and_usage(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.total_tokens == full.usage.total_tokens
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats(http: httpx.Client, path: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats (it was refused): every chunk carries its
+    choice's usage so far, its prompt's tokens and its own, counting up to the choice's
+    tokens; the last chunk (include_usage) has their sum."""
+    body = (_completion if path == "/v1/completions" else _chat)(
+        max_tokens=5, n=2, temperature=1.0, ignore_eos=True, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    *chunks, last = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    prompt = last["usage"]["prompt_tokens"]
+    so_far = {0: 0, 1: 0}
+    for chunk in chunks:
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == prompt and usage["total_tokens"] == prompt + usage["completion_tokens"]
+        for choice in chunk["choices"]:
+            assert usage["completion_tokens"] >= so_far[choice["index"]], chunk
+            so_far[choice["index"]] = usage["completion_tokens"]
+    assert so_far == {0: 5, 1: 5} and not last["choices"] and last["usage"]["completion_tokens"] == 10
+
+
 def test_seed_reproducible(client: openai.OpenAI) -> None:
     def sample(seed: int) -> list[str]:
         r = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=8, temperature=1.0,

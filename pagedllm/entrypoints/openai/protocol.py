@@ -73,7 +73,9 @@ class ErrorResponse(OpenAIBaseModel):
 
 # -- requests --------------------------------------------------------------------------------
 class StreamOptions(RequestModel):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk, without choices, with the request's usage
+    # vLLM's: every chunk carries its choice's usage so far (its prompt's tokens, its own tokens).
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(RequestModel):
@@ -119,6 +121,10 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 # OpenAI's and vLLM's default for /v1/completions, also when a client sends null.
@@ -275,6 +281,12 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        """The usage of these token counts, their sum the total."""
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
 
 
 class CompletionLogprobs(OpenAIBaseModel):

@@ -162,10 +162,8 @@ class OpenAIServingChat(OpenAIServing):
             ))
         completion = sum(len(c.token_ids) for c in out.outputs)
         prompt = len(prepared.core_requests[0].prompt_token_ids)
-        usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-        return ChatCompletionResponse(
-            id=prepared.request_id, model=self.response_model(req.model), choices=choices, usage=usage
-        )
+        return ChatCompletionResponse(id=prepared.request_id, model=self.response_model(req.model), choices=choices,
+                                      usage=UsageInfo.of(prompt, completion))
 
     def _message(self, req: ChatCompletionRequest, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
         """The assistant message of one output under the request's tool mode, and its finish
@@ -204,10 +202,16 @@ class OpenAIServingChat(OpenAIServing):
             return sse(ChatCompletionChunk(id=prepared.request_id, created=created,
                                            model=self.response_model(req.model), choices=choices, usage=usage))
 
+        n_prompt = len(prepared.prompt_token_ids)
+        num_tokens = [0] * req.n  # per choice: its tokens so far
+
+        def usage(index: int) -> UsageInfo | None:
+            """A chunk of choice ``index``'s usage so far, with continuous usage stats."""
+            return UsageInfo.of(n_prompt, num_tokens[index]) if req.continuous_usage else None
+
         # OpenAI's streams open each choice with the role and an empty content.
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(req.n)])
-        completion_tokens = 0
+                     for i in range(req.n)], usage(0))
         finished: set[int] = set()
         mode = self._parse_mode(req)
         tool_streams: dict[int, ToolStream] = {}
@@ -223,7 +227,7 @@ class OpenAIServingChat(OpenAIServing):
                 for c in out.outputs:
                     if c.index in finished or not (c.text or c.token_ids or c.finish_reason):
                         continue
-                    completion_tokens += len(c.token_ids)
+                    num_tokens[c.index] += len(c.token_ids)
                     if c.finish_reason is not None:
                         finished.add(c.index)
                     logprobs = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
@@ -231,7 +235,7 @@ class OpenAIServingChat(OpenAIServing):
                     if tool_stream is None:
                         yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
                                                       logprobs=logprobs, finish_reason=c.finish_reason,
-                                                      stop_reason=c.stop_reason)])
+                                                      stop_reason=c.stop_reason)], usage(c.index))
                         continue
                     deltas = tool_stream.update(c.text, c.finish_reason is not None)
                     finish_reason = c.finish_reason
@@ -243,11 +247,9 @@ class OpenAIServingChat(OpenAIServing):
                         last = j == len(deltas) - 1
                         yield chunk([ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs if j == 0 else None,
                                                       finish_reason=finish_reason if last else None,
-                                                      stop_reason=c.stop_reason if last else None)])
+                                                      stop_reason=c.stop_reason if last else None)], usage(c.index))
             if req.include_usage:
-                n_prompt = len(prepared.prompt_token_ids)
-                yield chunk([], UsageInfo(prompt_tokens=n_prompt, completion_tokens=completion_tokens,
-                                          total_tokens=n_prompt + completion_tokens))
+                yield chunk([], UsageInfo.of(n_prompt, sum(num_tokens)))
         except EngineDeadError as e:
             yield sse(OpenAIError(503, str(e), "ServiceUnavailableError").body())
         yield SSE_DONE

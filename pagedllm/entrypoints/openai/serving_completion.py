@@ -101,7 +101,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finished: set[int] = set()
         echoed: set[int] = set()
         offsets: dict[int, int] = {}  # per choice: the text_offset of its next token
-        completion_tokens = 0
+        num_tokens: dict[int, int] = {}  # per choice: its tokens so far
         try:
             async for prompt_idx, out in merge([self.engine.generate(p, stream=True) for p in prepared]):
                 if (error := generation_error(out, constraint_field)) is not None:
@@ -112,7 +112,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     index = prompt_idx * req.n + c.index
                     if index in finished:
                         continue
-                    completion_tokens += len(c.token_ids)
+                    num_tokens[index] = num_tokens.get(index, 0) + len(c.token_ids)
                     text, logprobs = c.text, c.logprobs
                     if not (text or c.token_ids or c.finish_reason):
                         continue  # a prefill chunk that sampled nothing
@@ -124,12 +124,13 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice = self._choice(req, out, c, index, text, logprobs, echo, offsets.get(index, 0))
                     if choice.logprobs is not None and choice.logprobs.tokens:
                         offsets[index] = choice.logprobs.text_offset[-1] + len(choice.logprobs.tokens[-1])
+                    usage = None
+                    if req.continuous_usage:
+                        usage = UsageInfo.of(len(prepared[prompt_idx].prompt_token_ids), num_tokens[index])
                     yield sse(CompletionResponse(id=request_id, created=created,
-                                                 model=self.response_model(req.model), choices=[choice]))
+                                                 model=self.response_model(req.model), choices=[choice], usage=usage))
             if req.include_usage:
-                usage = UsageInfo(prompt_tokens=sum(len(p.prompt_token_ids) for p in prepared),
-                                  completion_tokens=completion_tokens)
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                usage = UsageInfo.of(sum(len(p.prompt_token_ids) for p in prepared), sum(num_tokens.values()))
                 yield sse(CompletionResponse(id=request_id, created=created,
                                              model=self.response_model(req.model), choices=[], usage=usage))
         except EngineDeadError as e:
@@ -189,6 +190,4 @@ class OpenAIServingCompletion(OpenAIServing):
 
     @staticmethod
     def _usage(prepared: list[PreparedRequest], outputs: list[RequestOutput]) -> UsageInfo:
-        prompt = sum(len(p.prompt_token_ids) for p in prepared)
-        completion = num_output_tokens(outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return UsageInfo.of(sum(len(p.prompt_token_ids) for p in prepared), num_output_tokens(outputs))
