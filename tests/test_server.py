@@ -402,7 +402,8 @@ def stand_in_engine() -> SimpleNamespace:
 
     tokenizer = load_tokenizer(resolve_model("smollm2"))
     return SimpleNamespace(tokenizer=_LoopFreeTokenizer(tokenizer), max_model_len=MAX_MODEL_LEN,
-                           model_config=SimpleNamespace(vocab_size=len(tokenizer)), live_view=None)
+                           model_config=SimpleNamespace(vocab_size=len(tokenizer)), live_view=None,
+                           config=SimpleNamespace(model=MODEL))
 
 
 @pytest.fixture(scope="module")
@@ -410,7 +411,25 @@ def app(stand_in_engine: SimpleNamespace) -> TestClient:
     """The app in this process over the stand-in engine."""
     from pagedllm.entrypoints.openai.api_server import build_app
 
-    return TestClient(build_app(stand_in_engine, MODEL))
+    return TestClient(build_app(stand_in_engine, (MODEL,)))
+
+
+def test_several_served_model_names(stand_in_engine: SimpleNamespace, monkeypatch) -> None:
+    """vLLM's --served-model-name a b (it was a usage error, or "b" taken for the model): a
+    request may give any of the names, /v1/models lists each, another name is a 404 naming them."""
+    from pagedllm.entrypoints.openai import api_server, cli_args
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    served = []
+    monkeypatch.setattr(cli_args, "run_serve", lambda args: served.append(args.served_model_name))
+    monkeypatch.setattr(sys, "argv", ["api_server", MODEL, "--served-model-name", "gpt-small", "smol"])
+    api_server.main()
+    assert served == [["gpt-small", "smol"]]
+    app = TestClient(build_app(stand_in_engine, ("gpt-small", "smol")))
+    assert [m["id"] for m in app.get("/v1/models").json()["data"]] == ["gpt-small", "smol"]
+    for name in ("gpt-small", "smol"):
+        assert app.post("/tokenize", json={"model": name, "prompt": "Hi"}).status_code == 200
+    _check_error(app.post("/tokenize", json={"model": MODEL, "prompt": "Hi"}), 404, "serves `gpt-small`, `smol`")
 
 
 def test_cors_preflight_before_the_key_and_headers_on_every_answer(
@@ -426,7 +445,7 @@ def test_cors_preflight_before_the_key_and_headers_on_every_answer(
                  "Access-Control-Request-Headers": "authorization,content-type"}
     r = app.options("/v1/chat/completions", headers=preflight)
     assert "access-control-allow-origin" not in r.headers
-    cors = TestClient(build_app(stand_in_engine, MODEL, api_key=API_KEY, cors=CorsPolicy((page,))))
+    cors = TestClient(build_app(stand_in_engine, (MODEL,), api_key=API_KEY, cors=CorsPolicy((page,))))
     r = cors.options("/v1/chat/completions", headers=preflight)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page, r.text
     r = cors.post("/tokenize", json={"prompt": "Hi"}, headers={"Origin": page})

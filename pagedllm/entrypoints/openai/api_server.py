@@ -205,7 +205,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def build_app(
     engine: AsyncLLM,
-    served_model_name: str,
+    served_model_names: tuple[str, ...],
     api_key: str | None = None,
     max_request_body_bytes: int = 16 * 1024**2,
     tool_call_parser: str = "hermes",
@@ -213,7 +213,8 @@ def build_app(
     lora_modules: list[tuple[str, str]] = (),
     cors: CorsPolicy = CorsPolicy(),
 ) -> FastAPI:
-    """The FastAPI app over a started-or-not engine (the app's lifespan starts and stops it);
+    """The FastAPI app over a started-or-not engine (the app's lifespan starts and stops it),
+    serving the base model under ``served_model_names`` (``OpenAIServing``'s);
     ``tool_call_parser`` names the format of "auto" tool calls (``tool_parsers.TOOL_PARSERS``),
     ``chat_template`` a Jinja template's text to use instead of the model's, ``lora_modules``
     the (name, PEFT folder or GGUF file) of the LoRA adapters served from the start (``--enable-lora``),
@@ -224,7 +225,7 @@ def build_app(
     Raises:
         ValueError: a LoRA module that cannot be served (LoRA off, a bad adapter, a name twice).
     """
-    loras = ServingLoRA(engine, served_model_name)
+    loras = ServingLoRA(engine, served_model_names)
     for name, path in lora_modules:
         try:
             loras.load(name, path)
@@ -238,8 +239,8 @@ def build_app(
         engine.shutdown()
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
-    completion = OpenAIServingCompletion(engine, served_model_name, loras)
-    chat = OpenAIServingChat(engine, served_model_name, TOOL_PARSERS[tool_call_parser], chat_template, loras)
+    completion = OpenAIServingCompletion(engine, served_model_names, loras)
+    chat = OpenAIServingChat(engine, served_model_names, TOOL_PARSERS[tool_call_parser], chat_template, loras)
     v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")
@@ -252,12 +253,13 @@ def build_app(
 
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
-        card = ModelCard(id=served_model_name, root=engine.config.model, max_model_len=engine.max_model_len)
+        cards = [ModelCard(id=name, root=engine.config.model, max_model_len=engine.max_model_len)
+                 for name in served_model_names]
         adapters = [
-            ModelCard(id=lora.name, root=lora.path, parent=served_model_name, max_model_len=engine.max_model_len)
+            ModelCard(id=lora.name, root=lora.path, parent=served_model_names[0], max_model_len=engine.max_model_len)
             for lora in loras.adapters.values()
         ]
-        return ModelList(data=[card, *adapters]).model_dump(mode="json")
+        return ModelList(data=[*cards, *adapters]).model_dump(mode="json")
 
     @v1.post("/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, str]:

@@ -92,8 +92,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)  # first tokens sooner under load
     parser.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0: every interface")
     parser.add_argument("--port", type=port_number, default=8000, help="TCP port; 0: any free one")
-    parser.add_argument("--served-model-name", type=model_name, default=None,
-                        help="model name in the API, the `model` field requests give (default: the model argument)")
+    parser.add_argument("--served-model-name", type=model_name, nargs="+", default=None, metavar="NAME",
+                        help="model names in the API, any of which the `model` field may give; responses to a "
+                        "request that gives none name the first (default: the model argument)")
     parser.add_argument("--api-key", type=api_key, default=None,
                         help="require `Authorization: Bearer KEY` on every route but /health, /metrics, /version")
     parser.add_argument("--max-request-body-size", default="16MiB", help="larger request bodies get 413")
@@ -222,7 +223,7 @@ def run_serve(args: argparse.Namespace) -> None:
     checker.configure(grammar_limits(args), args.grammar_workers)
     config = engine_config(args)
     max_body = parse_memory(args.max_request_body_size)
-    name = args.served_model_name or args.model
+    names = tuple(args.served_model_name or [args.model])
     try:
         engine = AsyncLLM(config, log_stats=not args.disable_log_stats)
     except RuntimeError as e:
@@ -231,7 +232,7 @@ def run_serve(args: argparse.Namespace) -> None:
     try:
         from pagedllm.entrypoints.openai.serving_lora import parse_lora_module
 
-        app = build_app(engine, name, args.api_key, max_body, args.tool_call_parser,
+        app = build_app(engine, names, args.api_key, max_body, args.tool_call_parser,
                         load_chat_template(args.chat_template), [parse_lora_module(m) for m in args.lora_modules],
                         CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                    args.allow_credentials))
@@ -247,9 +248,9 @@ def run_serve(args: argparse.Namespace) -> None:
         )
         engine.on_dead(server.exit_soon)  # the last core: with data parallelism the others serve on
         logger.info(
-            "serving %s as %r on http://%s:%d; max_model_len %d; KV cache: %d blocks x %d tokens = %d tokens%s",
-            config.model, name, args.host, args.port, engine.max_model_len, engine.num_blocks, engine.block_size,
-            engine.num_blocks * engine.block_size,
+            "serving %s as %s on http://%s:%d; max_model_len %d; KV cache: %d blocks x %d tokens = %d tokens%s",
+            config.model, ", ".join(map(repr, names)), args.host, args.port, engine.max_model_len, engine.num_blocks,
+            engine.block_size, engine.num_blocks * engine.block_size,
             f" per engine core, {engine.num_engines} cores (pids {engine.client.pids})" if engine.num_engines > 1 else "",
         )
         server.run()

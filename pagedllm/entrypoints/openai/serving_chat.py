@@ -62,22 +62,24 @@ class OpenAIServingChat(OpenAIServing):
     """Handles chat completions requests, streaming or not.
 
     Args:
-        engine, served_model_name, loras: as ``OpenAIServing``.
+        engine, served_model_names, loras: as ``OpenAIServing``.
         tool_parser: the format "auto" tool calls are read in (``tool_parsers.TOOL_PARSERS``)
             where the chat template has a tool section. Where it has none, tools, calls and
             results take pagedllm's generic format (``generic_tools``), read by ``GenericToolParser``.
         chat_template: a Jinja template's text to render with instead of the model's.
     """
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str, tool_parser: type[ToolParser] = HermesToolParser,
-                 chat_template: str | None = None, loras: ServingLoRA | None = None) -> None:
-        super().__init__(engine, served_model_name, loras)
+    def __init__(self, engine: AsyncLLM, served_model_names: tuple[str, ...],
+                 tool_parser: type[ToolParser] = HermesToolParser, chat_template: str | None = None,
+                 loras: ServingLoRA | None = None) -> None:
+        super().__init__(engine, served_model_names, loras)
         self.chat_template = chat_template
         self.generic_tools = not supports_tools(self.tokenizer, chat_template)
         self.tool_parser = GenericToolParser if self.generic_tools else tool_parser
         if self.generic_tools:
             logger.info("the chat template of %s has no tool section: tools, tool calls and results use pagedllm's "
-                        "generic format (a system message; replies constrained to text or a JSON call)", served_model_name)
+                        "generic format (a system message; replies constrained to text or a JSON call)",
+                        served_model_names[0])
 
     def _prepare(self, req: ChatCompletionRequest) -> tuple[PreparedRequest, str | None]:
         """Validate and tokenize a request (blocking; 400 naming the field on invalid input);

@@ -87,13 +87,14 @@ class OpenAIServing:
 
     Args:
         engine: the running engine.
-        served_model_name: the base model's name in the ``model`` field.
+        served_model_names: the base model's names, any of which the ``model`` field may give
+            (vLLM's ``--served-model-name a b``); the first answers a request that gives none.
         loras: the LoRA adapters requests may name instead (None: none).
     """
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str, loras: ServingLoRA | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: tuple[str, ...], loras: ServingLoRA | None = None) -> None:
         self.engine = engine
-        self.served_model_name = served_model_name
+        self.served_model_names = served_model_names
         self.loras = loras
         self.tokenizer = engine.tokenizer
 
@@ -101,15 +102,16 @@ class OpenAIServing:
         """The adapter ``model`` names, None for the base model; 404 for anything else."""
         if self.loras is not None:
             return self.loras.resolve(model)
-        if model is not None and model != self.served_model_name:
-            raise OpenAIError(404, f"the model `{model}` does not exist; this server serves `{self.served_model_name}`",
+        if model is not None and model not in self.served_model_names:
+            served = ", ".join(f"`{n}`" for n in self.served_model_names)
+            raise OpenAIError(404, f"the model `{model}` does not exist; this server serves {served}",
                               "NotFoundError", "model")
         return None
 
     def response_model(self, model: str | None) -> str:
         """A response's ``model`` field, as vLLM fills it: the name the request gave (the base
         model's or an adapter's, checked by ``check_model``), else the base model's."""
-        return self.served_model_name if model is None else model
+        return self.served_model_names[0] if model is None else model
 
     def check_request(self, req: RequestModel) -> None:
         """The request's own checks (text, field combinations), then its model.

@@ -31,12 +31,12 @@ def parse_lora_module(text: str) -> tuple[str, str]:
 class ServingLoRA:
     """Args:
         engine: the engine (its front end checks adapters: ``processor.lora``).
-        base_name: the served model's name (no adapter may take it).
+        base_names: the served model's names (no adapter may take one).
     """
 
-    def __init__(self, engine: AsyncLLM, base_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, base_names: tuple[str, ...]) -> None:
         self.engine = engine
-        self.base_name = base_name
+        self.base_names = base_names
         self.adapters: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
 
@@ -49,7 +49,7 @@ class ServingLoRA:
         """
         if not self.engine.config.enable_lora:
             raise OpenAIError(400, "LoRA adapters are not enabled: start the server with --enable-lora", param="lora_name")
-        if not name or name == self.base_name or name in self.adapters:
+        if not name or name in self.base_names or name in self.adapters:
             raise OpenAIError(400, f"the model name {name!r} is already in use or empty", param="lora_name")
         lora = LoRARequest(name, next(self._ids), path)
         try:
@@ -70,11 +70,11 @@ class ServingLoRA:
         Raises:
             OpenAIError: 404 for a name that is neither the base model nor a loaded adapter.
         """
-        if model is None or model == self.base_name:
+        if model is None or model in self.base_names:
             return None
         lora = self.adapters.get(model)
         if lora is None:
-            served = ", ".join(f"`{n}`" for n in [self.base_name, *self.adapters])
+            served = ", ".join(f"`{n}`" for n in [*self.base_names, *self.adapters])
             raise OpenAIError(404, f"the model `{model}` does not exist; this server serves {served}",
                               "NotFoundError", "model")
         return lora
