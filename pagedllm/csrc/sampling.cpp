@@ -69,7 +69,10 @@ inline bool more_likely(const Candidate& a, const Candidate& b) { return a.x > b
 int64_t reach(Candidate* c, int64_t n, double limit, double* mass) {
   int64_t lo = 0, hi = n;  // c[0, lo) is in the prefix, c[hi, n) past it
   double acc = 0.0;        // the weight of c[0, lo)
-  while (hi - lo > 24) {
+  // Partitions allowed before the rest is sorted: three times a balanced run's, so that
+  // pivots that keep splitting off little (inputs median-of-three fails on) cost a sort at most.
+  int budget = 3 * (64 - __builtin_clzll(uint64_t(n) | 1));
+  while (hi - lo > 24 && budget-- > 0) {
     const int64_t mid = lo + (hi - lo) / 2;  // median of three as the pivot, moved to c[hi - 1]
     if (more_likely(c[mid], c[lo])) std::swap(c[mid], c[lo]);
     if (more_likely(c[hi - 1], c[lo])) std::swap(c[hi - 1], c[lo]);
