@@ -220,6 +220,9 @@ def test_prompt_logprobs_once_for_n_samples(llm):
     one = llm.generate(["The sun rises in the"], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
     assert len(out.outputs) == 3 and out.prompt_logprobs == one.prompt_logprobs
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    # Only sample 0 scores the prompt: the others' lm_head work on it would be dropped.
+    children = llm.engine.processor.process("r", [1, 2, 3, 4], params)
+    assert [c.sampling_params.prompt_logprobs for c in children] == [1, None, None]
 
 
 def test_prompt_scoring_with_zero_max_tokens(llm):

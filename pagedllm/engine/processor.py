@@ -155,6 +155,8 @@ class Processor:
                 # Wrapped to a signed 64-bit value: seed 2**63 - 1 with n > 1 is valid input.
                 seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
                 child = msgspec.structs.replace(params, n=1, seed=seed)
+                if i > 0 and params.max_tokens != 0:  # the output holds sample 0's prompt scores only
+                    child = msgspec.structs.replace(child, prompt_logprobs=None)
             requests.append(
                 EngineCoreRequest(
                     f"{request_id}-{i}", prompt_token_ids, child, self.eos_token_ids, now, cache_salt, lora_request
