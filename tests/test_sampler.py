@@ -465,6 +465,20 @@ def test_native_logprobs_hold_1e_5_at_large_vocabularies(draw_impl: str) -> None
     exact = logits.double().log_softmax(-1).gather(1, ids)
     assert (lps.double() - exact).abs().max() < 1e-5
 
+
+@pytest.mark.skipif(not library.available(), reason="no native kernels here")
+def test_native_logprobs_rank_a_finite_token_below_the_padding_value(draw_impl: str) -> None:
+    """A scored logit at or below -3e38 (finite, under the value the kernel pads a row's last
+    block with) still ranks among the row's tokens only: the padding is not at least it."""
+    if draw_impl == "pytorch":
+        pytest.skip("compares the two itself")
+    logits = torch.randn(2, 17)
+    logits[:, :5] = float("-inf")
+    logits[:, 8] = torch.tensor([-3.1e38, -3e38])
+    tokens = torch.tensor([8, 8])
+    op = RowLogprobs()
+    assert torch.equal(op(logits, tokens, 3).ranks, op.forward_native(logits, tokens, 3).ranks)  # 12 each
+
 def test_mixed_batch_of_greedy_and_random_rows() -> None:
     logits = torch.randn(8, 1000) * 2
     rows = [

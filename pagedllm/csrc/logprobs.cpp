@@ -84,7 +84,7 @@ void logprobs_rows(const float* x, int64_t ld, int64_t rows, int64_t n, const in
     int64_t below = 0;
     const float m = scan(row, n, t, num_top, best.data(), &below);
     const float norm = log_norm(row, n, m);
-    rank[r] = std::min(padded - below, n);  // a token at -inf: its padding is not below it
+    rank[r] = n - below + (t > kBelow ? padded - n : 0);  // the padding is below t where t is above kBelow
     ids[r * width] = token[r], logprobs[r * width] = t - norm;
     for (int64_t k = 0; k < num_top; ++k)
       ids[r * width + 1 + k] = best[k].id, logprobs[r * width + 1 + k] = best[k].x - norm;
