@@ -94,6 +94,21 @@ def test_native_and_pytorch_draws_agree_at_the_same_uniforms(draw_impl: str) -> 
             assert (native == reference).float().mean() >= 0.98, (scale, params)  # measured >= 0.995
 
 
+@pytest.mark.skipif(not library.available(), reason="no native kernels here")
+def test_native_draws_rows_whose_maximum_is_the_largest_finite_floats(draw_impl: str) -> None:
+    """A finite maximum of 3e38 and more is a row to draw from, not one without a finite
+    maximum (token 0, here banned): the kernel draws its most likely token, as PyTorch does."""
+    if draw_impl == "pytorch":
+        pytest.skip("compares the two itself")
+    logits = torch.randn(4, 50)
+    logits[:, 0] = float("-inf")
+    logits[:, 9] = torch.tensor([3e38, 3.2e38, torch.finfo(torch.float32).max, 1e30])
+    for params in (dict(), dict(top_p=0.9), dict(top_k=5, min_p=0.1)):
+        rows = [row(**params)] * 4
+        assert _draws_at_seed(3, logits, rows, native=True).tolist() == [9] * 4, params
+        assert _draws_at_seed(3, logits, rows, native=False).tolist() == [9] * 4, params
+
+
 def _exact_draw(x: torch.Tensor, t: float, k: int, p: float, min_p: float, u: float) -> int:
     """The kernel's semantics in float64 over a full sort: most likely first, ties by token id."""
     ids = sorted(range(len(x)), key=lambda i: (-float(x[i]), i))

@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <bit>
 #include <utility>
 #include <vector>
 
@@ -39,6 +40,11 @@ constexpr float kBanned = -3.0e38f;
 // are for rows where it does not (a flat row, or rounding at the limit).
 constexpr float kCutoffs[] = {2.f, 4.f, 8.f, 16.f, 32.f, 64.f, 0.f};
 constexpr int kCounted = 4;
+
+// Whether v is neither infinite nor NaN, from its bits: under -ffast-math the compiler may take
+// std::isfinite as true, and a comparison with a finite bound would refuse the largest finite
+// logits.
+inline bool finite(float v) { return (std::bit_cast<uint32_t>(v) & 0x7f800000u) != 0x7f800000u; }
 
 // Values i .. i + 15 of a row of n (banned past its end).
 inline F32x16 load_block(const float* x, int64_t i, int64_t n) {
@@ -222,7 +228,7 @@ void sample_rows(const float* x, int64_t ld, int64_t rows, int64_t n, const floa
     F32x16 best = set1(kBanned);
     for (int64_t i = 0; i < n; i += 16) best = max(best, load_block(row, i, n));
     const float m = reduce_max(best);
-    if (!(m > kBanned && m < -kBanned)) {  // every token banned, or +inf / NaN: the caller reports the row
+    if (!(m > kBanned && finite(m))) {  // every token banned, or +inf / NaN: the caller reports the row
       out[r] = 0;
       return;
     }

@@ -19,8 +19,8 @@ def sample_rows(
     """LongTensor[R]: one token per row of ``logits``, drawn at ``u`` from softmax(logits /
     temperature) kept by top-k, then top-p of the top-k mass, then min-p (the sampler's
     semantics, ``layers/sampler.py``). Rows with top-k or top-p draw most likely first, the
-    others in vocabulary order; a -inf logit is never drawn; a row without a finite maximum
-    gets token 0 (the caller reports such rows).
+    others in vocabulary order; a -inf logit (or one at or below -3e38) is never drawn; a row
+    without a finite maximum above -3e38 gets token 0 (the caller reports such rows).
 
     Args:
         logits: [R, V] float32 with unit column stride.
