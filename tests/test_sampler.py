@@ -81,6 +81,7 @@ def test_native_and_pytorch_draws_agree_at_the_same_uniforms(draw_impl: str) -> 
     settings = [
         dict(), dict(temperature=0.7), dict(top_p=0.9), dict(top_k=40), dict(top_k=40, top_p=0.8, temperature=1.3),
         dict(min_p=0.05), dict(min_p=0.1, top_p=0.95), dict(top_p=0.999, temperature=2.0), dict(top_k=1),
+        dict(top_k=vocab), dict(top_k=10**9, min_p=0.05),  # top-k keeping every token: most likely first too
     ]
     gen = torch.Generator().manual_seed(1)
     for scale in (8.0, 3.0, 1.0, 0.1):  # peaked to flat

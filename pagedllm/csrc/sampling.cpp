@@ -11,8 +11,9 @@
 //
 // Semantics are the sampler's (pagedllm/layers/sampler.py), with vLLM V0's order: top-k keeps
 // the k most likely tokens; top-p keeps each token whose more likely tokens hold less than
-// top_p of the top-k mass; min-p keeps p >= min_p * max p. A row with top-k or top-p draws
-// among its kept tokens from the most likely down; a row with neither draws in vocabulary
+// top_p of the top-k mass; min-p keeps p >= min_p * max p. A row with top-k (even one at or
+// past the vocabulary, which keeps every token) or top-p draws among its kept tokens from the
+// most likely down; a row with neither draws in vocabulary
 // order (over the tokens min-p keeps): the first token whose cumulative mass reaches u times
 // the kept mass. Tokens at -inf have probability 0 and are never drawn.
 #include <stdint.h>
@@ -140,7 +141,7 @@ int64_t draw_truncated(const Row& r, int64_t top_k, float top_p, float min_p, fl
     }
   }
   const double z = reduce_add(zs);  // the row's weight sum (top-p without top-k)
-  int first = 0;
+  int first = k < r.n || top_p < 1.f ? 0 : int(std::size(kCutoffs)) - 1;  // else every token is kept
   while (first < kCounted && (k < r.n ? reduce_add(above[first]) < float(k) : reduce_add(above[first]) < top_p * z))
     ++first;
   std::vector<Candidate> cand;
@@ -233,8 +234,8 @@ void sample_rows(const float* x, int64_t ld, int64_t rows, int64_t n, const floa
       return;
     }
     const Row row_of{row, n, m, 1.f / temperature[r]};
-    out[r] = (top_k[r] > 0 && top_k[r] < n) || top_p[r] < 1.f ? draw_truncated(row_of, top_k[r], top_p[r], min_p[r], u[r])
-                                                               : draw_in_order(row_of, min_p[r], u[r]);
+    out[r] = top_k[r] > 0 || top_p[r] < 1.f ? draw_truncated(row_of, top_k[r], top_p[r], min_p[r], u[r])
+                                            : draw_in_order(row_of, min_p[r], u[r]);
   });
 }
 

@@ -25,7 +25,7 @@ def sample_rows(
     Args:
         logits: [R, V] float32 with unit column stride.
         temperature: [R] float32, > 0.
-        top_k: [R] int64 (<= 0 or >= V: off).
+        top_k: [R] int64 (<= 0: off; >= V keeps every token, drawn most likely first).
         top_p: [R] float32 (>= 1: off); min_p: [R] float32 (0: off).
         u: [R] float32 in (0, 1].
 

@@ -181,7 +181,7 @@ int64_t sample_reference(const std::vector<float>& x, float t, int64_t k, float 
   auto w = [&](int64_t i) { return x[i] < -1e30f ? 0.0  /* banned; no isinf under -ffast-math */ : std::exp((x[i] - mx) / t); };
   std::vector<std::pair<double, int64_t>> kept;
   const int64_t kk = k > 0 && k < n ? k : n;
-  if (kk < n || top_p < 1.f) {
+  if (k > 0 || top_p < 1.f) {  // a top-k at or past n keeps every token, most likely first
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x[a] > x[b]; });
     double mass = 0.0, before = 0.0;
     for (int64_t j = 0; j < kk; ++j) mass += w(order[j]);
@@ -287,7 +287,7 @@ void test_elementwise() {
     struct Case { float t; int64_t k; float p, min_p, u; };
     const Case cases[] = {{1.f, 0, 1.f, 0.f, .37f},  {.7f, 20, 1.f, 0.f, .61f}, {1.3f, 0, .9f, 0.f, .83f},
                           {1.f, 50, .8f, 0.f, .2f},  {1.f, 0, 1.f, .05f, .55f}, {.8f, 0, .95f, .1f, .9f},
-                          {2.f, 0, .999f, 0.f, .7f}, {.5f, 1, 1.f, 0.f, .99f}};
+                          {2.f, 0, .999f, 0.f, .7f}, {.5f, 1, 1.f, 0.f, .99f},  {1.f, 2000, 1.f, 0.f, .45f}};
     float wrong = 0.f;
     for (const Case& c : cases) {
       int64_t got;
