@@ -495,6 +495,23 @@ def test_native_logprobs_rank_a_finite_token_below_the_padding_value(draw_impl: 
     op = RowLogprobs()
     assert torch.equal(op(logits, tokens, 3).ranks, op.forward_native(logits, tokens, 3).ranks)  # 12 each
 
+
+@pytest.mark.skipif(not library.available(), reason="no native kernels here")
+def test_logprobs_of_thousands_of_top_tokens_take_pytorch(draw_impl: str) -> None:
+    """The kernel keeps a few top tokens by insertion (a whole 262144-token row as its top took
+    ~30 s): its wrapper refuses more than ``MAX_TOP``, and ``RowLogprobs`` takes PyTorch's path."""
+    if draw_impl == "pytorch":
+        pytest.skip("checks the kernel's bound itself")
+    from pagedllm.kernels.logprobs import MAX_TOP, logprobs_rows
+
+    logits = (torch.arange(4096) / 512).expand(2, -1).contiguous()  # ascending: the slowest order
+    tokens = torch.tensor([0, 4095])
+    with pytest.raises(ValueError, match="num_top"):
+        logprobs_rows(logits, tokens, MAX_TOP + 1)
+    ids, lps, ranks = RowLogprobs()(logits, tokens, 4096)
+    assert ids[:, 1:].tolist() == [list(range(4095, -1, -1))] * 2 and ranks.tolist() == [4096, 1]
+    assert torch.allclose(lps, logits.log_softmax(-1).gather(1, ids), atol=1e-5, rtol=0)
+
 def test_mixed_batch_of_greedy_and_random_rows() -> None:
     logits = torch.randn(8, 1000) * 2
     rows = [

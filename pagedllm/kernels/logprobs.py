@@ -7,6 +7,10 @@ import torch
 
 from pagedllm.kernels.args import check_cpu, check_float32, check_index, ptr, require
 
+# The kernel keeps a row's top-N by insertion, O(V * N) per row: for the few tokens logprobs
+# ask for (at most 20), not for thousands, where a row would take seconds.
+MAX_TOP = 64
+
 
 def logprobs_rows(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
@@ -17,7 +21,7 @@ def logprobs_rows(
     Args:
         logits: [R, V] float32 with unit column stride, finite but for -inf (never a whole row).
         token_ids: [R] int64, each in [0, V).
-        num_top: 0 <= num_top <= V.
+        num_top: 0 <= num_top <= min(V, ``MAX_TOP``).
 
     Returns:
         LongTensor[R, num_top + 1] token ids (column 0: ``token_ids``), FloatTensor[R,
@@ -36,8 +40,8 @@ def logprobs_rows(
         raise ValueError(f"logprobs_rows needs logits [R, V] with unit column stride, got {list(logits.shape)}")
     vocab = logits.shape[1]
     check_index(token_ids, "token_ids", (rows,))
-    if not 0 <= num_top <= vocab:
-        raise ValueError(f"logprobs_rows: num_top must be in [0, {vocab}], got {num_top}")
+    if not 0 <= num_top <= min(vocab, MAX_TOP):
+        raise ValueError(f"logprobs_rows: num_top must be in [0, {min(vocab, MAX_TOP)}], got {num_top}")
     if rows and not (0 <= int(token_ids.min()) and int(token_ids.max()) < vocab):
         raise ValueError(f"logprobs_rows: token ids must be in [0, {vocab})")
     ids = torch.empty(rows, num_top + 1, dtype=torch.long)

@@ -81,7 +81,8 @@ class RowLogprobs(CustomOp):
     logits; token_ids LongTensor[S], the token to score at each position (the sampled one, or
     the next prompt token for prompt logprobs); num_top N >= 0. Returns ``LogprobsTensors``
     with token_ids / logprobs of shape [S, N + 1] and ranks [S]. Native: two passes over each
-    float32 row (``kernels.logprobs``; equal logits among the N by lower token id); PyTorch:
+    float32 row (``kernels.logprobs``, N up to its ``MAX_TOP``; equal logits among the N by
+    lower token id); PyTorch:
     logsumexp, a comparison for the ranks and a top-k.
     """
 
@@ -97,8 +98,8 @@ class RowLogprobs(CustomOp):
         return LogprobsTensors(ids, torch.cat([token_logits, top_logits], dim=1) - log_norm, ranks)
 
     def forward_cpu(self, logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
-        if logits.dtype != torch.float32 or logits.stride(-1) != 1:  # the kernel reads float32 rows
-            return self.forward_native(logits, token_ids, num_top)
+        if logits.dtype != torch.float32 or logits.stride(-1) != 1 or num_top > logprobs.MAX_TOP:
+            return self.forward_native(logits, token_ids, num_top)  # the kernel reads float32 rows, a few top
         return LogprobsTensors(*logprobs.logprobs_rows(logits, token_ids.contiguous(), num_top))
 
 
