@@ -13,9 +13,9 @@
 // the k most likely tokens; top-p keeps each token whose more likely tokens hold less than
 // top_p of the top-k mass; min-p keeps p >= min_p * max p. A row with top-k (even one at or
 // past the vocabulary, which keeps every token) or top-p draws among its kept tokens from the
-// most likely down; a row with neither draws in vocabulary
-// order (over the tokens min-p keeps): the first token whose cumulative mass reaches u times
-// the kept mass. Tokens at -inf have probability 0 and are never drawn.
+// most likely down; a row with neither draws in vocabulary order (over the tokens min-p
+// keeps): the first token whose cumulative mass reaches u times the kept mass. Tokens at -inf
+// have probability 0 and are never drawn.
 #include <stdint.h>
 
 #include <algorithm>

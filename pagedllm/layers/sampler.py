@@ -82,8 +82,7 @@ class RowLogprobs(CustomOp):
     the next prompt token for prompt logprobs); num_top N >= 0. Returns ``LogprobsTensors``
     with token_ids / logprobs of shape [S, N + 1] and ranks [S]. Native: two passes over each
     float32 row (``kernels.logprobs``, N up to its ``MAX_TOP``; equal logits among the N by
-    lower token id); PyTorch:
-    logsumexp, a comparison for the ranks and a top-k.
+    lower token id); PyTorch: logsumexp, a comparison for the ranks and a top-k.
     """
 
     def forward_native(self, logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
