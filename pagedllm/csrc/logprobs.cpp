@@ -1,8 +1,8 @@
 // Log-probabilities of one token per row of logits and of the row's most likely tokens, with
 // the token's rank, in two vector passes per row: what the sampler returns for `logprobs` and
 // `prompt_logprobs`. Why: in PyTorch the same is logsumexp, a [rows, n] comparison for the
-// ranks and a top-k, four passes and a boolean tensor per call, about a sixth of a batch-64
-// decode step with logprobs asked (docs/benchmarks.md).
+// ranks and a top-k, four passes and a boolean tensor per call (timings: docs/benchmarks.md,
+// session 28).
 #include <stdint.h>
 
 #include <algorithm>

@@ -1,7 +1,6 @@
 // Repetition, presence and frequency penalties of a step's rows in one call, each row's token
-// history walked once: PyTorch's sparse gathers and scatters of the same (built from Python
-// lists of every row's prompt and output) cost about a tenth of a batch-64 decode step
-// (docs/benchmarks.md).
+// history walked once, in place of PyTorch's sparse gathers and scatters built from Python
+// lists of every row's prompt and output (timings: docs/benchmarks.md, session 28).
 #include <stdint.h>
 
 #include <vector>
