@@ -71,9 +71,9 @@ inline bool more_likely(const Candidate& a, const Candidate& b) { return a.x > b
 
 // c[0, n) reordered so that its first b + 1 entries are the b + 1 most likely (in any order) and
 // c[b] the least likely of them, for the least b at which the weights of the b + 1 reach limit
-// (in the order most likely first); returns b, or -1 where all n stay below it. *mass gets the
-// weight of c[0, b] (of all n for -1). Expected O(n): a quickselect on the weight, not a sort.
-int64_t reach(Candidate* c, int64_t n, double limit, double* mass) {
+// (in the order most likely first); returns b, or -1 where all n stay below it. Expected O(n):
+// a quickselect on the weight, not a sort.
+int64_t reach(Candidate* c, int64_t n, double limit) {
   int64_t lo = 0, hi = n;  // c[0, lo) is in the prefix, c[hi, n) past it
   double acc = 0.0;        // the weight of c[0, lo)
   // Partitions allowed before the rest is sorted: three times a balanced run's, so that
@@ -95,26 +95,23 @@ int64_t reach(Candidate* c, int64_t n, double limit, double* mass) {
       continue;
     }
     acc += left + c[i].w;
-    if (acc >= limit) return *mass = acc, i;
+    if (acc >= limit) return i;
     lo = i + 1;
   }
   std::sort(c + lo, c + hi, more_likely);
   for (int64_t j = lo; j < hi; ++j) {
     acc += c[j].w;
-    if (acc >= limit) return *mass = acc, j;
+    if (acc >= limit) return j;
   }
   // c[hi] (a pivot) reaches it where a partition's sum and the one-by-one sums round apart.
-  if (hi < n) return *mass = acc + c[hi].w, hi;
-  *mass = acc;
-  return -1;
+  return hi < n ? hi : -1;
 }
 
 // The token at the inverse CDF of u over the kept candidates, most likely first.
 int64_t draw(Candidate* kept, int64_t n, float u) {
   double total = 0.0;  // sums in double: a flat row's nucleus is thousands of tiny weights
   for (int64_t j = 0; j < n; ++j) total += kept[j].w;
-  double mass;
-  const int64_t b = reach(kept, n, u * total, &mass);
+  const int64_t b = reach(kept, n, u * total);
   if (b >= 0 && kept[b].w > 0.f) return kept[b].id;
   const Candidate* last = nullptr;  // rounding left the target unreached: the least likely drawable
   for (int64_t j = 0; j < n; ++j)
@@ -129,19 +126,21 @@ int64_t draw_truncated(const Row& r, int64_t top_k, float top_p, float min_p, fl
   const F32x16 m = set1(r.m), inv_t = set1(r.inv_t), one = set1(1.f);
   F32x16 cuts[kCounted], above[kCounted];  // per counted cutoff: tokens (top-k) or weight (top-p) above it
   for (int l = 0; l < kCounted; ++l) cuts[l] = set1(r.m - kCutoffs[l] / r.inv_t), above[l] = zero();
+  int first = k < r.n || top_p < 1.f ? 0 : int(std::size(kCutoffs)) - 1;  // else every token is kept
   F32x16 zs = zero();
-  for (int64_t i = 0; i < r.n; i += 16) {
-    const F32x16 v = load_block(r.x, i, r.n);
-    if (k == r.n) {
-      const F32x16 w = weights16(v, m, inv_t);
-      zs = add(zs, w);
-      for (int l = 0; l < kCounted; ++l) above[l] = add(above[l], maskz(gt(v, cuts[l]), w));
-    } else {
-      for (int l = 0; l < kCounted; ++l) above[l] = add(above[l], maskz(gt(v, cuts[l]), one));
+  if (first == 0) {  // the counts pick the first cutoff
+    for (int64_t i = 0; i < r.n; i += 16) {
+      const F32x16 v = load_block(r.x, i, r.n);
+      if (k == r.n) {
+        const F32x16 w = weights16(v, m, inv_t);
+        zs = add(zs, w);
+        for (int l = 0; l < kCounted; ++l) above[l] = add(above[l], maskz(gt(v, cuts[l]), w));
+      } else {
+        for (int l = 0; l < kCounted; ++l) above[l] = add(above[l], maskz(gt(v, cuts[l]), one));
+      }
     }
   }
   const double z = reduce_add(zs);  // the row's weight sum (top-p without top-k)
-  int first = k < r.n || top_p < 1.f ? 0 : int(std::size(kCutoffs)) - 1;  // else every token is kept
   while (first < kCounted && (k < r.n ? reduce_add(above[first]) < float(k) : reduce_add(above[first]) < top_p * z))
     ++first;
   std::vector<Candidate> cand;
@@ -173,8 +172,7 @@ int64_t draw_truncated(const Row& r, int64_t top_k, float top_p, float min_p, fl
     // whose weight reaches it.
     int64_t kept = int64_t(cand.size());
     if (top_p < 1.f) {
-      double mass;
-      const int64_t b = reach(cand.data(), kept, mass_limit, &mass);
+      const int64_t b = reach(cand.data(), kept, mass_limit);
       if (b < 0 && !all && k == r.n) continue;  // the nucleus reaches past the cut
       if (b >= 0) kept = b + 1;
     }
