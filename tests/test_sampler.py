@@ -9,13 +9,12 @@ import torch
 
 from pagedllm.kernels import library
 from pagedllm.layers import sampler as sampler_module
+from pagedllm.layers.logprobs import RowLogprobs, largest
 from pagedllm.layers.sampler import (
     RowDraw,
-    RowLogprobs,
     Sampler,
     SamplerOutput,
     _apply_penalties,
-    _largest,
     _nucleus_size,
     process_logits,
 )
@@ -303,7 +302,7 @@ def test_two_stage_topk_gives_the_k_largest_values_even_with_ties() -> None:
     values = torch.cat([torch.randn(8, 64 * 512), torch.randint(0, 4, (8, 64 * 512)).float()])
     values[3, 5 * 64 : 9 * 64] = 50.0  # the largest values crowd into a few blocks
     for k in (0, 1, 64, 128, 200, 400, 1024, 5000):  # blocks of 64, 32, 16, 8, then none
-        top, ids = _largest(values, k)
+        top, ids = largest(values, k)
         assert torch.equal(top, values.topk(k, dim=-1).values), k
         assert torch.equal(values.gather(1, ids), top)
         assert all(len(set(r)) == k for r in ids.tolist())  # distinct tokens

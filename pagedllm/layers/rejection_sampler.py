@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.layers.sampler import _in_this_thread, _inverse_cdf, process_logits, sampling_probs
+from pagedllm.layers.sampler import in_this_thread, inverse_cdf, process_logits, sampling_probs
 from pagedllm.layers.sampling_metadata import SamplingMetadata
 
 
@@ -85,8 +85,8 @@ class RejectionSampler(torch.nn.Module):
         """Keep drafts while they equal the argmax; then emit the argmax (first index on ties)."""
         rows = [starts[b] + i for b in requests for i in range(len(draft_token_ids[b]) + 1)]
         # The first index of the largest logit, as the normal sampler takes argmax; in numpy,
-        # in this thread, for float32 on the CPU (sampler._in_this_thread).
-        if _in_this_thread(processed):
+        # in this thread, for float32 on the CPU (sampler.in_this_thread).
+        if in_this_thread(processed):
             targets = processed.numpy()[rows].argmax(axis=-1).tolist()
         else:
             targets = processed[rows].max(dim=-1).indices.tolist()
@@ -160,6 +160,6 @@ class RejectionSampler(torch.nn.Module):
         empty = final.sum(dim=-1) <= 0.0
         if bool(empty.any()):
             final[empty] = p[torch.tensor(final_rows)[empty]]
-        sampled = _inverse_cdf(final, torch.tensor(final_u).unsqueeze(1)).tolist()
+        sampled = inverse_cdf(final, torch.tensor(final_u).unsqueeze(1)).tolist()
         for j, b in enumerate(requests):
             result[b].append(sampled[j])

@@ -28,14 +28,14 @@ Tensors may live on any device; seeded generators are CPU ones.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import elementwise, library, logprobs, penalties, sampling
+from pagedllm.kernels import elementwise, library, penalties, sampling
 from pagedllm.layers.custom_op import CustomOp
+from pagedllm.layers.logprobs import LogprobsTensors, RowLogprobs, largest
 from pagedllm.layers.sampling_metadata import PenaltyTensors, SamplingMetadata, TruncationTensors
 from pagedllm.structured_output.bitmask import apply_bitmask
 
@@ -43,22 +43,6 @@ from pagedllm.structured_output.bitmask import apply_bitmask
 # many for the rows whose nucleus is wider, and so on; only very flat rows reach a full sort.
 _FIRST_CANDIDATES = 64
 _CANDIDATE_GROWTH = 4
-_BLOCKS = (64, 32, 16, 8)  # block sizes tried, largest first, by the two-stage ``_largest``
-
-
-class LogprobsTensors(NamedTuple):
-    """Top-N logprobs of S positions, the scored token first.
-
-    Attributes:
-        token_ids: LongTensor[S, N + 1], the scored token then the N most likely tokens.
-        logprobs: FloatTensor[S, N + 1], their log-probabilities.
-        ranks: LongTensor[S], the scored token's rank: how many tokens have a logprob at
-            least as high as its own (1 = most likely), as vLLM counts it.
-    """
-
-    token_ids: torch.Tensor
-    logprobs: torch.Tensor
-    ranks: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,34 +56,6 @@ class SamplerOutput:
     sampled_token_ids: torch.Tensor
     logprobs: LogprobsTensors | None
     unsamplable: list[int] = field(default_factory=list)
-
-
-class RowLogprobs(CustomOp):
-    """Log-probabilities of one token per row and of the row's N most likely tokens.
-
-    ``forward(logits, token_ids, num_top)``: logits FloatTensor[S, V], unprocessed model
-    logits; token_ids LongTensor[S], the token to score at each position (the sampled one, or
-    the next prompt token for prompt logprobs); num_top N >= 0. Returns ``LogprobsTensors``
-    with token_ids / logprobs of shape [S, N + 1] and ranks [S]. Native: two passes over each
-    float32 row (``kernels.logprobs``, N up to its ``MAX_TOP``; equal logits among the N by
-    lower token id); PyTorch: logsumexp, a comparison for the ranks and a top-k.
-    """
-
-    def forward_native(self, logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
-        # logit - logsumexp is log_softmax without materializing another [S, V] float tensor;
-        # ranks and top-N are taken on the logits, whose order is the logprobs' order.
-        log_norm = logits.logsumexp(dim=-1, keepdim=True)
-        token_ids = token_ids.unsqueeze(1)
-        token_logits = logits.gather(1, token_ids)
-        ranks = (logits >= token_logits).sum(dim=-1)
-        top_logits, top_ids = _largest(logits, num_top)
-        ids = torch.cat([token_ids, top_ids], dim=1)
-        return LogprobsTensors(ids, torch.cat([token_logits, top_logits], dim=1) - log_norm, ranks)
-
-    def forward_cpu(self, logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
-        if logits.dtype != torch.float32 or logits.stride(-1) != 1 or num_top > logprobs.MAX_TOP:
-            return self.forward_native(logits, token_ids, num_top)  # the kernel reads float32 rows, a few top
-        return LogprobsTensors(*logprobs.logprobs_rows(logits, token_ids.contiguous(), num_top))
 
 
 class Sampler(torch.nn.Module):
@@ -146,13 +102,13 @@ def unsamplable_rows(logits: torch.Tensor, processed: torch.Tensor) -> list[int]
     """
     if processed is logits:
         return []  # no stage ran; the runner has checked the raw logits
-    if _in_this_thread(processed):
+    if in_this_thread(processed):
         return np.flatnonzero(~np.isfinite(processed.numpy().max(axis=-1))).tolist()  # NaN propagates
     top = processed.amax(dim=-1)  # NaN propagates
     return (~torch.isfinite(top)).nonzero().flatten().tolist()
 
 
-def _in_this_thread(logits: torch.Tensor) -> bool:
+def in_this_thread(logits: torch.Tensor) -> bool:
     """Whether a whole-tensor pass over ``logits`` runs in numpy, in the calling thread: float32
     on the CPU. Torch would split a pass this small across its thread team, and on busy cores
     waiting for the team to wake costs more than the pass itself."""
@@ -174,7 +130,7 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         and meta.min_tokens_mask is None
     ):
         return logits
-    logits = torch.from_numpy(logits.numpy().copy()) if _in_this_thread(logits) else logits.clone()
+    logits = torch.from_numpy(logits.numpy().copy()) if in_this_thread(logits) else logits.clone()
     if meta.grammar_mask is not None:
         apply_bitmask(logits, *meta.grammar_mask)
     if meta.allowed_tokens is not None:
@@ -220,7 +176,7 @@ def _truncated_probs(probs: torch.Tensor, trunc: TruncationTensors) -> torch.Ten
     pending = torch.arange(len(trunc.rows), device=probs.device)  # indices into trunc.rows
     k = min(vocab, max(trunc.max_top_k, _FIRST_CANDIDATES))
     while True:
-        top, top_ids = _largest(probs[trunc.rows[pending]], k)
+        top, top_ids = largest(probs[trunc.rows[pending]], k)
         num_kept, complete = _nucleus_size(top, trunc.top_k[pending], trunc.top_p[pending])
         kept = torch.arange(k, device=top.device) < num_kept
         if k == vocab:
@@ -243,7 +199,7 @@ def _apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> None:
     Native (one walk of each row's history, ``kernels.penalties``) for float32 CPU logits with
     unit column stride where the kernels run; else sparse gathers and scatters in PyTorch.
     """
-    if _in_this_thread(logits) and logits.stride(-1) == 1 and library.available():
+    if in_this_thread(logits) and logits.stride(-1) == 1 and library.available():
         penalties.apply_penalties(
             logits, pen.rows, pen.tokens, pen.offsets, pen.num_prompt, pen.repetition, pen.presence, pen.frequency
         )
@@ -325,7 +281,7 @@ def _draw(probs: torch.Tensor, min_prob: torch.Tensor | None, u: torch.Tensor) -
     """LongTensor[R]: one token per row of ``probs`` [R, V] (overwritten), min-p applied."""
     if min_prob is not None:
         probs.masked_fill_(probs < min_prob, 0.0)
-    return _inverse_cdf(probs, u)
+    return inverse_cdf(probs, u)
 
 
 def _draw_truncated(
@@ -343,41 +299,18 @@ def _draw_truncated(
     k = min(vocab, max(trunc.max_top_k, _FIRST_CANDIDATES))
     while True:
         rows = trunc.rows[pending]
-        top, top_ids = _largest(probs if len(rows) == len(probs) else probs[rows], k)
+        top, top_ids = largest(probs if len(rows) == len(probs) else probs[rows], k)
         num_kept, complete = _nucleus_size(top, trunc.top_k[pending], trunc.top_p[pending])
         kept = torch.arange(k, device=top.device) < num_kept
         if min_prob is not None:
             kept &= top >= min_prob[rows]
-        chosen = top_ids.gather(1, _inverse_cdf(top * kept, u[rows]).unsqueeze(1)).squeeze(1)
+        chosen = top_ids.gather(1, inverse_cdf(top * kept, u[rows]).unsqueeze(1)).squeeze(1)
         if k == vocab or bool(complete.all()):
             tokens[pending] = chosen
             return tokens
         tokens[pending[complete]] = chosen[complete]
         pending = pending[~complete]
         k = min(vocab, k * _CANDIDATE_GROWTH)
-
-
-def _largest(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest entries of each row of ``values`` [R, V], descending, and their indices.
-
-    Where blocks of b tokens fit (k * b <= V / 4), ``topk`` first runs on the block maxima,
-    then on the k best blocks only (k * b entries instead of V), faster than one ``topk``
-    over V on the CPU (docs/benchmarks.md). That is exact: every entry of a block left out is at most each of
-    the k chosen blocks' maxima, so it cannot displace any of the k largest chosen entries.
-
-    Returns:
-        FloatTensor[R, k] values and LongTensor[R, k] token ids.
-    """
-    num_rows, vocab = values.shape
-    block = next((b for b in _BLOCKS if 4 * k * b <= vocab and vocab % b == 0), None)
-    if block is None:
-        top, ids = values.topk(k, dim=-1)
-        return top, ids
-    blocks = values.view(num_rows, vocab // block, block)
-    best = blocks.amax(dim=-1).topk(k, dim=-1, sorted=False).indices
-    candidates = blocks.gather(1, best.unsqueeze(-1).expand(-1, -1, block))
-    top, local = candidates.view(num_rows, k * block).topk(k, dim=-1)
-    return top, best.gather(1, local // block) * block + local % block
 
 
 def _nucleus_size(
@@ -425,7 +358,7 @@ def _uniforms(
     return (1.0 - u).to(device)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """LongTensor[R]: token i with probability probs[i] / sum(probs) per row; overwrites ``probs``.
 
     Inverse transform sampling (Devroye 1986, "Non-Uniform Random Variate Generation",

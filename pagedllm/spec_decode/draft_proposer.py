@@ -28,7 +28,7 @@ import torch
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
-from pagedllm.layers.sampler import _inverse_cdf, process_logits, sampling_probs
+from pagedllm.layers.sampler import inverse_cdf, process_logits, sampling_probs
 from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.spec_decode.proposer import max_num_drafts
@@ -214,7 +214,7 @@ class DraftModelProposer:
             q = sampling_probs(processed, meta)
             random_rows = range(len(batch)) if meta.random_rows is None else meta.random_rows.tolist()
             u = [torch.rand(1, generator=batch[i].request.generator) for i in random_rows]
-            drawn = _inverse_cdf(q.clone(), 1.0 - torch.cat(u).unsqueeze(1)).tolist()
+            drawn = inverse_cdf(q.clone(), 1.0 - torch.cat(u).unsqueeze(1)).tolist()
             for j, i in enumerate(random_rows):
                 tokens[i] = drawn[j]
                 batch[i].probs.append(q[j])

@@ -32,7 +32,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.layers.rejection_sampler import RejectionSampler
-from pagedllm.layers.sampler import Sampler, _in_this_thread
+from pagedllm.layers.sampler import Sampler, in_this_thread
 from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.outputs import RequestError, TokenLogprobs
 from pagedllm.errors import InvalidParamError
@@ -341,7 +341,7 @@ class ModelRunner:
             )
         # As sample's check: one sum in numpy, in this thread (torch's isfinite and gather wake
         # its thread team for passes this small: docs/benchmarks.md, "Intel Xeon, session 19").
-        if _in_this_thread(all_logits):
+        if in_this_thread(all_logits):
             logits = torch.from_numpy(all_logits.numpy()[idx])
             finite = bool(np.isfinite(logits.numpy().sum()))
         else:
