@@ -110,16 +110,21 @@ def test_native_draws_rows_whose_maximum_is_the_largest_finite_floats(draw_impl:
 
 
 def _exact_draw(x: torch.Tensor, t: float, k: int, p: float, min_p: float, u: float) -> int:
-    """The kernel's semantics in float64 over a full sort: most likely first, ties by token id."""
+    """The kernel's semantics in float64 over a full sort: most likely first, ties by token id;
+    ``p`` as the kernel reads it, in float32 (rows of ties put the nucleus's edge on a whole
+    number of tokens)."""
+    p = float(torch.tensor(p, dtype=torch.float32))
     ids = sorted(range(len(x)), key=lambda i: (-float(x[i]), i))
     m = float(x.max())
     w = [math.exp((float(x[i]) - m) / t) for i in ids]
+    survivors = [j for j, v in enumerate(w) if j == 0 or v >= min_p]  # min-p first (vLLM V1)
+    ids, w = [ids[j] for j in survivors], [w[j] for j in survivors]
     if 0 < k < len(w):
         ids, w = ids[:k], w[:k]
     limit, before, n = p * sum(w), 0.0, 0
     while n < len(w) and (p >= 1.0 or before < limit):
         before, n = before + w[n], n + 1
-    kept = [(i, v) for j, (i, v) in enumerate(zip(ids[:n], w[:n])) if j == 0 or v >= min_p]
+    kept = list(zip(ids[:n], w[:n]))
     target, mass = u * sum(v for _, v in kept), 0.0
     for i, v in kept:
         mass += v
@@ -143,7 +148,8 @@ def test_native_draws_match_a_full_sort_on_rows_of_ties(draw_impl: str) -> None:
     flat = torch.randn(n, vocab, generator=gen) * 0.5
     u = torch.rand(n, generator=gen).clamp_min(1e-6)
     for logits in (tied, flat):
-        for t, k, p, min_p in ((1.0, 0, 0.9, 0.0), (0.7, 1000, 0.7, 0.0), (1.0, 2000, 1.0, 0.0), (1.3, 0, 0.3, 0.5)):
+        cases = ((1.0, 0, 0.9, 0.0), (0.7, 1000, 0.7, 0.0), (1.0, 2000, 1.0, 0.0), (1.3, 0, 0.3, 0.5), (1.0, 100, 0.9, 0.01))
+        for t, k, p, min_p in cases:
             full = lambda v: torch.full((n,), v)  # noqa: E731
             drawn = sample_rows(logits, full(t), full(k).long(), full(p), full(min_p), u).tolist()
             expected = [_exact_draw(logits[r], t, k, p, min_p, float(u[r])) for r in range(n)]
@@ -228,6 +234,10 @@ def test_unseeded_rows_share_the_global_generator() -> None:
         ([0.5, 0.3, 0.1, 0.06, 0.04], dict(min_p=0.15), {0, 1, 2}),  # p >= 0.075
         ([0.5, 0.3, 0.1, 0.06, 0.04], dict(min_p=0.15, top_k=2), {0, 1}),
         ([0.5, 0.3, 0.1, 0.06, 0.04], dict(min_p=0.7, top_p=0.9), {0}),
+        # min-p before top-p (vLLM V1): top_p of the 0.9 that min-p keeps is reached before token 2
+        # (0.8 / 0.9 >= 0.85); on the whole distribution it would not be (0.8 < 0.85).
+        ([0.5, 0.3, 0.1, 0.04, 0.03, 0.03], dict(min_p=0.1, top_p=0.85), {0, 1}),
+        ([0.5, 0.3, 0.1, 0.04, 0.03, 0.03], dict(min_p=0.1, top_p=0.85, top_k=3), {0, 1}),
         ([0.5, 0.3, 0.1, 0.06, 0.04], dict(), {0, 1, 2, 3, 4}),
     ],
 )
@@ -240,7 +250,7 @@ def test_truncation_keeps_exactly_the_expected_tokens(
 def test_rows_keep_their_own_truncation_in_one_batch() -> None:
     probs = [0.5, 0.3, 0.1, 0.06, 0.04]
     settings = [dict(top_k=2), dict(min_p=0.15), dict(), dict(top_p=0.6, min_p=0.3)]
-    kept = [{0, 1}, {0, 1, 2}, {0, 1, 2, 3, 4}, {0, 1}]
+    kept = [{0, 1}, {0, 1, 2}, {0, 1, 2, 3, 4}, {0}]  # last: min-p keeps 0.5 + 0.3, top-p 0.6 of it 0.5
     n = 1000
     logits = torch.tensor(probs).log().expand(n * len(settings), -1).contiguous()
     rows = [row(**settings[i % len(settings)]) for i in range(n * len(settings))]

@@ -114,13 +114,12 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams, output: list[i
     x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
     probs = (x / params.temperature).softmax(-1)
     values, order = probs.sort(descending=True)
-    keep = torch.ones(len(x), dtype=torch.bool)
+    keep = values >= params.min_p * values[0]  # min-p first, as vLLM V1
     if params.top_k:
         keep[params.top_k :] = False
     kept = values * keep
     before = (kept / kept.sum()).cumsum(0) - kept / kept.sum()
     keep &= before < params.top_p
-    keep &= values >= params.min_p * values[0]
     out = torch.zeros_like(probs)
     out[order] = values * keep
     return out / out.sum()

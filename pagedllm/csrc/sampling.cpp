@@ -9,17 +9,18 @@
 // those by weight in expected linear time (nothing is sorted but the last few of a selection);
 // without, a last pass stops at the drawn token.
 //
-// Semantics are the sampler's (pagedllm/layers/sampler.py), with vLLM V0's order: top-k keeps
-// the k most likely tokens; top-p keeps each token whose more likely tokens hold less than
-// top_p of the top-k mass; min-p keeps p >= min_p * max p. A row with top-k (even one at or
-// past the vocabulary, which keeps every token) or top-p draws among its kept tokens from the
-// most likely down; a row with neither draws in vocabulary order (over the tokens min-p
-// keeps): the first token whose cumulative mass reaches u times the kept mass. Tokens at -inf
-// have probability 0 and are never drawn.
+// Semantics are the sampler's (pagedllm/layers/sampler.py), in vLLM V1's order: min-p keeps
+// p >= min_p * max p; top-k keeps the k most likely of those; top-p keeps each token whose
+// more likely tokens hold less than top_p of the mass min-p and top-k keep. A row with top-k
+// (even one at or past the vocabulary, which keeps every token) or top-p draws among its kept
+// tokens from the most likely down; a row with neither draws in vocabulary order (over the
+// tokens min-p keeps): the first token whose cumulative mass reaches u times the kept mass.
+// Tokens at -inf have probability 0 and are never drawn.
 #include <stdint.h>
 
 #include <algorithm>
 #include <bit>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -120,29 +121,53 @@ int64_t draw(Candidate* kept, int64_t n, float u) {
 }
 
 // A row with top-k or top-p: the tokens near the maximum are the candidates; top-k selects
-// among them, top-p reaches into them by weight, neither sorts them.
+// among them, top-p reaches into them by weight, neither sorts them. Min-p (a weight below
+// min_p) removes tokens before either, so the first pass counts and sums only the tokens it
+// keeps, and a cutoff that holds all of them holds every token the row can draw.
 int64_t draw_truncated(const Row& r, int64_t top_k, float top_p, float min_p, float u) {
   const int64_t k = top_k > 0 && top_k < r.n ? top_k : r.n;
-  const F32x16 m = set1(r.m), inv_t = set1(r.inv_t), one = set1(1.f);
+  const bool pruned = min_p > 0.f;  // min-p removes tokens
+  const F32x16 m = set1(r.m), inv_t = set1(r.inv_t), one = set1(1.f), min_w = set1(min_p);
+  // The weights of tokens i .. i + 15 that min-p keeps (0 for the others and banned ones).
+  auto kept_weights = [&](F32x16 v) {
+    const F32x16 w = weights16(v, m, inv_t);
+    return pruned ? select(lt(w, min_w), zero(), w) : w;
+  };
   F32x16 cuts[kCounted], above[kCounted];  // per counted cutoff: tokens (top-k) or weight (top-p) above it
   for (int l = 0; l < kCounted; ++l) cuts[l] = set1(r.m - kCutoffs[l] / r.inv_t), above[l] = zero();
   int first = k < r.n || top_p < 1.f ? 0 : int(std::size(kCutoffs)) - 1;  // else every token is kept
-  F32x16 zs = zero();
-  if (first == 0) {  // the counts pick the first cutoff
+  F32x16 zs = zero(), ns = zero();  // top-p alone: the kept weight; top-k under min-p: the kept tokens
+  auto count = [&](auto has_pruned) {  // the counts pick the first cutoff
+    constexpr bool kPruned = decltype(has_pruned)::value;
     for (int64_t i = 0; i < r.n; i += 16) {
       const F32x16 v = load_block(r.x, i, r.n);
-      if (k == r.n) {
-        const F32x16 w = weights16(v, m, inv_t);
-        zs = add(zs, w);
+      if (k == r.n || kPruned) {
+        F32x16 w = weights16(v, m, inv_t);
+        if constexpr (kPruned) {
+          w = select(lt(w, min_w), zero(), w);
+          if (k < r.n) {  // top-k counts the tokens min-p keeps
+            const F32x16 kept = maskz(gt(w, zero()), one);
+            ns = add(ns, kept);
+            for (int l = 0; l < kCounted; ++l) above[l] = add(above[l], maskz(gt(v, cuts[l]), kept));
+            continue;
+          }
+        }
         for (int l = 0; l < kCounted; ++l) above[l] = add(above[l], maskz(gt(v, cuts[l]), w));
+        zs = add(zs, w);
       } else {
         for (int l = 0; l < kCounted; ++l) above[l] = add(above[l], maskz(gt(v, cuts[l]), one));
       }
     }
-  }
-  const double z = reduce_add(zs);  // the row's weight sum (top-p without top-k)
-  while (first < kCounted && (k < r.n ? reduce_add(above[first]) < float(k) : reduce_add(above[first]) < top_p * z))
-    ++first;
+  };
+  if (first == 0) pruned ? count(std::true_type{}) : count(std::false_type{});
+  const double z = reduce_add(zs);  // the kept weight (top-p without top-k)
+  const int64_t survivors = int64_t(reduce_add(ns));  // the tokens min-p keeps (top-k under min-p)
+  auto enough = [&](int l) {
+    const float a = reduce_add(above[l]);
+    if (pruned && k < r.n && int64_t(a) >= survivors) return true;  // every token min-p keeps
+    return k < r.n ? a >= float(k) : a >= top_p * z;
+  };
+  while (first < kCounted && !enough(first)) ++first;
   std::vector<Candidate> cand;
   alignas(64) float w16[16];
   for (int c = first; c < int(std::size(kCutoffs)); ++c) {
@@ -153,11 +178,15 @@ int64_t draw_truncated(const Row& r, int64_t top_k, float top_p, float min_p, fl
     for (int64_t i = 0; i < r.n; i += 16) {
       const F32x16 v = load_block(r.x, i, r.n);
       if (!any(gt(v, vcut))) continue;
-      store(w16, weights16(v, m, inv_t));
+      store(w16, kept_weights(v));
       for (int64_t j = i; j < std::min(i + 16, r.n); ++j)
-        if (r.x[j] > cut) cand.push_back({r.x[j], w16[j - i], j});
+        if (r.x[j] > cut && (!pruned || w16[j - i] > 0.f)) cand.push_back({r.x[j], w16[j - i], j});
     }
-    if (!all && int64_t(cand.size()) < k && k < r.n) continue;  // top-k reaches past the cut
+    // The candidates are every token the row can draw: the last cutoff, or (top-k under min-p)
+    // every token min-p keeps. A nucleus of top-p alone that all min-p keeps cannot reach falls
+    // short only by rounding, and the next cutoff takes the same tokens.
+    const bool whole = all || (pruned && k < r.n && int64_t(cand.size()) >= survivors);
+    if (!whole && int64_t(cand.size()) < k && k < r.n) continue;  // top-k reaches past the cut
     double mass_limit = top_p * z;
     if (k < int64_t(cand.size())) {  // top-k: only the k most likely can be kept
       std::nth_element(cand.begin(), cand.begin() + k, cand.end(), more_likely);
@@ -173,12 +202,9 @@ int64_t draw_truncated(const Row& r, int64_t top_k, float top_p, float min_p, fl
     int64_t kept = int64_t(cand.size());
     if (top_p < 1.f) {
       const int64_t b = reach(cand.data(), kept, mass_limit);
-      if (b < 0 && !all && k == r.n) continue;  // the nucleus reaches past the cut
+      if (b < 0 && !whole && k == r.n) continue;  // the nucleus reaches past the cut
       if (b >= 0) kept = b + 1;
     }
-    if (min_p > 0.f)  // the most likely token has weight 1 and is always kept
-      kept = std::remove_if(cand.begin(), cand.begin() + kept,
-                            [&](const Candidate& e) { return e.w < min_p && e.x < r.m; }) - cand.begin();
     return draw(cand.data(), kept, u);
   }
   return 0;  // not reached: the last cutoff takes every token not banned

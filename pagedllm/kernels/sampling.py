@@ -1,5 +1,5 @@
-"""Random sampling in one call per step (csrc/sampling.cpp): softmax at a temperature, top-k,
-top-p, min-p and the draw, per row. Raises on tensors outside its contract (``kernels.args``)."""
+"""Random sampling in one call per step (csrc/sampling.cpp): softmax at a temperature, min-p,
+top-k, top-p and the draw, per row. Raises on tensors outside its contract (``kernels.args``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def sample_rows(
     u: torch.Tensor,
 ) -> torch.Tensor:
     """LongTensor[R]: one token per row of ``logits``, drawn at ``u`` from softmax(logits /
-    temperature) kept by top-k, then top-p of the top-k mass, then min-p (the sampler's
+    temperature) kept by min-p, then top-k, then top-p of the mass those keep (the sampler's
     semantics, ``layers/sampler.py``). Rows with top-k or top-p draw most likely first, the
     others in vocabulary order; a -inf logit (or one at or below -3e38) is never drawn; a row
     without a finite maximum above -3e38 gets token 0 (the caller reports such rows).

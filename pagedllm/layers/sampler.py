@@ -8,9 +8,8 @@ Pipeline per step, each stage skipped when no row of the batch uses it (vLLM's o
 2. penalties (repetition on prompt + output tokens, presence and frequency on output tokens);
 3. ``min_tokens``: EOS and stop token ids masked while the output is still too short;
 4. greedy rows (temperature 0) take the argmax;
-5. the other rows: temperature -> top-k -> top-p -> min-p -> one draw (inverse CDF). (vLLM's
-   V1 sampler applies min-p before top-k / top-p: with min-p and top-p together its nucleus is
-   top_p of the mass min-p keeps, here of the whole top-k mass.)
+5. the other rows: temperature -> min-p -> top-k -> top-p -> one draw (inverse CDF), vLLM V1's
+   order: with min-p and top-p together the nucleus is top_p of the mass min-p keeps.
 
 Logprobs are those of the raw model distribution (vLLM's default ``raw_logprobs``): the
 log-softmax of the logits as the model produced them, before any of the stages above.
@@ -151,7 +150,7 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
 def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """The distribution each sampling row draws from, as a full FloatTensor[R, V].
 
-    Stage 5 without the draw: temperature, top-k, top-p and min-p applied to
+    Stage 5 without the draw: temperature, min-p, top-k and top-p applied to
     ``process_logits`` output, renormalized. ``Sampler`` draws from exactly this
     distribution without materializing it; speculative decoding's rejection sampler needs it
     whole (its target distribution p). Rows are ``meta.random_rows`` (all rows when None).
@@ -160,12 +159,23 @@ def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     if meta.temperature is not None:
         x = x / meta.temperature
     probs = x.softmax(dim=-1)
-    min_prob = None if meta.min_p is None else meta.min_p * probs.amax(dim=-1, keepdim=True)
+    if meta.min_p is not None:
+        probs = _min_p(probs, meta.min_p)
     if meta.truncation is not None:
         probs[meta.truncation.rows] = _truncated_probs(probs, meta.truncation)
-    if min_prob is not None:
-        probs.masked_fill_(probs < min_prob, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``probs`` [R, V] (overwritten) with each p < min_p * max p of its row zeroed, renormalized.
+
+    Min-p (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and Coherent
+    LLM Outputs", §3), before top-k / top-p as in vLLM V1, so that top-p's nucleus is top_p of
+    the mass min-p keeps. The most likely token is always kept; ``min_p`` is FloatTensor[R, 1]
+    (0: off for that row, whose probabilities are left as they are, bit for bit).
+    """
+    probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs.div_(torch.where(min_p > 0, probs.sum(dim=-1, keepdim=True), 1.0))
 
 
 def _truncated_probs(probs: torch.Tensor, trunc: TruncationTensors) -> torch.Tensor:
@@ -233,7 +243,7 @@ def _sample(logits: torch.Tensor, meta: SamplingMetadata, argmax: RowArgmax, dra
 
 class RowDraw(CustomOp):
     """LongTensor[R]: one token per row of x [R, V] (the sampling rows' processed logits),
-    drawn from its distribution (temperature -> top-k -> top-p -> min-p) at one uniform per
+    drawn from its distribution (temperature -> min-p -> top-k -> top-p) at one uniform per
     row (``_uniforms``, seeded rows from their own generator). Rows with top-k or top-p draw
     among their kept tokens most likely first, the others in vocabulary order (inverse CDF).
     Native: every stage of a row in one call (``kernels.sampling``); PyTorch: the stages as
@@ -244,19 +254,15 @@ class RowDraw(CustomOp):
             x = x / meta.temperature
         probs = x.softmax(dim=-1)
         u = _uniforms(len(probs), meta.generators, probs.device)
-        # Min-p (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and
-        # Coherent LLM Outputs", §3) keeps p >= min_p * max p. After top-k / top-p it keeps the
-        # same tokens as on the full distribution: they keep the most likely token, and
-        # renormalizing scales p and max p alike.
-        min_prob = None if meta.min_p is None else meta.min_p * probs.amax(dim=-1, keepdim=True)
+        if meta.min_p is not None:
+            probs = _min_p(probs, meta.min_p)
         trunc = meta.truncation
         if trunc is None:
-            return _draw(probs, min_prob, u)
+            return inverse_cdf(probs, u)
         tokens = torch.empty(len(probs), dtype=torch.long, device=probs.device)
-        tokens[trunc.rows] = _draw_truncated(probs, trunc, min_prob, u)
+        tokens[trunc.rows] = _draw_truncated(probs, trunc, u)
         if len(other := trunc.other_rows):
-            other_min = None if min_prob is None else min_prob[other]
-            tokens[other] = _draw(probs[other], other_min, u[other])
+            tokens[other] = inverse_cdf(probs[other], u[other])
         return tokens
 
     def forward_cpu(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -277,16 +283,7 @@ class RowDraw(CustomOp):
         return sampling.sample_rows(x, temperature, top_k, top_p, min_p, u)
 
 
-def _draw(probs: torch.Tensor, min_prob: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
-    """LongTensor[R]: one token per row of ``probs`` [R, V] (overwritten), min-p applied."""
-    if min_prob is not None:
-        probs.masked_fill_(probs < min_prob, 0.0)
-    return inverse_cdf(probs, u)
-
-
-def _draw_truncated(
-    probs: torch.Tensor, trunc: TruncationTensors, min_prob: torch.Tensor | None, u: torch.Tensor
-) -> torch.Tensor:
+def _draw_truncated(probs: torch.Tensor, trunc: TruncationTensors, u: torch.Tensor) -> torch.Tensor:
     """LongTensor[T]: one token for each of the ``trunc.rows`` of ``probs`` [R, V].
 
     Top-k and top-p keep a most-likely-first prefix of the tokens, so each row draws from
@@ -302,8 +299,6 @@ def _draw_truncated(
         top, top_ids = largest(probs if len(rows) == len(probs) else probs[rows], k)
         num_kept, complete = _nucleus_size(top, trunc.top_k[pending], trunc.top_p[pending])
         kept = torch.arange(k, device=top.device) < num_kept
-        if min_prob is not None:
-            kept &= top >= min_prob[rows]
         chosen = top_ids.gather(1, inverse_cdf(top * kept, u[rows]).unsqueeze(1)).squeeze(1)
         if k == vocab or bool(complete.all()):
             tokens[pending] = chosen

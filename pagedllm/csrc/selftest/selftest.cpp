@@ -169,16 +169,19 @@ void test_linear() {
   check("linear_q4a8", max_error(y, ref), 1e-4f);
 }
 
-// The token sample_rows draws at u, in double precision: softmax(x / t); with top-k or top-p the
-// tokens most likely first, k of them, each whose more likely ones hold less than top_p of
-// their mass, else every token in id order; min-p drops p < min_p * max p; then the first
-// token whose cumulative mass reaches u times the kept mass.
+// The token sample_rows draws at u, in double precision: softmax(x / t); min-p drops p < min_p
+// * max p; with top-k or top-p the tokens left most likely first, k of them, each whose more
+// likely ones hold less than top_p of their mass, else every token left in id order; then the
+// first token whose cumulative mass reaches u times the kept mass.
 int64_t sample_reference(const std::vector<float>& x, float t, int64_t k, float top_p, float min_p, float u) {
   const int64_t n = int64_t(x.size());
   const double mx = *std::max_element(x.begin(), x.end());
   std::vector<int64_t> order(n);
   for (int64_t i = 0; i < n; ++i) order[i] = i;
-  auto w = [&](int64_t i) { return x[i] < -1e30f ? 0.0  /* banned; no isinf under -ffast-math */ : std::exp((x[i] - mx) / t); };
+  auto w = [&](int64_t i) {  // 0 for a banned token (no isinf under -ffast-math) or one min-p drops
+    const double v = x[i] < -1e30f ? 0.0 : std::exp((x[i] - mx) / t);
+    return v < min_p ? 0.0 : v;
+  };
   std::vector<std::pair<double, int64_t>> kept;
   const int64_t kk = k > 0 && k < n ? k : n;
   if (k > 0 || top_p < 1.f) {  // a top-k at or past n keeps every token, most likely first
@@ -191,7 +194,7 @@ int64_t sample_reference(const std::vector<float>& x, float t, int64_t k, float 
     for (int64_t i = 0; i < n; ++i) kept.emplace_back(w(i), i);
   }
   double total = 0.0;
-  for (auto& e : kept) total += e.first = e.first < min_p ? 0.0 : e.first;
+  for (const auto& e : kept) total += e.first;
   double mass = 0.0;
   for (const auto& e : kept)
     if (e.first > 0.0 && (mass += e.first) >= u * total) return e.second;
@@ -287,7 +290,8 @@ void test_elementwise() {
     struct Case { float t; int64_t k; float p, min_p, u; };
     const Case cases[] = {{1.f, 0, 1.f, 0.f, .37f},  {.7f, 20, 1.f, 0.f, .61f}, {1.3f, 0, .9f, 0.f, .83f},
                           {1.f, 50, .8f, 0.f, .2f},  {1.f, 0, 1.f, .05f, .55f}, {.8f, 0, .95f, .1f, .9f},
-                          {2.f, 0, .999f, 0.f, .7f}, {.5f, 1, 1.f, 0.f, .99f},  {1.f, 2000, 1.f, 0.f, .45f}};
+                          {2.f, 0, .999f, 0.f, .7f}, {.5f, 1, 1.f, 0.f, .99f},  {1.f, 2000, 1.f, 0.f, .45f},
+                          {1.f, 50, 1.f, .05f, .3f}, {1.f, 50, .9f, .02f, .6f}, {.3f, 400, .95f, .01f, .8f}};
     float wrong = 0.f;
     for (const Case& c : cases) {
       int64_t got;
