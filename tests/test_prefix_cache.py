@@ -18,6 +18,7 @@ def admit(kv: KVCacheManager, r: Request) -> int:
     blocks, hit = kv.get_computed_blocks(r)
     r.num_computed_tokens = hit
     assert kv.allocate_slots(r, r.num_tokens - hit, blocks)
+    kv.count_prefix_hit(r, hit)
     r.num_computed_tokens = r.num_tokens
     return hit
 
@@ -102,6 +103,29 @@ def test_hit_counters_in_tokens():
     admit(kv, req("a", range(10)))
     admit(kv, req("b", range(10)))
     assert kv.prefix_queries == 20 and kv.prefix_hits == 8
+
+
+def test_hit_counters_count_each_request_once():
+    """A request waiting for room looks its prompt up again every step, and one recomputed after
+    a preemption looks it up once more: the counters count each request once, at its first
+    admission (6 blocks: "a" holds 4 and grows to 6, "b" shares a's first 2 and needs 3 more)."""
+    kv = KVCacheManager(6, BS, True)
+    sched = Scheduler(kv, 4, 64, 1024)
+    a = req("a", range(16), max_tokens=8, ignore_eos=True)
+    b = req("b", list(range(8)) + list(range(50, 62)), max_tokens=4, ignore_eos=True)
+    sched.add_request(a)
+    sched.add_request(b)
+    waited = 0
+    while b.num_cached_tokens < 0:
+        out = sched.schedule()
+        waited += 1
+        sched.update_from_output(out, [[7] if s.samples else [] for s in out.scheduled])
+    assert waited > 2 and a.is_finished and b.num_cached_tokens == 8
+    assert (kv.prefix_queries, kv.prefix_hits) == (16 + 20, 8)
+    sched._preempt(sched.running.pop())
+    out = sched.schedule()
+    assert out.scheduled[0].num_computed_before == 20  # found its blocks again, not counted again
+    assert (kv.prefix_queries, kv.prefix_hits) == (16 + 20, 8)
 
 
 def test_caching_off_never_hits():

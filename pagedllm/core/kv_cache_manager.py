@@ -78,7 +78,7 @@ class KVCacheManager:
         self.num_hashed_blocks: dict[str, int] = {}
         # Per request, per group: the first table index changed since take_block_updates (None: none).
         self.req_changed: dict[str, list[int | None]] = {}
-        self.prefix_queries = 0  # prompt tokens looked up, for the hit-rate metric
+        self.prefix_queries = 0  # prompt tokens looked up, for the hit-rate metric (count_prefix_hit)
         self.prefix_hits = 0  # of those, tokens found in the cache
         # Block events since a consumer last drained them; None: nobody asked (nothing recorded).
         self.events: list[BlockOp] | None = None
@@ -88,10 +88,14 @@ class KVCacheManager:
         return self.pool.usage
 
     def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock | None]], int]:
-        """Cached blocks of the request's longest servable prefix, per group, and its length in tokens."""
+        """Cached blocks of the request's longest servable prefix, per group, and its length in tokens.
+
+        A lookup only: the scheduler may look a waiting request up every step until it fits,
+        and counts the hit it was admitted with (``count_prefix_hit``).
+        """
         hits: list[list[KVCacheBlock | None]] = [[] for _ in self.groups]
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return hits, 0  # prompt logprobs need every prompt position computed
+        if not self._looks_up(request):
+            return hits, 0
         self._update_hashes(request)
         num = (request.num_tokens - 1) // self.block_size  # the last token is computed
         for g, group in enumerate(self.groups):
@@ -110,10 +114,14 @@ class KVCacheManager:
                 hits[g] = [None] * first + [
                     self.pool.get_cached_block(_group_key(h, g)) for h in request.block_hashes[first:num]
                 ]
-        num_hit_tokens = num * self.block_size
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, num * self.block_size
+
+    def count_prefix_hit(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a request's first admission in the hit-rate metric: its tokens were looked up
+        and ``num_hit_tokens`` of them found (nothing is counted for a request not looked up)."""
+        if self._looks_up(request):
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += num_hit_tokens
 
     def allocate_slots(
         self,
@@ -235,6 +243,11 @@ class KVCacheManager:
         if done and self.events is not None:
             self.events.append(BlockOp(BlockOpKind.RESET, "", 0, 0, []))
         return done
+
+    def _looks_up(self, request: Request) -> bool:
+        """Whether the request's prefix is looked up in the cache (prompt logprobs need every
+        prompt position computed)."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def _record_free(self, request_id: str, group: int, first_index: int, blocks: list[KVCacheBlock | None]) -> None:
         """Note the release of ``blocks`` (table indices from ``first_index``; released entries lead)."""

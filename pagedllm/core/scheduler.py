@@ -187,8 +187,9 @@ class Scheduler:
                         raise self._never_fits(request)
                     break
                 self.waiting.popleft()
-                if request.num_cached_tokens < 0:
+                if request.num_cached_tokens < 0:  # first admission: the hit it reports and the metric counts
                     request.num_cached_tokens = num_hit
+                    self.kv_cache.count_prefix_hit(request, num_hit)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 if lora is not None:

@@ -94,7 +94,8 @@ class EngineMetrics:
             registry=r,
         )
         self.prefix_queries = Counter(
-            "pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+            "pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache, once per request.",
+            registry=r,
         )
         self.prefix_hits = Counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
         self.spec_draft_tokens = Counter(
