@@ -4,6 +4,7 @@ token-identical with speculation on and off on the default model, for both propo
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
@@ -22,6 +23,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.rejection_sampler import RejectionSampler
 from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
+from pagedllm.models.loader import load_tokenizer, resolve_model
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.spec_decode.ngram_proposer import NgramProposer, find_ngram_drafts
@@ -533,3 +535,49 @@ def test_no_drafts_while_the_batch_is_large(spec_llm: tuple[str, LLM]) -> None:
         assert llm.engine.core.stats().spec_num_drafts > before
     finally:
         config.speculative_config = original
+
+
+def test_sampled_drafts_the_grammar_forbids_keep_the_target_distribution(tiny_draft: str, tmp_path) -> None:
+    """A draft model's sampled draft that the grammar forbids is verified (and so rejected),
+    not cut: the token at its position comes from max(p - q, 0). Drawing it from p instead
+    made the allowed token q favours 1.4x as frequent as without speculation. The target is a
+    random model with peaked logits (and the tokenizer its grammar needs); drafts come from a
+    fixed q."""
+    num = 300
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    load_tokenizer(resolve_model("smollm2")).save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="64MiB", max_model_len=64,
+              speculative_config={"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 1})
+    core = llm.engine.core
+    regex = StructuredOutputsParams(regex="[ab]+")
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=8, structured_outputs=regex) for s in range(num)]
+
+    def later_tokens(outputs) -> list[int]:  # drafts start at the second token
+        return [t for o in outputs for t in o.outputs[0].token_ids[1:]]
+
+    core.proposer.propose = lambda requests: None
+    base = later_tokens(llm.generate(["Letters:"] * num, params, use_tqdm=False))
+    allowed = collections.Counter(base).most_common(1)[0][0]
+    forbidden = llm.get_tokenizer().convert_tokens_to_ids("z")
+    q = torch.zeros(config.vocab_size)
+    q[allowed], q[forbidden] = 0.5, 0.5
+    gen = torch.Generator().manual_seed(0)
+
+    def propose(requests) -> None:
+        for r in requests:
+            r.spec_token_ids = [allowed if torch.rand(1, generator=gen).item() < q[allowed] else forbidden]
+            r.spec_probs = q.unsqueeze(0)
+
+    core.proposer.propose = propose
+    spec = later_tokens(llm.generate(["Letters:"] * num, params, use_tqdm=False))
+    assert core.stats().spec_num_drafts > 0
+    p = base.count(allowed) / len(base)
+    assert abs(spec.count(allowed) / len(spec) - p) <= 4 * math.sqrt(2 * p * (1 - p) / len(base))
+    assert pool_is_whole(llm)
+    llm.shutdown()

@@ -231,3 +231,24 @@ def test_background_masks_and_their_application(llm):
     apply_bitmask(logits, bitmask, [3, 1])
     assert torch.equal(logits, expected)
     assert torch.isfinite(logits[[0, 2]]).all()
+
+
+def test_draft_masks_with_a_forbidden_last_draft(llm):
+    """Draft rows: the mask after each allowed draft; a forbidden last draft (a draft model's
+    sampled one, kept for the verifier to reject) is not consumed, the row after it repeats its
+    mask, and the matcher is left as it was."""
+    import torch
+
+    from pagedllm.structured_output.bitmask import fill_bitmask
+
+    state = llm.engine.core.structured.request_state(StructuredOutputsParams(choice=["yes", "yesno"]))
+    state.compiled.result()
+    assert state.is_ready
+    tokenizer = llm.get_tokenizer()
+    yes, z = tokenizer.encode("yes", add_special_tokens=False)[0], tokenizer.convert_tokens_to_ids("z")
+    assert state.num_valid([yes, z]) == 1
+    vocab = llm.engine.core.model_config.vocab_size
+    start, after_yes = fill_bitmask([state], vocab, [[yes]])
+    masks = fill_bitmask([state], vocab, [[yes, z]])
+    assert torch.equal(masks, torch.stack([start, after_yes, after_yes]))
+    assert not state.matcher.is_error() and torch.equal(fill_bitmask([state], vocab), start.unsqueeze(0))

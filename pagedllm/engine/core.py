@@ -211,12 +211,17 @@ class EngineCore:
         limit = self.config.speculative_config.disable_by_batch_size
         if limit is None or len(self.scheduler.running) < limit:
             self.proposer.propose(requests)
-            for r in requests:  # drafts the grammar forbids would only be rejected: cut them
+            # Drafts the grammar forbids would only be rejected: cut them. A draft sampled from q
+            # (spec_probs) is cut after the first forbidden one instead: its verification rejects
+            # it with certainty (p is 0 there) and draws from max(p - q, 0), as the algorithm
+            # must; drawing that position from p would skew the output toward the drafts' tokens.
+            for r in requests:
                 if r.structured_output is not None and r.spec_token_ids:
                     n = r.structured_output.num_valid(r.spec_token_ids)
-                    r.spec_token_ids = r.spec_token_ids[:n]
                     if r.spec_probs is not None:
-                        r.spec_probs = r.spec_probs[:n] if n else None
+                        n = min(n + 1, len(r.spec_token_ids))
+                        r.spec_probs = r.spec_probs[:n]
+                    r.spec_token_ids = r.spec_token_ids[:n]
         self.proposer.remove_finished(self.scheduler.requests)
 
     def stats(self) -> SchedulerStats:

@@ -43,7 +43,10 @@ def fill_bitmask(
         grammars: ready grammar states, one per constrained request.
         vocab_size: V, the logits' width.
         drafts: per grammar, draft tokens to verify (speculative decoding): its rows are the
-            masks after 0, 1, ..., k drafts, the matcher left as it was. None: no drafts.
+            masks after 0, 1, ..., k drafts, the matcher left as it was. All drafts but the last
+            are allowed; a last one the grammar forbids (a sampled draft kept for the verifier to
+            reject) is not consumed, and the row after it, which is never sampled, repeats its
+            mask. None: no drafts.
 
     Returns:
         IntTensor[R, ceil(V / 32)], int32: bit ``t % 32`` of word ``t // 32`` is set when
@@ -59,14 +62,15 @@ def fill_bitmask(
     row = 0
     for i, grammar in enumerate(grammars):
         steps = () if drafts is None else drafts[i]
+        consumed = 0
         for token in steps:
             llguidance.torch.fill_next_token_bitmask(grammar.matcher, bitmask, row)
-            grammar.matcher.consume_token(token)  # drafts were checked against the grammar
+            consumed += grammar.matcher.try_consume_tokens([token])  # 0 for a forbidden last draft
             row += 1
         llguidance.torch.fill_next_token_bitmask(grammar.matcher, bitmask, row)
         row += 1
-        if steps:
-            grammar.matcher.rollback(len(steps))
+        if consumed:
+            grammar.matcher.rollback(consumed)
     return bitmask
 
 

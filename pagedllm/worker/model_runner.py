@@ -387,7 +387,8 @@ def _with_grammar_masks(meta: SamplingMetadata, reqs: list[ScheduledRequest], vo
     """``meta`` of a verification batch with the grammar masks of its constrained requests.
 
     Request b owns k_b + 1 consecutive rows; the mask at draft position i is the grammar's
-    after drafts 0..i-1 (all allowed: the engine cut the drafts to the grammar's valid prefix).
+    after drafts 0..i-1 (the engine cut the drafts to the grammar's valid prefix, but for a
+    sampled draft it forbids, kept last: see ``fill_bitmask``).
     """
     grammars, drafts, rows, row = [], [], [], 0
     for s in reqs:
