@@ -258,6 +258,23 @@ def test_prefix_cache_never_shared_across_adapters(llm, adapters) -> None:
     assert_pool_whole(core)
 
 
+def test_an_id_reused_for_other_files_gets_no_prefix_hit(llm, adapters) -> None:
+    """The same name and id for another adapter's files (as when a retrained adapter is saved
+    elsewhere): the worker loads the new files, and the prefix cache serves none of the old
+    files' blocks (it served them: the output matched neither adapter)."""
+    core = llm.engine.core
+    core.reset_prefix_cache()
+    prompt = PROMPTS[2]
+    old = LoRARequest("reused", 77, str(adapters["all"][0]))
+    new = LoRARequest("reused", 77, str(adapters["mlp_o"][0]))
+    llm.generate([prompt], _greedy(2), use_tqdm=False, lora_request=old)
+    before = core.kv_cache.prefix_hits
+    out = llm.generate([prompt], _greedy(), use_tqdm=False, lora_request=new)[0].outputs[0]
+    assert core.kv_cache.prefix_hits == before
+    assert_greedy_matches(adapters["mlp_o"][1], prompt, out, MAX_TOKENS)
+    assert_pool_whole(core)
+
+
 def test_max_loras_one_runs_adapters_in_turn_and_reloads(base, adapters) -> None:
     """With one adapter per step and one kept loaded, a mixed batch still equals the merged
     models (requests of other adapters wait; evicted adapters are read again)."""
