@@ -275,6 +275,19 @@ def test_an_id_reused_for_other_files_gets_no_prefix_hit(llm, adapters) -> None:
     assert_pool_whole(core)
 
 
+def test_one_id_for_two_adapters_in_a_batch_is_refused(llm, adapters) -> None:
+    """A batch in which one id names two adapters is refused before anything runs (the second
+    adapter's requests ran with the first's weights)."""
+    a, b = _lora(adapters, "all"), _lora(adapters, "mlp_o")
+    clash = LoRARequest(b.name, a.id, b.path)
+    with pytest.raises(InvalidParamError, match=f"has the id {a.id} of another adapter") as e:
+        llm.generate([PROMPTS[0], PROMPTS[1]], _greedy(), use_tqdm=False, lora_request=[a, clash])
+    assert e.value.param == "lora_request"
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate([PROMPTS[0]] * 2, _greedy(), use_tqdm=False, lora_request=[a, LoRARequest(a.name, a.id, a.path)])
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids  # equal requests of one adapter run
+
+
 def test_max_loras_one_runs_adapters_in_turn_and_reloads(base, adapters) -> None:
     """With one adapter per step and one kept loaded, a mixed batch still equals the merged
     models (requests of other adapters wait; evicted adapters are read again)."""

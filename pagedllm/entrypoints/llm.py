@@ -120,12 +120,14 @@ class LLM:
             sampling_params: one for all prompts, or a list of one per prompt; None:
                 ``SamplingParams()``.
             lora_request: the LoRA adapter of all prompts, or a list of one (or None: the base
-                model) per prompt; needs ``enable_lora=True``.
+                model) per prompt; needs ``enable_lora=True``. An id names one adapter (one
+                name and path) within the list.
 
         Raises:
-            ValueError: if any prompt or parameter is invalid, or a list of ``sampling_params``
-                or ``lora_request`` is not one per prompt (an ``InvalidParamError`` naming the
-                field); nothing is queued then, so no earlier prompt of the list runs.
+            ValueError: if any prompt or parameter is invalid, a list of ``sampling_params``
+                or ``lora_request`` is not one per prompt, or one id of ``lora_request`` names
+                two adapters (an ``InvalidParamError`` naming the field); nothing is queued
+                then, so no earlier prompt of the list runs.
             KeyboardInterrupt, or an error of an engine step: propagated after this call's
                 unfinished requests are aborted, so the engine stays usable.
             OSError: with ``trace``, if the trace file cannot be written (after generating).
@@ -201,6 +203,7 @@ class LLM:
         params = _per_prompt(SamplingParams() if sampling_params is None else sampling_params, SamplingParams,
                              "sampling_params", len(prompts))
         loras = _per_prompt(lora_request, LoRARequest, "lora_request", len(prompts))
+        _check_one_adapter_per_id(loras)
         # Validate everything before queueing anything.
         ids = [str(next(self._counter)) for _ in prompts]
         prepared = [
@@ -256,6 +259,22 @@ def _per_prompt(value: object, kind: type, field: str, num_prompts: int) -> list
     if len(value) != num_prompts:
         raise InvalidParamError(field, f"got {num_prompts} prompts but {len(value)} {field}")
     return list(value)
+
+
+def _check_one_adapter_per_id(loras: list) -> None:
+    """Raise InvalidParamError (``lora_request``) if two adapters of a batch share an id but
+    not their name and path: a step loads one adapter per id, so the requests of one would run
+    with the other's weights. Items that are not ``LoRARequest``s are left to the engine."""
+    seen: dict[int, LoRARequest] = {}
+    for i, lora in enumerate(loras):
+        if not isinstance(lora, LoRARequest):
+            continue
+        first = seen.setdefault(lora.id, lora)
+        if first != lora:
+            raise InvalidParamError(
+                "lora_request", f"lora_request {i} ({lora.name!r}, {lora.path!r}) has the id {lora.id} of another "
+                f"adapter of the batch ({first.name!r}, {first.path!r}): an id names one adapter"
+            )
 
 
 def _check_conversation(conversation: object, path: str) -> None:
