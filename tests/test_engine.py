@@ -309,9 +309,9 @@ def test_max_model_len_beyond_the_kv_cache_is_lowered_with_a_warning(caplog):
         n = llm.engine.max_model_len
         assert 0 < n < 2048
         assert f"max_model_len 2048 does not fit in the KV cache" in caplog.text
-        assert f"limited to {n} tokens; raise --kv-cache-memory or lower --max-model-len" in caplog.text
+        assert f"limited to {n} tokens; raise kv_cache_memory (--kv-cache-memory) or lower max_model_len" in caplog.text
         with pytest.raises(ValueError, match=rf"longer than the maximum context length the KV cache holds "
-                                             rf"\(--kv-cache-memory\) of {n} tokens"):
+                                             rf"\(kv_cache_memory, --kv-cache-memory\) of {n} tokens"):
             llm.generate([{"prompt_token_ids": [5] * (n + 1)}], use_tqdm=False)
     finally:
         llm.shutdown()

@@ -165,7 +165,7 @@ def create_kv_cache_config(config: EngineConfig, model_config: ModelConfig) -> K
     if config.max_model_len is not None and max_len < wanted:
         logger.warning(
             "max_model_len %d does not fit in the KV cache (%d blocks): requests are limited to %d tokens; "
-            "raise --kv-cache-memory or lower --max-model-len",
+            "raise kv_cache_memory (--kv-cache-memory) or lower max_model_len (--max-model-len)",
             wanted, num_blocks, max_len,
         )
     return KVCacheConfig.for_model(

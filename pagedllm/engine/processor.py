@@ -52,7 +52,7 @@ class Processor:
         self.lora = lora
         self.max_model_len = max_model_len
         self.limit_name = (
-            "the maximum context length the KV cache holds (--kv-cache-memory)" if kv_limited
+            "the maximum context length the KV cache holds (kv_cache_memory, --kv-cache-memory)" if kv_limited
             else "this model's maximum context length"
         )
         self.vocab_size = vocab_size
