@@ -3,6 +3,7 @@ chunked prefill, preemption, sampling features, bad input, and the block pool af
 
 import logging
 import math
+import os
 
 import pytest
 import torch
@@ -315,6 +316,14 @@ def test_max_model_len_beyond_the_kv_cache_is_lowered_with_a_warning(caplog):
             llm.generate([{"prompt_token_ids": [5] * (n + 1)}], use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_a_kv_cache_beyond_the_machines_memory_is_refused():
+    """A budget larger than the machine (a typo: TiB for GiB) is an error naming the flag,
+    raised before anything is allocated, instead of a pool of trillions of blocks."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with pytest.raises(ValueError, match=r"exceeds this machine's memory, .* lower --kv-cache-memory"):
+        LLM(dtype="float32", kv_cache_memory=2 * physical)
 
 
 def test_block_size_above_the_prefill_kernel_warns(caplog):

@@ -27,6 +27,7 @@ The perplexity it keeps: docs/benchmarks.md ("An 8-bit KV cache").
 from __future__ import annotations
 
 import logging
+import os
 
 import msgspec
 import torch
@@ -147,13 +148,21 @@ def create_kv_cache_config(config: EngineConfig, model_config: ModelConfig) -> K
     blocks hold is lowered to what they hold, with a warning.
 
     Raises:
-        ValueError: if the budget cannot hold one token in every group, or max_model_len is too long.
+        ValueError: if the budget exceeds this machine's memory (it could not be allocated: a typo
+            such as 2TiB for 2GiB would exhaust the memory), cannot hold one token in every
+            group, or max_model_len is too long.
     """
     groups = kv_cache_groups(model_config)
     heads = kv_heads_per_rank(model_config, config.tensor_parallel_size)
     dtype = config.kv_dtype
     num_blocks = config.num_gpu_blocks_override
     if num_blocks is None:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if config.kv_cache_memory > physical:
+            raise ValueError(
+                f"kv_cache_memory {config.kv_cache_memory / 1024**3:.1f} GiB per rank exceeds this machine's "
+                f"memory, {physical / 1024**3:.1f} GiB: lower --kv-cache-memory"
+            )
         num_blocks = config.kv_cache_memory // block_bytes(groups, config.block_size, heads, model_config.head_dim, dtype)
     wanted = resolve_max_model_len(config, model_config)
     max_len = max_request_tokens(groups, num_blocks, config.block_size, config.max_num_batched_tokens, wanted)
