@@ -87,6 +87,13 @@ def json_schema_arg(value: str) -> dict[str, Any]:
 
 
 def sampling_params(args: argparse.Namespace):
+    """The SamplingParams of the sampling flags.
+
+    Raises:
+        ValueError: a value out of its range, naming the setting as its flag's dest (the
+            request's ``seed`` as ``sampling_seed``: ``--seed`` is the engine's).
+    """
+    from pagedllm.errors import InvalidParamError
     from pagedllm.sampling_params import SamplingParams
     from pagedllm.structured_output import StructuredOutputsParams, backend
 
@@ -97,20 +104,25 @@ def sampling_params(args: argparse.Namespace):
             backend.check(structured)
         except ValueError as e:
             raise ValueError(f"--json-schema: {e}") from None
-    return SamplingParams(
-        structured_outputs=structured,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.sampling_seed,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
+    try:
+        return SamplingParams(
+            structured_outputs=structured,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.sampling_seed,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
+    except InvalidParamError as e:
+        if e.param == "seed":
+            raise InvalidParamError("sampling_seed", f"sampling_{e}") from None
+        raise
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
