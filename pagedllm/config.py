@@ -141,6 +141,8 @@ class EngineConfig:
                 isinstance(value, bool) or not isinstance(value, int)
             ):
                 raise ValueError(f"{f.name} must be an integer, got {value!r:.80}")
+        if not -(2**63) <= self.seed < 2**63:  # torch.manual_seed's range
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.quantization_config()  # raises on a bad mode or group size
         if self.block_size not in (8, 16, 32, 64, 128):
