@@ -106,6 +106,8 @@ BAD_FLAGS = [
     (["serve", "--max-request-body-size", "huge"], "--max-request-body-size: cannot parse memory size"),
     (["generate", "--prompt", "x", "--sampling-seed", str(2**64)], "error: --sampling-seed must fit in 64 bits"),
     (["serve", "--seed", str(2**64)], "error: --seed must fit in 64 bits"),
+    (["serve", "--max-grammar-bytes", "0"], "error: --max-grammar-bytes must be positive, got 0"),
+    (["serve", "--grammar-compile-timeout", "nan"], "error: --grammar-compile-timeout must be positive, got nan"),
     (["generate", "--prompt", "x", "--kv-cache-memory", "inf"], "--kv-cache-memory: memory size must be at least"),
     (["serve", "--kv-cache-memory=-1GiB"], "--kv-cache-memory: memory size must be at least one byte"),
     (["serve", "--max-request-body-size", "0"], "--max-request-body-size: memory size must be at least one byte"),

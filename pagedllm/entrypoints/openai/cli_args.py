@@ -170,11 +170,15 @@ def grammar_limits(args: argparse.Namespace):
     """The ``GrammarLimits`` of the ``--max-grammar-*`` flags.
 
     Raises:
-        ValueError: a limit that is not positive.
+        ValueError: a limit that is not positive, naming its flag.
     """
     from pagedllm.structured_output.limits import GrammarLimits
 
-    return GrammarLimits(**{f: getattr(args, f"grammar_{f}") for f in GrammarLimits.__struct_fields__})
+    values = {f: getattr(args, f"grammar_{f}") for f in GrammarLimits.__struct_fields__}
+    for field, value in values.items():
+        if not value > 0:  # NaN too
+            raise ValueError(f"{_grammar_flag(field)} must be positive, got {value}")
+    return GrammarLimits(**values)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
