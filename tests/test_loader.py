@@ -110,6 +110,30 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
         load_model(resolve_model(str(path)), torch.float32)
 
 
+@pytest.mark.parametrize(("cut", "message"), [
+    (0, "is empty, not a GGUF file"),
+    (40, "cannot read its GGUF header"),  # inside the first metadata key
+    (-64, "is truncated: tensor token_embd.weight ends at byte"),  # past the alignment padding
+])
+def test_a_truncated_gguf_is_named(cut: int, message: str, tmp_path: Path) -> None:
+    """An interrupted download: a ValueError naming the file from the tokenizer and the loader
+    alike (the tokenizer's transformers reader raised struct.error: a traceback from the CLI)."""
+    whole = tmp_path / "whole.gguf"
+    writer = gguf.GGUFWriter(whole, "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(whole.read_bytes()[:cut])
+    resolved = resolve_model(str(path))
+    for load in (loader.load_config, load_tokenizer):
+        with pytest.raises(ValueError, match=f"cut.gguf:? {message}"):
+            load(resolved)
+
+
 def test_directory_without_config(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="config.json"):
         resolve_model(str(tmp_path))

@@ -69,10 +69,17 @@ class GGUFFile:
 
     Metadata values are Python scalars/str, numpy arrays for numeric arrays, and
     :class:`StringArray` for string arrays (read with :meth:`find_strings`).
+
+    Raises:
+        ValueError: not a GGUF file (magic bytes), an unsupported version, a header that
+            cannot be read (cut short, unknown type codes), or a file that ends before the
+            last byte of a tensor (an interrupted download); the message names the file.
     """
 
     def __init__(self, path: str | Path) -> None:
         with open(path, "rb") as f:
+            if not f.read(4):  # mmap refuses an empty file
+                raise ValueError(f"{path} is empty, not a GGUF file")
             # Copy-on-write mapping: writable, so torch views of it need no copy and warn not.
             self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         if len(self._buf) < 24 or self._buf[:4] != b"GGUF":
@@ -82,22 +89,30 @@ class GGUFFile:
             raise ValueError(f"{path}: GGUF version {version} is not supported (need 2 or 3)")
         self._pos = 24
         self.metadata: dict[str, Any] = {}
-        for _ in range(num_kv):
-            key = self._read_str()
-            self.metadata[key] = self._read_value(GGUFValueType(self._unpack("<I")))
         infos = []
-        for _ in range(num_tensors):
-            name = self._read_str()
-            dims = [self._unpack("<Q") for _ in range(self._unpack("<I"))]
-            qtype = GGMLQuantizationType(self._unpack("<I"))
-            infos.append((name, qtype, tuple(reversed(dims)), self._unpack("<Q")))
+        try:
+            for _ in range(num_kv):
+                key = self._read_str()
+                self.metadata[key] = self._read_value(GGUFValueType(self._unpack("<I")))
+            for _ in range(num_tensors):
+                name = self._read_str()
+                dims = [self._unpack("<Q") for _ in range(self._unpack("<I"))]
+                qtype = GGMLQuantizationType(self._unpack("<I"))
+                infos.append((name, qtype, tuple(reversed(dims)), self._unpack("<Q")))
+        except (struct.error, ValueError) as e:  # struct.error: the header runs past the end
+            raise ValueError(f"{path}: cannot read its GGUF header (truncated or corrupt file?): {e}") from None
         align = int(self.metadata.get("general.alignment", 32))
         data_start = -(-self._pos // align) * align
         self.tensors: dict[str, TensorInfo] = {}
         for name, qtype, shape, offset in infos:
             block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
             nbytes = int(np.prod(shape)) // block_elems * block_bytes
-            self.tensors[name] = TensorInfo(name, qtype, shape, data_start + offset, nbytes)
+            info = self.tensors[name] = TensorInfo(name, qtype, shape, data_start + offset, nbytes)
+            if info.offset + nbytes > len(self._buf):
+                raise ValueError(
+                    f"{path} is truncated: tensor {name} ends at byte {info.offset + nbytes}, the file has "
+                    f"{len(self._buf)} (an interrupted download or copy?)"
+                )
         self._data = torch.frombuffer(self._buf, dtype=torch.uint8)
 
     def _unpack(self, fmt: str) -> Any:

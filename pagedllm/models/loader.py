@@ -304,6 +304,9 @@ def load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerBase:
 
     Converting a GGUF vocabulary takes seconds, so the result is saved to the cache dir
     (keyed by file content and transformers version) and reloaded from there next time.
+
+    Raises:
+        ValueError: a GGUF file that is not one, or is truncated or corrupt (``GGUFFile``).
     """
     import transformers
     from transformers import AutoTokenizer
@@ -317,6 +320,7 @@ def load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerBase:
     cached = cache_dir() / "tokenizers" / f"{key[:16]}-transformers{transformers.__version__}"
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
+    GGUFFile(resolved.path)  # a truncated or corrupt file: our ValueError naming it, not transformers' traceback
     tokenizer = AutoTokenizer.from_pretrained(resolved.hf_dir, gguf_file=resolved.gguf_file)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
