@@ -139,6 +139,14 @@ def test_directory_without_config(tmp_path: Path) -> None:
         resolve_model(str(tmp_path))
 
 
+def test_directory_without_weights(tmp_path: Path) -> None:
+    """Named at once: the tokenizer, loaded first, failed on the missing files with advice to
+    install sentencepiece."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"it has no \*\.safetensors weights"):
+        resolve_model(str(tmp_path))
+
+
 def test_corrupt_safetensors_is_named(tmp_path: Path) -> None:
     # safetensors' own error type used to escape: a traceback from the command line.
     transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -115,7 +115,8 @@ def resolve_model(model: str) -> ResolvedModel:
     Packaged models are verified (sha256, cached) and, when split, assembled in the cache dir.
 
     Raises:
-        ValueError: unknown name, package not installed (with the pip command), hash mismatch.
+        ValueError: unknown name, package not installed (with the pip command), hash mismatch,
+            a directory without config.json or without ``*.safetensors`` weights.
     """
     path = Path(model).expanduser()
     if path.is_file():
@@ -124,6 +125,8 @@ def resolve_model(model: str) -> ResolvedModel:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not an HF checkpoint directory: it has no config.json")
+        if not any(path.glob("*.safetensors")):  # before the tokenizer, whose error would not say so
+            raise ValueError(f"{path} is not an HF checkpoint directory: it has no *.safetensors weights")
         path = path.resolve()
         return ResolvedModel("hf", path, path, None, path.name)
     key = model.lower()
