@@ -182,6 +182,15 @@ def test_a_missing_compiler_says_so(fresh: Path, monkeypatch: pytest.MonkeyPatch
         build.load("scalar")
 
 
+def test_an_unwritable_cache_is_a_named_build_failure(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache that cannot be created (a file in its path) fails the variant, which falls back,
+    instead of an OSError traceback from the first command."""
+    (fresh / "file").write_text("")
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(fresh / "file" / "cache"))
+    with pytest.raises(build.BuildFailed, match="cannot write the kernel cache .*set PAGEDLLM_CACHE to a writable"):
+        build.load("scalar")
+
+
 def test_a_silent_failing_compiler_is_reported(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", "/bin/false")
     with pytest.raises(build.BuildFailed, match="/bin/false exited with status 1 and no message"):

@@ -126,19 +126,26 @@ def cached_build(isa: str) -> Path:
     (by this process, or by another one this one waits for). Nothing is loaded.
 
     Raises:
-        BuildFailed, ValueError: as ``load``.
+        BuildFailed, ValueError: as ``load``; BuildFailed also where the cache cannot be
+            written (``PAGEDLLM_CACHE`` or the home directory not writable), naming it.
     """
     path = _cache_path(isa)
     marker = path.with_suffix(".failed")
     if marker.exists() and os.environ.get("PAGEDLLM_REBUILD_NATIVE") != "1":
         raise BuildFailed(marker.read_text().splitlines(), marker, cached=True)
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _exclusive(path.with_suffix(".lock"), isa):
-            if marker.exists() and os.environ.get("PAGEDLLM_REBUILD_NATIVE") != "1":  # the lock holder's failure
-                raise BuildFailed(marker.read_text().splitlines(), marker, cached=True)
-            if not path.exists():  # else another process built it while this one waited
-                _build_into_cache(isa, path, marker)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with _exclusive(path.with_suffix(".lock"), isa):
+                if marker.exists() and os.environ.get("PAGEDLLM_REBUILD_NATIVE") != "1":  # the lock holder's failure
+                    raise BuildFailed(marker.read_text().splitlines(), marker, cached=True)
+                if not path.exists():  # else another process built it while this one waited
+                    _build_into_cache(isa, path, marker)
+        except OSError as e:
+            raise BuildFailed(
+                [f"cannot write the kernel cache {path.parent} ({e}); set PAGEDLLM_CACHE to a writable directory"],
+                None,
+            ) from None
     marker.unlink(missing_ok=True)  # a retry (PAGEDLLM_REBUILD_NATIVE=1) that succeeded
     return path
 
