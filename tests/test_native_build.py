@@ -245,6 +245,17 @@ def test_first_calls_from_several_threads_build_and_log_once(
     assert (fresh / "calls").read_text().count("-shared") == 1
 
 
+@pytest.mark.parametrize("name", ["PAGEDLLM_DISABLE_NATIVE", "PAGEDLLM_REBUILD_NATIVE"])
+def test_a_switch_that_is_neither_0_nor_1_is_refused(name: str, fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``yes`` or ``true`` used to read as off, unnoticed."""
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, "never")))
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=f"{name}='yes' must be 1 \\(on\\) or 0 \\(off\\)"):
+        library.active_isa()
+    monkeypatch.setenv(name, "0")
+    assert library.active_isa() is not None
+
+
 def test_disable_native_builds_nothing(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", str(fake_compiler(fresh, "never")))
     monkeypatch.setenv("PAGEDLLM_DISABLE_NATIVE", "1")

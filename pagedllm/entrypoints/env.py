@@ -84,7 +84,7 @@ def _variant_state(variant: str, runs: bool) -> str:
 def _chosen(runnable: list[str], load: bool) -> str:
     from pagedllm.kernels import build, library
 
-    if os.environ.get("PAGEDLLM_DISABLE_NATIVE") == "1":
+    if build.env_switch("PAGEDLLM_DISABLE_NATIVE"):
         return "none: PAGEDLLM_DISABLE_NATIVE=1"
     if load:
         active = library.active_isa()

@@ -71,6 +71,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDLLM_CACHE", Path.home() / ".cache" / "pagedllm"))
 
 
+def env_switch(name: str) -> bool:
+    """An on/off environment variable (``PAGEDLLM_DISABLE_NATIVE``, ``PAGEDLLM_REBUILD_NATIVE``):
+    on at 1, off unset, empty or 0.
+
+    Raises:
+        ValueError: any other value (``yes``, ``true``), which would otherwise read as off unnoticed.
+    """
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}={value!r} must be 1 (on) or 0 (off)")
+    return value == "1"
+
+
 def compiler() -> tuple[str, str]:
     """(resolved path, first line of ``--version``) of ``$CXX`` (default g++); the path is the
     bare name where it is not found, the version empty where it says nothing."""
@@ -131,13 +144,13 @@ def cached_build(isa: str) -> Path:
     """
     path = _cache_path(isa)
     marker = path.with_suffix(".failed")
-    if marker.exists() and os.environ.get("PAGEDLLM_REBUILD_NATIVE") != "1":
+    if not env_switch("PAGEDLLM_REBUILD_NATIVE") and marker.exists():
         raise BuildFailed(marker.read_text().splitlines(), marker, cached=True)
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with _exclusive(path.with_suffix(".lock"), isa):
-                if marker.exists() and os.environ.get("PAGEDLLM_REBUILD_NATIVE") != "1":  # the lock holder's failure
+                if not env_switch("PAGEDLLM_REBUILD_NATIVE") and marker.exists():  # the lock holder's failure
                     raise BuildFailed(marker.read_text().splitlines(), marker, cached=True)
                 if not path.exists():  # else another process built it while this one waited
                     _build_into_cache(isa, path, marker)

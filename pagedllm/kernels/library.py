@@ -115,7 +115,7 @@ def use_isa(isa: str) -> Iterator[None]:
 
 
 def _disabled() -> bool:
-    return os.environ.get("PAGEDLLM_DISABLE_NATIVE") == "1"
+    return build.env_switch("PAGEDLLM_DISABLE_NATIVE")
 
 
 def _check_runnable(isa: str, source: str) -> None:
