@@ -10,6 +10,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -128,6 +129,22 @@ def test_bad_flag_exits_2_before_loading(
         main(argv)
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_serve_binds_its_port_before_loading(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port in use is named at once (as vLLM binds first), not by uvicorn after the model loaded."""
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("pagedllm.engine.async_llm.AsyncLLM.__init__", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--port", str(port)])
+    assert e.value.code == 2
+    assert f"error: --host '127.0.0.1' --port {port}: cannot bind the address: Address already in use" in capsys.readouterr().err
 
 
 def test_a_bad_sampling_value_names_the_flag_under_its_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -209,11 +210,30 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening) before the model loads, as vLLM binds its
+    port first: a port in use or a host that is not an address of this machine is named at once
+    instead of after the load. uvicorn listens on it once the app is up.
+
+    Raises:
+        ValueError: the address cannot be bound, naming --host and --port.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host!r} --port {port}: cannot bind the address: {e.strerror or e}") from None
+    return sock
+
+
 def run_serve(args: argparse.Namespace) -> None:
     """Start the engine core(s), serve until SIGINT/SIGTERM; exit with status 1 once every core has died.
 
     Raises:
-        ValueError: for a bad flag value or an unknown model.
+        ValueError: for a bad flag value, an address that cannot be bound (before loading) or an
+            unknown model.
     """
     import uvicorn
 
@@ -228,38 +248,39 @@ def run_serve(args: argparse.Namespace) -> None:
     config = engine_config(args)
     max_body = parse_memory(args.max_request_body_size)
     names = tuple(args.served_model_name or [args.model])
-    try:
-        engine = AsyncLLM(config, log_stats=not args.disable_log_stats)
-    except RuntimeError as e:
-        logger.error("%s", e)
-        sys.exit(1)
-    try:
-        from pagedllm.entrypoints.openai.serving_lora import parse_lora_module
+    with listening_socket(args.host, args.port) as sock:  # bound before the engine loads
+        try:
+            engine = AsyncLLM(config, log_stats=not args.disable_log_stats)
+        except RuntimeError as e:
+            logger.error("%s", e)
+            sys.exit(1)
+        try:
+            from pagedllm.entrypoints.openai.serving_lora import parse_lora_module
 
-        app = build_app(engine, names, args.api_key, max_body, args.tool_call_parser,
-                        load_chat_template(args.chat_template), [parse_lora_module(m) for m in args.lora_modules],
-                        CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                                   args.allow_credentials))
-        server = ApiServer(
-            uvicorn.Config(
-                app, host=args.host, port=args.port, access_log=not args.disable_access_log,
-                timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_TIMEOUT_S, http=http_protocol(args.timeout_request_head),
-                timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]  # uvicorn takes a float here too
-                # uvicorn answers 503 once the open connections, this one included, reach its limit.
-                limit_concurrency=args.limit_concurrency + 1,
-            ),
-            engine,
-        )
-        engine.on_dead(server.exit_soon)  # the last core: with data parallelism the others serve on
-        logger.info(
-            "serving %s as %s on http://%s:%d; max_model_len %d; KV cache: %d blocks x %d tokens = %d tokens%s",
-            config.model, ", ".join(map(repr, names)), args.host, args.port, engine.max_model_len, engine.num_blocks,
-            engine.block_size, engine.num_blocks * engine.block_size,
-            f" per engine core, {engine.num_engines} cores (pids {engine.client.pids})" if engine.num_engines > 1 else "",
-        )
-        server.run()
-    finally:
-        engine.shutdown()
+            app = build_app(engine, names, args.api_key, max_body, args.tool_call_parser,
+                            load_chat_template(args.chat_template), [parse_lora_module(m) for m in args.lora_modules],
+                            CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                                       args.allow_credentials))
+            server = ApiServer(
+                uvicorn.Config(
+                    app, host=args.host, port=args.port, access_log=not args.disable_access_log,
+                    timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_TIMEOUT_S, http=http_protocol(args.timeout_request_head),
+                    timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]  # uvicorn takes a float here too
+                    # uvicorn answers 503 once the open connections, this one included, reach its limit.
+                    limit_concurrency=args.limit_concurrency + 1,
+                ),
+                engine,
+            )
+            engine.on_dead(server.exit_soon)  # the last core: with data parallelism the others serve on
+            logger.info(
+                "serving %s as %s on http://%s:%d; max_model_len %d; KV cache: %d blocks x %d tokens = %d tokens%s",
+                config.model, ", ".join(map(repr, names)), args.host, sock.getsockname()[1], engine.max_model_len,
+                engine.num_blocks, engine.block_size, engine.num_blocks * engine.block_size,
+                f" per engine core, {engine.num_engines} cores (pids {engine.client.pids})" if engine.num_engines > 1 else "",
+            )
+            server.run(sockets=[sock])
+        finally:
+            engine.shutdown()
     if engine.dead_error is not None:
         logger.error("exiting because the engine core died: %s", engine.dead_error)
         sys.exit(1)
