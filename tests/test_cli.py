@@ -100,6 +100,8 @@ BAD_FLAGS = [
     (["bench", "step", "--context", "0"], "argument --context: must be at least 1, got 0"),
     (["bench", "serve", "--max-concurrency", "0"], "argument --max-concurrency: must be at least 1, got 0"),
     (["bench", "gemm", "--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    (["bench", "throughput", "--input-len-range", "10-5"], "argument --input-len-range: must be LO:HI (or N)"),
+    (["bench", "serve", "--output-len-range", "4:2"], "argument --output-len-range: must be LO:HI (or N)"),
     (["generate", "--prompt", "x", "--json-schema", "{not json"], "json-schema"),
     (["generate", "--prompt", "x", "--json-schema", '{"type": "strin"}'], "error: --json-schema: the schema cannot be compiled"),
     (["generate", "--prompt", "x", "--chat", "--chat-template", "{% for %}"], "--chat-template: the template does not parse"),

@@ -6,6 +6,7 @@ requests from the same seed.
 
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import dataclass
 
@@ -17,15 +18,18 @@ class BenchRequest:
 
 
 def parse_range(text: str) -> tuple[int, int]:
-    """ "32:512" -> (32, 512); "128" -> (128, 128).
+    """argparse type of the ``--*-len-range`` flags: "32:512" -> (32, 512); "128" -> (128, 128).
 
     Raises:
-        ValueError: unless 0 < LO <= HI.
+        argparse.ArgumentTypeError: not integers, or not 0 < LO <= HI.
     """
     lo, _, hi = text.partition(":")
-    lo_i, hi_i = int(lo), int(hi or lo)
+    try:
+        lo_i, hi_i = int(lo), int(hi or lo)
+    except ValueError:
+        lo_i = hi_i = 0
     if not 0 < lo_i <= hi_i:
-        raise ValueError(f"range must be LO:HI with 0 < LO <= HI, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be LO:HI (or N) with integers 0 < LO <= HI, got {text!r}")
     return lo_i, hi_i
 
 

@@ -45,8 +45,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-format", choices=["token-ids", "text"], default="token-ids",
                         help="send prompts as token ids (exact lengths) or decoded text")
     parser.add_argument("--num-prompts", type=positive_int, default=200)
-    parser.add_argument("--input-len-range", default="128:512", help="LO:HI prompt tokens (random)")
-    parser.add_argument("--output-len-range", default="32:128", help="LO:HI output tokens")
+    parser.add_argument("--input-len-range", type=parse_range, default="128:512", help="LO:HI prompt tokens (random)")
+    parser.add_argument("--output-len-range", type=parse_range, default="32:128", help="LO:HI output tokens")
     parser.add_argument(
         "--prefix-len", type=non_negative_int, default=256, help="shared prefix tokens (prefix-repetition)"
     )
@@ -71,13 +71,12 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"burstiness must be positive, got {args.burstiness}")
     tokenizer = load_tokenizer(resolve_model(args.tokenizer or args.model))
     special, vocab = set(tokenizer.all_special_ids), len(tokenizer)
-    output_range = parse_range(args.output_len_range)
     if args.dataset == "random":
-        requests = random_requests(args.num_prompts, parse_range(args.input_len_range), output_range, vocab,
+        requests = random_requests(args.num_prompts, args.input_len_range, args.output_len_range, vocab,
                                    special, args.seed)
     else:
         requests = prefix_repetition_requests(args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes,
-                                              output_range, vocab, special, args.seed)
+                                              args.output_len_range, vocab, special, args.seed)
     prompts = [r.prompt_token_ids if args.prompt_format == "token-ids" else tokenizer.decode(r.prompt_token_ids)
                for r in requests]
     results, duration = asyncio.run(_benchmark(args, requests, prompts))

@@ -143,12 +143,12 @@ def _pool_report(llm, requests: list[BenchRequest]) -> str:
 def make_requests(args: argparse.Namespace, llm) -> list[BenchRequest]:
     tokenizer = llm.get_tokenizer()
     vocab, special = llm.engine.core.model_config.vocab_size, set(tokenizer.all_special_ids)
-    output_range = parse_range(args.output_len_range)
     if args.dataset == "prefix-repetition":
         return prefix_repetition_requests(
-            args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes, output_range, vocab, special, args.seed
+            args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes, args.output_len_range, vocab, special,
+            args.seed,
         )
-    return random_requests(args.num_prompts, parse_range(args.input_len_range), output_range, vocab, special, args.seed)
+    return random_requests(args.num_prompts, args.input_len_range, args.output_len_range, vocab, special, args.seed)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -202,8 +202,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--suffix-len", type=non_negative_int, default=128, help="prefix-repetition: own suffix tokens")
     parser.add_argument("--num-prefixes", type=positive_int, default=10, help="prefix-repetition: distinct prefixes")
-    parser.add_argument("--input-len-range", default="32:512", help="LO:HI prompt tokens")
-    parser.add_argument("--output-len-range", default="32:256", help="LO:HI output tokens")
+    parser.add_argument("--input-len-range", type=parse_range, default="32:512", help="LO:HI prompt tokens")
+    parser.add_argument("--output-len-range", type=parse_range, default="32:256", help="LO:HI output tokens")
     parser.add_argument("--backend", choices=["pagedllm", "hf"], default="pagedllm")
     parser.add_argument(
         "--temperature", type=float, default=0.0,
