@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedllm.engine.arg_utils import positive_int
+from pagedllm.engine.arg_utils import output_file, positive_int
 
 
 def write_random_adapter(path: Path, config, rank: int, seed: int) -> Path:
@@ -85,7 +85,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=positive_int, default=32)
     parser.add_argument("--output-len", type=positive_int, default=32)
     parser.add_argument("--repeats", type=positive_int, default=3, help="runs per measurement; the median is reported")
-    parser.add_argument("--result-json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--result-json", type=output_file, default=None, help="write the results to this JSON file")
 
 
 def run(args: argparse.Namespace) -> None:

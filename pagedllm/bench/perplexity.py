@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedllm.engine.arg_utils import positive_int
+from pagedllm.engine.arg_utils import output_file, positive_int
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "pride_and_prejudice_ch1-2.txt"
 
@@ -105,7 +105,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default="",
         help="more quantization modes to run after --quantization, reported relative to it, e.g. int8,int4",
     )
-    parser.add_argument("--result-json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--result-json", type=output_file, default=None, help="write the results to this JSON file")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from pagedllm.engine.arg_utils import positive_int
+from pagedllm.engine.arg_utils import output_file, positive_int
 
 if TYPE_CHECKING:  # torch is imported where used: building the CLI parser stays light
     from torch import nn
@@ -158,7 +158,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=32, help="the batched run's requests (1: skip it)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="runs per measurement; the median is reported")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
-    parser.add_argument("--result-json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--result-json", type=output_file, default=None, help="write the results to this JSON file")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from pagedllm.bench.datasets import BenchRequest, parse_range, prefix_repetition_requests, random_requests
 from pagedllm.config import DEFAULT_MODEL
-from pagedllm.engine.arg_utils import non_negative_int, positive_int
+from pagedllm.engine.arg_utils import non_negative_int, output_file, positive_int
 
 
 @dataclass
@@ -60,7 +60,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="gamma shape of inter-arrival times: 1 = Poisson, <1 burstier, >1 steadier")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--result-json", default=None, help="write the metrics here")
+    parser.add_argument("--result-json", type=output_file, default=None, help="write the metrics here")
 
 
 def run(args: argparse.Namespace) -> None:

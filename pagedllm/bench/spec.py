@@ -16,7 +16,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-from pagedllm.engine.arg_utils import positive_int
+from pagedllm.engine.arg_utils import output_file, positive_int
 
 _FRUITS = (
     "apple, apricot, banana, blackberry, blueberry, cherry, coconut, cranberry, date, elderberry, fig, "
@@ -191,4 +191,4 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=positive_int, default=1, help="off/on pairs per case; each side's fastest is reported"
     )
     parser.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS), help="copy,open")
-    parser.add_argument("--result-json", default=None)
+    parser.add_argument("--result-json", type=output_file, default=None)

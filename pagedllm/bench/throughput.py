@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from pagedllm.bench.datasets import BenchRequest, parse_range, prefix_repetition_requests, random_requests
-from pagedllm.engine.arg_utils import non_negative_int, positive_int
+from pagedllm.engine.arg_utils import non_negative_int, output_file, positive_int
 
 
 @dataclass
@@ -219,8 +219,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--compare-kv-cache-dtype", default="int8", help="kv-cache-dtype: the second run's KV dtype")
     parser.add_argument("--hf-batch-size", type=positive_int, default=16, help="static batch size of the hf backend")
-    parser.add_argument("--result-json", default=None)
+    parser.add_argument("--result-json", type=output_file, default=None)
     parser.add_argument(
-        "--trace", default=None,
+        "--trace", type=output_file, default=None,
         help="record the engine's steps (the live view) and write them to this file as Chrome Trace Event JSON",
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,19 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return value
+
+
+def output_file(text: str) -> str:
+    """argparse type: a file the command writes when it ends (``--result-json``), checked now,
+    so that a run of minutes does not end in a traceback: not a directory, in a writable one."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{folder} is not a directory")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in {folder}")
+    return text
 
 
 def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
