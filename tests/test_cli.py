@@ -136,6 +136,19 @@ def test_bad_flag_exits_2_before_loading(
     assert needle in capsys.readouterr().err
 
 
+def test_serve_takes_the_model_as_positional_or_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's ``serve --model X`` (README: every command takes --model) was an unrecognized argument."""
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--model", "smollm2", "--port", "1"]).model == "smollm2"
+    assert parser.parse_args(["serve", "--port", "1", "smollm2"]).model == "smollm2"
+    assert parser.parse_args(["serve", "smollm2", "--model", "smollm2"]).model == "smollm2"
+    assert parser.parse_args(["serve"]).model == EngineConfig().model
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["serve", "smollm2", "--model", "other"])
+    assert e.value.code == 2
+    assert "the model is given twice: 'smollm2' and 'other'" in capsys.readouterr().err
+
+
 def test_serve_binds_its_port_before_loading(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A port in use is named at once (as vLLM binds first), not by uvicorn after the model loaded."""
     def no_load(*args: object, **kwargs: object) -> None:

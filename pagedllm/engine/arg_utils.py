@@ -56,6 +56,18 @@ def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
+class _ModelOnce(argparse.Action):
+    """Stores the model, from the positional or ``--model``; both with different values is a usage error."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = getattr(namespace, "_model_given", None)
+        if given is not None and given != values:
+            parser.error(f"the model is given twice: {given!r} and {values!r}; give it once, as MODEL or --model")
+        namespace._model_given = values
+        setattr(namespace, self.dest, values)
+
+
 @dataclass
 class EngineArgs:
     """The ``LLM(...)`` keyword arguments a command line sets; each field is one flag
@@ -138,15 +150,18 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-        """Add one flag per field; ``positional_model``: the model is an optional positional (serve)."""
+        """Add one flag per field; ``positional_model``: the model is also an optional positional
+        (serve: ``pagedllm serve MODEL``, and ``--model`` as vLLM still takes it), given once."""
         for f in dataclasses.fields(cls):
             spec = dict(f.metadata)
             names = [f"--{f.name.replace('_', '-')}"]
             if short := spec.pop("short", None):
                 names.append(short)
             if f.name == "model" and positional_model:
-                parser.add_argument("model", nargs="?", default=f.default, help="model path or alias")
-                continue
+                # SUPPRESS: a missing positional must not overwrite --model with the default.
+                parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, action=_ModelOnce,
+                                    help="model path or alias (as --model)")
+                spec["action"] = _ModelOnce
             parser.add_argument(*names, default=f.default, **spec)
 
     @classmethod
