@@ -165,6 +165,19 @@ def test_serve_binds_its_port_before_loading(capsys: pytest.CaptureFixture[str],
     assert f"error: --host '127.0.0.1' --port {port}: cannot bind the address: Address already in use" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "prog"), [(["serve", "--gpu-memory-utilization", "0.9"], "pagedllm serve"),
+                                            (["bench", "throughput", "--input-len", "8", "--bogus"],
+                                             "pagedllm bench throughput")])
+def test_an_unknown_flag_is_refused_under_its_command(argv: list[str], prog: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Under the command's usage and --help, which list its flags (the top level's lists none)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{prog}: error: unrecognized arguments: --" in err and f"(`{prog} --help` lists every flag)" in err
+
+
 def test_a_bad_sampling_value_names_the_flag_under_its_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "x", "--top-p", "0"])

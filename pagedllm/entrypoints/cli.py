@@ -270,7 +270,10 @@ def _flag_message(error: ValueError, parser: argparse.ArgumentParser) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # under the command's usage, whose --help lists its flags (the top level's does not)
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "chat" and not args.verbose:  # the REPL streams: log lines would cut into replies
         logging.getLogger().setLevel(logging.WARNING)
