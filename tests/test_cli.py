@@ -149,7 +149,9 @@ def test_serve_takes_the_model_as_positional_or_flag(capsys: pytest.CaptureFixtu
     assert "the model is given twice: 'smollm2' and 'other'" in capsys.readouterr().err
 
 
-def test_serve_binds_its_port_before_loading(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_binds_its_port_before_loading(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A port in use is named at once (as vLLM binds first), not by uvicorn after the model loaded."""
     def no_load(*args: object, **kwargs: object) -> None:
         raise AssertionError("a model was loaded")
@@ -162,7 +164,8 @@ def test_serve_binds_its_port_before_loading(capsys: pytest.CaptureFixture[str],
         with pytest.raises(SystemExit) as e:
             main(["serve", "--port", str(port)])
     assert e.value.code == 2
-    assert f"error: --host '127.0.0.1' --port {port}: cannot bind the address: Address already in use" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"error: --host '127.0.0.1' --port {port}: cannot bind the address: Address already in use" in err
 
 
 @pytest.mark.parametrize(("argv", "prog"), [(["serve", "--gpu-memory-utilization", "0.9"], "pagedllm serve"),
@@ -176,6 +179,13 @@ def test_an_unknown_flag_is_refused_under_its_command(argv: list[str], prog: str
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"{prog}: error: unrecognized arguments: --" in err and f"(`{prog} --help` lists every flag)" in err
+
+
+def test_a_vllm_only_flag_says_what_to_use_instead(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--gpu-memory-utilization=0.9"])
+    assert ("unrecognized arguments: --gpu-memory-utilization=0.9; --gpu-memory-utilization: the KV cache is sized "
+            "in bytes here, by --kv-cache-memory") in capsys.readouterr().err
 
 
 def test_a_bad_sampling_value_names_the_flag_under_its_command(capsys: pytest.CaptureFixture[str]) -> None:
