@@ -188,6 +188,18 @@ def test_a_vllm_only_flag_says_what_to_use_instead(capsys: pytest.CaptureFixture
             "in bytes here, by --kv-cache-memory") in capsys.readouterr().err
 
 
+def test_bench_serve_without_a_server_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every request failing printed a report of zeros and exited 0, which scripts took for a run."""
+    with socket.socket() as closed:  # bound, not listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "serve", "--base-url", url, "--num-prompts", "2", "--input-len-range", "4",
+                  "--output-len-range", "2"])
+    assert e.value.code == "error: none of the 2 requests succeeded (their errors are above)"
+    assert "Failed requests                                                  2" in capsys.readouterr().out
+
+
 def test_a_bad_sampling_value_names_the_flag_under_its_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "x", "--top-p", "0"])

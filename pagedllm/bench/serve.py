@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -64,7 +65,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    """Build the requests, run them against the server, print (and maybe save) the metrics."""
+    """Build the requests, run them against the server, print (and maybe save) the metrics;
+    exit with status 1 when no request succeeded (no server there, a wrong model name or key),
+    as a report of zeros is no measurement."""
     from pagedllm.models.loader import load_tokenizer, resolve_model
 
     if args.burstiness <= 0:
@@ -86,6 +89,8 @@ def run(args: argparse.Namespace) -> None:
         config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
         with open(args.result_json, "w") as f:
             json.dump({"config": config, "metrics": metrics}, f, indent=2, default=str)
+    if not metrics["completed"]:
+        sys.exit(f"error: none of the {metrics['failed']} requests succeeded (their errors are above)")
 
 
 async def _benchmark(
