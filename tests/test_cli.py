@@ -252,6 +252,17 @@ def test_generate_json_schema_from_file(tmp_path, capsys: pytest.CaptureFixture[
     assert record["finish_reason"] == "stop" and json.loads(record["text"])["color"] in ("red", "green", "blue")
 
 
+def test_a_json_schema_file_that_cannot_be_read_is_named(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bytes that are not UTF-8 (and a file without read permission) escaped as a bare
+    UnicodeDecodeError (a PermissionError traceback) instead of an error naming the flag."""
+    path = tmp_path / "schema.json"
+    path.write_bytes(b'\xff{"type": "object"}')
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "x", "--json-schema", str(path)])
+    assert e.value.code == 2
+    assert f"error: --json-schema: cannot read {path}: 'utf-8' codec can't decode" in capsys.readouterr().err
+
+
 def test_generate_chat_with_an_inline_chat_template(capsys: pytest.CaptureFixture[str]) -> None:
     """``--chat-template`` on one line, ``\\n`` escapes decoded, replaces the model's template."""
     template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\\n{{ m['content'] }}<|im_end|>\\n{% endfor %}Reply:"

@@ -71,12 +71,18 @@ def json_schema_arg(value: str) -> dict[str, Any]:
     """A JSON schema given as a file path or as JSON text.
 
     Raises:
-        ValueError: neither a readable file nor JSON text, or not a JSON object.
+        ValueError: neither a file nor JSON text, a file that cannot be read as UTF-8 text, or
+            not a JSON object.
     """
     from pathlib import Path
 
     path = Path(value)
-    text = path.read_text() if not value.lstrip().startswith("{") and path.is_file() else value
+    text = value
+    if not value.lstrip().startswith("{") and path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--json-schema: cannot read {value}: {e}") from None
     try:
         schema = json.loads(text)
     except ValueError as e:
