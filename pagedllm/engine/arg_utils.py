@@ -15,9 +15,34 @@ from pagedllm.kernels.abi import CONSTANTS
 from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS
 
 
+def parse_int(text: str) -> int:
+    """An integer flag's value.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer ("1k", "2.5"), said so: argparse's own
+            message for a ValueError names the type function ("invalid positive_int value").
+    """
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def parse_float(text: str) -> float:
+    """A number flag's value.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, said so (as ``parse_int``).
+    """
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
-    value = int(text)
+    value = parse_int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -25,7 +50,7 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    value = int(text)
+    value = parse_int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
@@ -33,7 +58,7 @@ def non_negative_int(text: str) -> int:
 
 def finite_float(text: str) -> float:
     """argparse type: a finite float (NaN and infinities are refused)."""
-    value = float(text)
+    value = parse_float(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return value

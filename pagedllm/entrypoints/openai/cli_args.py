@@ -9,6 +9,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
+from pagedllm.engine.arg_utils import parse_float, parse_int
 from pagedllm.entrypoints.chat_template import add_chat_template_arg, load_chat_template
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.scheduler_defaults import SERVE_MAX_NUM_BATCHED_TOKENS
@@ -24,7 +25,7 @@ _GRACEFUL_SHUTDOWN_TIMEOUT_S = 10
 
 def port_number(text: str) -> int:
     """argparse type: a TCP port, 0 (any free port) to 65535."""
-    value = int(text)
+    value = parse_int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
     return value
@@ -57,7 +58,7 @@ def json_str_list(text: str) -> tuple[str, ...]:
 
 def positive_seconds(text: str) -> float:
     """argparse type: a finite duration in seconds, above 0."""
-    value = float(text)
+    value = parse_float(text)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
     return value
