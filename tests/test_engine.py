@@ -322,8 +322,12 @@ def test_a_kv_cache_beyond_the_machines_memory_is_refused():
     """A budget larger than the machine (a typo: TiB for GiB) is an error naming the flag,
     raised before anything is allocated, instead of a pool of trillions of blocks."""
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    with pytest.raises(ValueError, match=r"exceeds this machine's memory, .* lower --kv-cache-memory"):
+    with pytest.raises(ValueError, match=r"x 1 rank\(s\) .* exceeds its memory, .* lower --kv-cache-memory"):
         LLM(dtype="float32", kv_cache_memory=2 * physical)
+    # Each local tensor-parallel rank holds a budget: three of 0.4x the memory do not fit (refused
+    # before any rank starts).
+    with pytest.raises(ValueError, match=r"x 3 rank\(s\) and engine core\(s\) on this machine exceeds its memory"):
+        LLM(dtype="float32", kv_cache_memory=int(0.4 * physical), tensor_parallel_size=3)
 
 
 def test_block_size_above_the_prefill_kernel_warns(caplog):

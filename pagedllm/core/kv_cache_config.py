@@ -148,9 +148,9 @@ def create_kv_cache_config(config: EngineConfig, model_config: ModelConfig) -> K
     blocks hold is lowered to what they hold, with a warning.
 
     Raises:
-        ValueError: if the budget exceeds this machine's memory (it could not be allocated: a typo
-            such as 2TiB for 2GiB would exhaust the memory), cannot hold one token in every
-            group, or max_model_len is too long.
+        ValueError: if the budgets of the engine cores and ranks on this machine exceed its memory
+            (they could not be allocated: a typo such as 2TiB for 2GiB would exhaust the memory),
+            the budget cannot hold one token in every group, or max_model_len is too long.
     """
     groups = kv_cache_groups(model_config)
     heads = kv_heads_per_rank(model_config, config.tensor_parallel_size)
@@ -158,10 +158,13 @@ def create_kv_cache_config(config: EngineConfig, model_config: ModelConfig) -> K
     num_blocks = config.num_gpu_blocks_override
     if num_blocks is None:
         physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if config.kv_cache_memory > physical:
+        # Every data-parallel engine core and local tensor-parallel rank holds a budget of its own.
+        local = config.data_parallel_size * (1 if config.distributed_executor_backend == "ray" else
+                                             config.tensor_parallel_size)
+        if config.kv_cache_memory * local > physical:
             raise ValueError(
-                f"kv_cache_memory {config.kv_cache_memory / 1024**3:.1f} GiB per rank exceeds this machine's "
-                f"memory, {physical / 1024**3:.1f} GiB: lower --kv-cache-memory"
+                f"kv_cache_memory {config.kv_cache_memory / 1024**3:.1f} GiB per rank x {local} rank(s) and engine "
+                f"core(s) on this machine exceeds its memory, {physical / 1024**3:.1f} GiB: lower --kv-cache-memory"
             )
         num_blocks = config.kv_cache_memory // block_bytes(groups, config.block_size, heads, model_config.head_dim, dtype)
     wanted = resolve_max_model_len(config, model_config)
