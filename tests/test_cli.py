@@ -243,6 +243,17 @@ def test_first_log_line_comes_before_heavy_imports(capsys: pytest.CaptureFixture
     assert first.startswith("False pagedllm ") and "serve" in first, done.stderr
 
 
+def test_serve_refuses_a_setting_the_model_cannot_take_in_one_line() -> None:
+    """A ValueError from the engine core's start (here --max-model-len past the model's context,
+    which only the loaded config can tell) used to print the core's traceback first."""
+    done = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0",
+                           "--max-model-len", "100000", "--kv-cache-memory", "64MiB"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "engine core failed to start: ValueError: max_model_len must be in [1, 8192]" in done.stderr
+
+
 def test_generate_json_schema_from_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
               "additionalProperties": False}

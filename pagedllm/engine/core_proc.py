@@ -140,7 +140,10 @@ def run_engine_core(
 
         core = EngineCore(config)
     except Exception as e:
-        logger.error("engine core failed to start:\n%s", traceback.format_exc())
+        # A ValueError is a setting or model the user chose, its message saying what: the front
+        # end logs that one line. Anything else is a fault here, logged with its traceback.
+        if not isinstance(e, ValueError):
+            logger.error("engine core failed to start:\n%s", traceback.format_exc())
         output_socket.send(encoder.encode(EngineCoreReady(error=f"{type(e).__name__}: {e}")))
         ctx.destroy(linger=1000)
         raise SystemExit(1) from None
