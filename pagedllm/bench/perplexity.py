@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedllm.engine.arg_utils import output_file, positive_int
+from pagedllm.engine.arg_utils import input_file, output_file, positive_int
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "pride_and_prejudice_ch1-2.txt"
 
@@ -96,7 +96,7 @@ def perplexity(llm, token_ids: list[int], window: int, stride: int, label: str) 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--file", type=Path, default=DEFAULT_TEXT, help="UTF-8 text (default: a shipped public-domain text)"
+        "--file", type=input_file, default=DEFAULT_TEXT, help="UTF-8 text (default: a shipped public-domain text)"
     )
     parser.add_argument("--window", type=positive_int, default=512, help="tokens per window")
     parser.add_argument("--stride", type=positive_int, default=256, help="tokens between window starts")

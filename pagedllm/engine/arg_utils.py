@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pagedllm.default_model import DEFAULT_MODEL
@@ -75,6 +76,16 @@ def output_file(text: str) -> str:
     if not os.access(folder, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write in {folder}")
     return text
+
+
+def input_file(text: str) -> Path:
+    """argparse type: a file the command reads, checked now: it exists and may be read."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a file")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"cannot read {text}")
+    return path
 
 
 def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
