@@ -101,6 +101,7 @@ BAD_FLAGS = [
     (["bench", "serve", "--max-concurrency", "0"], "argument --max-concurrency: must be at least 1, got 0"),
     (["bench", "gemm", "--threads", "0"], "argument --threads: must be at least 1, got 0"),
     (["bench", "perplexity", "--file", "/no/such/text.txt"], "argument --file: /no/such/text.txt is not a file"),
+    (["bench", "perplexity", "--compare", "int8,int3"], "argument --compare: unknown modes ['int3']; choose from"),
     (["serve", "--max-model-len", "1k"], "argument --max-model-len: must be an integer, got '1k'"),
     (["serve", "--port", "http"], "argument --port: must be an integer, got 'http'"),
     (["bench", "throughput", "--input-len-range", "10-5"], "argument --input-len-range: must be LO:HI (or N)"),

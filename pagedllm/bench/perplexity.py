@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pagedllm.engine.arg_utils import input_file, output_file, positive_int
+from pagedllm.quantization_config import MODES
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "pride_and_prejudice_ch1-2.txt"
 
@@ -94,6 +95,20 @@ def perplexity(llm, token_ids: list[int], window: int, stride: int, label: str) 
     return PerplexityResult(label, len(token_ids), window, stride, len(windows), count, nll / count, elapsed)
 
 
+def quantization_modes(text: str) -> list[str]:
+    """argparse type of --compare: a comma list of quantization modes, each checked now (not
+    after the runs before it).
+
+    Raises:
+        argparse.ArgumentTypeError: a name that is no mode.
+    """
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    return modes
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--file", type=input_file, default=DEFAULT_TEXT, help="UTF-8 text (default: a shipped public-domain text)"
@@ -102,6 +117,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stride", type=positive_int, default=256, help="tokens between window starts")
     parser.add_argument(
         "--compare",
+        type=quantization_modes,
         default="",
         help="more quantization modes to run after --quantization, reported relative to it, e.g. int8,int4",
     )
@@ -114,7 +130,7 @@ def run(args: argparse.Namespace) -> None:
 
     text = args.file.read_text(encoding="utf-8")
     kwargs = EngineArgs.from_cli_args(args).kwargs()
-    modes = [args.quantization, *(m.strip() for m in args.compare.split(",") if m.strip())]
+    modes = [args.quantization, *args.compare]
     results: list[PerplexityResult] = []
     token_ids: list[int] = []
     for mode in modes:
