@@ -25,7 +25,7 @@ import argparse
 import time
 
 from pagedllm.bench.gemm import MODEL_SHAPES
-from pagedllm.engine.arg_utils import positive_int
+from pagedllm.engine.arg_utils import positive_int, positive_int_list
 
 _DTYPES = ("bfloat16", "int8", "fp8", "float32")
 
@@ -34,8 +34,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode",
                         help="decode: one query per request; prefill: a whole prompt per request, causal")
     parser.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b", help=f"comma list of {', '.join(MODEL_SHAPES)}")
-    parser.add_argument("--context-lens", default="4096,16384", help="comma list of keys per request")
-    parser.add_argument("--batch-sizes", default="1,8", help="comma list of requests per call")
+    parser.add_argument("--context-lens", type=positive_int_list, default="4096,16384",
+                        help="comma list of keys per request")
+    parser.add_argument("--batch-sizes", type=positive_int_list, default="1,8", help="comma list of requests per call")
     parser.add_argument("--kv-cache-dtypes", default="bfloat16,int8", help=f"comma list of {', '.join(_DTYPES)}")
     parser.add_argument("--repeats", type=positive_int, default=7)
     parser.add_argument("--threads", type=positive_int, default=1)
@@ -115,8 +116,8 @@ def run(args: argparse.Namespace) -> None:
     print(f"per dtype: ms per call,{'' if prefill else ' K/V GB/s read,'} GFLOP/s of q.K and p.V")
     gen = torch.Generator().manual_seed(0)
     for model in shapes:
-        for context in (int(c) for c in args.context_lens.split(",")):
-            for batch in (int(b) for b in args.batch_sizes.split(",")):
+        for context in args.context_lens:
+            for batch in args.batch_sizes:
                 sequential = args.block_order == "sequential"
                 fns, flops, bytes_read = _case(model, context, batch, block_size, sequential, dtypes, prefill, gen)
                 best = dict.fromkeys(fns, float("inf"))

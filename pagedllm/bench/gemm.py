@@ -24,7 +24,7 @@ import argparse
 import time
 from collections.abc import Callable
 
-from pagedllm.engine.arg_utils import positive_int
+from pagedllm.engine.arg_utils import positive_int, positive_int_list
 
 # Layer shapes per model: hidden, intermediate, attention heads, K/V heads, head dim.
 MODEL_SHAPES = {
@@ -47,7 +47,8 @@ def layer_gemms(model: str) -> list[tuple[str, int, int]]:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b", help=f"comma list of {', '.join(MODEL_SHAPES)}")
-    parser.add_argument("--rows", default="1,16,256,512,1024,2048", help="comma list of M (rows of x)")
+    parser.add_argument("--rows", type=positive_int_list, default="1,16,256,512,1024,2048",
+                        help="comma list of M (rows of x)")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--threads", type=positive_int, default=1)
@@ -125,14 +126,13 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"unknown kinds or shapes {unknown}; kinds: {', '.join(KINDS)}; shapes: {', '.join(MODEL_SHAPES)}")
     if "f32" not in kinds:
         kinds.insert(0, "f32")
-    rows = [int(r) for r in args.rows.split(",")]
     heap = _heap_outputs()
     print(f"CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); process CPU time, "
           f"best of {args.repeats}; outputs {'from the heap' if heap else 'as the allocator gives them'}")
     print("G(FL)OP/s, and (x f32): our float32 GEMM's time over the kind's")
     for model in args.shapes.split(","):
         gemms = [(name, n, k, _kernels(kinds, n, k)) for name, n, k in layer_gemms(model)]
-        for m in rows:
+        for m in args.rows:
             gen = torch.Generator().manual_seed(m)
             totals = dict.fromkeys(kinds, 0.0)
             flops_total = 0

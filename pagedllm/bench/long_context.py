@@ -32,12 +32,14 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from pagedllm.engine.arg_utils import positive_int
+from pagedllm.engine.arg_utils import positive_int, positive_int_list
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--context-lens", default="1024,4096,8192,16384", help="comma-separated prompt lengths, tokens")
-    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated decode batch sizes")
+    parser.add_argument("--context-lens", type=positive_int_list, default="1024,4096,8192,16384",
+                        help="comma-separated prompt lengths, tokens")
+    parser.add_argument("--batch-sizes", type=positive_int_list, default="1,8",
+                        help="comma-separated decode batch sizes")
     parser.add_argument("--output-len", type=positive_int, default=32, help="tokens decoded per request in the decode runs")
     parser.add_argument(
         "--kv-cache-dtypes", default=None,
@@ -97,10 +99,6 @@ def bench_llama_cpp(path: str, contexts: list[int], args: argparse.Namespace, pr
     return rows
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def _prompts(llm, count: int, length: int, seed: int) -> list[list[int]]:
     from pagedllm.bench.datasets import random_requests
 
@@ -129,7 +127,7 @@ def _measure(llm, kv_dtype: str, context: int, args: argparse.Namespace) -> Long
         single.append((args.output_len - 1) / max(times["last_token_time"] - times["first_token_time"], 1e-9))
     ttft = statistics.median(ttfts)
     decode: dict[int, float | None] = {}
-    for b in _ints(args.batch_sizes):
+    for b in args.batch_sizes:
         if b * (context + args.output_len + kv.block_size) > capacity:
             decode[b] = None
             continue
@@ -154,7 +152,7 @@ def run(args: argparse.Namespace) -> None:
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.models.loader import resolve_model
 
-    contexts = _ints(args.context_lens)
+    contexts = args.context_lens
     base = EngineArgs.from_cli_args(args).kwargs()
     dtypes = args.kv_cache_dtypes.split(",") if args.kv_cache_dtypes else [base.get("kv_cache_dtype", "auto")]
     prefill_prompts: dict[tuple[int, int], list[int]] = {}  # (context, repeat) -> the prefill runs' prompt

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedllm.engine.arg_utils import output_file, positive_int
+from pagedllm.engine.arg_utils import non_negative_int_list, output_file, positive_int
 
 
 def write_random_adapter(path: Path, config, rank: int, seed: int) -> Path:
@@ -79,7 +79,7 @@ def decode_rates(
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=positive_int, default=16, help="the adapters' rank")
-    parser.add_argument("--adapter-counts", default="0,1,4,16",
+    parser.add_argument("--adapter-counts", type=non_negative_int_list, default="0,1,4,16",
                         help="distinct adapters in the batch, comma list (0 first: the others' reference)")
     parser.add_argument("--batch-size", type=positive_int, default=16)
     parser.add_argument("--prompt-len", type=positive_int, default=32)
@@ -94,8 +94,7 @@ def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM, LoRARequest
     from pagedllm.engine.arg_utils import EngineArgs
 
-    counts = [int(c) for c in args.adapter_counts.split(",") if c.strip()]
-    most = max(max(counts), 1)
+    most = max(max(args.adapter_counts), 1)
     kwargs = EngineArgs.from_cli_args(args).kwargs() | {
         "enable_prefix_caching": False, "enable_lora": True, "max_loras": most, "max_cpu_loras": most,
         "max_lora_rank": args.rank,
@@ -112,7 +111,8 @@ def run(args: argparse.Namespace) -> None:
         ]
 
         cases = [(f"batch {len(prompts)}, {count} adapters", prompts,
-                  [adapters[j % count] if count else None for j in range(len(prompts))]) for count in counts]
+                  [adapters[j % count] if count else None for j in range(len(prompts))])
+                 for count in args.adapter_counts]
         cases += [("batch 1, base", prompts[:1], [None]), ("batch 1, one adapter", prompts[:1], [adapters[0]])]
         rates = decode_rates(llm, [(batch, loras) for _, batch, loras in cases], args.output_len, args.repeats)
         reference = None

@@ -16,7 +16,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-from pagedllm.engine.arg_utils import output_file, positive_int
+from pagedllm.engine.arg_utils import output_file, positive_int, positive_int_list
 
 _FRUITS = (
     "apple, apricot, banana, blackberry, blueberry, cherry, coconut, cranberry, date, elderberry, fig, "
@@ -178,17 +178,26 @@ def run(args: argparse.Namespace) -> None:
             )
 
 
+def _workloads(text: str) -> list[str]:
+    """argparse type of --workloads: a comma list of WORKLOADS' names."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"must be a comma list of {', '.join(WORKLOADS)}, got {text!r}")
+    return names
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--default-spec-config",
         default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}',
         help="speculative config of the 'on' runs when --speculative-config is not given",
     )
-    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    parser.add_argument("--batch-sizes", type=positive_int_list, default=[1, 8])
     parser.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per workload (at most 8)")
     parser.add_argument("--output-len", type=positive_int, default=128, help="max tokens per request")
     parser.add_argument(
         "--repeats", type=positive_int, default=1, help="off/on pairs per case; each side's fastest is reported"
     )
-    parser.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS), help="copy,open")
+    parser.add_argument("--workloads", type=_workloads, default=list(WORKLOADS), help="copy,open")
     parser.add_argument("--result-json", type=output_file, default=None)

@@ -32,7 +32,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from pagedllm.engine.arg_utils import positive_int
+from pagedllm.engine.arg_utils import positive_int, positive_int_list
 
 _PARTS = ("norms", "qkv GEMM", "RoPE", "K/V write", "attention", "o GEMM", "gate/up GEMM", "activation",
           "down GEMM", "MoE")
@@ -40,7 +40,7 @@ _HANDOFF_JOBS = 20_000
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    parser.add_argument("--batch-sizes", type=positive_int_list, default=[1, 16])
     parser.add_argument("--context", type=positive_int, default=256, help="prompt tokens per request")
     parser.add_argument("--steps", type=positive_int, default=64, help="decode steps timed per run")
     parser.add_argument("--repeats", type=positive_int, default=3)

@@ -57,6 +57,23 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def _items(text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"must be a comma list, such as 1,8, got {text!r}")
+    return items
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: a comma list of integers >= 1 ("1,8": batch sizes, context lengths)."""
+    return [positive_int(item) for item in _items(text)]
+
+
+def non_negative_int_list(text: str) -> list[int]:
+    """argparse type: a comma list of integers >= 0 ("0,1,4")."""
+    return [non_negative_int(item) for item in _items(text)]
+
+
 def finite_float(text: str) -> float:
     """argparse type: a finite float (NaN and infinities are refused)."""
     value = parse_float(text)
