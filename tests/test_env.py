@@ -26,3 +26,16 @@ def test_env_reports_without_compiling(
     assert rows["kernels chosen"].startswith(f"{best}, ")
     assert rows["c++ compiler"].startswith("none")
     assert not list(tmp_path.iterdir())  # nothing built, no failure recorded
+
+
+@pytest.mark.parametrize(("forced", "what"), [("bogus", "an unknown ISA"), ("AVX2", "an unknown ISA")])
+def test_env_reports_a_forced_isa_every_run_refuses(
+    forced: str, what: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It reported the variant a run would take without the variable: the report of a machine
+    on which every command fails."""
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", forced)
+    monkeypatch.delenv("PAGEDLLM_DISABLE_NATIVE", raising=False)
+    main(["env"])
+    rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert rows["kernels chosen"].strip().startswith(f"none: PAGEDLLM_CPU_ISA={forced!r} is {what}")

@@ -90,7 +90,12 @@ def _chosen(runnable: list[str], load: bool) -> str:
         active = library.active_isa()
         return f"{active} ({build.library_path(active)})" if active else "none: no variant builds or loads (see above)"
     forced = os.environ.get("PAGEDLLM_CPU_ISA")
-    candidates = runnable[runnable.index(forced):] if forced in runnable else runnable
+    if forced:
+        try:
+            library.check_runnable(forced, "PAGEDLLM_CPU_ISA")
+        except ValueError as e:  # what a run would say, not the variant it would take without the variable
+            return f"none: {e} (every command refuses it)"
+    candidates = runnable[runnable.index(forced):] if forced else runnable
     for variant in candidates:
         if build.library_path(variant).exists():
             return f"{variant}, without compiling (--load to load it)"

@@ -75,7 +75,7 @@ def native_library(isa: str | None = None) -> ctypes.CDLL | None:
         return None if isa is None else _load(isa)
     if _disabled():
         return None
-    _check_runnable(isa, "isa")
+    check_runnable(isa, "isa")
     return _load(isa)
 
 
@@ -106,7 +106,7 @@ def use_isa(isa: str) -> Iterator[None]:
         ValueError: this CPU cannot run ``isa``.
     """
     global _forced_isa
-    _check_runnable(isa, "isa")
+    check_runnable(isa, "isa")
     previous, _forced_isa = _forced_isa, None if _disabled() else isa
     try:
         yield
@@ -118,7 +118,8 @@ def _disabled() -> bool:
     return build.env_switch("PAGEDLLM_DISABLE_NATIVE")
 
 
-def _check_runnable(isa: str, source: str) -> None:
+def check_runnable(isa: str, source: str) -> None:
+    """Raises ValueError, naming ``source`` and what this CPU runs, unless it runs ``isa``."""
     runnable = available_isas()
     if isa not in runnable:
         what = "an unknown ISA" if isa not in ALL_ISAS else "an ISA this CPU cannot run"
@@ -134,7 +135,7 @@ def _choose() -> str | None:
     candidates = available_isas()
     forced = os.environ.get("PAGEDLLM_CPU_ISA")
     if forced:
-        _check_runnable(forced, "PAGEDLLM_CPU_ISA")
+        check_runnable(forced, "PAGEDLLM_CPU_ISA")
         candidates = candidates[candidates.index(forced) :]
     for isa in candidates:
         if _load(isa) is not None:
