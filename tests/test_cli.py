@@ -293,6 +293,27 @@ def test_generate_chat_with_an_inline_chat_template(capsys: pytest.CaptureFixtur
     assert record["prompt"] == "<|im_start|>user\nHi<|im_end|>\nReply:"
 
 
+def test_chat_replies_within_a_short_context(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """`chat --max-model-len 128` refused every turn (prompt + the default --max-tokens 512 >
+    128): a reply now takes what the context has left, and a conversation grown past the
+    context is refused naming /reset."""
+    lines = iter(["Tell me a long story about a dragon.", "Go on, in detail. " * 30, "/reset", "Hi!"])
+
+    def fake_input(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    main(["chat", "--max-model-len", "128", "--kv-cache-memory", "64MiB", "--dtype", "float32", "--temperature", "0"])
+    out, err = capsys.readouterr()
+    assert err.count("error: ") == 1, err  # the second turn only, longer than the context with the first
+    assert "longer than this model's maximum context length of 128 tokens (/reset clears the conversation)" in err
+    assert "[conversation cleared]" in err and len(out.strip().splitlines()) >= 2  # the first reply, then "Hi!"'s
+
+
 def test_stream_reply_interrupted_aborts_and_frees_blocks(capsys: pytest.CaptureFixture[str]) -> None:
     """Ctrl-C (SIGINT) while a reply streams: the loop ends after the current step, the request is
     aborted, and the process's own SIGINT handler is back (SIG_IGN in a background job)."""

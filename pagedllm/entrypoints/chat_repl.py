@@ -12,6 +12,8 @@ import sys
 from types import FrameType
 from typing import TYPE_CHECKING
 
+import msgspec
+
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
 
@@ -49,10 +51,14 @@ def run_repl(args: argparse.Namespace) -> None:
         history.append({"role": "user", "content": line})
         _, prompt = chat_prompt(engine.tokenizer, history, chat_template=template)  # what the user typed is text, markup and all
         turn += 1
+        # A reply takes at most what the context has left (as vLLM's server does without
+        # max_tokens): --max-tokens is a cap, not a demand that fails every turn of a short context.
+        room = engine.max_model_len - len(prompt)
+        turn_params = msgspec.structs.replace(params, max_tokens=room) if 0 < room < params.max_tokens else params
         try:
-            engine.add_request(f"chat-{turn}", prompt, params, stream=True)
+            engine.add_request(f"chat-{turn}", prompt, turn_params, stream=True)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}" + (" (/reset clears the conversation)" if room <= 0 else ""), file=sys.stderr)
             history.pop()
             continue
         reply = stream_reply(engine, f"chat-{turn}")
