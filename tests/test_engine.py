@@ -283,7 +283,6 @@ def test_stat_log_line_after_a_burst_and_none_while_idle(monkeypatch, caplog) ->
     "prompt, kwargs, match",
     [
         ("", {}, "empty"),
-        ("hi", {"max_tokens": 5000}, "maximum context length is 2048"),
         ("hi " * 2100, {"max_tokens": 1}, "longer than this model's maximum context length of 2048 tokens"),
         ("hi", {"max_tokens": 0}, r"max_tokens must be at least 1 \(0 only with prompt_logprobs\)"),
         ("hi", {"top_p": 1.5}, "top_p"),
@@ -412,3 +411,16 @@ def test_dtype_settings_without_native_kernels(monkeypatch: pytest.MonkeyPatch) 
         "dtype": torch.float32, "kv_cache_dtype": None, "quantization": "none"
     }
     assert cpu.dtype_settings("float32")["dtype"] == torch.float32
+
+
+def test_offline_max_tokens_past_the_context_stops_at_it() -> None:
+    """vLLM's offline ``LLM`` runs a prompt + max_tokens past max_model_len until the sequence
+    reaches it (finish_reason "length"); the server refuses it (tests/test_server.py)."""
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", max_model_len=48)
+    try:
+        (out,) = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=5000, ignore_eos=True), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 44
+        assert out.outputs[0].finish_reason == "length"
+        assert pool_is_whole(llm)
+    finally:
+        llm.shutdown()

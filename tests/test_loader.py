@@ -88,15 +88,20 @@ def test_dequantize_is_bit_exact(qtype: str) -> None:
     assert torch.equal(out, expected)
 
 
-def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
-    path = tmp_path / "mamba.gguf"
-    writer = gguf.GGUFWriter(path, "mamba")
+def _tiny_gguf(path: Path, arch: str) -> Path:
+    """A GGUF of one block and one float32 embedding of [4, 8], for the loader's checks."""
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
+    path = _tiny_gguf(tmp_path / "mamba.gguf", "mamba")
     resolved = resolve_model(str(path))
     assert resolved.kind == "gguf"
     with pytest.raises(ValueError, match=r"'mamba'.*llama, qwen2"):
@@ -118,14 +123,7 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 def test_a_truncated_gguf_is_named(cut: int, message: str, tmp_path: Path) -> None:
     """An interrupted download: a ValueError naming the file from the tokenizer and the loader
     alike (the tokenizer's transformers reader raised struct.error: a traceback from the CLI)."""
-    whole = tmp_path / "whole.gguf"
-    writer = gguf.GGUFWriter(whole, "llama")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    whole = _tiny_gguf(tmp_path / "whole.gguf", "llama")
     path = tmp_path / "cut.gguf"
     path.write_bytes(whole.read_bytes()[:cut])
     resolved = resolve_model(str(path))

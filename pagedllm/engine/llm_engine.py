@@ -42,7 +42,7 @@ class LLMEngine:
         self.max_model_len = self.core.max_model_len
         self.processor = Processor(
             self.tokenizer, self.max_model_len, model_config.vocab_size, model_config.eos_token_ids,
-            LoRAChecker(config, model_config), self.core.kv_config.kv_limited,
+            LoRAChecker(config, model_config), self.core.kv_config.kv_limited, cap_max_tokens=True,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLogger() if log_stats else None

@@ -42,13 +42,17 @@ class Processor:
         lora: the check of requests' LoRA adapters (None: a request naming one fails).
         kv_limited: whether ``max_model_len`` is the KV cache's capacity (``KVCacheConfig.kv_limited``),
             which the errors then name instead of the model's context.
+        cap_max_tokens: a prompt + ``max_tokens`` past ``max_model_len`` runs until the sequence
+            reaches it (finish_reason "length"), as vLLM's offline ``LLM`` does; False: refused
+            (``max_tokens``), as vLLM's OpenAI server does.
     """
 
     def __init__(
         self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int], lora: LoRAChecker | None = None,
-        kv_limited: bool = False,
+        kv_limited: bool = False, cap_max_tokens: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.cap_max_tokens = cap_max_tokens
         self.lora = lora
         self.max_model_len = max_model_len
         self.limit_name = (
@@ -108,7 +112,8 @@ class Processor:
             InvalidParamError (a ValueError naming the field): empty prompt, token ids outside
                 the vocabulary (prompt, stop_token_ids, logit_bias, allowed_token_ids), a
                 prompt that leaves no room for output within max_model_len (``prompt``), a
-                prompt + max_tokens beyond it (``max_tokens``; the messages give the numbers),
+                prompt + max_tokens beyond it unless ``cap_max_tokens`` (``max_tokens``; the
+                messages give the numbers),
                 ``structured_outputs`` that do not compile (``structured_outputs.json``, ...),
                 or a ``lora_request`` with LoRA disabled.
             LoRAError (a ValueError): an adapter that cannot be read or does not fit the model.
@@ -141,7 +146,7 @@ class Processor:
                 "prompt",
                 f"the prompt is {n_prompt} tokens, {than} {self.limit_name} of {self.max_model_len} tokens",
             )
-        if n_prompt + max_tokens > self.max_model_len:
+        if n_prompt + max_tokens > self.max_model_len and not self.cap_max_tokens:
             raise InvalidParamError(
                 "max_tokens",
                 f"{self.limit_name} is {self.max_model_len} tokens, but "
