@@ -73,7 +73,9 @@ class SpeculativeConfig:
         """A config from a dict or a JSON object string; None and configs pass through.
 
         Raises:
-            ValueError: for bad JSON, unknown keys, a missing or bad value.
+            ValueError: for bad JSON, unknown keys, a missing or bad value. Without a method it
+                is vLLM's inference from ``model``: "ngram" / "[ngram]" prompt lookup, any other
+                a draft model.
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
@@ -90,6 +92,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known keys: {sorted(known)}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
-        if "method" not in value:
-            raise ValueError(f"speculative_config needs a method, one of {list(_METHODS)}")
+        if "method" not in value:  # vLLM infers it from the model: "[ngram]" is prompt lookup
+            model = value.get("model")
+            if model is None:
+                raise ValueError(f"speculative_config needs a method, one of {list(_METHODS)}, or a model")
+            ngram = model in ("ngram", "[ngram]")
+            value = {k: v for k, v in value.items() if not (ngram and k == "model")}
+            value["method"] = "ngram" if ngram else "draft_model"
         return cls(**value)

@@ -43,6 +43,10 @@ def test_config_parses_vllm_shapes() -> None:
     draft = SpeculativeConfig.parse({"method": "draft_model", "model": "x", "num_speculative_tokens": 4})
     assert draft.model == "x" and EngineConfig(speculative_config=draft).speculative_config is draft
     assert EngineConfig(speculative_config=None).speculative_config is None
+    # vLLM infers the method from the model when none is given
+    assert SpeculativeConfig.parse({"model": "x", "num_speculative_tokens": 2}).method == "draft_model"
+    lookup = SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2})
+    assert (lookup.method, lookup.model) == ("ngram", None)
 
 
 @pytest.mark.parametrize(
