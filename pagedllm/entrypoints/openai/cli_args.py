@@ -275,7 +275,8 @@ def run_serve(args: argparse.Namespace) -> None:
             engine.on_dead(server.exit_soon)  # the last core: with data parallelism the others serve on
             logger.info(
                 "serving %s as %s on http://%s:%d; max_model_len %d; KV cache: %d blocks x %d tokens = %d tokens%s",
-                config.model, ", ".join(map(repr, names)), args.host, sock.getsockname()[1], engine.max_model_len,
+                config.model, ", ".join(map(repr, names)), f"[{args.host}]" if ":" in args.host else args.host,
+                sock.getsockname()[1], engine.max_model_len,
                 engine.num_blocks, engine.block_size, engine.num_blocks * engine.block_size,
                 f" per engine core, {engine.num_engines} cores (pids {engine.client.pids})" if engine.num_engines > 1 else "",
             )
