@@ -117,7 +117,7 @@ def _idle(llm: LLM) -> bool:
         (["Hello", [1, 10**9], "Bye"], None, "prompt"),
         (["Hello", [1, True], "Bye"], None, "prompt"),
         (["Hello", None, "Bye"], None, "prompt"),
-        (["Hello", "Hi", "Bye"], [SamplingParams(), SamplingParams(max_tokens=1000), SamplingParams()], "max_tokens"),
+        (["Hello", "Hi", "Bye"], [SamplingParams(), _mutated(max_tokens=0), SamplingParams()], "max_tokens"),
         (["Hello", "Hi", "Bye"], [SamplingParams(), SamplingParams(logit_bias={10**6: 1}), SamplingParams()],
          "logit_bias"),
         (["Hello", "Hi", "Bye"], [SamplingParams(), SamplingParams(allowed_token_ids=[10**6]), SamplingParams()],
