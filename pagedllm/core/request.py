@@ -70,6 +70,12 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # the adapter it runs with; None: the base model
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # This process's time.monotonic(): when the request was queued here, when it was first
+        # scheduled (admitted; a preemption's readmission keeps it), and whether the front end
+        # has been sent both (on the request's first output).
+        self.queued_time = time.monotonic()
+        self.scheduled_time: float | None = None
+        self.times_sent = False
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -23,6 +23,7 @@ and blocks that held only rejected drafts return to the pool.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -189,6 +190,7 @@ class Scheduler:
                 self.waiting.popleft()
                 if request.num_cached_tokens < 0:  # first admission: the hit it reports and the metric counts
                     request.num_cached_tokens = num_hit
+                    request.scheduled_time = time.monotonic()
                     self.kv_cache.count_prefix_hit(request, num_hit)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)

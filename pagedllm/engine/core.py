@@ -174,32 +174,40 @@ class EngineCore:
                 request = s.request
                 # A grammar that failed at a token hit a parser or lexer limit: the request's own error.
                 grammar_error = None if request.structured_output is None else request.structured_output.error
-                outputs.append(
-                    EngineCoreOutput(
-                        request.request_id,
-                        new_tokens,
-                        request.status.finish_reason,
-                        request.stop_reason,
-                        # A stop inside an accepted run of drafts drops the tokens after it.
-                        None if result.logprobs[i] is None else result.logprobs[i].first(len(new_tokens)),
-                        result.prompt_logprobs[i],
-                        max(request.num_cached_tokens, 0),
-                        None if grammar_error is None else RequestError.of(grammar_error),
-                    )
+                out = EngineCoreOutput(
+                    request.request_id,
+                    new_tokens,
+                    request.status.finish_reason,
+                    request.stop_reason,
+                    # A stop inside an accepted run of drafts drops the tokens after it.
+                    None if result.logprobs[i] is None else result.logprobs[i].first(len(new_tokens)),
+                    result.prompt_logprobs[i],
+                    max(request.num_cached_tokens, 0),
+                    None if grammar_error is None else RequestError.of(grammar_error),
                 )
+                if not request.times_sent:
+                    self._send_times(request, out)
+                outputs.append(out)
             if self.proposer is not None:
                 self._propose([s.request for s, new in updated if new and not s.request.is_finished])
             # Prompt logprobs of chunks that sampled nothing still have to reach the front end.
             for i, s in enumerate(sched.scheduled):
                 if not result.sampled[i] and result.prompt_logprobs[i] is not None and i not in result.errors:
-                    outputs.append(
-                        EngineCoreOutput(s.request.request_id, [], prompt_logprobs=result.prompt_logprobs[i])
-                    )
+                    out = EngineCoreOutput(s.request.request_id, [], prompt_logprobs=result.prompt_logprobs[i])
+                    if not s.request.times_sent:
+                        self._send_times(s.request, out)
+                    outputs.append(out)
         outputs += [EngineCoreOutput(rid, [], "error", error=error) for rid, error in failed]
         record = None
         if recorder is not None:
             record = recorder.finish(self.scheduler, self.kv_cache.usage, entries, sched, sampled)
         return EngineCoreOutputs(outputs, self.stats(), time.monotonic(), step=record)
+
+    @staticmethod
+    def _send_times(request: Request, out: EngineCoreOutput) -> None:
+        """Put the request's queued and first-scheduled times on its first output (once per request)."""
+        out.queued_time, out.scheduled_time = request.queued_time, request.scheduled_time
+        request.times_sent = True
 
     def idle_outputs(self) -> EngineCoreOutputs:
         """Stats (and with the live view, the block operations) of a moment without a step: after aborts."""

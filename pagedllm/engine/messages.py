@@ -32,6 +32,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int = 0
     error: RequestError | None = None  # with finish_reason "error": what failed, for logs and the client
+    # On a request's first output only (its core's time.monotonic(), seconds): when the core
+    # queued it and when it first scheduled it (None: never scheduled, e.g. failed while being
+    # admitted). With ``EngineCoreOutputs.timestamp`` they give vLLM's queue, prefill, decode
+    # and inference intervals, every end of them read on the same core's clock.
+    queued_time: float | None = None
+    scheduled_time: float | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -52,7 +58,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     stats: SchedulerStats | None = None
-    timestamp: float = 0.0
+    timestamp: float = 0.0  # the core's time.monotonic() when the step ended: when its tokens came
     utility_call_id: int | None = None  # set on the reply to a utility call
     utility_result: Any = None
     step: StepRecord | None = None  # with the live view on: what this step (or idle moment) did
