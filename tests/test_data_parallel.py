@@ -21,9 +21,10 @@ from pagedllm.engine.dp_client import DPRouter
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.messages import SchedulerStats
 from pagedllm.engine.metrics import EngineMetrics, sum_stats
+from pagedllm.engine.output_processor import StepMetrics
 from pagedllm.entrypoints.cli import build_parser, check_args
 from pagedllm.entrypoints.openai.cli_args import engine_config
-from tests.utils import MODEL, Server, start_server, stop_server, wait_idle
+from tests.utils import MODEL, Server, metric, start_server, stop_server, wait_idle
 
 SMALL = ("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 PROMPTS = [f"Fact number {i} about the ocean:" for i in range(8)]
@@ -98,10 +99,12 @@ def test_sum_stats() -> None:
 
 
 def test_metrics_per_core_gauges_summed_counters() -> None:
-    m = EngineMetrics(2)
-    m.record_step(0, SchedulerStats(num_running=3, prefix_cache_queries=10), 5, 1, [])
-    m.record_step(1, SchedulerStats(num_running=1, prefix_cache_queries=4), 2, 1, [])
-    m.record_step(0, SchedulerStats(num_running=2, prefix_cache_queries=12), 0, 2, [])
+    m = EngineMetrics(2, 256)
+    for engine, stats, num_gen in ((0, SchedulerStats(num_running=3, prefix_cache_queries=10), 1),
+                                   (1, SchedulerStats(num_running=1, prefix_cache_queries=4), 1),
+                                   (0, SchedulerStats(num_running=2, prefix_cache_queries=12), 2)):
+        m.record(StepMetrics(num_generation_tokens=num_gen))
+        m.record_stats(engine, stats)
     text = m.render().decode()
     assert 'pagedllm:num_requests_running{engine="0"} 2.0' in text
     assert 'pagedllm:num_requests_running{engine="1"} 1.0' in text
@@ -170,15 +173,28 @@ def test_cores_pinned_and_metrics_per_core(dp_server: Server, http: httpx.Client
 
 
 def test_64_concurrent_requests_complete(dp_server: Server, http: httpx.Client) -> None:
+    """Both cores serve; each request counts once in the per-request histograms, whichever
+    core ran it, and every step's tokens of both cores in iteration_tokens_total."""
     async def run() -> list[dict]:
         async with httpx.AsyncClient(base_url=dp_server.url, timeout=120) as c:
             body = [_completion(f"Request {i}: count to ten.", 4, ignore_eos=True) for i in range(64)]
             rs = await asyncio.gather(*(c.post("/v1/completions", json=b) for b in body))
         return [r.json() for r in rs]
 
-    for r in asyncio.run(run()):
+    series = ('request_success_total{finished_reason="length"}', "request_queue_time_seconds_count",
+              "request_decode_time_seconds_count", "request_generation_tokens_sum", "request_prompt_tokens_sum",
+              "iteration_tokens_total_sum")
+    wait_idle(http)
+    before = {name: metric(http, name) for name in series}
+    results = asyncio.run(run())
+    for r in results:
         assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 4, r
     wait_idle(http)
+    num_prompt = sum(r["usage"]["prompt_tokens"] for r in results)
+    assert {name: metric(http, name) - before[name] for name in series} == {
+        series[0]: 64, series[1]: 64, series[2]: 64, series[3]: 64 * 4, series[4]: num_prompt,
+        series[5]: num_prompt + 64 * 4,
+    }
     assert http.post("/reset_prefix_cache").json() == {"success": True}  # on both cores
 
 

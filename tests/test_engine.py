@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.output_processor import StepMetrics
 from pagedllm.kernels.attention import MAX_PREFILL_BLOCK
 from tests.utils import pool_is_whole
 
@@ -247,7 +248,7 @@ def test_prompt_tokens_count_each_samples_prompt_once(llm, monkeypatch):
         counted.clear()
         llm.generate(prompts, params, use_tqdm=False)
         assert sum(counted) == expected
-    assert llm.engine.output_processor.take_metrics() == ([], 0, 0)  # taken every step: nothing piles up
+    assert llm.engine.output_processor.take_metrics() == StepMetrics()  # taken every step: nothing piles up
 
 
 def test_stat_log_line_after_a_burst_and_none_while_idle(monkeypatch, caplog) -> None:

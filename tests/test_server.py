@@ -22,6 +22,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from pagedllm.engine.metrics import EngineMetrics
+from pagedllm.engine.output_processor import FinishedRequest, FinishedSample, StepMetrics
 from pagedllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from tests.utils import (
     API_KEY,
@@ -814,7 +816,13 @@ def test_metrics(http: httpx.Client) -> None:
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
                  "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "time_to_first_token_seconds_bucket",
-                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket"):
+                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
+                 "request_queue_time_seconds_bucket", "request_prefill_time_seconds_bucket",
+                 "request_decode_time_seconds_bucket", "request_inference_time_seconds_bucket",
+                 "request_time_per_output_token_seconds_bucket", "request_prompt_tokens_bucket",
+                 "request_generation_tokens_bucket", "request_params_max_tokens_bucket",
+                 "request_params_n_bucket", "request_max_num_generation_tokens_bucket",
+                 "iteration_tokens_total_bucket"):
         assert f"pagedllm:{name}" in text, name
     counters = ('request_success_total{finished_reason="length"}', "generation_tokens_total",
                 "time_to_first_token_seconds_count")
@@ -829,6 +837,59 @@ def test_metrics(http: httpx.Client) -> None:
     assert after[counters[0]] - before[counters[0]] == 3
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == 3 * 5
     assert after["time_to_first_token_seconds_count"] - before["time_to_first_token_seconds_count"] == 3
+
+
+def test_per_request_histograms(http: httpx.Client) -> None:
+    """One request, n = 2, 5 tokens each: the token-count histograms hold exact values (each
+    sample a request, n and the longest sample once), every phase histogram one observation per
+    sample, the phases add up (inference = prefill + decode) and lie inside the end-to-end
+    latency; iteration_tokens_total adds up the step's prompt and output tokens."""
+    names = [f"{h}_{part}" for h in (
+        "request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens", "request_params_n",
+        "request_max_num_generation_tokens", "iteration_tokens_total", "e2e_request_latency_seconds",
+        "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+        "request_inference_time_seconds", "request_time_per_output_token_seconds",
+    ) for part in ("sum", "count")]
+    wait_idle(http)
+    before = {name: metric(http, name) for name in names}
+    r = http.post("/v1/completions", json=_completion(max_tokens=5, n=2, temperature=1.0, ignore_eos=True))
+    assert r.status_code == 200, r.text
+    num_prompt = r.json()["usage"]["prompt_tokens"]
+    wait_idle(http)
+    d = {name: metric(http, name) - before[name] for name in names}
+    assert (d["request_prompt_tokens_sum"], d["request_prompt_tokens_count"]) == (2 * num_prompt, 2)
+    assert (d["request_generation_tokens_sum"], d["request_generation_tokens_count"]) == (10, 2)
+    assert (d["request_params_max_tokens_sum"], d["request_params_max_tokens_count"]) == (10, 2)
+    assert (d["request_params_n_sum"], d["request_params_n_count"]) == (2, 1)
+    assert (d["request_max_num_generation_tokens_sum"], d["request_max_num_generation_tokens_count"]) == (5, 1)
+    assert d["iteration_tokens_total_sum"] == 2 * num_prompt + 10 and d["iteration_tokens_total_count"] >= 5
+    for h in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
+              "request_inference_time", "request_time_per_output_token"):
+        assert d[f"{h}_seconds_count"] == 2, h
+    prefill, decode = d["request_prefill_time_seconds_sum"], d["request_decode_time_seconds_sum"]
+    assert prefill > 0 and decode > 0 and d["request_queue_time_seconds_sum"] >= 0
+    assert d["request_inference_time_seconds_sum"] == pytest.approx(prefill + decode)
+    assert d["e2e_request_latency_seconds_sum"] > d["request_inference_time_seconds_sum"]
+    assert d["request_time_per_output_token_seconds_sum"] == pytest.approx(decode / 4)  # 4 decode steps each
+
+
+def test_metrics_of_finished_samples() -> None:
+    """Without a server: a phase a sample never reached is not observed (an abort while
+    waiting), a one-token sample's time per output token is 0, an unset max_tokens is not
+    observed."""
+    m = EngineMetrics(1, 256)
+    m.record(StepMetrics(finished_samples=[
+        FinishedSample("length", 2.0, 7, 1, 1, 0.5, 0.25, 0.0, 0.25),
+        FinishedSample("abort", 1.0, 7, 0, None, None, None, None, None),
+    ], finished_requests=[FinishedRequest(2, 1)]))
+    text = m.render().decode()
+    for line in ('pagedllm:request_success_total{finished_reason="abort"} 1.0', "pagedllm:e2e_request_latency_seconds_count 2.0",
+                 "pagedllm:e2e_request_latency_seconds_sum 3.0", "pagedllm:request_queue_time_seconds_count 1.0",
+                 "pagedllm:request_inference_time_seconds_sum 0.25", "pagedllm:request_time_per_output_token_seconds_count 1.0",
+                 "pagedllm:request_time_per_output_token_seconds_sum 0.0", "pagedllm:request_params_max_tokens_count 1.0",
+                 "pagedllm:request_prompt_tokens_sum 14.0", "pagedllm:request_params_n_sum 2.0",
+                 "pagedllm:iteration_tokens_total_count 0.0"):
+        assert line in text, line
 
 
 def test_generation_tokens_count_what_requests_got(http: httpx.Client) -> None:

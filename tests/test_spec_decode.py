@@ -406,7 +406,7 @@ def test_stop_string_inside_an_accepted_run_cuts_tokens_too(tokenizer) -> None:
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", None, [EngineCoreRequest("r-0", prompt, params, [EOS], 0.0)])
     lp = TokenLogprobs([[t] for t in tokens], [[-0.5] for _ in tokens], [1 for _ in tokens])
-    outputs, to_abort = processor.process_outputs([EngineCoreOutput("r-0", tokens, logprobs=lp)])
+    outputs, to_abort = processor.process_outputs([EngineCoreOutput("r-0", tokens, logprobs=lp)], 0.0)
     (out,) = outputs[0].outputs
     assert to_abort == ["r-0"] and out.finish_reason == "stop" and out.text == " apple, "
     assert out.token_ids == tokens[: stop_at + 1] and len(out.logprobs) == stop_at + 1

@@ -84,7 +84,7 @@ class AsyncLLM:
             LoRAChecker(config, self.model_config), self.kv_config.kv_limited,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(self.num_engines, self.kv_config)
+        self.metrics = EngineMetrics(self.num_engines, self.max_model_len, self.kv_config)
         self.stat_logger = StatLogger() if log_stats else None
         self.live_view = LiveView.for_engine(config, self.kv_config) if config.live_view else None
         self.dead_error: EngineDeadError | None = None  # set once no core is left
@@ -189,8 +189,7 @@ class AsyncLLM:
         self.client.abort_requests(child_ids)
         if self.live_view is not None:
             self.live_view.on_finish(child_ids, "abort", time.monotonic())
-        if out is not None:
-            self.metrics.record_finished(out, time.monotonic())
+        self.metrics.record(self.output_processor.take_metrics())
         return out
 
     def abort_all(self) -> None:
@@ -231,7 +230,7 @@ class AsyncLLM:
     def _process(self, engine: int, core_out: EngineCoreOutputs) -> None:
         if self.live_view is not None:
             self.live_view.on_outputs(core_out)
-        outputs, to_abort = self.output_processor.process_outputs(core_out.outputs)
+        outputs, to_abort = self.output_processor.process_outputs(core_out.outputs, core_out.timestamp)
         self.client.abort_requests(to_abort)  # stop strings found here end requests the core still runs
         now = time.monotonic()
         if self.live_view is not None:
@@ -240,16 +239,15 @@ class AsyncLLM:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
-            if out.finished:
-                self.metrics.record_finished(out, now)
-        timings, num_prompt, num_gen = self.output_processor.take_metrics()
-        self.metrics.record_step(engine, core_out.stats, num_prompt, num_gen, timings)
+        step = self.output_processor.take_metrics()
+        self.metrics.record(step)
+        self.metrics.record_stats(engine, core_out.stats)
         if self.stat_logger is not None:
             stats = core_out.stats
             if stats is not None:
                 self._core_stats[engine] = stats
                 stats = sum_stats(list(self._core_stats.values()))
-            self.stat_logger.record(stats, num_prompt, num_gen)
+            self.stat_logger.record(stats, step.num_prompt_tokens, step.num_generation_tokens)
 
     def _fail_core(self, engine: int, error: EngineDeadError) -> None:
         """Core ``engine`` died: fail the requests it held; the engine is dead if it was the last."""

@@ -103,12 +103,12 @@ class LLMEngine:
         core_out = self.core.step()
         if self.live_view is not None:
             self.live_view.on_outputs(core_out)
-        outputs, to_abort = self.output_processor.process_outputs(core_out.outputs)
+        outputs, to_abort = self.output_processor.process_outputs(core_out.outputs, core_out.timestamp)
         if to_abort:
             self.core.abort_requests(to_abort)
             if self.live_view is not None:
                 self.live_view.on_finish(to_abort, "stop", time.monotonic())
-        _, num_prompt, num_gen = self.output_processor.take_metrics()  # taken every step, so none pile up
+        step = self.output_processor.take_metrics()  # taken every step, so none pile up
         if self.stat_logger is not None:
-            self.stat_logger.record(core_out.stats, num_prompt, num_gen)
+            self.stat_logger.record(core_out.stats, step.num_prompt_tokens, step.num_generation_tokens)
         return outputs

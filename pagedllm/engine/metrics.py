@@ -6,10 +6,20 @@ serves any number of cores (``sum(pagedllm:num_requests_running)``); a dead core
 removed. Counters and histograms are the sums over every core: each core reports
 cumulative counts, and each core's increments are added.
 
-The per-request series (``request_success``, ``e2e_request_latency_seconds``,
-``time_to_first_token_seconds``) count one request per sequence: a request with ``n`` samples
-is ``n`` engine requests and counts ``n`` in each of them, as vLLM counts its ``n`` child
-requests, so that ratios between the series hold whatever the ``n`` of the requests.
+The per-request series (``request_success``, ``time_to_first_token_seconds``, and the
+``e2e_request_latency_seconds``, ``request_*_time_seconds``, ``request_time_per_output_token_seconds``,
+``request_prompt_tokens``, ``request_generation_tokens`` and ``request_params_max_tokens``
+histograms) count one request per sequence: a request with ``n`` samples is ``n`` engine
+requests and counts ``n`` in each of them, as vLLM counts its ``n`` child requests, so that
+ratios between the series hold whatever the ``n`` of the requests. ``request_params_n`` and
+``request_max_num_generation_tokens`` count the user's request once, when its last sample ends.
+
+The phase intervals are vLLM's, read on the clock of the core that ran the request: queue
+(queued in the core to first scheduled), prefill (first scheduled to first token), decode (first
+to last token), inference (first scheduled to last token); a phase a request never reached (an
+abort while waiting) is not observed, so those histograms may count fewer requests than
+``request_success``. Time to first token and end-to-end latency run from the request's arrival in
+the front end (before tokenization is done) to its first token or its end there.
 """
 
 from __future__ import annotations
@@ -19,16 +29,28 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.request import FINISH_REASONS
 from pagedllm.engine.messages import SchedulerStats
-from pagedllm.engine.output_processor import TokenTiming
-from pagedllm.outputs import RequestOutput
+from pagedllm.engine.output_processor import StepMetrics
 
 # vLLM's bucket edges, so dashboards built for vLLM read these histograms unchanged.
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0]
-_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0, 1920.0, 7680.0]
+_REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                            240.0, 480.0, 960.0, 1920.0, 7680.0]
+_ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """vLLM's token-count bucket edges: 1, 2, 5, 10, 20, 50, ... up to ``max_value`` (included)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
 
 
 def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
@@ -52,12 +74,13 @@ class EngineMetrics:
 
     Args:
         num_engines: the data-parallel cores (each gets its gauges' series from the start).
+        max_model_len: the context length: the token-count histograms' buckets go up to it.
         kv_config: one core's KV cache (every core's is alike), stated as vLLM's
             ``cache_config_info``: a gauge of 1 whose labels are the cache's dtype, block size,
             block count and bytes per block; None: not stated.
     """
 
-    def __init__(self, num_engines: int = 1, kv_config: KVCacheConfig | None = None) -> None:
+    def __init__(self, num_engines: int, max_model_len: int, kv_config: KVCacheConfig | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         if kv_config is not None:
@@ -105,13 +128,60 @@ class EngineMetrics:
             "pagedllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", registry=r
         )
         self.ttft = Histogram(
-            "pagedllm:time_to_first_token_seconds", "Time to first token.", buckets=_TTFT_BUCKETS, registry=r
+            "pagedllm:time_to_first_token_seconds", "Arrival to first token, in seconds.", buckets=_TTFT_BUCKETS, registry=r
         )
         self.itl = Histogram(
-            "pagedllm:inter_token_latency_seconds", "Time between output tokens.", buckets=_ITL_BUCKETS, registry=r
+            "pagedllm:inter_token_latency_seconds", "Time between a request's successive output steps, in seconds.",
+            buckets=_ITL_BUCKETS, registry=r,
         )
         self.e2e = Histogram(
-            "pagedllm:e2e_request_latency_seconds", "Arrival to last token.", buckets=_E2E_BUCKETS, registry=r
+            "pagedllm:e2e_request_latency_seconds", "Arrival to the end of the request, in seconds.",
+            buckets=_REQUEST_LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_time = Histogram(
+            "pagedllm:request_queue_time_seconds", "Time from queued in an engine core to first scheduled, in seconds.",
+            buckets=_REQUEST_LATENCY_BUCKETS, registry=r,
+        )
+        self.prefill_time = Histogram(
+            "pagedllm:request_prefill_time_seconds", "Time from first scheduled to the first token, in seconds.",
+            buckets=_REQUEST_LATENCY_BUCKETS, registry=r,
+        )
+        self.decode_time = Histogram(
+            "pagedllm:request_decode_time_seconds", "Time from the first token to the last, in seconds.",
+            buckets=_REQUEST_LATENCY_BUCKETS, registry=r,
+        )
+        self.inference_time = Histogram(
+            "pagedllm:request_inference_time_seconds", "Time from first scheduled to the last token, in seconds.",
+            buckets=_REQUEST_LATENCY_BUCKETS, registry=r,
+        )
+        self.request_tpot = Histogram(
+            "pagedllm:request_time_per_output_token_seconds",
+            "A request's decode time per output token after the first (0 with one token or none), in seconds.",
+            buckets=_ITL_BUCKETS, registry=r,
+        )
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "pagedllm:request_prompt_tokens", "Prompt tokens of a finished request.", buckets=token_buckets, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            "pagedllm:request_generation_tokens", "Output tokens a finished request got.", buckets=token_buckets,
+            registry=r,
+        )
+        self.request_max_tokens = Histogram(
+            "pagedllm:request_params_max_tokens", "The max_tokens parameter of a finished request (when set, above 0).",
+            buckets=token_buckets, registry=r,
+        )
+        self.request_n = Histogram(
+            "pagedllm:request_params_n", "The n parameter of a finished request.", buckets=_N_BUCKETS, registry=r
+        )
+        self.request_max_generation_tokens = Histogram(
+            "pagedllm:request_max_num_generation_tokens",
+            "The most output tokens one of a finished request's n samples got.", buckets=token_buckets, registry=r,
+        )
+        self.iteration_tokens = Histogram(
+            "pagedllm:iteration_tokens_total",
+            "Tokens of an engine step with outputs: prompt tokens of the prefills it completed plus output tokens.",
+            buckets=_ITERATION_TOKENS_BUCKETS, registry=r,
         )
         self.success = Counter(
             "pagedllm:request_success", "Finished requests, by finish reason.", ["finished_reason"], registry=r
@@ -121,19 +191,36 @@ class EngineMetrics:
         # Each core reports cumulative counts; counters take the increments.
         self._last = [SchedulerStats() for _ in range(num_engines)]
 
-    def record_step(
-        self,
-        engine: int,
-        stats: SchedulerStats | None,
-        num_prompt_tokens: int,
-        num_generation_tokens: int,
-        timings: list[TokenTiming],
-    ) -> None:
-        """Apply one step of core ``engine``: its scheduler stats, token counts and per-token timings."""
-        self.prompt_tokens.inc(num_prompt_tokens)
-        self.generation_tokens.inc(num_generation_tokens)
-        for t in timings:
-            (self.ttft if t.is_first else self.itl).observe(t.latency)
+    def record(self, m: StepMetrics) -> None:
+        """Apply what the front end measured of one core step's outputs (or of an abort)."""
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.generation_tokens.inc(m.num_generation_tokens)
+        if m.num_outputs:  # as vLLM, a step that returned outputs
+            self.iteration_tokens.observe(m.num_prompt_tokens + m.num_generation_tokens)
+        for latency in m.time_to_first_tokens:
+            self.ttft.observe(latency)
+        for latency in m.inter_token_latencies:
+            self.itl.observe(latency)
+        for f in m.finished_samples:
+            self.success.labels(finished_reason=f.finish_reason).inc()
+            self.e2e.observe(f.e2e_latency)
+            self.request_prompt_tokens.observe(f.num_prompt_tokens)
+            self.request_generation_tokens.observe(f.num_generation_tokens)
+            if f.max_tokens:
+                self.request_max_tokens.observe(f.max_tokens)
+            for histogram, interval in ((self.queue_time, f.queue_time), (self.prefill_time, f.prefill_time),
+                                        (self.decode_time, f.decode_time), (self.inference_time, f.inference_time)):
+                if interval is not None:
+                    histogram.observe(interval)
+            if f.decode_time is not None:
+                decode_steps = f.num_generation_tokens - 1
+                self.request_tpot.observe(f.decode_time / decode_steps if decode_steps > 0 else 0.0)
+        for req in m.finished_requests:
+            self.request_n.observe(req.n)
+            self.request_max_generation_tokens.observe(req.max_num_generation_tokens)
+
+    def record_stats(self, engine: int, stats: SchedulerStats | None) -> None:
+        """Apply core ``engine``'s scheduler stats (None: a message without them)."""
         if stats is None:
             return
         label = str(engine)
@@ -153,15 +240,6 @@ class EngineMetrics:
         """Drop a dead core's gauge series (its counts stay in the counters)."""
         for gauge in self._gauges:
             gauge.remove(str(engine))
-
-    def record_finished(self, output: RequestOutput, now: float) -> None:
-        """Count a finished request: each of its ``n`` samples as one request (in
-        ``request_success`` and ``e2e_request_latency``, as in ``time_to_first_token``), at its
-        request's end-to-end latency (arrival to ``now``, when its last sample finished)."""
-        latency = now - output.metrics["arrival_time"]
-        for c in output.outputs:
-            self.e2e.observe(latency)
-            self.success.labels(finished_reason=c.finish_reason or "abort").inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -30,8 +30,15 @@ class SampleState:
     stop_reason: int | str | None = None
     error: str | None = None
     error_param: str | None = None
-    first_token_time: float | None = None
+    first_token_time: float | None = None  # this process's time.monotonic(), as ``RequestState.arrival_time``
     last_token_time: float | None = None
+    # Its core's time.monotonic() (the core's outputs' times): queued and first scheduled there,
+    # the step that completed its prefill (its first token, or the end of a prompt-only one) and
+    # the step of its last token (that step again when it got none).
+    queued_ts: float | None = None
+    scheduled_ts: float | None = None
+    first_token_ts: float | None = None
+    last_token_ts: float | None = None
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
     final_delta: str = ""  # text released by the detokenizer's flush, not yet streamed
@@ -54,13 +61,51 @@ class RequestState:
 
 
 @dataclass
-class TokenTiming:
-    """What the metrics need per new-token event: first token (TTFT) or a later one (ITL)."""
+class FinishedSample:
+    """What the per-request metrics take of one finished sample (one engine-core request).
 
-    request_id: str
-    is_first: bool
-    latency: float  # seconds since arrival (first) or since the previous token (later)
-    num_tokens: int
+    Times in seconds; an interval is None when the sample never reached one of its ends (aborted
+    while waiting, failed before its first token): queue is queued to first scheduled, prefill
+    first scheduled to first token, decode first to last token, inference first scheduled to
+    last token (vLLM's intervals, a preemption's time inside the one it fell in).
+    """
+
+    finish_reason: str
+    e2e_latency: float  # the request's arrival to this sample's end, in the front end
+    num_prompt_tokens: int
+    num_generation_tokens: int  # the tokens it got (its usage's completion_tokens)
+    max_tokens: int | None  # its max_tokens parameter
+    queue_time: float | None
+    prefill_time: float | None
+    decode_time: float | None
+    inference_time: float | None
+
+
+@dataclass
+class FinishedRequest:
+    """What the metrics take of a user request once all its samples have finished."""
+
+    n: int
+    max_num_generation_tokens: int  # the most tokens one of its samples got
+
+
+@dataclass
+class StepMetrics:
+    """What the metrics take of the outputs handled since they last took them (one core step's,
+    or an abort's): counts, and latencies in seconds."""
+
+    num_outputs: int = 0  # engine-core outputs handled
+    # Prompt tokens of the samples whose prefill completed (their first token, or the end of a
+    # prompt-only one: max_tokens 0), prefix-cache hits included, each of n samples counting
+    # its prompt (vLLM's count).
+    num_prompt_tokens: int = 0
+    # Output tokens the requests got (what their usage counts); not those a core sampled for a
+    # request already finished here (a stop string) or aborted, as vLLM counts.
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)  # arrival to first token, front-end clock
+    inter_token_latencies: list[float] = field(default_factory=list)  # between a sample's steps, core clock
+    finished_samples: list[FinishedSample] = field(default_factory=list)
+    finished_requests: list[FinishedRequest] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -75,15 +120,7 @@ class OutputProcessor:
         self.token_bytes = TokenBytes(tokenizer)
         self.requests: dict[str, RequestState] = {}
         self._child_to_parent: dict[str, tuple[RequestState, SampleState]] = {}
-        self.timings: list[TokenTiming] = []  # taken by ``take_metrics``
-        # Prompt tokens of the samples whose prefill completed (their first token, or the end of
-        # a prompt-only one: max_tokens 0), prefix-cache hits included, each of n samples
-        # counting its prompt (vLLM's count); taken by ``take_metrics``.
-        self.num_prompt_tokens = 0
-        # Output tokens the requests got (what their usage counts); not those a core sampled for
-        # a request already finished here (a stop string) or aborted, as vLLM counts; taken by
-        # ``take_metrics``.
-        self.num_generation_tokens = 0
+        self.metrics = StepMetrics()  # taken by ``take_metrics``
 
     def add_request(
         self,
@@ -107,11 +144,9 @@ class OutputProcessor:
         for r, s in zip(core_requests, samples):
             self._child_to_parent[r.request_id] = (state, s)
 
-    def take_metrics(self) -> tuple[list[TokenTiming], int, int]:
-        """The token timings, the prompt tokens (``num_prompt_tokens``) and the output tokens
-        (``num_generation_tokens``) since the last call."""
-        taken = self.timings, self.num_prompt_tokens, self.num_generation_tokens
-        self.timings, self.num_prompt_tokens, self.num_generation_tokens = [], 0, 0
+    def take_metrics(self) -> StepMetrics:
+        """What the outputs and aborts handled since the last call measured."""
+        taken, self.metrics = self.metrics, StepMetrics()
         return taken
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -123,14 +158,19 @@ class OutputProcessor:
         state = self.requests.get(request_id)
         if state is None:
             return None
+        now = time.monotonic()
         for s in state.samples:
             if s.finish_reason is None:
                 s.finish_reason = "abort"
+                self._record_finished(state, s, now)
+        self.metrics.finished_requests.append(self._finished_request(state))
         self._drop(state)
         return self._make_output(state)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one engine step's outputs.
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput], timestamp: float
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one engine step's outputs; ``timestamp``: the step's (``EngineCoreOutputs.timestamp``).
 
         Returns:
             (request outputs to deliver, engine-core request ids to abort because a stop
@@ -139,6 +179,8 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
+        metrics = self.metrics
+        metrics.num_outputs += len(outputs)
         for out in outputs:
             entry = self._child_to_parent.get(out.request_id)
             if entry is None:
@@ -149,10 +191,13 @@ class OutputProcessor:
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None and sample.index == 0:
                 state.prompt_logprobs.extend(self._to_dicts(out.prompt_logprobs))
             state.num_cached_tokens = out.num_cached_tokens
-            if sample.first_token_time is None and (out.new_token_ids or out.finish_reason not in (None, "error")):
-                self.num_prompt_tokens += len(state.prompt_token_ids)
+            if out.queued_time is not None:
+                sample.queued_ts, sample.scheduled_ts = out.queued_time, out.scheduled_time
+            if sample.first_token_ts is None and (out.new_token_ids or out.finish_reason not in (None, "error")):
+                metrics.num_prompt_tokens += len(state.prompt_token_ids)
+                sample.first_token_ts = sample.last_token_ts = timestamp
             if out.new_token_ids:
-                self._record_timing(state, sample, out.request_id, now, len(out.new_token_ids))
+                self._record_timing(state, sample, now, timestamp)
                 num_before = sample.detokenizer.num_output_tokens
                 # Only a stop token's text is left out: a completed grammar also finishes with
                 # "stop", on a token whose text is part of the output.
@@ -162,7 +207,7 @@ class OutputProcessor:
                 # output at the token that completed it: the tokens after it are dropped.
                 num_new = sample.detokenizer.num_output_tokens - num_before
                 sample.token_ids.extend(out.new_token_ids[:num_new])
-                self.num_generation_tokens += num_new
+                metrics.num_generation_tokens += num_new
                 if out.logprobs is not None:
                     self._add_logprobs(sample, out.logprobs.first(num_new), sample.detokenizer.token_texts)
                 if stop is not None:
@@ -176,23 +221,48 @@ class OutputProcessor:
                 sample.final_delta = sample.detokenizer.flush()
             if sample.finish_reason is not None:
                 self._child_to_parent.pop(out.request_id, None)
+                self._record_finished(state, sample, now)
 
         results = []
         for state in touched.values():
             if state.finished:
                 self.requests.pop(state.request_id, None)
+                metrics.finished_requests.append(self._finished_request(state))
             if state.stream or state.finished:
                 results.append(self._make_output(state))
         return results, to_abort
 
     # -- helpers -------------------------------------------------------------------------
-    def _record_timing(self, state: RequestState, sample: SampleState, child_id: str, now: float, n: int) -> None:
+    def _record_timing(self, state: RequestState, sample: SampleState, now: float, timestamp: float) -> None:
+        """A sample got tokens at ``now`` (here) from the step of ``timestamp`` (its core's clock)."""
         if sample.first_token_time is None:
             sample.first_token_time = now
-            self.timings.append(TokenTiming(child_id, True, now - state.arrival_time, n))
+            self.metrics.time_to_first_tokens.append(now - state.arrival_time)
         else:
-            self.timings.append(TokenTiming(child_id, False, now - sample.last_token_time, n))
+            self.metrics.inter_token_latencies.append(timestamp - sample.last_token_ts)
         sample.last_token_time = now
+        sample.last_token_ts = timestamp
+
+    def _record_finished(self, state: RequestState, sample: SampleState, now: float) -> None:
+        """The sample has just finished (at ``now``, here): its per-request metrics."""
+        queued, scheduled, first, last = sample.queued_ts, sample.scheduled_ts, sample.first_token_ts, sample.last_token_ts
+        self.metrics.finished_samples.append(
+            FinishedSample(
+                sample.finish_reason,
+                now - state.arrival_time,
+                len(state.prompt_token_ids),
+                len(sample.token_ids),
+                sample.params.max_tokens,
+                None if queued is None or scheduled is None else scheduled - queued,
+                None if scheduled is None or first is None else first - scheduled,
+                None if first is None else last - first,
+                None if scheduled is None or last is None else last - scheduled,
+            )
+        )
+
+    @staticmethod
+    def _finished_request(state: RequestState) -> FinishedRequest:
+        return FinishedRequest(len(state.samples), max(len(s.token_ids) for s in state.samples))
 
     def _add_logprobs(self, sample: SampleState, lp: TokenLogprobs, texts: list[str]) -> None:
         if sample.logprobs is None:
