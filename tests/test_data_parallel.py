@@ -100,12 +100,17 @@ def test_sum_stats() -> None:
 
 def test_metrics_per_core_gauges_summed_counters() -> None:
     m = EngineMetrics(2, 256)
-    for engine, stats, num_gen in ((0, SchedulerStats(num_running=3, prefix_cache_queries=10), 1),
-                                   (1, SchedulerStats(num_running=1, prefix_cache_queries=4), 1),
-                                   (0, SchedulerStats(num_running=2, prefix_cache_queries=12), 2)):
+    for engine, stats, num_gen in (
+        (0, SchedulerStats(num_running=3, prefix_cache_queries=10, spec_num_drafts=2, spec_accepted_per_position=[2, 1]), 1),
+        (1, SchedulerStats(num_running=1, prefix_cache_queries=4, spec_num_drafts=1, spec_accepted_per_position=[1, 0]), 1),
+        (0, SchedulerStats(num_running=2, prefix_cache_queries=12, spec_num_drafts=3, spec_accepted_per_position=[3, 1]), 2),
+    ):
         m.record(StepMetrics(num_generation_tokens=num_gen))
         m.record_stats(engine, stats)
     text = m.render().decode()
+    assert "pagedllm:spec_decode_num_drafts_total 4.0" in text
+    assert 'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 4.0' in text
+    assert 'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 1.0' in text
     assert 'pagedllm:num_requests_running{engine="0"} 2.0' in text
     assert 'pagedllm:num_requests_running{engine="1"} 1.0' in text
     assert "pagedllm:prefix_cache_queries_total 16.0" in text  # 12 on core 0 + 4 on core 1

@@ -121,11 +121,19 @@ class EngineMetrics:
             registry=r,
         )
         self.prefix_hits = Counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.spec_drafts = Counter(
+            "pagedllm:spec_decode_num_drafts", "Speculative drafts verified (request-steps with draft tokens).",
+            registry=r,
+        )
         self.spec_draft_tokens = Counter(
             "pagedllm:spec_decode_num_draft_tokens", "Speculative draft tokens verified.", registry=r
         )
         self.spec_accepted_tokens = Counter(
             "pagedllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "pagedllm:spec_decode_num_accepted_tokens_per_pos", "Speculative draft tokens accepted, by draft position.",
+            ["position"], registry=r,
         )
         self.ttft = Histogram(
             "pagedllm:time_to_first_token_seconds", "Arrival to first token, in seconds.", buckets=_TTFT_BUCKETS, registry=r
@@ -232,8 +240,12 @@ class EngineMetrics:
         self.preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
         self.prefix_queries.inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
         self.prefix_hits.inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
+        self.spec_drafts.inc(max(stats.spec_num_drafts - last.spec_num_drafts, 0))
         self.spec_draft_tokens.inc(max(stats.spec_num_draft_tokens - last.spec_num_draft_tokens, 0))
         self.spec_accepted_tokens.inc(max(stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens, 0))
+        for position, accepted in enumerate(stats.spec_accepted_per_position):
+            before = last.spec_accepted_per_position[position] if position < len(last.spec_accepted_per_position) else 0
+            self.spec_accepted_per_pos.labels(position=str(position)).inc(max(accepted - before, 0))
         self._last[engine] = stats
 
     def remove_engine(self, engine: int) -> None:
