@@ -24,7 +24,7 @@ from pagedllm.engine.metrics import EngineMetrics, sum_stats
 from pagedllm.engine.output_processor import StepMetrics
 from pagedllm.entrypoints.cli import build_parser, check_args
 from pagedllm.entrypoints.openai.cli_args import engine_config
-from tests.utils import MODEL, Server, metric, start_server, stop_server, wait_idle
+from tests.utils import MODEL, Server, metric, metric_value, start_server, stop_server, wait_idle
 
 SMALL = ("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 PROMPTS = [f"Fact number {i} about the ocean:" for i in range(8)]
@@ -99,7 +99,7 @@ def test_sum_stats() -> None:
 
 
 def test_metrics_per_core_gauges_summed_counters() -> None:
-    m = EngineMetrics(2, 256)
+    m = EngineMetrics(2, 256, "m")
     for engine, stats, num_gen in (
         (0, SchedulerStats(num_running=3, prefix_cache_queries=10, spec_num_drafts=2, spec_accepted_per_position=[2, 1]), 1),
         (1, SchedulerStats(num_running=1, prefix_cache_queries=4, spec_num_drafts=1, spec_accepted_per_position=[1, 0]), 1),
@@ -108,13 +108,14 @@ def test_metrics_per_core_gauges_summed_counters() -> None:
         m.record(StepMetrics(num_generation_tokens=num_gen))
         m.record_stats(engine, stats)
     text = m.render().decode()
-    assert "pagedllm:spec_decode_num_drafts_total 4.0" in text
-    assert 'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 4.0' in text
-    assert 'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 1.0' in text
-    assert 'pagedllm:num_requests_running{engine="0"} 2.0' in text
-    assert 'pagedllm:num_requests_running{engine="1"} 1.0' in text
-    assert "pagedllm:prefix_cache_queries_total 16.0" in text  # 12 on core 0 + 4 on core 1
-    assert "pagedllm:generation_tokens_total 4.0" in text
+    assert metric_value(text, "spec_decode_num_drafts_total") == 4
+    assert metric_value(text, 'spec_decode_num_accepted_tokens_per_pos_total{position="0"}') == 4
+    assert metric_value(text, 'spec_decode_num_accepted_tokens_per_pos_total{position="1"}') == 1
+    assert metric_value(text, 'num_requests_running{engine="0"}') == 2
+    assert metric_value(text, 'num_requests_running{engine="1"}') == 1
+    assert metric_value(text, "prefix_cache_queries_total") == 16  # 12 on core 0 + 4 on core 1
+    assert metric_value(text, "generation_tokens_total") == 4
+    assert 'model_name="m"' in text
     m.remove_engine(1)
     assert 'engine="1"' not in m.render().decode()
 
@@ -174,7 +175,8 @@ def test_cores_pinned_and_metrics_per_core(dp_server: Server, http: httpx.Client
     for i in range(2):
         assert f"data-parallel engine core {i} of 2: pinned to cores" in log
     text = http.get("/metrics").text
-    assert 'pagedllm:kv_cache_usage_perc{engine="0"}' in text and 'pagedllm:kv_cache_usage_perc{engine="1"}' in text
+    for i in range(2):
+        metric_value(text, f'kv_cache_usage_perc{{engine="{i}"}}')  # a series per core (it asserts so)
 
 
 def test_64_concurrent_requests_complete(dp_server: Server, http: httpx.Client) -> None:

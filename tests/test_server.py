@@ -32,6 +32,7 @@ from tests.utils import (
     MODEL,
     Server,
     metric,
+    metric_value,
     start_server,
     stop_server,
     wait_idle,
@@ -877,19 +878,19 @@ def test_metrics_of_finished_samples() -> None:
     """Without a server: a phase a sample never reached is not observed (an abort while
     waiting), a one-token sample's time per output token is 0, an unset max_tokens is not
     observed."""
-    m = EngineMetrics(1, 256)
+    m = EngineMetrics(1, 256, "m")
     m.record(StepMetrics(finished_samples=[
         FinishedSample("length", 2.0, 7, 1, 1, 0.5, 0.25, 0.0, 0.25),
         FinishedSample("abort", 1.0, 7, 0, None, None, None, None, None),
     ], finished_requests=[FinishedRequest(2, 1)]))
     text = m.render().decode()
-    for line in ('pagedllm:request_success_total{finished_reason="abort"} 1.0', "pagedllm:e2e_request_latency_seconds_count 2.0",
-                 "pagedllm:e2e_request_latency_seconds_sum 3.0", "pagedllm:request_queue_time_seconds_count 1.0",
-                 "pagedllm:request_inference_time_seconds_sum 0.25", "pagedllm:request_time_per_output_token_seconds_count 1.0",
-                 "pagedllm:request_time_per_output_token_seconds_sum 0.0", "pagedllm:request_params_max_tokens_count 1.0",
-                 "pagedllm:request_prompt_tokens_sum 14.0", "pagedllm:request_params_n_sum 2.0",
-                 "pagedllm:iteration_tokens_total_count 0.0"):
-        assert line in text, line
+    expected = {'request_success_total{finished_reason="abort"}': 1, "e2e_request_latency_seconds_count": 2,
+                "e2e_request_latency_seconds_sum": 3, "request_queue_time_seconds_count": 1,
+                "request_inference_time_seconds_sum": 0.25, "request_time_per_output_token_seconds_count": 1,
+                "request_time_per_output_token_seconds_sum": 0, "request_params_max_tokens_count": 1,
+                "request_prompt_tokens_sum": 14, "request_params_n_sum": 2, "iteration_tokens_total_count": 0}
+    assert {name: metric_value(text, name) for name in expected} == expected
+    assert all('model_name="m"' in line for line in text.splitlines() if line.startswith("pagedllm:"))
 
 
 def test_generation_tokens_count_what_requests_got(http: httpx.Client) -> None:

@@ -113,12 +113,22 @@ def stop_server(server: Server) -> None:
         server.proc.wait()
 
 
-def metric(http: httpx.Client, name: str) -> float:
-    """A metric's value; for a per-core gauge (label ``engine``), the sum over the cores."""
-    text = http.get("/metrics").text
-    values = re.findall(rf'^pagedllm:{re.escape(name)}(?:{{engine="\d+"}})? (\S+)$', text, re.MULTILINE)
+def metric_value(text: str, name: str) -> float:
+    """A metric's value in a Prometheus text exposition, summed over its series (a per-core
+    gauge's cores); ``name`` may end in labels its series must have, e.g.
+    ``'request_success_total{finished_reason="stop"}'``."""
+    base, _, wanted = name.partition("{")
+    labels = re.compile(r'(\w+)="([^"]*)"')
+    want = set(labels.findall(wanted))
+    values = [float(value) for series, found, value in re.findall(r"^pagedllm:(\S+?)(?:\{(.*)\})? (\S+)$", text, re.M)
+              if series == base and want <= set(labels.findall(found))]
     assert values, f"pagedllm:{name} not in /metrics"
-    return sum(map(float, values))
+    return sum(values)
+
+
+def metric(http: httpx.Client, name: str) -> float:
+    """``metric_value`` of the server's /metrics."""
+    return metric_value(http.get("/metrics").text, name)
 
 
 def wait_idle(http: httpx.Client, timeout: float = 20.0) -> None:

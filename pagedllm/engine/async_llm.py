@@ -54,6 +54,8 @@ class AsyncLLM:
 
     Args:
         config: engine settings.
+        model_name: the served model's name, which labels the metrics' series (vLLM's
+            ``model_name``: the first served name).
         log_stats: log a throughput line every few seconds while serving.
 
     Raises:
@@ -61,7 +63,7 @@ class AsyncLLM:
         ValueError: a setting data parallelism cannot serve (the live view).
     """
 
-    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+    def __init__(self, config: EngineConfig, model_name: str, log_stats: bool = True) -> None:
         self.config = config
         self.num_engines = config.data_parallel_size
         self.client = DPAsyncMPClient(config)
@@ -84,7 +86,7 @@ class AsyncLLM:
             LoRAChecker(config, self.model_config), self.kv_config.kv_limited,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(self.num_engines, self.max_model_len, self.kv_config)
+        self.metrics = EngineMetrics(self.num_engines, self.max_model_len, model_name, self.kv_config)
         self.stat_logger = StatLogger() if log_stats else None
         self.live_view = LiveView.for_engine(config, self.kv_config) if config.live_view else None
         self.dead_error: EngineDeadError | None = None  # set once no core is left

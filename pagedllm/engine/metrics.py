@@ -1,10 +1,12 @@
 """Prometheus metrics of a serving engine, named as vLLM's with the ``pagedllm:`` prefix.
 
-As vLLM's, the scheduler gauges (running, waiting, KV cache usage) carry an ``engine`` label,
-the data-parallel core's index ("0" alone without data parallelism), so that one dashboard
-serves any number of cores (``sum(pagedllm:num_requests_running)``); a dead core's series are
-removed. Counters and histograms are the sums over every core: each core reports
-cumulative counts, and each core's increments are added.
+Every series but ``cache_config_info``'s carries vLLM's ``model_name`` label (the served
+model's name), by which vLLM's dashboards select their series. As vLLM's, the scheduler gauges
+(running, waiting, KV cache usage) carry an ``engine`` label, the data-parallel core's index
+("0" alone without data parallelism), so that one dashboard serves any number of cores
+(``sum(pagedllm:num_requests_running)``); a dead core's series are removed. Counters and
+histograms are the sums over every core: each core reports cumulative counts, and each core's
+increments are added.
 
 The per-request series (``request_success``, ``time_to_first_token_seconds``, and the
 ``e2e_request_latency_seconds``, ``request_*_time_seconds``, ``request_time_per_output_token_seconds``,
@@ -75,127 +77,131 @@ class EngineMetrics:
     Args:
         num_engines: the data-parallel cores (each gets its gauges' series from the start).
         max_model_len: the context length: the token-count histograms' buckets go up to it.
+        model_name: the served model's name, every series' ``model_name`` label (as vLLM's: the
+            first served name), by which vLLM's dashboards select their series.
         kv_config: one core's KV cache (every core's is alike), stated as vLLM's
             ``cache_config_info``: a gauge of 1 whose labels are the cache's dtype, block size,
             block count and bytes per block; None: not stated.
     """
 
-    def __init__(self, num_engines: int, max_model_len: int, kv_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self, num_engines: int, max_model_len: int, model_name: str, kv_config: KVCacheConfig | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         r = self.registry
+
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, ["model_name"], registry=r).labels(model_name)
+
+        def histogram(name: str, documentation: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, documentation, ["model_name"], buckets=buckets, registry=r).labels(model_name)
+
+        def per_engine_gauge(name: str, documentation: str) -> Gauge:
+            return Gauge(name, documentation, ["model_name", "engine"], registry=r)
+
         if kv_config is not None:
             labels = {"cache_dtype": kv_config.dtype, "block_size": str(kv_config.block_size),
                       "num_gpu_blocks": str(kv_config.num_blocks), "bytes_per_block": str(kv_config.bytes_per_block)}
             Gauge("pagedllm:cache_config_info", "The KV cache's configuration (labels); always 1.", list(labels),
                   registry=r).labels(**labels).set(1)
-        self.running = Gauge(
-            "pagedllm:num_requests_running", "Requests in the running batch.", ["engine"], registry=r
-        )
-        self.waiting = Gauge(
-            "pagedllm:num_requests_waiting", "Requests waiting to be scheduled.", ["engine"], registry=r
-        )
-        self.kv_usage = Gauge(
-            "pagedllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", ["engine"], registry=r
-        )
-        self.resident_memory = Gauge(
-            "pagedllm:engine_core_resident_memory_bytes", "Resident memory of the engine core process, in bytes.",
-            ["engine"], registry=r,
+        self.running = per_engine_gauge("pagedllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = per_engine_gauge("pagedllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = per_engine_gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.resident_memory = per_engine_gauge(
+            "pagedllm:engine_core_resident_memory_bytes", "Resident memory of the engine core process, in bytes."
         )
         self._gauges = (self.running, self.waiting, self.kv_usage, self.resident_memory)
         for engine in range(num_engines):
             for gauge in self._gauges:
-                gauge.labels(engine=str(engine))
-        self.preemptions = Counter("pagedllm:num_preemptions", "Preemptions of running requests.", registry=r)
-        self.prompt_tokens = Counter(
+                gauge.labels(model_name, str(engine))
+        self.preemptions = counter("pagedllm:num_preemptions", "Preemptions of running requests.")
+        self.prompt_tokens = counter(
             "pagedllm:prompt_tokens",
             "Prompt tokens of requests whose prefill completed, prefix-cache hits included; each of n samples "
-            "counts its prompt.",
-            registry=r,
+            "counts its prompt."
         )
-        self.generation_tokens = Counter(
-            "pagedllm:generation_tokens", "Output tokens the requests got (their usage's completion_tokens).",
-            registry=r,
+        self.generation_tokens = counter(
+            "pagedllm:generation_tokens", "Output tokens the requests got (their usage's completion_tokens)."
         )
-        self.prefix_queries = Counter(
-            "pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache, once per request.",
-            registry=r,
+        self.prefix_queries = counter(
+            "pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache, once per request."
         )
-        self.prefix_hits = Counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
-        self.spec_drafts = Counter(
-            "pagedllm:spec_decode_num_drafts", "Speculative drafts verified (request-steps with draft tokens).",
-            registry=r,
+        self.prefix_hits = counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_drafts = counter(
+            "pagedllm:spec_decode_num_drafts", "Speculative drafts verified (request-steps with draft tokens)."
         )
-        self.spec_draft_tokens = Counter(
-            "pagedllm:spec_decode_num_draft_tokens", "Speculative draft tokens verified.", registry=r
+        self.spec_draft_tokens = counter(
+            "pagedllm:spec_decode_num_draft_tokens", "Speculative draft tokens verified."
         )
-        self.spec_accepted_tokens = Counter(
-            "pagedllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", registry=r
+        self.spec_accepted_tokens = counter(
+            "pagedllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."
         )
         self.spec_accepted_per_pos = Counter(
             "pagedllm:spec_decode_num_accepted_tokens_per_pos", "Speculative draft tokens accepted, by draft position.",
-            ["position"], registry=r,
+            ["model_name", "position"], registry=r,
         )
-        self.ttft = Histogram(
-            "pagedllm:time_to_first_token_seconds", "Arrival to first token, in seconds.", buckets=_TTFT_BUCKETS, registry=r
+        self.ttft = histogram(
+            "pagedllm:time_to_first_token_seconds", "Arrival to first token, in seconds.", buckets=_TTFT_BUCKETS
         )
-        self.itl = Histogram(
+        self.itl = histogram(
             "pagedllm:inter_token_latency_seconds", "Time between a request's successive output steps, in seconds.",
-            buckets=_ITL_BUCKETS, registry=r,
+            buckets=_ITL_BUCKETS
         )
-        self.e2e = Histogram(
+        self.e2e = histogram(
             "pagedllm:e2e_request_latency_seconds", "Arrival to the end of the request, in seconds.",
-            buckets=_REQUEST_LATENCY_BUCKETS, registry=r,
+            buckets=_REQUEST_LATENCY_BUCKETS
         )
-        self.queue_time = Histogram(
+        self.queue_time = histogram(
             "pagedllm:request_queue_time_seconds", "Time from queued in an engine core to first scheduled, in seconds.",
-            buckets=_REQUEST_LATENCY_BUCKETS, registry=r,
+            buckets=_REQUEST_LATENCY_BUCKETS
         )
-        self.prefill_time = Histogram(
+        self.prefill_time = histogram(
             "pagedllm:request_prefill_time_seconds", "Time from first scheduled to the first token, in seconds.",
-            buckets=_REQUEST_LATENCY_BUCKETS, registry=r,
+            buckets=_REQUEST_LATENCY_BUCKETS
         )
-        self.decode_time = Histogram(
+        self.decode_time = histogram(
             "pagedllm:request_decode_time_seconds", "Time from the first token to the last, in seconds.",
-            buckets=_REQUEST_LATENCY_BUCKETS, registry=r,
+            buckets=_REQUEST_LATENCY_BUCKETS
         )
-        self.inference_time = Histogram(
+        self.inference_time = histogram(
             "pagedllm:request_inference_time_seconds", "Time from first scheduled to the last token, in seconds.",
-            buckets=_REQUEST_LATENCY_BUCKETS, registry=r,
+            buckets=_REQUEST_LATENCY_BUCKETS
         )
-        self.request_tpot = Histogram(
+        self.request_tpot = histogram(
             "pagedllm:request_time_per_output_token_seconds",
             "A request's decode time per output token after the first (0 with one token or none), in seconds.",
-            buckets=_ITL_BUCKETS, registry=r,
+            buckets=_ITL_BUCKETS
         )
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = Histogram(
-            "pagedllm:request_prompt_tokens", "Prompt tokens of a finished request.", buckets=token_buckets, registry=r
+        self.request_prompt_tokens = histogram(
+            "pagedllm:request_prompt_tokens", "Prompt tokens of a finished request.", buckets=token_buckets
         )
-        self.request_generation_tokens = Histogram(
-            "pagedllm:request_generation_tokens", "Output tokens a finished request got.", buckets=token_buckets,
-            registry=r,
+        self.request_generation_tokens = histogram(
+            "pagedllm:request_generation_tokens", "Output tokens a finished request got.", buckets=token_buckets
         )
-        self.request_max_tokens = Histogram(
+        self.request_max_tokens = histogram(
             "pagedllm:request_params_max_tokens", "The max_tokens parameter of a finished request (when set, above 0).",
-            buckets=token_buckets, registry=r,
+            buckets=token_buckets
         )
-        self.request_n = Histogram(
-            "pagedllm:request_params_n", "The n parameter of a finished request.", buckets=_N_BUCKETS, registry=r
+        self.request_n = histogram(
+            "pagedllm:request_params_n", "The n parameter of a finished request.", buckets=_N_BUCKETS
         )
-        self.request_max_generation_tokens = Histogram(
+        self.request_max_generation_tokens = histogram(
             "pagedllm:request_max_num_generation_tokens",
-            "The most output tokens one of a finished request's n samples got.", buckets=token_buckets, registry=r,
+            "The most output tokens one of a finished request's n samples got.", buckets=token_buckets
         )
-        self.iteration_tokens = Histogram(
+        self.iteration_tokens = histogram(
             "pagedllm:iteration_tokens_total",
             "Tokens of an engine step with outputs: prompt tokens of the prefills it completed plus output tokens.",
-            buckets=_ITERATION_TOKENS_BUCKETS, registry=r,
+            buckets=_ITERATION_TOKENS_BUCKETS
         )
         self.success = Counter(
-            "pagedllm:request_success", "Finished requests, by finish reason.", ["finished_reason"], registry=r
+            "pagedllm:request_success", "Finished requests, by finish reason.", ["model_name", "finished_reason"],
+            registry=r,
         )
         for reason in FINISH_REASONS:  # exported from the start at 0, as vLLM does, so rates need no first request
-            self.success.labels(finished_reason=reason)
+            self.success.labels(model_name, reason)
         # Each core reports cumulative counts; counters take the increments.
         self._last = [SchedulerStats() for _ in range(num_engines)]
 
@@ -210,7 +216,7 @@ class EngineMetrics:
         for latency in m.inter_token_latencies:
             self.itl.observe(latency)
         for f in m.finished_samples:
-            self.success.labels(finished_reason=f.finish_reason).inc()
+            self.success.labels(self.model_name, f.finish_reason).inc()
             self.e2e.observe(f.e2e_latency)
             self.request_prompt_tokens.observe(f.num_prompt_tokens)
             self.request_generation_tokens.observe(f.num_generation_tokens)
@@ -231,11 +237,11 @@ class EngineMetrics:
         """Apply core ``engine``'s scheduler stats (None: a message without them)."""
         if stats is None:
             return
-        label = str(engine)
-        self.running.labels(engine=label).set(stats.num_running)
-        self.waiting.labels(engine=label).set(stats.num_waiting)
-        self.kv_usage.labels(engine=label).set(stats.kv_cache_usage)
-        self.resident_memory.labels(engine=label).set(stats.resident_memory_bytes)
+        labels = self.model_name, str(engine)
+        self.running.labels(*labels).set(stats.num_running)
+        self.waiting.labels(*labels).set(stats.num_waiting)
+        self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
+        self.resident_memory.labels(*labels).set(stats.resident_memory_bytes)
         last = self._last[engine]
         self.preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
         self.prefix_queries.inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
@@ -245,13 +251,13 @@ class EngineMetrics:
         self.spec_accepted_tokens.inc(max(stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens, 0))
         for position, accepted in enumerate(stats.spec_accepted_per_position):
             before = last.spec_accepted_per_position[position] if position < len(last.spec_accepted_per_position) else 0
-            self.spec_accepted_per_pos.labels(position=str(position)).inc(max(accepted - before, 0))
+            self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(max(accepted - before, 0))
         self._last[engine] = stats
 
     def remove_engine(self, engine: int) -> None:
         """Drop a dead core's gauge series (its counts stay in the counters)."""
         for gauge in self._gauges:
-            gauge.remove(str(engine))
+            gauge.remove(self.model_name, str(engine))
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -251,7 +251,7 @@ def run_serve(args: argparse.Namespace) -> None:
     names = tuple(args.served_model_name or [args.model])
     with listening_socket(args.host, args.port) as sock:  # bound before the engine loads
         try:
-            engine = AsyncLLM(config, log_stats=not args.disable_log_stats)
+            engine = AsyncLLM(config, names[0], log_stats=not args.disable_log_stats)
         except RuntimeError as e:
             logger.error("%s", e)
             sys.exit(1)
