@@ -823,7 +823,8 @@ def test_metrics(http: httpx.Client) -> None:
                  "request_time_per_output_token_seconds_bucket", "request_prompt_tokens_bucket",
                  "request_generation_tokens_bucket", "request_params_max_tokens_bucket",
                  "request_params_n_bucket", "request_max_num_generation_tokens_bucket",
-                 "iteration_tokens_total_bucket"):
+                 "iteration_tokens_total_bucket", "prompt_tokens_cached_total",
+                 "request_prefill_kv_computed_tokens_bucket"):
         assert f"pagedllm:{name}" in text, name
     counters = ('request_success_total{finished_reason="length"}', "generation_tokens_total",
                 "time_to_first_token_seconds_count")
@@ -880,15 +881,17 @@ def test_metrics_of_finished_samples() -> None:
     observed."""
     m = EngineMetrics(1, 256, "m")
     m.record(StepMetrics(finished_samples=[
-        FinishedSample("length", 2.0, 7, 1, 1, 0.5, 0.25, 0.0, 0.25),
-        FinishedSample("abort", 1.0, 7, 0, None, None, None, None, None),
+        FinishedSample("length", 2.0, 7, 3, 1, 1, 0.5, 0.25, 0.0, 0.25),
+        FinishedSample("abort", 1.0, 7, None, 0, None, None, None, None, None),
     ], finished_requests=[FinishedRequest(2, 1)]))
     text = m.render().decode()
     expected = {'request_success_total{finished_reason="abort"}': 1, "e2e_request_latency_seconds_count": 2,
                 "e2e_request_latency_seconds_sum": 3, "request_queue_time_seconds_count": 1,
                 "request_inference_time_seconds_sum": 0.25, "request_time_per_output_token_seconds_count": 1,
                 "request_time_per_output_token_seconds_sum": 0, "request_params_max_tokens_count": 1,
-                "request_prompt_tokens_sum": 14, "request_params_n_sum": 2, "iteration_tokens_total_count": 0}
+                "request_prompt_tokens_sum": 14, "request_prefill_kv_computed_tokens_sum": 4,
+                "request_prefill_kv_computed_tokens_count": 1, "request_params_n_sum": 2,
+                "iteration_tokens_total_count": 0}
     assert {name: metric_value(text, name) for name in expected} == expected
     assert all('model_name="m"' in line for line in text.splitlines() if line.startswith("pagedllm:"))
 
@@ -924,15 +927,24 @@ def test_metrics_count_each_of_n_samples_in_every_per_request_series(http: httpx
 
 def test_prompt_tokens_count_each_samples_prompt(http: httpx.Client) -> None:
     """As vLLM's prompt_tokens: every prompt token of each of n samples, prefix-cache hits
-    included (the repeat), counted once its prefill completes; a prompt-only request's too."""
-    prompt = "Far away, beyond seven mountains, there was a quiet lake where swans lived"
-    for body in (_completion(prompt=prompt, n=2, temperature=1.0), _completion(prompt=prompt, n=2, temperature=1.0),
-                 _completion(prompt=prompt, max_tokens=0, echo=True, logprobs=0)):
+    included (the repeat), counted once its prefill completes; a prompt-only request's too.
+    Each sample's prompt splits into its hits (prompt_tokens_cached) and the tokens its prefill
+    computed (request_prefill_kv_computed_tokens)."""
+    prompt = ("Far away, beyond seven mountains, there was a quiet lake where swans lived, and every morning "
+              "an old fisherman rowed across it")  # more than a block: the repeat has a hit
+    series = ("prompt_tokens_total", "prompt_tokens_cached_total", "request_prefill_kv_computed_tokens_sum")
+    for i, body in enumerate((_completion(prompt=prompt, n=2, temperature=1.0),
+                              _completion(prompt=prompt, n=2, temperature=1.0),
+                              _completion(prompt=prompt, max_tokens=0, echo=True, logprobs=0))):
         wait_idle(http)
-        before = metric(http, "prompt_tokens_total")
+        before = {name: metric(http, name) for name in series}
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
-        assert metric(http, "prompt_tokens_total") - before == body.get("n", 1) * r.json()["usage"]["prompt_tokens"]
+        prompt_tokens, cached, computed = (metric(http, name) - before[name] for name in series)
+        assert prompt_tokens == body.get("n", 1) * r.json()["usage"]["prompt_tokens"]
+        assert cached + computed == prompt_tokens
+        if i == 1:  # the repeat hits the first request's blocks (prompt logprobs compute every position)
+            assert cached > 0
 
 
 def test_reset_prefix_cache(http: httpx.Client) -> None:

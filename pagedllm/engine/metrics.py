@@ -121,6 +121,9 @@ class EngineMetrics:
             "Prompt tokens of requests whose prefill completed, prefix-cache hits included; each of n samples "
             "counts its prompt."
         )
+        self.prompt_tokens_cached = counter(
+            "pagedllm:prompt_tokens_cached", "Of prompt_tokens, those found in the prefix cache (not computed)."
+        )
         self.generation_tokens = counter(
             "pagedllm:generation_tokens", "Output tokens the requests got (their usage's completion_tokens)."
         )
@@ -177,6 +180,10 @@ class EngineMetrics:
         self.request_prompt_tokens = histogram(
             "pagedllm:request_prompt_tokens", "Prompt tokens of a finished request.", buckets=token_buckets
         )
+        self.request_prefill_kv_computed = histogram(
+            "pagedllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens a finished request's prefill computed (its prefix-cache hits excluded).", buckets=token_buckets
+        )
         self.request_generation_tokens = histogram(
             "pagedllm:request_generation_tokens", "Output tokens a finished request got.", buckets=token_buckets
         )
@@ -208,6 +215,7 @@ class EngineMetrics:
     def record(self, m: StepMetrics) -> None:
         """Apply what the front end measured of one core step's outputs (or of an abort)."""
         self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.prompt_tokens_cached.inc(m.num_cached_prompt_tokens)
         self.generation_tokens.inc(m.num_generation_tokens)
         if m.num_outputs:  # as vLLM, a step that returned outputs
             self.iteration_tokens.observe(m.num_prompt_tokens + m.num_generation_tokens)
@@ -219,6 +227,8 @@ class EngineMetrics:
             self.success.labels(self.model_name, f.finish_reason).inc()
             self.e2e.observe(f.e2e_latency)
             self.request_prompt_tokens.observe(f.num_prompt_tokens)
+            if f.num_cached_tokens is not None:
+                self.request_prefill_kv_computed.observe(f.num_prompt_tokens - f.num_cached_tokens)
             self.request_generation_tokens.observe(f.num_generation_tokens)
             if f.max_tokens:
                 self.request_max_tokens.observe(f.max_tokens)

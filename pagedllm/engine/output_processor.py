@@ -37,6 +37,7 @@ class SampleState:
     # the step of its last token (that step again when it got none).
     queued_ts: float | None = None
     scheduled_ts: float | None = None
+    num_cached_tokens: int | None = None  # its prompt's prefix-cache hit, once its prefill completed
     first_token_ts: float | None = None
     last_token_ts: float | None = None
     num_sent_tokens: int = 0
@@ -73,6 +74,7 @@ class FinishedSample:
     finish_reason: str
     e2e_latency: float  # the request's arrival to this sample's end, in the front end
     num_prompt_tokens: int
+    num_cached_tokens: int | None  # prompt tokens it found in the prefix cache; None: no prefill completed
     num_generation_tokens: int  # the tokens it got (its usage's completion_tokens)
     max_tokens: int | None  # its max_tokens parameter
     queue_time: float | None
@@ -99,6 +101,7 @@ class StepMetrics:
     # prompt-only one: max_tokens 0), prefix-cache hits included, each of n samples counting
     # its prompt (vLLM's count).
     num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # of those, the ones found in the prefix cache
     # Output tokens the requests got (what their usage counts); not those a core sampled for a
     # request already finished here (a stop string) or aborted, as vLLM counts.
     num_generation_tokens: int = 0
@@ -195,6 +198,8 @@ class OutputProcessor:
                 sample.queued_ts, sample.scheduled_ts = out.queued_time, out.scheduled_time
             if sample.first_token_ts is None and (out.new_token_ids or out.finish_reason not in (None, "error")):
                 metrics.num_prompt_tokens += len(state.prompt_token_ids)
+                metrics.num_cached_prompt_tokens += out.num_cached_tokens
+                sample.num_cached_tokens = out.num_cached_tokens
                 sample.first_token_ts = sample.last_token_ts = timestamp
             if out.new_token_ids:
                 self._record_timing(state, sample, now, timestamp)
@@ -251,6 +256,7 @@ class OutputProcessor:
                 sample.finish_reason,
                 now - state.arrival_time,
                 len(state.prompt_token_ids),
+                sample.num_cached_tokens,
                 len(sample.token_ids),
                 sample.params.max_tokens,
                 None if queued is None or scheduled is None else scheduled - queued,
