@@ -100,13 +100,12 @@ def test_sum_stats() -> None:
 
 def test_metrics_per_core_gauges_summed_counters() -> None:
     m = EngineMetrics(2, 256, "m")
-    for engine, stats, num_gen in (
-        (0, SchedulerStats(num_running=3, prefix_cache_queries=10, spec_num_drafts=2, spec_accepted_per_position=[2, 1]), 1),
-        (1, SchedulerStats(num_running=1, prefix_cache_queries=4, spec_num_drafts=1, spec_accepted_per_position=[1, 0]), 1),
-        (0, SchedulerStats(num_running=2, prefix_cache_queries=12, spec_num_drafts=3, spec_accepted_per_position=[3, 1]), 2),
+    for engine, running, queries, drafts, per_position, num_gen in (
+        (0, 3, 10, 2, [2, 1], 1), (1, 1, 4, 1, [1, 0], 1), (0, 2, 12, 3, [3, 1], 2)
     ):
         m.record(StepMetrics(num_generation_tokens=num_gen))
-        m.record_stats(engine, stats)
+        m.record_stats(engine, SchedulerStats(num_running=running, prefix_cache_queries=queries, spec_num_drafts=drafts,
+                                              spec_accepted_per_position=per_position))
     text = m.render().decode()
     assert metric_value(text, "spec_decode_num_drafts_total") == 4
     assert metric_value(text, 'spec_decode_num_accepted_tokens_per_pos_total{position="0"}') == 4

@@ -182,7 +182,8 @@ class EngineMetrics:
         )
         self.request_prefill_kv_computed = histogram(
             "pagedllm:request_prefill_kv_computed_tokens",
-            "Prompt tokens a finished request's prefill computed (its prefix-cache hits excluded).", buckets=token_buckets
+            "Prompt tokens a finished request's prefill computed (its prefix-cache hits excluded).",
+            buckets=token_buckets,
         )
         self.request_generation_tokens = histogram(
             "pagedllm:request_generation_tokens", "Output tokens a finished request got.", buckets=token_buckets

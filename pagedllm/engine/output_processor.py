@@ -250,7 +250,8 @@ class OutputProcessor:
 
     def _record_finished(self, state: RequestState, sample: SampleState, now: float) -> None:
         """The sample has just finished (at ``now``, here): its per-request metrics."""
-        queued, scheduled, first, last = sample.queued_ts, sample.scheduled_ts, sample.first_token_ts, sample.last_token_ts
+        queued, scheduled = sample.queued_ts, sample.scheduled_ts
+        first, last = sample.first_token_ts, sample.last_token_ts
         self.metrics.finished_samples.append(
             FinishedSample(
                 sample.finish_reason,
