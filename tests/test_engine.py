@@ -10,6 +10,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.output_processor import StepMetrics
+from pagedllm.errors import InvalidParamError
 from pagedllm.kernels.attention import MAX_PREFILL_BLOCK
 from tests.utils import pool_is_whole
 
@@ -203,6 +204,20 @@ def test_chat_contents_are_text(llm):
     assert out.prompt == tok.apply_chat_template(injected, tokenize=False, add_generation_prompt=True)
     assert out.prompt_token_ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3  # system, user, assistant
 
+
+
+def test_chat_passes_tools_to_the_template(llm):
+    """``LLM.chat(..., tools=...)`` as vLLM's: the template renders the tools (they were a
+    TypeError); ``tools`` that are not a list of dicts are refused naming the field."""
+    template = "{% if tools %}{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% endif %}" \
+               "{% for m in messages %}{{ m.content }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    out = llm.chat(CHAT[0], SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template, tools=tools)[0]
+    assert out.prompt == "[get_weather]" + "".join(m["content"] for m in CHAT[0])
+    plain = llm.chat(CHAT[0], SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template)[0]
+    assert plain.prompt == "".join(m["content"] for m in CHAT[0])
+    with pytest.raises(InvalidParamError, match="tools must be a list of tool dicts"):
+        llm.chat(CHAT[0], SamplingParams(max_tokens=1), use_tqdm=False, tools={"name": "get_weather"})
 
 def test_logprobs_and_prompt_logprobs(llm):
     out = llm.generate(["The sun rises in the"], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2))[0]

@@ -151,6 +151,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate. Contents are
         text: a content that spells a special token gets no special token from it
@@ -162,13 +163,17 @@ class LLM:
                 to the template as vLLM does (``chat_template.chat_prompt``).
             chat_template: a Jinja template to use instead of the model's (its text).
             lora_request: as ``generate``'s, one for all conversations or one per conversation.
+            tools: OpenAI-style tool definitions ({"type": "function", "function": {...}}) given
+                to the template as its ``tools``, as vLLM's ``LLM.chat`` does: a template with a
+                tool section (Qwen2.5's) lists them in the prompt, one without ignores them.
 
         Raises:
             ValueError: ``messages`` that are not such a list, a message that is not such a
                 dict, text that is not Unicode scalar values (lone surrogates), a conversation
                 the chat template refuses to render (as vLLM, the template's error as a
-                ValueError), or any error ``generate`` raises; nothing is run then. Each is an
-                ``InvalidParamError`` naming the field (``messages.0.content``).
+                ValueError), ``tools`` that are not a list of dicts, or any error ``generate``
+                raises; nothing is run then. Each is an ``InvalidParamError`` naming the field
+                (``messages.0.content``).
         """
         if not isinstance(messages, list):
             raise InvalidParamError("messages", "messages must be a list of messages or a list of conversations, "
@@ -178,11 +183,15 @@ class LLM:
         paths = ["messages"] if single else [f"messages.{i}" for i in range(len(conversations))]
         for conv, path in zip(conversations, paths, strict=True):
             _check_conversation(conv, path)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise InvalidParamError("tools", f"tools must be a list of tool dicts, got {tools!r:.80}")
         rendered = []
         for conv, path in zip(conversations, paths, strict=True):
             try:
                 rendered.append(
-                    chat_prompt(self.engine.tokenizer, conv, add_generation_prompt, chat_template=chat_template)
+                    chat_prompt(
+                        self.engine.tokenizer, conv, add_generation_prompt, chat_template=chat_template, tools=tools
+                    )
                 )
             except Exception as e:  # jinja's own errors, or a TypeError, for what a template refuses
                 raise InvalidParamError(path, f"the chat template cannot render {path}: {e}") from e
