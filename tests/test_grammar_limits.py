@@ -164,6 +164,18 @@ def test_the_result_cache_is_bounded_by_bytes(checker: GrammarChecker) -> None:
     assert checker._cache.num_bytes <= CACHE_BYTES
 
 
+def test_a_cached_refusal_holds_no_traceback(checker: GrammarChecker) -> None:
+    """A refusal's traceback holds its frames (the parsed schema, the caller's request), which
+    the cache's size does not count: the cache keeps an error that was never raised."""
+    text = json.dumps(many_properties(LIMITS.max_properties + 1) | {"description": "cached refusal"})
+    for _ in range(2):  # a miss, then a hit
+        with pytest.raises(InvalidParamError, match="properties in one object") as info:
+            checker.check("json", text)
+        cached = checker._cache.get(("json", text))
+        assert isinstance(cached, InvalidParamError) and cached is not info.value
+        assert cached.__traceback__ is None and cached.param == "json" and str(cached) == str(info.value)
+
+
 # -- property tests: whatever the shape, an answer and never a crash ----------------------------
 def _chain_grammar(depth: int, width: int) -> str:
     rules = [f'r{i}: r{i + 1} "{i}" | ' + " | ".join(f'"w{j}"' for j in range(width)) for i in range(depth)]

@@ -97,7 +97,8 @@ class GrammarChecker:
             self._workers.put(None)  # started when first taken
         self._lock = threading.Lock()
         self._live: set[_Worker] = set()  # started and not yet stopped, idle or busy
-        # Results, sized as constraint text + grammar text; no bound on their number.
+        # Results, sized as constraint text + grammar text; no bound on their number. A failure is
+        # kept as an InvalidParamError that was never raised (no traceback) and raised as a copy.
         self._cache: BoundedCache[tuple[str, str], str | InvalidParamError] = BoundedCache(1 << 62, CACHE_BYTES)
 
     def check(self, kind: str, text: str) -> str:
@@ -114,13 +115,14 @@ class GrammarChecker:
                     raise InvalidParamError(hit.param, str(hit))
                 return hit
         try:
-            result: str | InvalidParamError = self._compile(kind, text)
+            grammar = self._compile(kind, text)
         except InvalidParamError as e:
-            result = e
-        self._remember(key, result)
-        if isinstance(result, InvalidParamError):
-            raise result
-        return result
+            # A fresh error, never raised: a raised one's traceback holds its frames (the parsed
+            # schema, the caller's request), which the cache's size does not count.
+            self._remember(key, InvalidParamError(e.param, str(e)))
+            raise
+        self._remember(key, grammar)
+        return grammar
 
     def worker_pids(self) -> list[int]:
         """Process ids of the workers running now, idle or busy (for tests and diagnostics)."""
