@@ -205,7 +205,6 @@ def test_chat_contents_are_text(llm):
     assert out.prompt_token_ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3  # system, user, assistant
 
 
-
 def test_chat_passes_tools_to_the_template(llm):
     """``LLM.chat(..., tools=...)`` as vLLM's: the template renders the tools (they were a
     TypeError); ``tools`` that are not a list of dicts are refused naming the field."""
@@ -218,6 +217,31 @@ def test_chat_passes_tools_to_the_template(llm):
     assert plain.prompt == "".join(m["content"] for m in CHAT[0])
     with pytest.raises(InvalidParamError, match="tools must be a list of tool dicts"):
         llm.chat(CHAT[0], SamplingParams(max_tokens=1), use_tqdm=False, tools={"name": "get_weather"})
+
+
+def test_chat_continues_the_final_message_and_takes_template_variables(llm):
+    """vLLM's ``continue_final_message`` (the last message's turn left open: the prompt ends in
+    its text, as transformers renders it) and ``chat_template_kwargs`` (the template's own
+    variables); the combinations vLLM refuses are refused naming the field."""
+    tok = llm.get_tokenizer()
+    partial = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "One, two,"}]
+    out = llm.chat(partial, SamplingParams(max_tokens=1), use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    assert out.prompt == tok.apply_chat_template(partial, tokenize=False, continue_final_message=True)
+    assert out.prompt.endswith("One, two,")
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{{ suffix }}"
+    out = llm.chat(CHAT[0], SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
+                   chat_template_kwargs={"suffix": "!"})[0]
+    assert out.prompt == "".join(m["content"] for m in CHAT[0]) + "!"
+    for kwargs, field in [
+        (dict(continue_final_message=True), "continue_final_message"),  # with add_generation_prompt
+        (dict(chat_template_kwargs={"tools": []}), "chat_template_kwargs"),
+        (dict(chat_template_kwargs=["x"]), "chat_template_kwargs"),
+    ]:
+        with pytest.raises(InvalidParamError) as e:
+            llm.chat(partial, SamplingParams(max_tokens=1), use_tqdm=False, **kwargs)
+        assert e.value.param == field
+
 
 def test_logprobs_and_prompt_logprobs(llm):
     out = llm.generate(["The sun rises in the"], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2))[0]

@@ -168,7 +168,8 @@ def chat_prompt(
             parts, and None as no parts). Tool calls' arguments given as JSON text are parsed
             (``call_arguments``).
         add_generation_prompt: end with the opening of the assistant's turn.
-        **template_kwargs: passed to the template (``tools``).
+        **template_kwargs: passed to ``apply_chat_template`` (``chat_template``, ``tools``,
+            ``continue_final_message``, the template's own variables).
 
     Where no content spells a special token, the ids are the template's text tokenized as it
     stands. Otherwise the text is cut where each content begins and ends (the template is

@@ -152,6 +152,8 @@ class LLM:
         chat_template: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate. Contents are
         text: a content that spells a special token gets no special token from it
@@ -166,13 +168,20 @@ class LLM:
             tools: OpenAI-style tool definitions ({"type": "function", "function": {...}}) given
                 to the template as its ``tools``, as vLLM's ``LLM.chat`` does: a template with a
                 tool section (Qwen2.5's) lists them in the prompt, one without ignores them.
+            continue_final_message: end the prompt inside the conversation's last message (its
+                turn left open), so that the output continues it (vLLM's; not with
+                ``add_generation_prompt``).
+            chat_template_kwargs: more variables for the template (vLLM's; e.g. Qwen3's
+                ``enable_thinking``); the arguments above are set by name, not here.
 
         Raises:
             ValueError: ``messages`` that are not such a list, a message that is not such a
                 dict, text that is not Unicode scalar values (lone surrogates), a conversation
                 the chat template refuses to render (as vLLM, the template's error as a
-                ValueError), ``tools`` that are not a list of dicts, or any error ``generate``
-                raises; nothing is run then. Each is an ``InvalidParamError`` naming the field
+                ValueError), ``tools`` that are not a list of dicts, ``continue_final_message``
+                with ``add_generation_prompt``, ``chat_template_kwargs`` that are not a dict of
+                names or that name an argument above, or any error ``generate`` raises;
+                nothing is run then. Each is an ``InvalidParamError`` naming the field
                 (``messages.0.content``).
         """
         if not isinstance(messages, list):
@@ -185,12 +194,28 @@ class LLM:
             _check_conversation(conv, path)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidParamError("tools", f"tools must be a list of tool dicts, got {tools!r:.80}")
+        if not isinstance(continue_final_message, bool):
+            raise InvalidParamError("continue_final_message", "continue_final_message must be a bool")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidParamError(
+                "continue_final_message", "continue_final_message needs add_generation_prompt=False: the prompt "
+                "either opens a new assistant turn or continues the last message"
+            )
+        extra = {} if chat_template_kwargs is None else chat_template_kwargs
+        named = {"chat_template", "tools", "add_generation_prompt", "continue_final_message", "conversation",
+                 "tokenize"}
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra) or named & set(extra):
+            raise InvalidParamError(
+                "chat_template_kwargs", f"chat_template_kwargs must be a dict of template variables other than "
+                f"{sorted(named)}, got {extra!r:.80}"
+            )
         rendered = []
         for conv, path in zip(conversations, paths, strict=True):
             try:
                 rendered.append(
                     chat_prompt(
-                        self.engine.tokenizer, conv, add_generation_prompt, chat_template=chat_template, tools=tools
+                        self.engine.tokenizer, conv, add_generation_prompt, chat_template=chat_template, tools=tools,
+                        continue_final_message=continue_final_message, **extra,
                     )
                 )
             except Exception as e:  # jinja's own errors, or a TypeError, for what a template refuses
