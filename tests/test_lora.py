@@ -654,3 +654,37 @@ def test_phi3_fused_projections(tmp_path) -> None:
         out = engine.generate([PROMPTS[1]], _greedy(), use_tqdm=False,
                               lora_request=LoRARequest("phi", 1, str(tmp_path / "lora")))[0]
     assert_greedy_matches(merged, PROMPTS[1], out.outputs[0], MAX_TOKENS)
+
+
+def test_adapters_load_off_the_event_loop_and_a_name_is_taken_once() -> None:
+    """``/v1/load_lora_adapter`` reads and checks the files in a thread (the streams of other
+    requests go on); two concurrent loads under one name: one is served, the other refused."""
+    import asyncio
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+    from pagedllm.entrypoints.openai.serving_lora import ServingLoRA
+
+    loop_thread = threading.get_ident()
+    checked_in: list[int] = []
+
+    def check(lora: LoRARequest) -> None:
+        checked_in.append(threading.get_ident())
+        time.sleep(0.05)  # both loads are inside the check at once
+
+    engine = SimpleNamespace(
+        config=SimpleNamespace(enable_lora=True), processor=SimpleNamespace(lora=SimpleNamespace(check=check))
+    )
+    loras = ServingLoRA(engine, ("base",))
+
+    async def both() -> list:
+        return await asyncio.gather(loras.load_async("a", "/x"), loras.load_async("a", "/y"), return_exceptions=True)
+
+    results = asyncio.run(both())
+    assert loop_thread not in checked_in and len(checked_in) == 2
+    assert sum(isinstance(r, LoRARequest) for r in results) == 1
+    (refused,) = [r for r in results if isinstance(r, OpenAIError)]
+    assert refused.status == 400 and "already in use" in refused.message
+    assert list(loras.adapters) == ["a"]

@@ -263,7 +263,7 @@ def build_app(
 
     @v1.post("/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, str]:
-        loras.load(body.lora_name, body.lora_path)
+        await loras.load_async(body.lora_name, body.lora_path)
         return {"status": "success", "message": f"LoRA adapter {body.lora_name!r} loaded"}
 
     @v1.post("/unload_lora_adapter")

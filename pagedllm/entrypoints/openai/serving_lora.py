@@ -8,6 +8,7 @@ stops new requests from naming the adapter: requests already running keep theirs
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 from pagedllm.engine.async_llm import AsyncLLM
@@ -41,22 +42,46 @@ class ServingLoRA:
         self._ids = itertools.count(1)
 
     def load(self, name: str, path: str) -> LoRARequest:
-        """Check the adapter at ``path`` and serve it as ``name``.
+        """Check the adapter at ``path`` and serve it as ``name`` (at start: ``--lora-modules``).
 
         Raises:
             OpenAIError: 400 where LoRA is off, the name is taken, or the adapter cannot run
                 (unreadable, unsupported, rank above ``--max-lora-rank``, another base model).
         """
+        lora = self._new(name, path)
+        self._check(lora)
+        return self._add(lora)
+
+    async def load_async(self, name: str, path: str) -> LoRARequest:
+        """``load`` with the adapter's files read and checked off the event loop (the other
+        requests' streams go on meanwhile); the name is taken once the check has passed.
+
+        Raises:
+            OpenAIError: as ``load``.
+        """
+        lora = self._new(name, path)
+        await asyncio.to_thread(self._check, lora)
+        return self._add(lora)
+
+    def _new(self, name: str, path: str) -> LoRARequest:
         if not self.engine.config.enable_lora:
             raise OpenAIError(400, "LoRA adapters are not enabled: start the server with --enable-lora", param="lora_name")
+        self._check_name(name)
+        return LoRARequest(name, next(self._ids), path)
+
+    def _check_name(self, name: str) -> None:
         if not name or name in self.base_names or name in self.adapters:
             raise OpenAIError(400, f"the model name {name!r} is already in use or empty", param="lora_name")
-        lora = LoRARequest(name, next(self._ids), path)
+
+    def _check(self, lora: LoRARequest) -> None:
         try:
             self.engine.processor.lora.check(lora)
         except (LoRAError, ValueError) as e:
-            raise OpenAIError(400, f"cannot load LoRA adapter {name!r}: {e}", param="lora_path") from None
-        self.adapters[name] = lora
+            raise OpenAIError(400, f"cannot load LoRA adapter {lora.name!r}: {e}", param="lora_path") from None
+
+    def _add(self, lora: LoRARequest) -> LoRARequest:
+        self._check_name(lora.name)  # again: a concurrent load may have taken it during the check
+        self.adapters[lora.name] = lora
         return lora
 
     def unload(self, name: str) -> None:
