@@ -58,6 +58,12 @@ inline F32x16 weights16(F32x16 v, F32x16 m, F32x16 inv_t) {
   return select(gt(v, set1(kBanned)), exp_nonpositive(mul(sub(v, m), inv_t)), zero());
 }
 
+// weights16 with 0 also where the weight is below min_w (min-p; min_w 0 keeps every weight).
+inline F32x16 kept_weights16(F32x16 v, F32x16 m, F32x16 inv_t, F32x16 min_w) {
+  const F32x16 w = weights16(v, m, inv_t);
+  return select(lt(w, min_w), zero(), w);
+}
+
 struct Row {
   const float* x;
   int64_t n;
@@ -128,11 +134,6 @@ int64_t draw_truncated(const Row& r, int64_t top_k, float top_p, float min_p, fl
   const int64_t k = top_k > 0 && top_k < r.n ? top_k : r.n;
   const bool pruned = min_p > 0.f;  // min-p removes tokens
   const F32x16 m = set1(r.m), inv_t = set1(r.inv_t), one = set1(1.f), min_w = set1(min_p);
-  // The weights of tokens i .. i + 15 that min-p keeps (0 for the others and banned ones).
-  auto kept_weights = [&](F32x16 v) {
-    const F32x16 w = weights16(v, m, inv_t);
-    return pruned ? select(lt(w, min_w), zero(), w) : w;
-  };
   F32x16 cuts[kCounted], above[kCounted];  // per counted cutoff: tokens (top-k) or weight (top-p) above it
   for (int l = 0; l < kCounted; ++l) cuts[l] = set1(r.m - kCutoffs[l] / r.inv_t), above[l] = zero();
   int first = k < r.n || top_p < 1.f ? 0 : int(std::size(kCutoffs)) - 1;  // else every token is kept
@@ -142,9 +143,8 @@ int64_t draw_truncated(const Row& r, int64_t top_k, float top_p, float min_p, fl
     for (int64_t i = 0; i < r.n; i += 16) {
       const F32x16 v = load_block(r.x, i, r.n);
       if (k == r.n || kPruned) {
-        F32x16 w = weights16(v, m, inv_t);
+        const F32x16 w = kPruned ? kept_weights16(v, m, inv_t, min_w) : weights16(v, m, inv_t);
         if constexpr (kPruned) {
-          w = select(lt(w, min_w), zero(), w);
           if (k < r.n) {  // top-k counts the tokens min-p keeps
             const F32x16 kept = maskz(gt(w, zero()), one);
             ns = add(ns, kept);
@@ -178,7 +178,7 @@ int64_t draw_truncated(const Row& r, int64_t top_k, float top_p, float min_p, fl
     for (int64_t i = 0; i < r.n; i += 16) {
       const F32x16 v = load_block(r.x, i, r.n);
       if (!any(gt(v, vcut))) continue;
-      store(w16, kept_weights(v));
+      store(w16, kept_weights16(v, m, inv_t, min_w));
       for (int64_t j = i; j < std::min(i + 16, r.n); ++j)
         if (r.x[j] > cut && (!pruned || w16[j - i] > 0.f)) cand.push_back({r.x[j], w16[j - i], j});
     }
@@ -213,10 +213,7 @@ int64_t draw_truncated(const Row& r, int64_t top_k, float top_p, float min_p, fl
 // A row with neither: in vocabulary order, over the tokens with p >= min_p * max p.
 int64_t draw_in_order(const Row& r, float min_p, float u) {
   const F32x16 m = set1(r.m), inv_t = set1(r.inv_t), floor_w = set1(min_p);
-  auto block = [&](int64_t i) {  // the kept weights of tokens i .. i + 15
-    const F32x16 w = weights16(load_block(r.x, i, r.n), m, inv_t);
-    return select(lt(w, floor_w), zero(), w);
-  };
+  auto block = [&](int64_t i) { return kept_weights16(load_block(r.x, i, r.n), m, inv_t, floor_w); };
   double total = 0.0;
   for (int64_t i = 0; i < r.n; i += 16) total += reduce_add(block(i));
   const double target = u * total;
