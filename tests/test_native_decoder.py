@@ -108,7 +108,7 @@ def _load(case: Case) -> tuple[torch.nn.Module, ModelConfig]:
     return model.eval(), config
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize(
     "name",
     ["qwen2-float32", "qwen2-w8a8", "qwen3-float32", "llama-q4-w4a8", "llama-kquant", "gemma3-float32", "gemma3-w8a8"],
@@ -118,6 +118,9 @@ def test_one_call_equals_the_modules(cases, isa: str, name: str, kv_dtype: torch
     with on_isa(isa):
         model, config = _load(cases[name])
         assert NativeDecoder.of(model) is not None
+        # The int8 cache's key scales, from float rows or (llama-kquant) dequantized blocks.
+        scaled = [layer.self_attn.qk_scale_for(kv_dtype) is not None for layer in model.layers]
+        assert all(scaled) == (kv_dtype == torch.int8 and not name.startswith(("qwen3", "gemma3")))
         if name == "llama-kquant":  # every projection from the file's blocks
             layers = [layer.self_attn.qkv_proj for layer in model.layers] + [layer.mlp.down_proj for layer in model.layers]
             assert all(isinstance(m, KQuantLinear) for m in layers)

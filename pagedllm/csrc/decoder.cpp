@@ -149,7 +149,7 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
       if (l.q_norm) norm_heads(qkv.data(), qkv_width, T, Hq, D, l.q_norm, m->eps);
       if (l.k_norm) norm_heads(qkv.data() + q_width, qkv_width, T, Hkv, D, l.k_norm, m->eps);
     });
-    timed(m, kRope, [&] { rotary_inplace(qkv.data(), qkv_width, cos_sin[l.rope], T, Hq + Hkv, D); });
+    timed(m, kRope, [&] { rotary_inplace(qkv.data(), qkv_width, cos_sin[l.rope], T, Hq + Hkv, D, l.qk_scale); });
     timed(m, kKvWrite, [&] {
       write_kv_cache(int(m->cache_kind), qkv.data() + q_width, qkv.data() + q_width + kv_width, qkv_width,
                      l.k_cache, l.v_cache, g.slots, T, Hkv, D);

@@ -111,8 +111,11 @@ void add_rms_norm(const float* x, float* residual, const float* weight, float* o
 // RoPE in place, GPT-NeoX / HF rotate_half layout (Su et al. 2021, "RoFormer", §3.4): x has
 // T rows (stride ldx) of `heads` heads of D floats; cos_sin: [T, 2, D], each token's cos and
 // sin with rotate_half's sign folded in (negated in the first half).
-// x1' = x1 cos + x2 sin_signed, x2' = x2 cos + x1 sin_signed, for the halves x1, x2 of a head.
-void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int64_t heads, int64_t D) {
+// x1' = x1 cos + x2 sin_signed, x2' = x2 cos + x1 sin_signed, for the halves x1, x2 of a head;
+// then, with `scale` ([heads, D], or null: none), each head's values times its row of scale
+// (an int8 cache's query and key channel scales, layers/key_scales.py), as a second multiply.
+void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int64_t heads, int64_t D,
+                    const float* scale) {
   const int64_t half = D / 2;
   par::parallel_for(T, [&](int64_t t) {
     const float* c = cos_sin + t * 2 * D;
@@ -123,8 +126,14 @@ void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int6
       for (int64_t i = 0; i < half; i += 16) {
         const int64_t n = half - i;
         const F32x16 a = load_first(x1 + i, n), b = load_first(x2 + i, n);
-        store_first(x1 + i, fma(b, load_first(s + i, n), mul(a, load_first(c + i, n))), n);
-        store_first(x2 + i, fma(a, load_first(s + half + i, n), mul(b, load_first(c + half + i, n))), n);
+        F32x16 y1 = fma(b, load_first(s + i, n), mul(a, load_first(c + i, n)));
+        F32x16 y2 = fma(a, load_first(s + half + i, n), mul(b, load_first(c + half + i, n)));
+        if (scale) {
+          y1 = mul(y1, load_first(scale + h * D + i, n));
+          y2 = mul(y2, load_first(scale + h * D + half + i, n));
+        }
+        store_first(x1 + i, y1, n);
+        store_first(x2 + i, y2, n);
       }
     }
   }, kParallelRows);

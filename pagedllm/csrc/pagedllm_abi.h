@@ -125,6 +125,7 @@ typedef struct LayerDesc {
   const float* mlp_out_norm;  /* on down_proj's output, or null */
   const float* q_norm;        /* on each query head before RoPE, or null */
   const float* k_norm;        /* on each key head before RoPE, or null */
+  const float* qk_scale;      /* [Hq + Hkv, head_dim]: each q and k head times its row after RoPE, or null */
   LinearDesc qkv;
   LinearDesc o;
   LinearDesc gate_up;
@@ -257,8 +258,10 @@ int kquant_dequantize(int64_t type, const void* blocks, const int64_t* rows, int
 
 /* residual [T, H] += x (x may be null); out = RMSNorm(residual) * weight. */
 void add_rms_norm(const float* x, float* residual, const float* weight, float* out, int64_t T, int64_t H, float eps);
-/* RoPE in place on T rows (stride ldx) of `heads` heads of D; cos_sin [T, 2, D]. */
-void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int64_t heads, int64_t D);
+/* RoPE in place on T rows (stride ldx) of `heads` heads of D; cos_sin [T, 2, D]; then each
+ * head times its row of scale [heads, D] (null: none). */
+void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int64_t heads, int64_t D,
+                    const float* scale);
 /* gate_up: T rows (stride ld) of [gate I, up I]; gate <- act(gate) * up in place. */
 void silu_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I);
 void gelu_tanh_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I);

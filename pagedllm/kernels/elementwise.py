@@ -35,13 +35,15 @@ def add_rms_norm(x: torch.Tensor | None, stream: torch.Tensor, weight: torch.Ten
     return out
 
 
-def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate ``x`` in place by cos and signed sin (``RotaryEmbedding.forward``'s layout).
+def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    """Rotate ``x`` in place by cos and signed sin (``RotaryEmbedding.forward``'s layout), then
+    multiply each head by its row of ``scale``.
 
     Args:
         x: [T, heads, D] float32, heads contiguous (rows at any stride).
         cos, sin: [T, 1, D] float32, the two halves of one [T, 2, D] buffer's rows (sin right
             after cos).
+        scale: [heads, D] float32, contiguous, or None (no multiply).
 
     Raises:
         RuntimeError: no native library here.
@@ -58,7 +60,12 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Non
         or sin.data_ptr() != cos.data_ptr() + d * cos.element_size()
     ):
         raise ValueError(f"rotary: cos/sin {list(cos.shape)}, {list(sin.shape)} are not RotaryEmbedding's rows for x {list(x.shape)}")
-    lib.rotary_inplace(ptr(x), x.stride(0), ptr(cos), t, heads, d)
+    if scale is not None:
+        check_cpu(scale)
+        check_float32("rotary", scale, contiguous=True)
+        if scale.shape != (heads, d):
+            raise ValueError(f"rotary: scale must be [{heads}, {d}], got {list(scale.shape)}")
+    lib.rotary_inplace(ptr(x), x.stride(0), ptr(cos), t, heads, d, None if scale is None else ptr(scale))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> None:

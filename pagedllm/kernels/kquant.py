@@ -83,6 +83,16 @@ class StoredWeight:
         """Bytes of blocks: what one pass over the weight reads."""
         return sum(blocks.nbytes for _, blocks in self.parts)
 
+    def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the weight as float32 [stop - start, in_features] (``dequantize``'s values)."""
+        out, first = [], 0
+        for qtype, blocks in self.parts:
+            lo, hi = max(start, first), min(stop, first + len(blocks))
+            if lo < hi:
+                out.append(dequantize(qtype, blocks, self.in_features, torch.arange(lo - first, hi - first)))
+            first += len(blocks)
+        return torch.cat(out) if out else torch.empty(0, self.in_features)
+
 
 def linear(x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + bias``: x [M, in_features] float32 (rows at any stride) -> [M, out_features]

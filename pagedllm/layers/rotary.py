@@ -46,16 +46,23 @@ class RotaryEmbedding(nn.Module):
 class ApplyRotary(CustomOp):
     """Rotate heads by the cos and signed sin of :meth:`RotaryEmbedding.forward`.
 
-    Call: ``rotate(x, cos, sin)`` for x [T, num_heads, head_dim] (q and k heads together,
-    heads contiguous, rows at any stride) and cos, sin [T, 1, head_dim]. The native kernel
-    rotates float32 heads in place and returns x; PyTorch returns a new tensor.
+    Call: ``rotate(x, cos, sin, scale=None)`` for x [T, num_heads, head_dim] (q and k heads
+    together, heads contiguous, rows at any stride), cos, sin [T, 1, head_dim] and ``scale``
+    [num_heads, head_dim] float32 or None: each rotated head times its row (a second multiply;
+    an int8 cache's channel scales, ``layers/key_scales.py``). The native kernel rotates
+    float32 heads in place and returns x; PyTorch returns a new tensor.
     """
 
-    def forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+    def forward_native(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+        return y if scale is None else y.mul_(scale)
 
-    def forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward_cpu(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if x.dtype != torch.float32:  # a model cast after it was built: the kernel is float32
-            return self.forward_native(x, cos, sin)
-        elementwise.rotary_inplace(x, cos, sin)
+            return self.forward_native(x, cos, sin, scale)
+        elementwise.rotary_inplace(x, cos, sin, scale)
         return x

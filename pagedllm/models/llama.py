@@ -32,6 +32,7 @@ from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import ModelShard, shard_weights
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import AttentionMetadata, KVCache, PagedAttention
+from pagedllm.layers.key_scales import applies, key_scales, qk_factors
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import ApplyRotary, RotaryEmbedding
 from pagedllm.models.causal_lm import CausalLM
@@ -71,6 +72,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.rotary = ApplyRotary()
+        # An int8 cache's query and key channel factors [Hq + Hkv, head_dim] (set_key_scales).
+        self.qk_scale: torch.Tensor | None = None
         self.attn = PagedAttention(shard.num_heads, shard.num_kv_heads, config.head_dim, self.scale, self.window)
 
     def forward(
@@ -91,11 +94,28 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qkv[:, : self.q_size].reshape(t, self.num_heads, self.head_dim).contiguous())[0]
             k = self.k_norm(qkv[:, self.q_size : self.qk_size].reshape(t, -1, self.head_dim).contiguous())[0]
             qk = torch.cat([q, k], 1)
-        # q and k heads side by side: one RoPE pass rotates both.
-        qk = self.rotary(qk, cos, sin)
+        # q and k heads side by side: one RoPE pass rotates both (and scales them for an int8 cache).
+        qk = self.rotary(qk, cos, sin, self.qk_scale_for(kv_cache[0].dtype))
         v = qkv[:, self.qk_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, attn_metadata)
         return self.tp.all_reduce(self.o_proj(out))
+
+
+    def set_key_scales(self, k_weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
+        """Derive ``qk_scale`` from the key rows of ``qkv_proj`` (``k_weight`` [Hkv * head_dim,
+        hidden], passed in: a weight kept as GGUF blocks has no float rows here), its bias and
+        the attention input's RMSNorm weight; ``layers/key_scales.py`` says why and how. Layers
+        with q/k norms take none."""
+        if self.k_norm is not None:
+            return
+        bias = self.qkv_proj.bias
+        k_bias = None if bias is None else bias[self.q_size : self.qk_size]
+        scales = key_scales(k_weight, k_bias, norm_weight, self.num_kv_heads)
+        self.qk_scale = qk_factors(scales, self.num_heads)
+
+    def qk_scale_for(self, cache_dtype: torch.dtype) -> torch.Tensor | None:
+        """The factors RoPE's output is multiplied by for a cache of this dtype, or None."""
+        return self.qk_scale if self.qk_scale is not None and applies(cache_dtype) else None
 
 
 class LlamaMLP(nn.Module):

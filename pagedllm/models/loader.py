@@ -30,6 +30,7 @@ from pagedllm.kernels import library
 from pagedllm.layers.linear import pack_linears
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.models.gguf_linears import gguf_linears
+from pagedllm.layers.quantization.gguf import GGUFLinears
 from pagedllm.layers.quantization.model import quantize_model
 from pagedllm.models.gguf_loader import GGUFFile, gguf_config, gguf_weights
 from pagedllm.models.registry import get_model_class
@@ -279,11 +280,26 @@ def load_model(
         with torch.device("meta"):  # no allocation nor random init: load_weights assigns real tensors
             model = get_model_class(config.architecture)(config, load_dtype, tp)
         model.load_weights(weights)
+        _set_key_scales(model, linears)
         if quantization is not None:
             quantize_model(model, quantization, dtype, linears, num_workers=num_threads, tp=tp)
         if dtype == torch.float32 and library.available():
             pack_linears(model)  # what quantization left float (a float lm_head)
     return model.eval(), config
+
+
+def _set_key_scales(model: nn.Module, linears: GGUFLinears | None) -> None:
+    """Give each attention layer its int8 cache's key scales (``LlamaAttention.set_key_scales``)
+    from its key rows: the loaded float ones, or a GGUF weight's kept as stored, dequantized."""
+    for name, attn in model.named_modules():
+        if not hasattr(attn, "set_key_scales"):
+            continue
+        weight, rows = attn.qkv_proj.weight, slice(attn.q_size, attn.qk_size)
+        if weight.is_meta:  # kept as stored: its blocks
+            k_weight = linears.kept[f"{name}.qkv_proj"].dequantize_rows(rows.start, rows.stop)
+        else:
+            k_weight = weight[rows]
+        attn.set_key_scales(k_weight, model.get_submodule(name.rpartition(".")[0]).input_layernorm.weight)
 
 
 @contextmanager

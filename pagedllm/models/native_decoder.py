@@ -179,8 +179,10 @@ class NativeDecoder:
                 return False
         if first.shape[2:] != (self.desc.num_kv_heads, kv_row_width(self.desc.head_dim, first.dtype)):
             return False
-        for desc, (k, v) in zip(self.layers, kv_caches, strict=True):
+        for desc, layer, (k, v) in zip(self.layers, self.model.layers, kv_caches, strict=True):
             desc.k_cache, desc.v_cache = k.data_ptr(), v.data_ptr()
+            qk_scale = layer.self_attn.qk_scale_for(k.dtype)
+            desc.qk_scale = None if qk_scale is None else qk_scale.data_ptr()
         self.desc.block_size = first.shape[1]
         self.desc.cache_kind = attention.cache_kind(first.dtype)
         self.kv_caches = kv_caches

@@ -217,21 +217,23 @@ void test_elementwise() {
     add_rms_norm(x.data(), residual.data(), w.data(), out.data(), T, H, 1e-6f);
     check("add_rms_norm", std::fmax(max_error(out, ref), max_error(residual, r0)), 1e-5f);
   }
-  {  // RoPE: 2 heads of D, rows of stride 2 D + 5
+  for (const bool scaled : {false, true}) {  // RoPE: 2 heads of D, rows of stride 2 D + 5; then a scale per channel
     const int64_t heads = 2, ld = heads * D + 5;
     auto x = rng.normals(T * ld);
     const auto cs = rng.normals(T * 2 * D);
+    const auto scale = rng.normals(heads * D);
     auto ref = x;
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t i = 0; i < D / 2; ++i) {
           const float* c = cs.data() + t * 2 * D;
           const float a = x[t * ld + h * D + i], b = x[t * ld + h * D + D / 2 + i];
-          ref[t * ld + h * D + i] = a * c[i] + b * c[D + i];
-          ref[t * ld + h * D + D / 2 + i] = b * c[D / 2 + i] + a * c[D + D / 2 + i];
+          const float s1 = scaled ? scale[h * D + i] : 1.f, s2 = scaled ? scale[h * D + D / 2 + i] : 1.f;
+          ref[t * ld + h * D + i] = (a * c[i] + b * c[D + i]) * s1;
+          ref[t * ld + h * D + D / 2 + i] = (b * c[D / 2 + i] + a * c[D + D / 2 + i]) * s2;
         }
-    rotary_inplace(x.data(), ld, cs.data(), T, heads, D);
-    check("rotary_inplace", max_error(x, ref), 1e-5f);
+    rotary_inplace(x.data(), ld, cs.data(), T, heads, D, scaled ? scale.data() : nullptr);
+    check(scaled ? "rotary_inplace, scaled" : "rotary_inplace", max_error(x, ref), 1e-5f);
   }
   {  // SiLU-and-mul over rows of [gate (I), up (I)], I = 37
     const int64_t I = 37;
