@@ -174,7 +174,7 @@ def test_llm_trace_file_has_a_track_per_request(tmp_path):
 def live_view_app(view, api_key=None, **router_kwargs):
     from fastapi import FastAPI
 
-    from pagedllm.entrypoints.openai.api_server import BearerAuthMiddleware
+    from pagedllm.entrypoints.openai.middleware import BearerAuthMiddleware
     from pagedllm.entrypoints.openai.live_view_routes import live_view_router
 
     app = FastAPI()

@@ -441,7 +441,8 @@ def test_cors_preflight_before_the_key_and_headers_on_every_answer(
     """vLLM's --allowed-origins: a browser page of an allowed origin gets its preflight answered
     without the key (a browser sends none with it), and the CORS headers on a 401 too, so it
     sees why; another origin's preflight is refused. Without the flag, no CORS headers at all."""
-    from pagedllm.entrypoints.openai.api_server import CorsPolicy, build_app
+    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.middleware import CorsPolicy
 
     page = "http://ui.example:3000"
     preflight = {"Origin": page, "Access-Control-Request-Method": "POST",

@@ -1,4 +1,5 @@
-"""The FastAPI app of the OpenAI-compatible server: routes, error bodies, auth and body-size limits.
+"""The FastAPI app of the OpenAI-compatible server: its routes, how errors are answered, and
+the middleware (``middleware``) stacked around them.
 
 Run it with ``pagedllm serve`` or ``python -m pagedllm.entrypoints.openai.api_server``.
 """
@@ -9,13 +10,10 @@ import asyncio
 import contextlib
 import logging
 import re
-import secrets
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from types import FrameType
-from urllib.parse import parse_qs
 from typing import Any
 
 import uvicorn
@@ -26,11 +24,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.entrypoints.openai.errors import error_response, http_error
+from pagedllm.entrypoints.openai.middleware import BearerAuthMiddleware, BodySizeLimitMiddleware, CorsPolicy
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,93 +53,6 @@ logger = logging.getLogger("pagedllm")
 # After the engine core dies, keep answering (503 on /health, errors to in-flight requests)
 # this long before exiting, so that clients and supervisors see why.
 _DEAD_ENGINE_GRACE_S = 1.0
-
-_ERROR_TYPES = {401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-                413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
-
-
-def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
-
-
-def http_error(status: int, message: str) -> OpenAIError:
-    return OpenAIError(status, message, _ERROR_TYPES.get(status, "BadRequestError"))
-
-
-# -- ASGI middleware (pure ASGI: wrapping receive must not hide client disconnects) -----------
-# Routes anyone may call with --api-key set: probes and monitoring, which change nothing.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
-# Routes a browser opens itself (a page, its EventSource), which cannot send a header: the
-# key may come as the ``api_key`` query parameter instead.
-QUERY_KEY_PATHS = frozenset({"/dashboard", "/dashboard/events"})
-
-
-class BearerAuthMiddleware:
-    """401 for a request whose ``Authorization: Bearer`` token is missing or wrong, on every
-    route but ``OPEN_PATHS`` (so a new route, admin ones such as /reset_prefix_cache included,
-    is protected by default); on ``QUERY_KEY_PATHS`` an ``api_key`` query parameter will do."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            ok = secrets.compare_digest(given, self.expected)
-            if not ok and scope["path"] in QUERY_KEY_PATHS:
-                query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-                ok = secrets.compare_digest(query.get("api_key", [""])[0].encode("latin-1"), self.api_key)
-            if not ok:
-                response = error_response(http_error(401, "missing or invalid API key (Authorization: Bearer ...)"))
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class BodySizeLimitMiddleware:
-    """413 for a request body larger than ``max_bytes`` (by Content-Length, or as it streams in)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await error_response(self._too_large())(scope, receive, send)
-            return
-        received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise HTTPException(413, self._too_large().message)  # FastAPI answers it while reading the body
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-    def _too_large(self) -> OpenAIError:
-        return http_error(413, f"request body exceeds the limit of {self.max_bytes} bytes")
-
-
-@dataclass(frozen=True)
-class CorsPolicy:
-    """Which pages of other origins a browser lets call the server (CORS), vLLM's
-    ``--allowed-origins``, ``--allowed-methods``, ``--allowed-headers`` and
-    ``--allow-credentials``. No origins (the default): no CORS headers, so a browser keeps
-    every other site's pages off the server (vLLM allows every origin by default)."""
-
-    origins: tuple[str, ...] = ()
-    methods: tuple[str, ...] = ("*",)
-    headers: tuple[str, ...] = ("*",)
-    credentials: bool = False
 
 
 # -- the app --------------------------------------------------------------------------------

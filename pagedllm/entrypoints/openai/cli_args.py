@@ -100,7 +100,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", type=api_key, default=None,
                         help="require `Authorization: Bearer KEY` on every route but /health, /metrics, /version")
     parser.add_argument("--max-request-body-size", default="16MiB", help="larger request bodies get 413")
-    # vLLM's CORS flags; api_server.CorsPolicy says why no origin is the default.
+    # vLLM's CORS flags; middleware.CorsPolicy says why no origin is the default.
     parser.add_argument("--allowed-origins", type=json_str_list, default="[]", metavar="JSON",
                         help='origins whose pages a browser lets call the server (CORS), a JSON list: \'["*"]\' '
                         "for any, [] for none (no CORS headers)")
@@ -240,8 +240,9 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from pagedllm.config import parse_memory
     from pagedllm.engine.async_llm import AsyncLLM
-    from pagedllm.entrypoints.openai.api_server import ApiServer, CorsPolicy, build_app
+    from pagedllm.entrypoints.openai.api_server import ApiServer, build_app
     from pagedllm.entrypoints.openai.connections import http_protocol
+    from pagedllm.entrypoints.openai.middleware import CorsPolicy
 
     from pagedllm.structured_output import checker
 

@@ -1,9 +1,25 @@
-"""A request the engine failed mid-generation, as an OpenAI error (vLLM's ``GenerationError``)."""
+"""OpenAI error bodies: an HTTP error's, and a request the engine failed mid-generation
+(vLLM's ``GenerationError``)."""
 
 from __future__ import annotations
 
+from fastapi.responses import JSONResponse
+
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.outputs import RequestOutput
+
+_ERROR_TYPES = {401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+                413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    """``error``'s JSON body, under its HTTP status."""
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def http_error(status: int, message: str) -> OpenAIError:
+    """An error of the HTTP layer (auth, body size, routing, a dead engine), typed by its status."""
+    return OpenAIError(status, message, _ERROR_TYPES.get(status, "BadRequestError"))
 
 
 def generation_error(out: RequestOutput, constraint_field: str | None = None) -> OpenAIError | None:
