@@ -35,12 +35,11 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     LoadLoRAAdapterRequest,
-    ModelCard,
-    ModelList,
     RequestModel,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from pagedllm.entrypoints.openai.response_bodies import ModelCard, ModelList
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion

@@ -1,4 +1,4 @@
-"""Request and response bodies of the OpenAI-compatible API (pydantic).
+"""Request bodies of the OpenAI-compatible API (pydantic); ``response_bodies`` has the answers.
 
 Request bodies refuse what they cannot honour: an unknown field, a NaN or Infinity, text with
 lone surrogates, or a known field pagedllm does not implement is a 400 naming it. Fields that
@@ -8,8 +8,6 @@ and ignored; the README lists every field per route.
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,11 +18,9 @@ from pagedllm.errors import InvalidParamError
 from pagedllm.sampling_params import check_text
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 class OpenAIBaseModel(BaseModel):
+    """A body of the API, request or response (``response_bodies``): unknown fields are ignored."""
+
     model_config = ConfigDict(extra="ignore")
 
 
@@ -58,17 +54,6 @@ def _check_texts(value: object, path: str) -> None:
         for key, item in value.items():
             _check_texts(key, path)
             _check_texts(item, f"{path}.{key}")
-
-
-class ErrorInfo(OpenAIBaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(OpenAIBaseModel):
-    error: ErrorInfo
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -274,131 +259,3 @@ class UnloadLoRAAdapterRequest(RequestModel):
 class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
-
-
-# -- responses -------------------------------------------------------------------------------
-class UsageInfo(OpenAIBaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        """The usage of these token counts, their sum the total."""
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
-
-
-class CompletionLogprobs(OpenAIBaseModel):
-    """The legacy completions shape: parallel lists, one entry per token."""
-
-    text_offset: list[int] = []
-    token_logprobs: list[float | None] = []
-    tokens: list[str] = []
-    top_logprobs: list[dict[str, float] | None] = []
-
-
-class CompletionChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(OpenAIBaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(OpenAIBaseModel):
-    content: list[TokenLogprob]
-
-
-class ChatResponseMessage(OpenAIBaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] = []
-
-
-class ChatChoice(OpenAIBaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaFunctionCall(OpenAIBaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(OpenAIBaseModel):
-    """A piece of a streamed tool call: the first has ``id``, ``type`` and the name."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-
-class DeltaMessage(OpenAIBaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatStreamChoice(OpenAIBaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(OpenAIBaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pagedllm"
-    root: str
-    parent: str | None = None  # a LoRA adapter's base model
-    max_model_len: int
-
-
-class ModelList(OpenAIBaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -14,19 +14,15 @@ from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.chat_template import chat_prompt
 from pagedllm.entrypoints.generic_tools import generic_conversation, supports_tools
 from pagedllm.entrypoints.openai.errors import generation_error
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool, FunctionCall, ToolCall
+from pagedllm.entrypoints.openai.response_bodies import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
-    ChatTool,
     DeltaMessage,
-    FunctionCall,
-    ToolCall,
     TokenLogprob,
     TopLogprob,
     UsageInfo,

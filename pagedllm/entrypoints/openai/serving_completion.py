@@ -10,11 +10,10 @@ from collections.abc import AsyncIterator
 from pagedllm.engine.async_llm import PreparedRequest
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.openai.errors import generation_error
-from pagedllm.entrypoints.openai.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
+from pagedllm.entrypoints.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
+from pagedllm.entrypoints.openai.response_bodies import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     UsageInfo,
     random_id,

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, TypeVar
 from pydantic import BaseModel
 
 from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestModel, SamplingRequest
+from pagedllm.entrypoints.openai.protocol import RequestModel, SamplingRequest
+from pagedllm.entrypoints.openai.response_bodies import ErrorInfo, ErrorResponse
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.lora_request import LoRARequest

@@ -4,7 +4,7 @@ arguments); text outside the calls stays ``delta.content``."""
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+from pagedllm.entrypoints.openai.response_bodies import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 from pagedllm.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser
 from pagedllm.entrypoints.openai.tools import required_calls, tool_call_id
 
