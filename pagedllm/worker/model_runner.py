@@ -13,17 +13,16 @@ nothing. The masks of sampled rows fill in a background thread while the forward
 Fault isolation: a request whose logits row is not finite, whose sampled id is outside the
 vocabulary, or whose sampling, verification or logprob step raises is reported in
 ``ModelRunnerOutput.errors`` and gets no tokens; the other requests of the step keep theirs.
-When a batched sampling stage raises, it is rerun one request at a time to find the culprit.
-A failing forward pass, or running out of memory, is no one request's fault: it propagates.
+When a batched sampling stage raises, it is rerun one request at a time to find the culprit
+(``fault_isolation``). A failing forward pass, or running out of memory, is no one request's
+fault: it propagates.
 Tests inject such faults with a subclass (``EngineConfig.model_runner_cls``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -39,15 +38,12 @@ from pagedllm.errors import InvalidParamError
 from pagedllm.core.request import Request
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.structured_output.bitmask import PendingMasks, fill_bitmask
+from pagedllm.worker.fault_isolation import FATAL, request_error, run_isolated
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.step_input import BlockTableMirror, SamplePlan, StepInput
 
 logger = logging.getLogger("pagedllm")
-R = TypeVar("R")
-
-# Faults of the process, not of any request: isolating them per request would only hide them.
-_FATAL = (MemoryError, torch.OutOfMemoryError)
 
 
 def _constraint_field(request: Request) -> str:
@@ -158,16 +154,16 @@ class ModelRunner:
         for i, s, first, position, rows in plan.prompt:
             try:
                 prompt_logprobs[i] = self._prompt_logprobs(s.request, position, logits[base + first : base + first + rows])
-            except _FATAL:
+            except FATAL:
                 raise
             except Exception as e:
-                errors[i] = self._failed(s.request, "prompt logprobs", e)
+                errors[i] = request_error(s.request, "prompt logprobs", e)
         # A request whose prompt logprobs failed samples nothing this step.
         sample_keep = [j for j, (i, _) in enumerate(plan.sample) if i not in errors]
         verify_rows = [v for v in plan.verify if v[0] not in errors]
         if verify_rows:
             verify_logits = logits[plan.num_sample : base]
-            results = self._isolated(
+            results = run_isolated(
                 lambda js: self._verify(verify_logits, [verify_rows[j] for j in js]),
                 [(i, s.request) for i, s, _ in verify_rows], errors, "verification",
             )
@@ -213,59 +209,11 @@ class ModelRunner:
             logits, sample_rows = logits[keep], [sample_rows[j] for j in keep]
         if not sample_rows:
             return {}
-        results = self._isolated(
+        results = run_isolated(
             lambda js: self._sample(_rows(logits, js), [sample_rows[j][1] for j in js]),
             [(i, s.request) for i, s in sample_rows], errors, "sampling",
         )
         return {i: result for (i, _), result in zip(sample_rows, results) if result is not None}
-
-    def _isolated(
-        self,
-        run: Callable[[list[int]], list[R]],
-        requests: list[tuple[int, Request]],
-        errors: dict[int, RequestError],
-        stage: str,
-    ) -> list[R | None]:
-        """``run`` over all of ``requests`` at once; if that raises, over each alone.
-
-        Args:
-            run: maps positions in ``requests`` to one result per position; raises on failure.
-            requests: (output index, request) per position.
-            errors: filled with the output index -> message of each request that fails alone.
-            stage: what ``run`` does, for messages.
-
-        Returns:
-            One result per position, None where the request failed.
-        """
-        # A batch that raised may have drawn from seeded generators: rewind them so a retried
-        # request samples what it would have sampled in a healthy batch.
-        states = [(r.generator, r.generator.get_state()) for _, r in requests if r.generator is not None]
-        try:
-            return list(run(list(range(len(requests)))))
-        except _FATAL:
-            raise
-        except Exception:
-            logger.warning("batched %s of %d requests failed; retrying one by one", stage, len(requests))
-        for generator, state in states:
-            generator.set_state(state)
-        results: list[R | None] = []
-        for j, (i, request) in enumerate(requests):
-            try:
-                results.extend(run([j]))
-            except _FATAL:
-                raise
-            except Exception as e:
-                errors[i] = self._failed(request, stage, e)
-                results.append(None)
-        return results
-
-    @staticmethod
-    def _failed(request: Request, stage: str, error: Exception) -> RequestError:
-        if isinstance(error, InvalidParamError):  # the request's own input: no traceback
-            logger.warning("request %s failed in %s: %s", request.request_id, stage, error)
-            return RequestError.of(error)
-        logger.error("request %s failed in %s", request.request_id, stage, exc_info=error)
-        return RequestError(f"{stage} failed: {type(error).__name__}: {error}")
 
     def _sample(
         self, logits: torch.Tensor, reqs: list[ScheduledRequest]
@@ -288,10 +236,10 @@ class ModelRunner:
             bitmask = fill_bitmask(grammars, logits.shape[1]) if self._masks is None else self._masks.masks(grammars)
             meta = replace(meta, grammar_mask=(bitmask, constrained))
             failed = next((e for g in grammars if (e := g.error) is not None), None)
-            if failed is not None:  # fails this batch; ``_isolated`` retries each alone
+            if failed is not None:  # fails this batch; ``run_isolated`` retries each alone
                 raise failed
         out = self.sampler(logits, meta)
-        if out.unsamplable:  # fails this batch; ``_isolated`` retries each request alone
+        if out.unsamplable:  # fails this batch; ``run_isolated`` retries each request alone
             raise InvalidParamError(
                 _constraint_field(reqs[0].request),
                 "no token can be sampled: the request's allowed_token_ids, bad_words, structured output, "
