@@ -28,7 +28,7 @@ def test_env_reports_without_compiling(
     assert not list(tmp_path.iterdir())  # nothing built, no failure recorded
 
 
-@pytest.mark.parametrize(("forced", "what"), [("bogus", "an unknown ISA"), ("AVX2", "an unknown ISA")])
+@pytest.mark.parametrize(("forced", "what"), [("bogus", "an unknown ISA"), ("BOGUS", "an unknown ISA")])
 def test_env_reports_a_forced_isa_every_run_refuses(
     forced: str, what: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -39,3 +39,16 @@ def test_env_reports_a_forced_isa_every_run_refuses(
     main(["env"])
     rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
     assert rows["kernels chosen"].strip().startswith(f"none: PAGEDLLM_CPU_ISA={forced!r} is {what}")
+
+
+def test_env_takes_a_forced_isa_in_any_case(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``PAGEDLLM_CPU_ISA=SCALAR`` forces the scalar variant, as every command reads it; it was
+    reported as an unknown ISA."""
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "SCALAR")
+    monkeypatch.delenv("PAGEDLLM_DISABLE_NATIVE", raising=False)
+    main(["env"])
+    rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert rows["kernels chosen"].strip().startswith("scalar, ")

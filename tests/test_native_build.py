@@ -222,7 +222,11 @@ def test_cpu_isa_forces_an_isa_and_rejects_others(fresh: Path, monkeypatch: pyte
     monkeypatch.setenv("CXX", str(fake_compiler(fresh, "never")))
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", "scalar")
     assert library.active_isa() == "scalar"
-    for bad, why in (("neon", "an ISA this CPU cannot run"), ("sse9", "an unknown ISA")):
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "Scalar")  # any case names the variant
+    _forget_libraries()
+    assert library.active_isa() == "scalar"
+    for bad, why in (("neon", "an ISA this CPU cannot run"), ("NEON", "an ISA this CPU cannot run"),
+                     ("sse9", "an unknown ISA"), ("SSE9", "an unknown ISA")):
         monkeypatch.setenv("PAGEDLLM_CPU_ISA", bad)
         _forget_libraries()
         with pytest.raises(ValueError, match=f"PAGEDLLM_CPU_ISA='{bad}' is {why}; this CPU runs: avx512, avx2, scalar"):

@@ -89,12 +89,10 @@ def _chosen(runnable: list[str], load: bool) -> str:
     if load:
         active = library.active_isa()
         return f"{active} ({build.library_path(active)})" if active else "none: no variant builds or loads (see above)"
-    forced = os.environ.get("PAGEDLLM_CPU_ISA")
-    if forced:
-        try:
-            library.check_runnable(forced, "PAGEDLLM_CPU_ISA")
-        except ValueError as e:  # what a run would say, not the variant it would take without the variable
-            return f"none: {e} (every command refuses it)"
+    try:
+        forced = library.forced_isa()
+    except ValueError as e:  # what a run would say, not the variant it would take without the variable
+        return f"none: {e} (every command refuses it)"
     candidates = runnable[runnable.index(forced):] if forced else runnable
     for variant in candidates:
         if build.library_path(variant).exists():

@@ -1,7 +1,7 @@
 """Which ISA variant's kernel library this process runs, chosen once at run time.
 
-The best variant the CPU executes (``available_isas()``), or ``PAGEDLLM_CPU_ISA`` to force
-one; if it fails to build or load, the next one down (avx512_bf16 -> avx512_vnni -> avx512
+The best variant the CPU executes (``available_isas()``), or ``PAGEDLLM_CPU_ISA`` (any case) to
+force one; if it fails to build or load, the next one down (avx512_bf16 -> avx512_vnni -> avx512
 -> avx2 -> scalar, neon_dotprod -> neon -> scalar), so one file that does not compile never
 costs every kernel. A library is used only once it matches ``pagedllm_abi.h`` (``abi.bind``)
 and every CPU feature it reports needing (``pagedllm_requires()``) is this CPU's.
@@ -118,12 +118,27 @@ def _disabled() -> bool:
     return build.env_switch("PAGEDLLM_DISABLE_NATIVE")
 
 
-def check_runnable(isa: str, source: str) -> None:
-    """Raises ValueError, naming ``source`` and what this CPU runs, unless it runs ``isa``."""
+def check_runnable(isa: str, source: str, given: str | None = None) -> None:
+    """Raises ValueError unless this CPU runs ``isa``, naming ``source`` set to ``given`` (the
+    value as the user wrote it; default ``isa``) and what this CPU runs."""
     runnable = available_isas()
     if isa not in runnable:
         what = "an unknown ISA" if isa not in ALL_ISAS else "an ISA this CPU cannot run"
-        raise ValueError(f"{source}={isa!r} is {what}; this CPU runs: {', '.join(runnable)}")
+        raise ValueError(f"{source}={given or isa!r} is {what}; this CPU runs: {', '.join(runnable)}")
+
+
+def forced_isa() -> str | None:
+    """The ISA ``PAGEDLLM_CPU_ISA`` forces, None where it is unset or empty. Its case does not
+    matter (``AVX2`` is ``avx2``): the variants' names are lower case.
+
+    Raises:
+        ValueError: it names an unknown ISA or one this CPU cannot run (as it was written).
+    """
+    value = os.environ.get("PAGEDLLM_CPU_ISA")
+    if not value:
+        return None
+    check_runnable(value.lower(), "PAGEDLLM_CPU_ISA", value)
+    return value.lower()
 
 
 @_once_per_argument
@@ -133,9 +148,8 @@ def _choose() -> str | None:
         logger.info("no native kernels: PAGEDLLM_DISABLE_NATIVE=1; %s", _LOST)
         return None
     candidates = available_isas()
-    forced = os.environ.get("PAGEDLLM_CPU_ISA")
+    forced = forced_isa()
     if forced:
-        check_runnable(forced, "PAGEDLLM_CPU_ISA")
         candidates = candidates[candidates.index(forced) :]
     for isa in candidates:
         if _load(isa) is not None:
