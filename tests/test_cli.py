@@ -23,7 +23,7 @@ import pytest
 from pagedllm import LLM, __version__
 from pagedllm.entrypoints.chat_repl import stream_reply
 from pagedllm.config import EngineConfig
-from pagedllm.entrypoints.cli import build_parser, main
+from pagedllm.entrypoints.cli import build_parser, check_args, main
 from pagedllm.kernels.attention import MAX_PREFILL_BLOCK
 from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS, SERVE_MAX_NUM_BATCHED_TOKENS
 from tests.utils import pool_is_whole
@@ -87,6 +87,7 @@ BAD_FLAGS = [
     (["generate", "--prompt", "x", "--temperature", "nan"], "temperature"),
     (["generate", "--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["generate", "--prompt", "x", "--repetition-penalty", "0"], "--repetition-penalty must be greater than 0"),
+    (["generate", "--prompt", "x", "--prompt", ""], "--prompt must not be empty (an empty message is taken with --chat)"),
     (["chat", "--block-size", "7"], "--block-size must be one of"),
     (["chat", "--max-tokens", "0"], "max-tokens"),
     (["serve", "--max-num-batched-tokens", "-1"], "max-num-batched-tokens"),
@@ -145,6 +146,13 @@ def test_bad_flag_exits_2_before_loading(
         main(argv)
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_an_empty_prompt_is_a_chat_message_with_chat() -> None:
+    """Without --chat an empty --prompt is refused before loading (it was refused only after
+    the model had loaded); with --chat the template's tokens surround the empty message."""
+    argv = ["generate", "--prompt", "", "--chat"]
+    check_args(build_parser(argv).parse_args(argv))
 
 
 def test_serve_takes_the_model_as_positional_or_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -243,8 +243,12 @@ def check_args(args: argparse.Namespace) -> None:
     """Build the engine config and sampling params the command will use, without loading anything.
 
     Raises:
-        ValueError: for a value out of its range (the message names the flag's setting).
+        ValueError: for a value out of its range (the message names the flag's setting), or
+            an empty ``--prompt`` without ``--chat`` (no token to continue from; the chat
+            template gives an empty message some).
     """
+    if getattr(args, "prompt", None) and not args.chat and "" in args.prompt:
+        raise ValueError("prompt must not be empty (an empty message is taken with --chat)")
     if hasattr(args, "sampling_seed"):  # the commands with add_sampling_args' flags
         sampling_params(args)
     if hasattr(args, "chat_template"):
