@@ -129,6 +129,9 @@ BAD_FLAGS = [
     (["generate", "--prompt", "x", "--kv-cache-memory", "inf"], "--kv-cache-memory: memory size must be at least"),
     (["serve", "--kv-cache-memory=-1GiB"], "--kv-cache-memory: memory size must be at least one byte"),
     (["serve", "--max-request-body-size", "0"], "--max-request-body-size: memory size must be at least one byte"),
+    (["serve", "--enable-lora", "--lora-modules", '{"name": "a", "path": "/a", "rank": 8}'],
+     "--lora-modules: unknown key 'rank' in"),
+    (["serve", "--enable-lora", "--lora-modules", '{"name": "a"}'], """--lora-modules: '{"name": "a"}' lacks 'path'"""),
 ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import httpx
@@ -503,7 +504,8 @@ def server(base, adapters, tmp_path_factory):
     srv = start_server(
         tmp_path_factory.mktemp("server"), "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "8MiB",
         "--api-key", API_KEY, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
-        "--lora-modules", f"all={adapters['all'][0]}", f"qv={adapters['qv_rslora'][0]}",
+        "--lora-modules", f"all={adapters['all'][0]}",
+        json.dumps({"name": "qv", "path": str(adapters["qv_rslora"][0]), "base_model_name": "qv-base"}),
         "--chat-template", CHAT_TEMPLATE, model=str(path),
     )
     yield srv
@@ -521,6 +523,7 @@ def test_server_selects_adapters_by_model(server, llm, base, adapters) -> None:
     models = {m.id: m for m in client.models.list().data}
     assert set(models) == {str(path), "all", "qv"}
     assert models["all"].parent == str(path) and models["all"].root == str(adapters["all"][0])
+    assert models["qv"].parent == "qv-base"  # the JSON form's base_model_name
     assert getattr(models[str(path)], "parent", None) is None
     for model, lora in ((str(path), None), ("all", _lora(adapters, "all")), ("qv", _lora(adapters, "qv_rslora"))):
         out = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0)
@@ -688,3 +691,44 @@ def test_adapters_load_off_the_event_loop_and_a_name_is_taken_once() -> None:
     (refused,) = [r for r in results if isinstance(r, OpenAIError)]
     assert refused.status == 400 and "already in use" in refused.message
     assert list(loras.adapters) == ["a"]
+
+
+def test_lora_modules_take_vllms_json_form() -> None:
+    """``--lora-modules`` takes ``name=path`` and vLLM's JSON object (name and path required,
+    base_model_name optional); any other key is refused by name."""
+    from pagedllm.entrypoints.openai.serving_lora import LoRAModule, parse_lora_module
+
+    assert parse_lora_module("a=/p=q") == LoRAModule("a", "/p=q")
+    assert parse_lora_module('{"name": "a", "path": "/p"}') == LoRAModule("a", "/p")
+    assert parse_lora_module('{"name": "a", "path": "/p", "base_model_name": "m"}') == LoRAModule("a", "/p", "m")
+    assert parse_lora_module('{"name": "a", "path": "/p", "base_model_name": null}') == LoRAModule("a", "/p")
+    for text, message in (
+        ("a", "takes name=path or JSON object items"),
+        ("=/p", "takes name=path or JSON object items"),
+        ('{"name": "a", "path": "/p", "rank": 8}', "unknown key 'rank'"),
+        ('{"path": "/p"}', "lacks 'name'"),
+        ('{"name": "a", "path": 3}', "'path' must be a non-empty string, got 3"),
+        ('{"name": "", "path": "/p"}', "'name' must be a non-empty string"),
+        ('{"name": "a",', "is not valid JSON"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_lora_module(text)
+
+
+def test_base_model_name_is_the_adapters_parent() -> None:
+    """/v1/models gives an adapter the ``base_model_name`` it was served with as its parent,
+    else the first served name; unloading it forgets that."""
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.serving_lora import LoRAModule, ServingLoRA
+
+    engine = SimpleNamespace(
+        config=SimpleNamespace(enable_lora=True), processor=SimpleNamespace(lora=SimpleNamespace(check=lambda lora: None))
+    )
+    loras = ServingLoRA(engine, ("base", "alias"))
+    loras.load(LoRAModule("a", "/a", "alias"))
+    loras.load(LoRAModule("b", "/b"))
+    assert (loras.parent("a"), loras.parent("b")) == ("alias", "base")
+    loras.unload("a")
+    loras.load(LoRAModule("a", "/a"))
+    assert loras.parent("a") == "base"

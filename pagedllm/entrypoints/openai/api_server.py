@@ -45,7 +45,7 @@ from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.live_view_routes import live_view_router
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, guard_sse
-from pagedllm.entrypoints.openai.serving_lora import ServingLoRA
+from pagedllm.entrypoints.openai.serving_lora import LoRAModule, ServingLoRA
 
 logger = logging.getLogger("pagedllm")
 
@@ -121,14 +121,14 @@ def build_app(
     max_request_body_bytes: int = 16 * 1024**2,
     tool_call_parser: str = "hermes",
     chat_template: str | None = None,
-    lora_modules: list[tuple[str, str]] = (),
+    lora_modules: list[LoRAModule] = (),
     cors: CorsPolicy = CorsPolicy(),
 ) -> FastAPI:
     """The FastAPI app over a started-or-not engine (the app's lifespan starts and stops it),
     serving the base model under ``served_model_names`` (``OpenAIServing``'s);
     ``tool_call_parser`` names the format of "auto" tool calls (``tool_parsers.TOOL_PARSERS``),
     ``chat_template`` a Jinja template's text to use instead of the model's, ``lora_modules``
-    the (name, PEFT folder or GGUF file) of the LoRA adapters served from the start (``--enable-lora``),
+    the LoRA adapters served from the start (``--enable-lora``),
     ``cors`` the other origins' pages a browser lets call it. CORS is the outermost layer: a
     preflight is answered before the API key is asked for (a browser sends none with it), and
     a 401 or 413 carries the CORS headers, so that the page sees it.
@@ -137,11 +137,11 @@ def build_app(
         ValueError: a LoRA module that cannot be served (LoRA off, a bad adapter, a name twice).
     """
     loras = ServingLoRA(engine, served_model_names)
-    for name, path in lora_modules:
+    for module in lora_modules:
         try:
-            loras.load(name, path)
+            loras.load(module)
         except OpenAIError as e:
-            raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {e.message}") from None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -167,7 +167,7 @@ def build_app(
         cards = [ModelCard(id=name, root=engine.config.model, max_model_len=engine.max_model_len)
                  for name in served_model_names]
         adapters = [
-            ModelCard(id=lora.name, root=lora.path, parent=served_model_names[0], max_model_len=engine.max_model_len)
+            ModelCard(id=lora.name, root=lora.path, parent=loras.parent(lora.name), max_model_len=engine.max_model_len)
             for lora in loras.adapters.values()
         ]
         return ModelList(data=[*cards, *adapters]).model_dump(mode="json")

@@ -127,9 +127,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                         help="engine-core processes, each a full replica with its own KV cache and its share of "
                         "the cores; requests go to the least-loaded one, or to the one holding their prefix")
-    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH|JSON",
                         help="LoRA adapters (PEFT folders or llama.cpp GGUF files) served from the start, each "
-                        "selected by its NAME in the `model` field (needs --enable-lora)")
+                        "selected by its NAME in the `model` field (needs --enable-lora); or vLLM's JSON form "
+                        '\'{"name": NAME, "path": PATH, "base_model_name": PARENT}\', PARENT (optional) the '
+                        "`parent` /v1/models gives it")
     add_chat_template_arg(parser)
     parser.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                         help='format of the tool calls a model writes, read for tool_choice "auto", where the chat '
