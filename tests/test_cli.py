@@ -23,6 +23,7 @@ import pytest
 from pagedllm import LLM, __version__
 from pagedllm.entrypoints.chat_repl import stream_reply
 from pagedllm.config import EngineConfig
+from pagedllm.default_model import DEFAULT_MODEL
 from pagedllm.entrypoints.cli import build_parser, check_args, main
 from pagedllm.kernels.attention import MAX_PREFILL_BLOCK
 from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS, SERVE_MAX_NUM_BATCHED_TOKENS
@@ -156,6 +157,15 @@ def test_an_empty_prompt_is_a_chat_message_with_chat() -> None:
     the model had loaded); with --chat the template's tokens surround the empty message."""
     argv = ["generate", "--prompt", "", "--chat"]
     check_args(build_parser(argv).parse_args(argv))
+
+
+def test_bench_kv_memory_runs_on_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its default model was gemma-3-270m, which the default install lacks: it failed as typed.
+    The default model has no sliding window, so release on and off hold the same blocks."""
+    main(["bench", "kv-memory", "--num-requests", "2", "--prompt-len", "64", "--output-len", "2"])
+    title, on, off = capsys.readouterr().out.splitlines()
+    assert title.startswith(f"{DEFAULT_MODEL}: 2 requests of 64 prompt + 2 output tokens")
+    assert on.removeprefix("[release on]") == off.removeprefix("[release off]")
 
 
 def test_serve_takes_the_model_as_positional_or_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> None:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
-    parser.add_argument("--model", default="gemma-3-270m")
+    parser.add_argument("--model", default=defaults.model,
+                        help="a model with sliding-window layers (gemma-3-270m) shows the release; the default "
+                        "model has none, so on and off hold the same blocks")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--block-size", type=positive_int, default=defaults.block_size)
     parser.add_argument("--kv-cache-memory", type=parse_memory, default="1GiB", help="KV cache budget, e.g. 1GiB")
