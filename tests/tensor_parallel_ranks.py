@@ -21,7 +21,7 @@ from pagedllm.kernels import library
 from pagedllm.layers.linear import pack_linears
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.models.loader import load_model, resolve_model
+from pagedllm.models.loader import load_model, resolve_model, set_key_scales
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
 
 BLOCK_SIZE = 4
@@ -56,6 +56,7 @@ def load(case: Case, tp: TPGroup) -> tuple[torch.nn.Module, ModelConfig]:
         config, state = torch.load(case.state, weights_only=False)  # a ModelConfig and tensors
         model = Gemma3ForCausalLM(config, torch.float32, tp)
         model.load_weights(state.items())
+        set_key_scales(model)  # as load_model does
         if library.available():
             pack_linears(model)  # as load_model does for float32
         return model.eval(), config

@@ -22,6 +22,7 @@ from pagedllm.layers.quantization.linear import KQuantLinear
 from pagedllm.layers.quantization.model import quantize_model
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models import native_decoder
+from pagedllm.models.loader import set_key_scales
 from pagedllm.models.native_decoder import NativeDecoder
 from tests.models_util import (
     GEMMA3_WINDOW, gemma3_config, randomize_vectors, stored_weights, tiny_gemma3, tiny_llama, write_gguf, write_q4_gguf,
@@ -104,6 +105,7 @@ def _load(case: Case) -> tuple[torch.nn.Module, ModelConfig]:
     config, state = torch.load(case.state, weights_only=False)
     model = Gemma3ForCausalLM(config, torch.float32)
     model.load_weights(state.items())
+    set_key_scales(model)
     quantize_model(model, QuantizationConfig(*case.quant), torch.float32)
     return model.eval(), config
 
@@ -120,7 +122,7 @@ def test_one_call_equals_the_modules(cases, isa: str, name: str, kv_dtype: torch
         assert NativeDecoder.of(model) is not None
         # The int8 cache's key scales, from float rows or (llama-kquant) dequantized blocks.
         scaled = [layer.self_attn.qk_scale_for(kv_dtype) is not None for layer in model.layers]
-        assert all(scaled) == (kv_dtype == torch.int8 and not name.startswith(("qwen3", "gemma3")))
+        assert all(scaled) == (kv_dtype == torch.int8)
         if name == "llama-kquant":  # every projection from the file's blocks
             layers = [layer.self_attn.qkv_proj for layer in model.layers] + [layer.mlp.down_proj for layer in model.layers]
             assert all(isinstance(m, KQuantLinear) for m in layers)

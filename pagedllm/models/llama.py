@@ -103,14 +103,13 @@ class LlamaAttention(nn.Module):
 
     def set_key_scales(self, k_weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
         """Derive ``qk_scale`` from the key rows of ``qkv_proj`` (``k_weight`` [Hkv * head_dim,
-        hidden], passed in: a weight kept as GGUF blocks has no float rows here), its bias and
-        the attention input's RMSNorm weight; ``layers/key_scales.py`` says why and how. Layers
-        with q/k norms take none."""
-        if self.k_norm is not None:
-            return
+        hidden], passed in: a weight kept as GGUF blocks has no float rows here), its bias, the
+        attention input's RMSNorm weight and the key heads' norm weight, if any;
+        ``layers/key_scales.py`` says why and how."""
         bias = self.qkv_proj.bias
         k_bias = None if bias is None else bias[self.q_size : self.qk_size]
-        scales = key_scales(k_weight, k_bias, norm_weight, self.num_kv_heads)
+        k_norm = None if self.k_norm is None else self.k_norm.weight
+        scales = key_scales(k_weight, k_bias, norm_weight, self.num_kv_heads, k_norm)
         self.qk_scale = qk_factors(scales, self.num_heads)
 
     def qk_scale_for(self, cache_dtype: torch.dtype) -> torch.Tensor | None:

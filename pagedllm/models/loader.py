@@ -280,7 +280,7 @@ def load_model(
         with torch.device("meta"):  # no allocation nor random init: load_weights assigns real tensors
             model = get_model_class(config.architecture)(config, load_dtype, tp)
         model.load_weights(weights)
-        _set_key_scales(model, linears)
+        set_key_scales(model, linears)
         if quantization is not None:
             quantize_model(model, quantization, dtype, linears, num_workers=num_threads, tp=tp)
         if dtype == torch.float32 and library.available():
@@ -288,9 +288,10 @@ def load_model(
     return model.eval(), config
 
 
-def _set_key_scales(model: nn.Module, linears: GGUFLinears | None) -> None:
+def set_key_scales(model: nn.Module, linears: GGUFLinears | None = None) -> None:
     """Give each attention layer its int8 cache's key scales (``LlamaAttention.set_key_scales``)
-    from its key rows: the loaded float ones, or a GGUF weight's kept as stored, dequantized."""
+    from its key rows: the loaded float ones, or those of a GGUF weight ``linears`` keeps as
+    stored, dequantized. Run once the weights are loaded, before they are quantized."""
     for name, attn in model.named_modules():
         if not hasattr(attn, "set_key_scales"):
             continue
