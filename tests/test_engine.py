@@ -340,6 +340,27 @@ def test_bad_input_raises_before_scheduling(llm, prompt, kwargs, match):
     assert llm.generate(["still serving"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
+
+def test_use_tqdm_takes_a_bar_maker(llm):
+    """vLLM's ``use_tqdm`` may be a callable that makes the progress bar (``functools.partial(tqdm,
+    leave=False)``): it is called with the bar's arguments (it was ignored: tqdm's own bar ran);
+    neither a bool nor a callable is refused naming the field, before anything is queued."""
+    from tqdm import tqdm
+
+    made = []
+
+    def make_bar(total, desc, dynamic_ncols):  # vLLM's arguments, no others
+        made.append({"total": total})
+        return tqdm(total=total, desc=desc, dynamic_ncols=dynamic_ncols)
+
+    out = llm.generate(["hi", "yo"], SamplingParams(max_tokens=2), use_tqdm=make_bar)
+    assert len(out) == 2 and [m["total"] for m in made] == [2]
+    llm.chat(CHAT[0], SamplingParams(max_tokens=1), use_tqdm=make_bar)
+    assert [m["total"] for m in made] == [2, 1]
+    with pytest.raises(InvalidParamError, match="use_tqdm must be a bool or a callable") as e:
+        llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm="yes")
+    assert e.value.param == "use_tqdm" and not llm.engine.has_unfinished_requests()
+
 def test_max_model_len_beyond_the_kv_cache_is_lowered_with_a_warning(caplog):
     """The pool's capacity caps an explicit max_model_len: a warning names both lengths and
     the flags, and a prompt over the cap is refused naming the KV cache, not the model."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -109,7 +109,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; return outputs in input order.
@@ -119,6 +119,9 @@ class LLM:
                 vLLM's dict of either: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
             sampling_params: one for all prompts, or a list of one per prompt; None:
                 ``SamplingParams()``.
+            use_tqdm: show a progress bar (True), none (False), or a callable that makes the
+                bar, as vLLM's: called with tqdm's arguments (``total``, ``desc``, ...), e.g.
+                ``functools.partial(tqdm, leave=False)``.
             lora_request: the LoRA adapter of all prompts, or a list of one (or None: the base
                 model) per prompt; needs ``enable_lora=True``. An id names one adapter (one
                 name and path) within the list.
@@ -126,8 +129,9 @@ class LLM:
         Raises:
             ValueError: if any prompt or parameter is invalid, a list of ``sampling_params``
                 or ``lora_request`` is not one per prompt, or one id of ``lora_request`` names
-                two adapters (an ``InvalidParamError`` naming the field); nothing is queued
-                then, so no earlier prompt of the list runs.
+                two adapters, or ``use_tqdm`` is neither a bool nor a callable (an
+                ``InvalidParamError`` naming the field); nothing is queued then, so no earlier
+                prompt of the list runs.
             KeyboardInterrupt, or an error of an engine step: propagated after this call's
                 unfinished requests are aborted, so the engine stays usable.
             OSError: with ``trace``, if the trace file cannot be written (after generating).
@@ -147,7 +151,7 @@ class LLM:
         self,
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
@@ -164,6 +168,7 @@ class LLM:
                 a content is a str, a list of {"type": "text", "text": str} parts or None, given
                 to the template as vLLM does (``chat_template.chat_prompt``).
             chat_template: a Jinja template to use instead of the model's (its text).
+            use_tqdm: as ``generate``'s.
             lora_request: as ``generate``'s, one for all conversations or one per conversation.
             tools: OpenAI-style tool definitions ({"type": "function", "function": {...}}) given
                 to the template as its ``tools``, as vLLM's ``LLM.chat`` does: a template with a
@@ -228,12 +233,16 @@ class LLM:
         self,
         prompts: Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        use_tqdm: bool,
+        use_tqdm: bool | Callable[..., tqdm],
         texts: Sequence[str] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """``generate`` for a list of prompts; ``texts``: the text each token-id prompt was
         rendered from (a chat template's), for the outputs' ``prompt``."""
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise InvalidParamError(
+                "use_tqdm", f"use_tqdm must be a bool or a callable that makes a tqdm bar, got {type(use_tqdm).__name__}"
+            )
         params = _per_prompt(SamplingParams() if sampling_params is None else sampling_params, SamplingParams,
                              "sampling_params", len(prompts))
         loras = _per_prompt(lora_request, LoRARequest, "lora_request", len(prompts))
@@ -247,7 +256,7 @@ class LLM:
             self.engine.submit(request_id, text if texts is None else texts[k], core_requests)
         return self._run(ids, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         """Step the engine until it is idle; the outputs of ``request_ids``, in that order.
 
         Whatever interrupts the loop (Ctrl-C, an error of the step) aborts every request of
@@ -255,7 +264,10 @@ class LLM:
         its blocks free: a later ``generate`` neither runs them nor trips over their state.
         """
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        # vLLM's use_tqdm may be the bar's maker (functools.partial(tqdm, leave=False)), called with
+        # vLLM's arguments; a bool picks tqdm's own bar, shown or not.
+        bar_args = dict(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        bar = tqdm(**bar_args, disable=not use_tqdm) if isinstance(use_tqdm, bool) else use_tqdm(**bar_args)
         start, num_out = time.perf_counter(), 0
         try:
             while self.engine.has_unfinished_requests():
