@@ -435,6 +435,22 @@ def test_several_served_model_names(stand_in_engine: SimpleNamespace, monkeypatc
     _check_error(app.post("/tokenize", json={"model": MODEL, "prompt": "Hi"}), 404, "serves `gpt-small`, `smol`")
 
 
+
+def test_parallel_tool_calls_false_keeps_the_first_parsed_call(stand_in_engine: SimpleNamespace) -> None:
+    """A parsed "auto" reply with two calls keeps both, and only the first under
+    ``parallel_tool_calls: false`` (OpenAI's at most one call; vLLM keeps the first). It was ignored."""
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("f", "g")]
+    serving = OpenAIServingChat(stand_in_engine, (MODEL,))
+    text = '[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]'
+    for parallel, names in ((None, ["f", "g"]), (False, ["f"])):
+        req = ChatCompletionRequest.model_validate(_chat(tools=tools, parallel_tool_calls=parallel))
+        message, finish_reason = serving._message(req, text, "stop")
+        assert [c.function.name for c in message.tool_calls] == names and finish_reason == "tool_calls"
+        assert message.tool_calls[0].function.arguments == '{"a": 1}'
+
 def test_cors_preflight_before_the_key_and_headers_on_every_answer(
     app: TestClient, stand_in_engine: SimpleNamespace
 ) -> None:

@@ -171,3 +171,45 @@ def test_failing_stream_ends_with_error_event_and_done() -> None:
     assert first == "data: {}\n\n" and done == SSE_DONE
     body = json.loads(error.removeprefix("data: "))["error"]
     assert body["type"] == "InternalServerError" and body["code"] == 500 and "RecursionError" in body["message"]
+
+
+def test_parallel_tool_calls_false_allows_one_call() -> None:
+    """``parallel_tool_calls: false`` (OpenAI's: at most one call; it was ignored): "required"
+    and the generic format's replies are constrained to one call, and a parsed "auto" reply
+    keeps its first call, whole or streamed (vLLM's ``maybe_filter_parallel_tool_calls``)."""
+    import jsonschema
+
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.tools import tool_constraint
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in NAMES]
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": tools}
+    one, two = [{"name": "f", "parameters": {}}], [{"name": "f", "parameters": {}}] * 2
+    generic_one, generic_two = {"name": "f", "arguments": {}}, [{"name": "f", "arguments": {}}] * 2
+    for parallel in (None, True, False):
+        req = ChatCompletionRequest.model_validate(body | {"tool_choice": "required", "parallel_tool_calls": parallel})
+        req.check()
+        schema = tool_constraint(req).json
+        jsonschema.validate(one, schema)
+        generic = tool_constraint(req, generic=True).json
+        jsonschema.validate(generic_one, generic)
+        if parallel is False:
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(two, schema)
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(generic_two, generic)
+        else:
+            jsonschema.validate(two, schema)
+            jsonschema.validate(generic_two, generic)
+        auto = ChatCompletionRequest.model_validate(body | {"parallel_tool_calls": parallel})
+        grammar = tool_constraint(auto, generic=True).grammar
+        assert ('"type": "array"' in grammar) == (parallel is not False)
+    text = TEXTS[1][0]  # two tagged calls
+    for step in (1, 7, 1000):
+        stream, deltas = ToolStream("auto", TOOL_PARSERS["hermes"](NAMES), max_calls=1), []
+        for i in range(0, len(text), step):
+            deltas += stream.update(text[i : i + step], i + step >= len(text))
+        calls = [c for d in deltas for c in d.tool_calls or []]
+        assert {c.index for c in calls} == {0} and calls[0].function.name == "get_weather"
+        assert "".join(c.function.arguments or "" for c in calls) == WEATHER.arguments
+        assert stream.num_calls == 1

@@ -75,20 +75,23 @@ def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def calls_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON schema of a reply that calls: one call object, or a non-empty list of them."""
+def calls_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
+    """The JSON schema of a reply that calls: one call object, or a non-empty list of them;
+    one call object only unless ``parallel`` (OpenAI's ``parallel_tool_calls: false``)."""
     call = call_schema(tools)
+    if not parallel:
+        return call | {"x-guidance": _JSON_OPTIONS}
     return {"anyOf": [call, {"type": "array", "minItems": 1, "items": call}], "x-guidance": _JSON_OPTIONS}
 
 
-def reply_grammar(tools: list[dict[str, Any]]) -> str:
+def reply_grammar(tools: list[dict[str, Any]], parallel: bool = True) -> str:
     """The Lark grammar of a ``tool_choice: "auto"`` reply: either text whose first non-space
-    character is neither ``{`` nor ``[``, or a call of one of ``tools`` (``calls_schema``) and
-    nothing after it; text only if ``tools`` is empty."""
+    character is neither ``{`` nor ``[``, or a call of one of ``tools`` (``calls_schema``, one
+    call only unless ``parallel``) and nothing after it; text only if ``tools`` is empty."""
     text = "TEXT: /\\s*[^\\s{\\[][\\s\\S]*/\n"
     if not tools:
         return "start: TEXT\n" + text
-    return "start: TEXT | calls\n" + text + "calls: %json " + json.dumps(calls_schema(tools)) + "\n"
+    return "start: TEXT | calls\n" + text + "calls: %json " + json.dumps(calls_schema(tools, parallel)) + "\n"
 
 
 def callable_tools(conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 Request bodies refuse what they cannot honour: an unknown field, a NaN or Infinity, text with
 lone surrogates, or a known field pagedllm does not implement is a 400 naming it. Fields that
-are only hints to OpenAI (``user``, ``parallel_tool_calls``, a message's ``name``) are accepted
+are only hints to OpenAI (``user``, a message's ``name``) are accepted
 and ignored; the README lists every field per route.
 """
 
@@ -205,7 +205,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     # None: "auto" with tools, "none" without (OpenAI's defaults).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # a hint; ignored
+    # false: at most one tool call per choice (OpenAI's; vLLM keeps the first); None/true: any number.
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         super().check()
@@ -214,6 +215,11 @@ class ChatCompletionRequest(SamplingRequest):
             raise InvalidParamError(name, f"{name} must be at least 1, got {value}")
         check_messages(self.messages)
         check_tools(self)
+
+    @property
+    def parallel_calls(self) -> bool:
+        """Whether a choice may hold several tool calls (``parallel_tool_calls`` not false)."""
+        return self.parallel_tool_calls is not False
 
     @property
     def tool_mode(self) -> str:

@@ -179,6 +179,8 @@ class OpenAIServingChat(OpenAIServing):
             calls = [(c.name, c.arguments) for c in parsed] or None
             if calls is None:
                 content = text
+            elif not req.parallel_calls:  # parallel_tool_calls false: the first call, as vLLM
+                calls = calls[:1]
         if not calls:
             return ChatResponseMessage(content=content), finish_reason
         tool_calls = [ToolCall(id=tool_call_id(), function=FunctionCall(name=n, arguments=a)) for n, a in calls]
@@ -215,7 +217,9 @@ class OpenAIServingChat(OpenAIServing):
         tool_streams: dict[int, ToolStream] = {}
         if mode != "none":
             name = req.tool_choice.function.name if mode == "named" else None
-            tool_streams = {i: ToolStream(mode, self.tool_parser(_tool_names(req)), name) for i in range(req.n)}
+            max_calls = None if req.parallel_calls else 1
+            tool_streams = {i: ToolStream(mode, self.tool_parser(_tool_names(req)), name, max_calls)
+                            for i in range(req.n)}
         try:
             async for out in self.engine.generate(prepared, stream=True):
                 if (error := generation_error(out, constraint_field)) is not None:

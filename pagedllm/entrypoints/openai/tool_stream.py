@@ -18,12 +18,16 @@ class ToolStream:
             constrained output is the arguments of ``name``, sent as it comes).
         parser: a fresh tool parser, for "auto".
         name: the function of "named".
+        max_calls: the most calls sent (``parallel_tool_calls: false``: 1, as vLLM, which keeps
+            the first); None: all.
     """
 
-    def __init__(self, mode: str, parser: ToolParser | None = None, name: str | None = None) -> None:
+    def __init__(self, mode: str, parser: ToolParser | None = None, name: str | None = None,
+                 max_calls: int | None = None) -> None:
         self.mode = mode
         self.parser = parser
         self.name = name
+        self.max_calls = max_calls
         self.num_calls = 0
         self._pieces: list[str] = []  # "required": the output so far
 
@@ -53,6 +57,8 @@ class ToolStream:
 
     def _calls(self, calls: list[ParsedToolCall]) -> list[DeltaMessage]:
         out = []
+        if self.max_calls is not None:
+            calls = calls[: max(self.max_calls - self.num_calls, 0)]
         for call in calls:
             index = self.num_calls
             self.num_calls += 1

@@ -92,7 +92,8 @@ def tool_constraint(req: ChatCompletionRequest, generic: bool = False) -> Struct
     "none" are free. With the generic format (``generic``): "required" is a generic call
     (``generic_tools.calls_schema``), "auto" text or such a call of a function not called since
     the user's last turn (``generic_tools.reply_grammar``, ``callable_tools``) unless another
-    structured output field constrains the output, named as above.
+    structured output field constrains the output, named as above. With
+    ``parallel_tool_calls: false`` "required" and the generic "auto" allow one call only.
     """
     mode = req.tool_mode
     if mode == "named":
@@ -101,10 +102,10 @@ def tool_constraint(req: ChatCompletionRequest, generic: bool = False) -> Struct
     if generic and mode in ("auto", "required"):
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
         if mode == "required":
-            return StructuredOutputsParams(json=generic_tools.calls_schema(tools))
+            return StructuredOutputsParams(json=generic_tools.calls_schema(tools, req.parallel_calls))
         if all(getattr(req, f) is None for f in _STRUCTURED_FIELDS):
             callable_tools = generic_tools.callable_tools(template_messages(req.messages), tools)
-            return StructuredOutputsParams(grammar=generic_tools.reply_grammar(callable_tools))
+            return StructuredOutputsParams(grammar=generic_tools.reply_grammar(callable_tools, req.parallel_calls))
         return None
     if mode != "required":
         return None
@@ -117,7 +118,8 @@ def tool_constraint(req: ChatCompletionRequest, generic: bool = False) -> Struct
         }
         for t in req.tools
     ]
-    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return StructuredOutputsParams(json=array if req.parallel_calls else array | {"maxItems": 1})
 
 
 def required_calls(text: str) -> list[tuple[str, str]] | None:
