@@ -127,6 +127,11 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 BAD = [
     ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object", "x": 1}}, "response_format.x"),
+    # A schema under another type constrained nothing (it was ignored): refused.
+    ("/v1/chat/completions", {"response_format": {"type": "text", "json_schema": {"name": "n", "schema": SCHEMA}}},
+     "response_format.json_schema"),
+    ("/v1/completions", {"response_format": {"type": "json_object", "json_schema": {"schema": SCHEMA}}},
+     "response_format.json_schema"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
      "response_format.json_schema.schema"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "y": 2}}},

@@ -23,6 +23,10 @@ def _response_format(value: dict[str, Any]) -> tuple[str, dict[str, Any]] | None
     for key in value:
         if key not in ("type", "json_schema"):
             raise InvalidParamError(f"response_format.{key}", f"response_format.{key} is not supported")
+    if "json_schema" in value and kind != "json_schema":  # it would constrain nothing
+        raise InvalidParamError(
+            "response_format.json_schema", f"response_format.json_schema needs type 'json_schema', got {kind!r:.80}"
+        )
     if kind == "text":
         return None
     if kind == "json_object":
