@@ -132,15 +132,20 @@ class EngineConfig:
         """Check every setting.
 
         Raises:
-            ValueError: a setting out of its range, or an integer setting that is not an int
-                (``max_model_len="256"``); the message names the setting.
+            ValueError: a setting out of its range, an integer setting that is not an int
+                (``max_model_len="256"``), or a flag that is not a bool (``enable_lora="no"``,
+                which is truthy); the message names the setting.
         """
-        for f in fields(self):  # the settings annotated int (or int | None)
+        for f in fields(self):  # the settings annotated int (or int | None), and the flags
             value = getattr(self, f.name)
             if f.type in ("int", "int | None") and not (value is None and f.type != "int") and (
                 isinstance(value, bool) or not isinstance(value, int)
             ):
                 raise ValueError(f"{f.name} must be an integer, got {value!r:.80}")
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be True or False, got {value!r:.80}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1 (None: all cores), got {self.num_threads}")
         if not -(2**63) <= self.seed < 2**63:  # torch.manual_seed's range
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

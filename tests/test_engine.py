@@ -457,6 +457,24 @@ def test_engine_config_refuses_non_integer_settings(field: str, value: object) -
         EngineConfig(**{field: value})
 
 
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("enable_prefix_caching", None, "enable_prefix_caching must be True or False, got None"),
+    ("enable_lora", "no", "enable_lora must be True or False, got 'no'"),  # truthy: it turned LoRA on
+    ("quantize_lm_head", 1, "quantize_lm_head must be True or False, got 1"),
+    ("num_threads", 0, r"num_threads must be at least 1 \(None: all cores\), got 0"),
+    ("num_threads", -2, "num_threads must be at least 1"),
+])
+def test_engine_config_refuses_non_bool_flags_and_no_threads(field: str, value: object, match: str) -> None:
+    """A flag given as a str or None was taken for its truthiness (``enable_lora="no"`` enabled
+    LoRA, ``enable_prefix_caching=None`` disabled caching), and num_threads 0 or below was taken
+    for "all cores" or failed in torch: each is refused naming the setting."""
+    from pagedllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**{field: value})
+    assert EngineConfig(enable_lora=False, num_threads=None).enable_prefix_caching is True
+
+
 def test_dtype_settings_without_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto on the PyTorch fallback: float32 activations and K/V cache (never cast), weight-only
     int8 linear layers and lm_head; explicit choices still win."""
