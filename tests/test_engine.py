@@ -237,6 +237,9 @@ def test_chat_continues_the_final_message_and_takes_template_variables(llm):
         (dict(continue_final_message=True), "continue_final_message"),  # with add_generation_prompt
         (dict(chat_template_kwargs={"tools": []}), "chat_template_kwargs"),
         (dict(chat_template_kwargs=["x"]), "chat_template_kwargs"),
+        # Truthy strings rendered the opposite prompt (a generation prompt for "false").
+        (dict(add_generation_prompt="false"), "add_generation_prompt"),
+        (dict(add_generation_prompt=False, continue_final_message="yes"), "continue_final_message"),
     ]:
         with pytest.raises(InvalidParamError) as e:
             llm.chat(partial, SamplingParams(max_tokens=1), use_tqdm=False, **kwargs)

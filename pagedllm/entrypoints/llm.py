@@ -183,8 +183,9 @@ class LLM:
             ValueError: ``messages`` that are not such a list, a message that is not such a
                 dict, text that is not Unicode scalar values (lone surrogates), a conversation
                 the chat template refuses to render (as vLLM, the template's error as a
-                ValueError), ``tools`` that are not a list of dicts, ``continue_final_message``
-                with ``add_generation_prompt``, ``chat_template_kwargs`` that are not a dict of
+                ValueError), ``tools`` that are not a list of dicts, ``add_generation_prompt`` or
+                ``continue_final_message`` not a bool, ``continue_final_message`` with
+                ``add_generation_prompt``, ``chat_template_kwargs`` that are not a dict of
                 names or that name an argument above, or any error ``generate`` raises;
                 nothing is run then. Each is an ``InvalidParamError`` naming the field
                 (``messages.0.content``).
@@ -199,8 +200,10 @@ class LLM:
             _check_conversation(conv, path)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidParamError("tools", f"tools must be a list of tool dicts, got {tools!r:.80}")
-        if not isinstance(continue_final_message, bool):
-            raise InvalidParamError("continue_final_message", "continue_final_message must be a bool")
+        for flag, value in (("add_generation_prompt", add_generation_prompt),
+                            ("continue_final_message", continue_final_message)):
+            if not isinstance(value, bool):  # a truthy "false" would render the opposite prompt
+                raise InvalidParamError(flag, f"{flag} must be a bool, got {value!r:.80}")
         if continue_final_message and add_generation_prompt:
             raise InvalidParamError(
                 "continue_final_message", "continue_final_message needs add_generation_prompt=False: the prompt "
