@@ -57,6 +57,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_mlp_layers: list[int] = field(default_factory=list)
+    # The model creator's sampling defaults from generation_config.json (temperature, top_p,
+    # top_k, min_p, repetition_penalty where they differ from transformers' defaults), applied
+    # as vLLM's ``--generation-config auto`` does: to the fields a request leaves unset.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether a layer's MLP is a mixture of experts."""

@@ -191,3 +191,32 @@ def test_phi3_gguf_4bit_fused_tensors_are_kept_as_stored(tmp_path: Path, tokeniz
     expected = prefill_logits(exact, config, PROMPTS[1])
     got = prefill_logits(model, config, PROMPTS[1])
     assert (got - expected).abs().mean() < 0.08 * expected.abs().mean()
+
+
+def test_generation_config_sampling_defaults(tmp_path: Path, tokenizer_dir: Path, caplog) -> None:
+    """The model creator's sampling defaults in generation_config.json (Qwen's temperature 0.7,
+    top_p 0.8, ...) are what ``generate`` samples with when given no params, as vLLM's
+    ``--generation-config auto`` (they were ignored: SamplingParams()'s temperature 1.0 ran);
+    transformers' own defaults are no recommendation, and an invalid value is dropped with a
+    warning, not a failure of every request."""
+    from pagedllm.models.safetensors_loader import sampling_defaults
+
+    assert sampling_defaults({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+                              "do_sample": True}) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                                      "repetition_penalty": 1.05}
+    assert sampling_defaults({"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None}) == {}
+    with caplog.at_level("WARNING", logger="pagedllm"):
+        assert sampling_defaults({"temperature": 5.0, "top_k": "x", "min_p": 0.1}) == {"min_p": 0.1}
+    assert "temperature=5.0 is not a valid default" in caplog.text and "top_k='x'" in caplog.text
+    _checkpoint("qwen3", tmp_path, tokenizer_dir)
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation | {"temperature": 0.0, "top_k": 5}))
+    assert load_config(resolve_model(str(tmp_path))).sampling_defaults == {"temperature": 0.0, "top_k": 5}
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128)
+    default = llm.get_default_sampling_params()
+    assert (default.temperature, default.top_k, default.top_p, default.max_tokens) == (0.0, 5, 1.0, 16)
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    for _ in range(2):  # temperature 0: the same greedy tokens every time
+        unset = llm.generate(PROMPTS, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in unset] == [o.outputs[0].token_ids for o in greedy]
+    llm.shutdown()

@@ -451,6 +451,29 @@ def test_parallel_tool_calls_false_keeps_the_first_parsed_call(stand_in_engine: 
         assert [c.function.name for c in message.tool_calls] == names and finish_reason == "tool_calls"
         assert message.tool_calls[0].function.arguments == '{"a": 1}'
 
+
+def test_generation_config_defaults_fill_unset_fields(stand_in_engine: SimpleNamespace) -> None:
+    """The model's generation_config.json sampling defaults (``ModelConfig.sampling_defaults``)
+    fill the fields a request leaves unset or null, as vLLM's ``--generation-config auto``
+    (they were ignored); a field the request sets wins, and without defaults nothing changes."""
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+    from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+    defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    model_config = SimpleNamespace(**vars(stand_in_engine.model_config), sampling_defaults=defaults)
+    engine = SimpleNamespace(**(vars(stand_in_engine) | {"model_config": model_config}))
+    completion = OpenAIServingCompletion(engine, (MODEL,))
+    req = CompletionRequest.model_validate({"prompt": "Hi", "top_p": 0.5, "temperature": None})
+    params = completion.sampling_params(req, 1, 4)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.7, 0.5, 20, 1.05)
+    assert params.min_p == 0.0 and params.presence_penalty == 0.0
+    chat = OpenAIServingChat(engine, (MODEL,))
+    params = chat.sampling_params(ChatCompletionRequest.model_validate(_chat(temperature=0)), 1, 4)
+    assert (params.temperature, params.top_k) == (0.0, 20)
+    plain = OpenAIServingCompletion(stand_in_engine, (MODEL,)).sampling_params(req, 1, 4)
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty) == (1.0, 0.5, 0, 1.0)
+
 def test_cors_preflight_before_the_key_and_headers_on_every_answer(
     app: TestClient, stand_in_engine: SimpleNamespace
 ) -> None:

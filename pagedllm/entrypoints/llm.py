@@ -105,6 +105,13 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no ``sampling_params``, as vLLM's:
+        the sampling defaults the model's ``generation_config.json`` recommends (temperature,
+        top_p, top_k, min_p, repetition_penalty; ``ModelConfig.sampling_defaults``) over
+        ``SamplingParams()``'s; a fresh struct each call."""
+        return SamplingParams(**self.engine.core.model_config.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -118,7 +125,8 @@ class LLM:
             prompts: a prompt or a list of them; a prompt is a string, a token-id list, or
                 vLLM's dict of either: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
             sampling_params: one for all prompts, or a list of one per prompt; None:
-                ``SamplingParams()``.
+                ``get_default_sampling_params()`` (the model's generation_config.json
+                defaults, else ``SamplingParams()``'s, as vLLM).
             use_tqdm: show a progress bar (True), none (False), or a callable that makes the
                 bar, as vLLM's: called with tqdm's arguments (``total``, ``desc``, ...), e.g.
                 ``functools.partial(tqdm, leave=False)``.
@@ -246,7 +254,8 @@ class LLM:
             raise InvalidParamError(
                 "use_tqdm", f"use_tqdm must be a bool or a callable that makes a tqdm bar, got {type(use_tqdm).__name__}"
             )
-        params = _per_prompt(SamplingParams() if sampling_params is None else sampling_params, SamplingParams,
+        default = self.get_default_sampling_params() if sampling_params is None else sampling_params
+        params = _per_prompt(default, SamplingParams,
                              "sampling_params", len(prompts))
         loras = _per_prompt(lora_request, LoRARequest, "lora_request", len(prompts))
         _check_one_adapter_per_id(loras)

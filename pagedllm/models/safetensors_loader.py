@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig
+from pagedllm.errors import InvalidParamError
 from pagedllm.models.registry import (
     O_PROJ_BIAS, QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture, gemma3_layer_types, mlp_activation,
 )
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
 
 
 def _ids(value: Any) -> list[int]:
@@ -56,8 +61,8 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         raise ValueError(f"unsupported activation {act_key}={cfg[act_key]!r}: only {act} is supported for {arch}")
     eos = _ids(cfg.get("eos_token_id"))
     gen_path = model_dir / "generation_config.json"
-    if gen_path.exists():
-        eos = _ids(json.loads(gen_path.read_text()).get("eos_token_id")) or eos
+    generation = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    eos = _ids(generation.get("eos_token_id")) or eos
     hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
     full = kinds["full_attention"]
     extra: dict[str, Any] = {}
@@ -99,8 +104,36 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         name=name or model_dir.name,
+        sampling_defaults=sampling_defaults(generation, gen_path),
         **extra,
     )
+
+
+# transformers' GenerationConfig defaults: a generation_config.json value equal to one is no
+# recommendation (vLLM reads the file's diff against these, ``GenerationConfig.to_diff_dict``).
+_GENERATION_DEFAULTS: dict[str, float | int | None] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+}
+
+
+def sampling_defaults(generation: dict[str, Any], path: Path | str = "generation_config.json") -> dict[str, float | int]:
+    """The sampling defaults a ``generation_config.json`` recommends, as vLLM's
+    ``ModelConfig.get_diff_sampling_param`` reads them: temperature, top_p, top_k, min_p and
+    repetition_penalty where set and not transformers' default (``do_sample`` is not read, as
+    vLLM). A value outside its SamplingParams range, or of another type, is dropped with a
+    warning rather than failing every request that leaves the field unset."""
+    defaults: dict[str, float | int] = {}
+    for key, default in _GENERATION_DEFAULTS.items():
+        value = generation.get(key)
+        if value is None or value == default:
+            continue
+        try:
+            SamplingParams(**{key: value})
+        except (InvalidParamError, TypeError) as e:
+            logger.warning("%s: %s=%r is not a valid default, ignored: %s", path, key, value, e)
+            continue
+        defaults[key] = value
+    return defaults
 
 
 def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:

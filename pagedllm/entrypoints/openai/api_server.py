@@ -152,6 +152,9 @@ def build_app(
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     completion = OpenAIServingCompletion(engine, served_model_names, loras)
     chat = OpenAIServingChat(engine, served_model_names, TOOL_PARSERS[tool_call_parser], chat_template, loras)
+    if completion.default_sampling:
+        logger.info("the model's generation_config.json sets the defaults of unset request fields (as vLLM's "
+                    "--generation-config auto): %s", completion.default_sampling)
     v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")

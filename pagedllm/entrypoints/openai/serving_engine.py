@@ -98,6 +98,10 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.loras = loras
         self.tokenizer = engine.tokenizer
+        # The model creator's sampling defaults (generation_config.json), for the fields a request leaves unset.
+        self.default_sampling: dict[str, float | int] = dict(
+            getattr(getattr(engine, "model_config", None), "sampling_defaults", None) or {}
+        )
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter ``model`` names, None for the base model; 404 for anything else."""
@@ -135,7 +139,9 @@ class OpenAIServing:
         prompt_logprobs: int | None = None,
         fields: Mapping[str, str] = {},
     ) -> SamplingParams:
-        """SamplingParams for one prompt; unset fields keep SamplingParams' defaults.
+        """SamplingParams for one prompt; an unset (or null) field takes the model's
+        generation_config.json default where it recommends one (``default_sampling``, as vLLM's
+        ``--generation-config auto``), else SamplingParams' default.
 
         ``max_tokens`` None means all the room the context leaves after the prompt; ``fields``
         as ``OpenAIError.bad_request``'s.
@@ -148,10 +154,10 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens = max(self.engine.max_model_len - prompt_len, 1)
         kwargs = {
-            name: getattr(req, name)
+            name: getattr(req, name) if getattr(req, name) is not None else self.default_sampling[name]
             for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                          "repetition_penalty")
-            if getattr(req, name) is not None
+            if getattr(req, name) is not None or name in self.default_sampling
         }
         try:
             return SamplingParams(
