@@ -58,8 +58,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     dense_mlp_layers: list[int] = field(default_factory=list)
     # The model creator's sampling defaults from generation_config.json (temperature, top_p,
-    # top_k, min_p, repetition_penalty where they differ from transformers' defaults), applied
-    # as vLLM's ``--generation-config auto`` does: to the fields a request leaves unset.
+    # top_k, min_p, repetition_penalty where they differ from transformers' defaults, and
+    # max_new_tokens as max_tokens), applied as vLLM's ``--generation-config auto`` does: to the
+    # fields a request leaves unset (max_tokens: a cap on every server request's output).
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -96,6 +97,10 @@ class EngineConfig:
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS  # `serve`: SERVE_MAX_NUM_BATCHED_TOKENS
     long_prefill_token_threshold: int = 0  # most tokens one request computes per step; 0: no cap
     enable_prefix_caching: bool = True
+    # Defaults of the sampling fields a request leaves unset: "auto", the HF checkpoint's
+    # generation_config.json recommendations (ModelConfig.sampling_defaults), or "vllm",
+    # SamplingParams' own (vLLM's --generation-config).
+    generation_config: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     # Speculative decoding; a dict or JSON string in vLLM's shape is parsed. None: off.
@@ -154,6 +159,8 @@ class EngineConfig:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.quantization_config()  # raises on a bad mode or group size
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be auto or vllm, got {self.generation_config!r:.80}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -205,9 +205,11 @@ def test_generation_config_sampling_defaults(tmp_path: Path, tokenizer_dir: Path
                               "do_sample": True}) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
                                                       "repetition_penalty": 1.05}
     assert sampling_defaults({"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None}) == {}
+    assert sampling_defaults({"max_new_tokens": 64, "max_length": 20}) == {"max_tokens": 64}  # vLLM's cap
     with caplog.at_level("WARNING", logger="pagedllm"):
-        assert sampling_defaults({"temperature": 5.0, "top_k": "x", "min_p": 0.1}) == {"min_p": 0.1}
+        assert sampling_defaults({"temperature": 5.0, "top_k": "x", "min_p": 0.1, "max_new_tokens": 0}) == {"min_p": 0.1}
     assert "temperature=5.0 is not a valid default" in caplog.text and "top_k='x'" in caplog.text
+    assert "max_new_tokens=0" in caplog.text
     _checkpoint("qwen3", tmp_path, tokenizer_dir)
     generation = json.loads((tmp_path / "generation_config.json").read_text())
     (tmp_path / "generation_config.json").write_text(json.dumps(generation | {"temperature": 0.0, "top_k": 5}))
@@ -220,3 +222,9 @@ def test_generation_config_sampling_defaults(tmp_path: Path, tokenizer_dir: Path
         unset = llm.generate(PROMPTS, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in unset] == [o.outputs[0].token_ids for o in greedy]
     llm.shutdown()
+    # vLLM's --generation-config vllm: SamplingParams' own defaults.
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, generation_config="vllm")
+    assert llm.get_default_sampling_params() == SamplingParams()
+    llm.shutdown()
+    with pytest.raises(ValueError, match="generation_config must be auto or vllm, got 'hf'"):
+        LLM(model=str(tmp_path), generation_config="hf")

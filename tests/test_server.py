@@ -473,6 +473,11 @@ def test_generation_config_defaults_fill_unset_fields(stand_in_engine: SimpleNam
     assert (params.temperature, params.top_k) == (0.0, 20)
     plain = OpenAIServingCompletion(stand_in_engine, (MODEL,)).sampling_params(req, 1, 4)
     assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty) == (1.0, 0.5, 0, 1.0)
+    # max_new_tokens (as max_tokens) caps every request's output, the rest of the context included.
+    capped = SimpleNamespace(**(vars(engine) | {"model_config": SimpleNamespace(sampling_defaults={"max_tokens": 8})}))
+    assert OpenAIServingCompletion(capped, (MODEL,)).sampling_params(req, 1, 16).max_tokens == 8
+    assert OpenAIServingCompletion(capped, (MODEL,)).sampling_params(req, 1, 4).max_tokens == 4
+    assert OpenAIServingChat(capped, (MODEL,)).sampling_params(req, 1, None).max_tokens == 8
 
 def test_cors_preflight_before_the_key_and_headers_on_every_answer(
     app: TestClient, stand_in_engine: SimpleNamespace

@@ -158,6 +158,12 @@ class EngineArgs:
         True, "reuse cached KV blocks of shared prefixes", action=argparse.BooleanOptionalAction
     )
     seed: int = _flag(0, "seed of the engine's random sampling", type=int)
+    generation_config: str = _flag(
+        "auto", "defaults of the sampling fields a request leaves unset: auto (an HF checkpoint's generation_config.json "
+        "recommendations: temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps every request's "
+        "output) | vllm (SamplingParams' own)",
+        choices=("auto", "vllm"),
+    )
     speculative_config: str | None = _flag(
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
     )

@@ -6,6 +6,8 @@ end. The same object runs in process (offline ``LLM``) or inside the engine-core
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import time
@@ -91,6 +93,8 @@ class EngineCore:
         )
         self.executor = create_executor(config, kv)
         self.model_config = self.executor.model_config
+        if config.generation_config == "vllm":  # vLLM's flag: SamplingParams' own defaults, not the checkpoint's
+            self.model_config = dataclasses.replace(self.model_config, sampling_defaults={})
         self.recorder = StepRecorder(self.kv_cache) if config.live_view else None
         self.proposer = self._build_proposer()
         self.structured = StructuredOutputManager(

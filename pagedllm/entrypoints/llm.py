@@ -108,7 +108,8 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` sample with when given no ``sampling_params``, as vLLM's:
         the sampling defaults the model's ``generation_config.json`` recommends (temperature,
-        top_p, top_k, min_p, repetition_penalty; ``ModelConfig.sampling_defaults``) over
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens;
+        ``ModelConfig.sampling_defaults``) over
         ``SamplingParams()``'s; a fresh struct each call."""
         return SamplingParams(**self.engine.core.model_config.sampling_defaults)
 

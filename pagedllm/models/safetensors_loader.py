@@ -112,27 +112,31 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
 # transformers' GenerationConfig defaults: a generation_config.json value equal to one is no
 # recommendation (vLLM reads the file's diff against these, ``GenerationConfig.to_diff_dict``).
 _GENERATION_DEFAULTS: dict[str, float | int | None] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+    "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0, "max_new_tokens": None,
 }
 
 
 def sampling_defaults(generation: dict[str, Any], path: Path | str = "generation_config.json") -> dict[str, float | int]:
     """The sampling defaults a ``generation_config.json`` recommends, as vLLM's
-    ``ModelConfig.get_diff_sampling_param`` reads them: temperature, top_p, top_k, min_p and
-    repetition_penalty where set and not transformers' default (``do_sample`` is not read, as
-    vLLM). A value outside its SamplingParams range, or of another type, is dropped with a
-    warning rather than failing every request that leaves the field unset."""
+    ``ModelConfig.get_diff_sampling_param`` reads them: temperature, top_p, top_k, min_p,
+    repetition_penalty and max_new_tokens (as ``max_tokens``: vLLM's server-wide cap on output
+    tokens) where set and not transformers' default (``do_sample`` and ``max_length`` are not
+    read, as vLLM). A value outside its SamplingParams range, or of another type, is dropped
+    with a warning rather than failing every request that leaves the field unset."""
     defaults: dict[str, float | int] = {}
     for key, default in _GENERATION_DEFAULTS.items():
         value = generation.get(key)
         if value is None or value == default:
             continue
+        name = "max_tokens" if key == "max_new_tokens" else key
         try:
-            SamplingParams(**{key: value})
+            SamplingParams(**{name: value})
+            if name == "max_tokens" and value < 1:
+                raise InvalidParamError(name, f"max_new_tokens must be at least 1, got {value}")
         except (InvalidParamError, TypeError) as e:
             logger.warning("%s: %s=%r is not a valid default, ignored: %s", path, key, value, e)
             continue
-        defaults[key] = value
+        defaults[name] = value
     return defaults
 
 

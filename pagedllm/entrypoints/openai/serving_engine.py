@@ -143,8 +143,9 @@ class OpenAIServing:
         generation_config.json default where it recommends one (``default_sampling``, as vLLM's
         ``--generation-config auto``), else SamplingParams' default.
 
-        ``max_tokens`` None means all the room the context leaves after the prompt; ``fields``
-        as ``OpenAIError.bad_request``'s.
+        ``max_tokens`` None means all the room the context leaves after the prompt; a
+        ``max_new_tokens`` of generation_config.json caps it (vLLM's server-wide limit);
+        ``fields`` as ``OpenAIError.bad_request``'s.
 
         Raises:
             OpenAIError: 400 naming the field, for values outside their ranges.
@@ -153,6 +154,8 @@ class OpenAIServing:
             raise OpenAIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         if max_tokens is None:
             max_tokens = max(self.engine.max_model_len - prompt_len, 1)
+        if "max_tokens" in self.default_sampling:
+            max_tokens = min(max_tokens, int(self.default_sampling["max_tokens"]))
         kwargs = {
             name: getattr(req, name) if getattr(req, name) is not None else self.default_sampling[name]
             for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
