@@ -34,7 +34,7 @@ from pagedllm.kernels.attention import attention_in_bfloat16_pairs
 from pagedllm.kernels import attention as kernels
 from pagedllm.distributed.parallel_state import SINGLE
 from pagedllm.layers.attention import AttentionMetadata, PagedAttention, _write_kv_torch
-from pagedllm.layers.key_scales import key_scales, qk_factors
+from pagedllm.layers.key_scales import ALPHA, key_scales, qk_factors
 from pagedllm.layers.rotary import ApplyRotary, RotaryEmbedding
 from pagedllm.models.loader import load_config, resolve_model
 from pagedllm.sampling_params import SamplingParams
@@ -396,6 +396,26 @@ def test_key_scales_leave_scores_unchanged_and_commute_with_rope(backend: str) -
         return torch.einsum("thd,shd->hts", qk[:, :heads], keys)
 
     torch.testing.assert_close(scores(scaled), scores(plain), atol=1e-4, rtol=1e-5)
+
+
+def test_key_scales_follow_each_channel_pairs_expected_size() -> None:
+    """s_c = (the pair of channels RoPE turns together: their expected squares summed, sqrt) **
+    ALPHA, over the head's geometric mean; each channel's expected square is its weight row's
+    norm after the input norm, plus its bias squared, times its key-norm weight squared."""
+    gen = torch.Generator().manual_seed(1)
+    kv_heads, head_dim, hidden = 2, 8, 5
+    w, b = torch.randn(kv_heads * head_dim, hidden, generator=gen), torch.randn(kv_heads * head_dim, generator=gen)
+    g, n = torch.rand(hidden, generator=gen) + 0.5, torch.rand(head_dim, generator=gen) * 3
+    got = key_scales(w, b, g, kv_heads, n)
+    for h in range(kv_heads):
+        sizes = []
+        for c in range(head_dim):
+            row = h * head_dim + c
+            sizes.append(((w[row] * g).square().sum() + b[row] ** 2) * n[c] ** 2)
+        half = head_dim // 2
+        pair = [float(sizes[c % half] + sizes[c % half + half]) ** 0.5 for c in range(head_dim)]
+        s = torch.tensor(pair) ** ALPHA
+        torch.testing.assert_close(got[h], s / s.log().mean().exp(), rtol=1e-5, atol=0)
 
 
 def test_key_scales_cut_the_int8_error_of_large_key_channels(tmp_path) -> None:

@@ -63,9 +63,6 @@ def key_scales(
     m2 = m2.view(num_kv_heads, -1)
     if k_norm_weight is not None:
         m2 = m2 * k_norm_weight.float().square()
-    m2 = m2.view(num_kv_heads, -1)
-    if k_norm_weight is not None:
-        m2 = m2 * k_norm_weight.float().square()
     m2 = m2.view(num_kv_heads, 2, -1)
     pair = (m2[:, 0] + m2[:, 1]).sqrt().clamp_min(torch.finfo(torch.float32).tiny)  # [Hkv, D / 2]
     s = pair.pow(ALPHA)
