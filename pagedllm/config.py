@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -35,6 +36,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # qwen2: bias on q/k/v projections
     qk_norm: bool = False  # qwen3: RMSNorm (weight [head_dim]) over each query and key head before RoPE
+    # RoPE scaling of the full-attention layers (Gemma 3's sliding ones run plain RoPE), in
+    # transformers' rope parameters: rope_type ("linear" | "llama3" | "yarn") and its own keys
+    # (factor, original_max_position_embeddings, ...), the base being ``rope_theta``. Empty: none.
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""

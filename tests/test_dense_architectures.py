@@ -1,7 +1,8 @@
 """Qwen3, Mistral and Phi-3 against transformers: tiny random checkpoints built from
 transformers' own classes, saved with ``save_pretrained`` next to SmolLM2's tokenizer, served
 by ``LLM`` in float32 (chunked prefill, prefix caching) and compared with ``generate``; Qwen3
-and Phi-3 also as GGUF files written the way llama.cpp's converter does."""
+and Phi-3 also as GGUF files written the way llama.cpp's converter does. RoPE scaling (linear,
+llama3, yarn) on Llama and Qwen2 checkpoints against transformers too."""
 
 from __future__ import annotations
 
@@ -228,3 +229,105 @@ def test_generation_config_sampling_defaults(tmp_path: Path, tokenizer_dir: Path
     llm.shutdown()
     with pytest.raises(ValueError, match="generation_config must be auto or vllm, got 'hf'"):
         LLM(model=str(tmp_path), generation_config="hf")
+
+
+# --- RoPE scaling: linear, llama3 and yarn as transformers computes them ----------------------
+
+ROPE_PROMPT = shared_prefix_prompts(11, 0, (150, 1, 1))[1][0]  # far past the original 32 positions
+# Each config's rope parameters and max_position_embeddings (the original 32 for linear and
+# yarn, which vLLM extends by the factor to 256; llama3's configs give the extended length).
+ROPE_SCALING = {
+    "linear": ({"rope_type": "linear", "factor": 8.0}, 32),
+    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}, 256),
+    "yarn": ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}, 32),
+}
+ROPE_CASES = [("linear", "llama"), ("llama3", "llama"), ("yarn", "llama"), ("yarn", "qwen2")]
+_ROPE_CLASSES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+}
+
+
+def _rope_model(arch: str, rope: dict | None, max_positions: int) -> transformers.PreTrainedModel:
+    """A random ``arch`` model (seed 0) with these rope parameters (None: plain RoPE)."""
+    config_cls, model_cls = _ROPE_CLASSES[arch]
+    common = COMMON | {"max_position_embeddings": max_positions}
+    torch.manual_seed(0)
+    hf = model_cls(config_cls(**common, rope_parameters={"rope_theta": 1e4} | (rope or {}))).eval()
+    randomize_vectors(hf)
+    return hf
+
+
+@pytest.fixture(scope="module", params=ROPE_CASES, ids=[f"{r}-{a}" for r, a in ROPE_CASES])
+def rope_tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
+    """(rope type, HF model, checkpoint directory) of a scaled-RoPE checkpoint."""
+    rope_type, arch = request.param
+    path = tmp_path_factory.mktemp(f"{rope_type}-{arch}")
+    hf = _rope_model(arch, *ROPE_SCALING[rope_type])
+    hf.save_pretrained(path)
+    for f in tokenizer_dir.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    return rope_type, arch, hf, path
+
+
+def test_rope_scaling_logits_match_transformers(rope_tiny) -> None:
+    """150 positions, of an original 32: the scaled RoPE's logits are transformers' (and far
+    from plain RoPE's, so the scaling is what is compared)."""
+    rope_type, arch, hf, path = rope_tiny
+    model, config = load_model(resolve_model(str(path)), torch.float32)
+    assert config.rope_scaling["rope_type"] == rope_type
+    assert config.max_position_embeddings == 256  # linear and yarn: 32 * 8, as vLLM derives it
+    with torch.inference_mode():
+        ids = torch.tensor([ROPE_PROMPT])
+        expected = hf(ids).logits[0]
+        plain = _rope_model(arch, None, 256)(ids).logits[0]
+    got = prefill_logits(model, config, ROPE_PROMPT)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert (plain - expected)[32:].abs().mean() > 0.1 * expected.abs().mean()
+
+
+def test_rope_scaling_greedy_matches_transformers(rope_tiny) -> None:
+    """Served by ``LLM`` (chunked prefill, decode past the 150-token prompt): transformers' tokens."""
+    _, _, hf, path = rope_tiny
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
+    out = llm.generate([ROPE_PROMPT], params, use_tqdm=False)[0]
+    assert_greedy_matches(hf, ROPE_PROMPT, out.outputs[0], MAX_TOKENS)
+    llm.shutdown()
+
+
+def test_rope_scaling_in_the_old_rope_scaling_field(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Configs written before transformers 5 (Llama 3.1's, Qwen2.5's): ``rope_theta`` and a
+    ``rope_scaling`` with ``type`` or ``rope_type``; yarn's original length from
+    ``max_position_embeddings`` when left out, as transformers reads it."""
+    _checkpoint("qwen3", tmp_path, tokenizer_dir)
+    old = {k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items() if k != "rope_parameters"}
+    cases = [
+        ({"type": "yarn", "factor": 4.0},
+         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}, None),
+    ]
+    for rope_scaling, expected in cases:
+        (tmp_path / "config.json").write_text(json.dumps(old | {"rope_theta": 1e4, "rope_scaling": rope_scaling}))
+        config = load_config(resolve_model(str(tmp_path)))
+        assert config.rope_scaling == (expected or rope_scaling) and config.rope_theta == 1e4
+    assert config.max_position_embeddings == 256  # llama3: the config's own
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        ({"rope_type": "dynamic", "factor": 2.0},
+         r"RoPE scaling 'dynamic' is not supported \(supported: linear, llama3, yarn\)"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+          "original_max_position_embeddings": 128}, "RoPE scaling 'longrope' is not supported"),
+        ({"rope_type": "llama3", "factor": 8.0}, "RoPE scaling 'llama3' needs low_freq_factor, high_freq_factor"),
+    ],
+)
+def test_rope_scaling_it_does_not_compute_is_refused(rope, message, tmp_path: Path, tokenizer_dir: Path) -> None:
+    _checkpoint("qwen3", tmp_path, tokenizer_dir)
+    _edit_config(tmp_path, rope_parameters={"rope_theta": 1e4} | rope)
+    with pytest.raises(ValueError, match=message):
+        load_config(resolve_model(str(tmp_path)))

@@ -105,6 +105,38 @@ def test_first_published_config_format_loads(tiny, tmp_path) -> None:
     torch.testing.assert_close(prefill_logits(loaded, loaded_config, ids), _hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
+def test_linear_rope_scaling_of_the_global_layers_matches_transformers(tiny, tmp_path) -> None:
+    """Gemma 3 4B and larger scale their global layers' RoPE linearly (factor 8), the sliding
+    ones not: transformers' logits, with the new ``rope_parameters`` and the first published
+    ``rope_scaling``; the context stays ``max_position_embeddings`` (vLLM's exception for
+    Gemma 3). Scaling the sliding layers' RoPE is refused."""
+    hf, _, _ = tiny
+    hf.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    rope = saved["rope_parameters"]
+    linear = {"rope_type": "linear", "factor": 8.0}
+    scaled = saved | {"rope_parameters": rope | {"full_attention": rope["full_attention"] | linear}}
+    (tmp_path / "config.json").write_text(json.dumps(scaled))
+    scaled_hf = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ids = torch.randint(3, 128, (150,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = _hf_logits(scaled_hf, ids)
+    assert (expected - _hf_logits(hf, ids)).abs().mean() > 0.1 * expected.abs().mean()  # the scaling counts
+    old = {k: v for k, v in saved.items() if k not in ("rope_parameters", "layer_types")} | dict(
+        sliding_window_pattern=6, rope_theta=rope["full_attention"]["rope_theta"],
+        rope_local_base_freq=rope["sliding_attention"]["rope_theta"], rope_scaling=linear,
+    )
+    for config_json in (scaled, old):
+        (tmp_path / "config.json").write_text(json.dumps(config_json))
+        loaded, config = load_model(resolve_model(str(tmp_path)), torch.float32)
+        assert config.rope_scaling == linear
+        assert config.max_position_embeddings == 256
+        torch.testing.assert_close(prefill_logits(loaded, config, ids), expected, atol=ATOL, rtol=0)
+    local = rope["sliding_attention"] | linear
+    (tmp_path / "config.json").write_text(json.dumps(saved | {"rope_parameters": rope | {"sliding_attention": local}}))
+    with pytest.raises(ValueError, match="RoPE scaling of the sliding-window layers is not supported"):
+        load_config(resolve_model(str(tmp_path)))
+
+
 def test_activation_other_than_gelu_tanh_is_refused(tiny, tmp_path) -> None:
     """Gemma 3's activation is ``hidden_activation`` (GELU-tanh); another one is refused."""
     hf, _, _ = tiny

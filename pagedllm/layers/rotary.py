@@ -6,11 +6,94 @@ The first and second halves of each head are the two coordinates of each rotated
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from pagedllm.kernels import elementwise
 from pagedllm.layers.custom_op import CustomOp
+
+
+# RoPE scaling types computed (transformers' rope_type names), each by transformers' own
+# ROPE_INIT_FUNCTIONS; "dynamic" (NTK by sequence length) and "longrope" (Phi-3's) are refused.
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+
+
+# The keys each type's ROPE_INIT_FUNCTION requires (besides rope_theta).
+_REQUIRED_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+# llama.cpp's frequency factors (a GGUF's ``rope_freqs.weight``, Llama 3.1's RoPE as its
+# converter writes it): each inverse frequency divided by its factor. Not a transformers type.
+FREQ_FACTORS = "freq_factors"
+
+
+def check_rope_scaling(scaling: dict[str, Any]) -> None:
+    """Raise ValueError unless ``scaling`` (transformers' rope parameters, ``rope_type`` set)
+    is plain RoPE or one of ``ROPE_SCALING_TYPES`` with the keys it needs."""
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return
+    if rope_type not in ROPE_SCALING_TYPES:
+        raise ValueError(
+            f"RoPE scaling {rope_type!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)})"
+        )
+    missing = [key for key in _REQUIRED_KEYS[rope_type] if key not in scaling]
+    if missing:
+        raise ValueError(f"RoPE scaling {rope_type!r} needs {', '.join(missing)} in the rope parameters")
+
+
+def scaled_context(max_position: int, scaling: dict[str, Any]) -> int:
+    """The positions a model with this RoPE scaling serves, as vLLM derives its max_model_len:
+    linear's ``max_position * factor``, yarn's ``original_max_position_embeddings * factor``;
+    llama3's (and plain RoPE's) is ``max_position``, which its configs already extend."""
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        return int(max_position * scaling["factor"])
+    if rope_type == "yarn":
+        return int(scaling["original_max_position_embeddings"] * scaling["factor"])
+    return max_position
+
+
+class _RopeConfig:
+    """What transformers' ``ROPE_INIT_FUNCTIONS`` read of a model config (rope parameters
+    already standardized: ``rope_type``, ``rope_theta``, ``original_max_position_embeddings``)."""
+
+    def __init__(self, parameters: dict[str, Any], head_dim: int, max_position: int) -> None:
+        self.rope_parameters = parameters
+        self.head_dim, self.hidden_size, self.num_attention_heads = head_dim, head_dim, 1
+        self.max_position_embeddings = max_position
+
+    def standardize_rope_params(self) -> None:
+        pass
+
+
+def rope_frequencies(
+    head_dim: int, base: float, max_position: int, scaling: dict[str, Any] | None = None
+) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies [head_dim / 2] float32 and the factor cos and sin are
+    multiplied by (YaRN's attention factor; 1.0 otherwise).
+
+    ``scaling``: transformers' rope parameters of a scaled RoPE (``rope_type`` one of
+    ``ROPE_SCALING_TYPES``, its ``factor`` etc.; ``ModelConfig.rope_scaling``), computed by
+    transformers' ``ROPE_INIT_FUNCTIONS`` as its models do, or ``FREQ_FACTORS`` with its
+    ``freq_factors`` list; None or empty: plain RoPE.
+    """
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+    if not scaling:
+        return inv_freq, 1.0
+    if scaling["rope_type"] == FREQ_FACTORS:
+        return inv_freq / torch.tensor(scaling[FREQ_FACTORS], dtype=torch.float32, device="cpu"), 1.0
+    check_rope_scaling(scaling)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = _RopeConfig({**scaling, "rope_theta": base}, head_dim, max_position)
+    with torch.device("cpu"):  # real values under the loader's torch.device("meta") too
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, torch.device("cpu"))
+    return inv_freq.float(), float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -21,15 +104,20 @@ class RotaryEmbedding(nn.Module):
         max_position: number of positions to precompute.
         base: RoPE theta.
         dtype: dtype of the cache (the model's dtype, as HF casts cos/sin to it).
+        scaling: the RoPE scaling parameters (``rope_frequencies``); None: plain RoPE.
     """
 
-    def __init__(self, head_dim: int, max_position: int, base: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self, head_dim: int, max_position: int, base: float, dtype: torch.dtype, scaling: dict[str, Any] | None = None
+    ) -> None:
         super().__init__()
         # Explicit CPU device: the loader builds the model under torch.device("meta"), and
         # this buffer is not in any checkpoint, so it must hold real values from the start.
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+        inv_freq, attention_factor = rope_frequencies(head_dim, base, max_position, scaling)
         freqs = torch.outer(torch.arange(max_position, device="cpu").float(), inv_freq).repeat(1, 2)  # [P, D]
         cache = torch.stack([freqs.cos(), freqs.sin()], 1)  # [P, 2, D]
+        if attention_factor != 1.0:  # YaRN: cos and sin scaled (transformers' attention_scaling)
+            cache.mul_(attention_factor)
         # Sign of rotate_half folded into sin: rotate_half(x) * sin == roll(x, D/2) * signed_sin.
         cache[:, 1, : head_dim // 2].neg_()
         self.register_buffer("cos_sin", cache.unsqueeze(2).to(dtype), persistent=False)  # [P, 2, 1, D]

@@ -9,7 +9,8 @@ Differences from Llama, each as in transformers' ``modeling_gemma3``:
 - GELU-tanh gated MLP;
 - queries scaled by ``query_pre_attn_scalar ** -0.5``;
 - ``layer_types``: sliding-window layers attend to the last ``sliding_window`` positions
-  and use their own RoPE base (``rope_local_theta``), the others are global.
+  and use their own RoPE base (``rope_local_theta``), unscaled; the others are global, with
+  the checkpoint's RoPE scaling (``rope_scaling``: linear, factor 8, on the 4B and larger).
 
 Tensor parallelism as in ``llama.py``; Gemma 3's one KV head is replicated on every rank,
 and the logits are soft-capped on rank 0 after the gather.
@@ -118,7 +119,9 @@ class Gemma3ForCausalLM(CausalLM):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None  # tied: quantize_model and the spec-decode code look for it
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, dtype)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, config.rope_scaling
+        )
         if any(layer.is_sliding for layer in self.layers):
             local_base = config.rope_local_theta or config.rope_theta
             self.rotary_emb_local = RotaryEmbedding(

@@ -194,7 +194,7 @@ class LlamaForCausalLM(CausalLM):
             else nn.Linear(config.hidden_size, shard.vocab_rows, bias=False, dtype=dtype)
         )
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype
+            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, config.rope_scaling
         )
         self.requires_grad_(False)  # inference only: no autograd bookkeeping even outside inference_mode
 

@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InvalidParamError
+from pagedllm.layers.rotary import check_rope_scaling, scaled_context
 from pagedllm.models.registry import (
     O_PROJ_BIAS, QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture, gemma3_layer_types, mlp_activation,
 )
@@ -32,8 +33,9 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
     """ModelConfig from ``config.json`` (eos ids from ``generation_config.json`` when present).
 
     Raises:
-        ValueError: unsupported architecture, RoPE scaling (Phi-3's LongRoPE included),
-            partial rotary embeddings, Qwen's ``use_sliding_window``, an MLP bias, an o_proj bias
+        ValueError: unsupported architecture, RoPE scaling other than linear, llama3 and
+            yarn (``dynamic``, Phi-3's ``longrope``; any on Gemma 3's sliding layers), partial
+            rotary embeddings, Qwen's ``use_sliding_window``, an MLP bias, an o_proj bias
             (``attention_bias`` beyond Qwen2's q/k/v, ``O_PROJ_BIAS``), or an MLP
             activation other than the architecture's (``hidden_act``, Gemma 3's ``hidden_activation``).
     """
@@ -47,11 +49,11 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kinds = rope if "full_attention" in rope else {"full_attention": rope}
     for kind in kinds.values():
-        rope_type = kind.get("rope_type", kind.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"RoPE scaling {rope_type!r} is not supported")
         if float(kind.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0) != 1.0:
             raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    rope_scaling = _rope_scaling(kinds["full_attention"], cfg)
+    if _rope_scaling(kinds.get("sliding_attention", {}), cfg):
+        raise ValueError("RoPE scaling of the sliding-window layers is not supported")
     if cfg.get("use_sliding_window") or cfg.get("mlp_bias"):
         raise ValueError("sliding-window attention and MLP biases are not supported")
     if cfg.get("attention_bias") and arch in O_PROJ_BIAS:
@@ -95,8 +97,14 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=cfg.get("head_dim") or hidden // num_heads,
         rope_theta=float(cfg.get("rope_theta", full.get("rope_theta", 10000.0))),
+        rope_scaling=rope_scaling,
         rms_norm_eps=float(cfg["rms_norm_eps"]),
-        max_position_embeddings=cfg["max_position_embeddings"],
+        # Extended by linear and yarn scaling as vLLM extends it, except Gemma 3's (vLLM's
+        # exception too: its max_position_embeddings already counts the factor).
+        max_position_embeddings=(
+            cfg["max_position_embeddings"] if arch == "gemma3"
+            else scaled_context(cfg["max_position_embeddings"], rope_scaling)
+        ),
         # Gemma 3 always ties its lm_head; its config.json may leave the field out.
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),  # Qwen2 always has q/k/v bias
@@ -107,6 +115,30 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         sampling_defaults=sampling_defaults(generation, gen_path),
         **extra,
     )
+
+
+def _rope_scaling(params: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """``ModelConfig.rope_scaling`` of one layer kind's rope parameters (an old ``rope_scaling``
+    or transformers 5's ``rope_parameters``), standardized as transformers'
+    ``standardize_rope_params`` does: ``type`` read as ``rope_type``, llama3's and yarn's
+    ``original_max_position_embeddings`` from the top level of config.json where set there
+    (Phi-3), else the parameters', else ``max_position_embeddings``. Empty for plain RoPE.
+
+    Raises:
+        ValueError: a type other than linear, llama3 or yarn, or one missing its keys.
+    """
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    skip = {"type", "rope_type", "rope_theta", "partial_rotary_factor"}
+    scaling = {"rope_type": rope_type} | {k: v for k, v in params.items() if k not in skip}
+    if rope_type in ("llama3", "yarn"):
+        original = cfg.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = original or scaling.get(
+            "original_max_position_embeddings", cfg["max_position_embeddings"]
+        )
+    if rope_type == "yarn" and scaling.get("factor") is None:  # transformers' (DeepSeek-V3's) fallback
+        scaling["factor"] = cfg["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+    check_rope_scaling(scaling)
+    return {} if rope_type == "default" else scaling
 
 
 # transformers' GenerationConfig defaults: a generation_config.json value equal to one is no
