@@ -38,7 +38,8 @@ class ModelConfig:
     qk_norm: bool = False  # qwen3: RMSNorm (weight [head_dim]) over each query and key head before RoPE
     # RoPE scaling of the full-attention layers (Gemma 3's sliding ones run plain RoPE), in
     # transformers' rope parameters: rope_type ("linear" | "llama3" | "yarn") and its own keys
-    # (factor, original_max_position_embeddings, ...), the base being ``rope_theta``. Empty: none.
+    # (factor, original_max_position_embeddings, ...), the base being ``rope_theta``; or a GGUF's
+    # llama.cpp frequency factors (rope_type "freq_factors", layers/rotary.py). Empty: none.
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)

@@ -240,6 +240,7 @@ def write_gguf(
         writer.add_sliding_window(c.sliding_window)
     if tokens:
         writer.add_token_list(tokens)
+    _write_rope_scaling(writer, c.rope_parameters, head_dim)
     for name, tensor in hf.state_dict().items():
         qtype, w = (blocks or {}).get(name, (None, tensor.numpy()))
         if name.startswith("model.layers."):
@@ -255,6 +256,33 @@ def write_gguf(
                 continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(w), raw_dtype=qtype)
     finish_gguf(writer)
+
+
+def _write_rope_scaling(writer: gguf.GGUFWriter, rope: dict, head_dim: int) -> None:
+    """RoPE scaling as llama.cpp's converter writes it: linear and yarn as ``rope.scaling.*``
+    metadata, llama3 as a ``rope_freqs.weight`` tensor of frequency factors (LlamaModel's
+    ``generate_extra_tensors``)."""
+    rope_type = rope.get("rope_type", "default")
+    if rope_type in ("linear", "yarn"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope_type))
+        writer.add_rope_scaling_factor(rope["factor"])
+        if rope_type == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif rope_type == "llama3":
+        freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old_context = rope["original_max_position_embeddings"]
+        factors = []
+        for freq in freqs.tolist():
+            wavelen = 2 * math.pi / freq
+            if wavelen < old_context / high:
+                factors.append(1.0)
+            elif wavelen > old_context / low:
+                factors.append(factor)
+            else:
+                smooth = (old_context / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
 
 
 def write_q4_gguf(path: Path, hf: torch.nn.Module) -> None:

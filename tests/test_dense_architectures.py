@@ -331,3 +331,34 @@ def test_rope_scaling_it_does_not_compute_is_refused(rope, message, tmp_path: Pa
     _edit_config(tmp_path, rope_parameters={"rope_theta": 1e4} | rope)
     with pytest.raises(ValueError, match=message):
         load_config(resolve_model(str(tmp_path)))
+
+
+def test_rope_scaling_gguf_as_llama_cpp_writes_it_matches_transformers(rope_tiny, tmp_path: Path) -> None:
+    """llama.cpp's converter writes linear and yarn as ``rope.scaling.*`` metadata and Llama
+    3.1's llama3 as a ``rope_freqs.weight`` tensor of frequency factors: the same logits."""
+    rope_type, _, hf, _ = rope_tiny
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf)
+    model, config = load_model(resolve_model(str(path)), torch.float32)
+    assert config.rope_scaling["rope_type"] == ("freq_factors" if rope_type == "llama3" else rope_type)
+    assert config.max_position_embeddings == 256
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ROPE_PROMPT])).logits[0]
+    torch.testing.assert_close(prefill_logits(model, config, ROPE_PROMPT), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ({"rope.scaling.type": "longrope"}, r"RoPE scaling 'longrope' is not supported \(supported: linear, llama3"),
+        ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.attn_factor": 0.5},
+         r"yarn with rope.scaling.attn_factor=0.5 is not supported"),
+    ],
+)
+def test_rope_scaling_gguf_it_does_not_compute_is_refused(metadata, message) -> None:
+    from types import SimpleNamespace
+
+    from pagedllm.models.gguf_loader import _rope_scaling
+
+    with pytest.raises(ValueError, match=message):
+        _rope_scaling(SimpleNamespace(tensors={}), lambda key, default=None: metadata.get(key, default), 32)

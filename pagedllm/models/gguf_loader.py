@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +28,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import kquant
 from pagedllm.layers.quantization.gguf import dequantize_blocks
+from pagedllm.layers.rotary import FREQ_FACTORS, check_rope_scaling, scaled_context
 from pagedllm.models.registry import QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture, gemma3_layer_types
 
 _SCALAR_FORMATS = {
@@ -262,14 +263,22 @@ _NORM_PLUS_ONE = {"gemma3"}
 # head_dim ** -0.5, except the 27B (62 layers), which uses hidden / heads as transformers'
 # query_pre_attn_scalar.
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# llama.cpp's RoPE frequency factors (Llama 3.1's RoPE as its converter writes it).
+_ROPE_FREQS = "rope_freqs.weight"
+# llama.cpp's yarn settings and the values that leave its YaRN transformers' (ext factor -1:
+# 1 for yarn); another value is refused.
+_YARN_DEFAULTS = {
+    "attn_factor": (1.0,), "yarn_attn_factor": (1.0,), "yarn_ext_factor": (-1.0, 1.0), "yarn_log_multiplier": (0.0,),
+}
 
 
 def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
     """ModelConfig from the ``{arch}.*`` and ``tokenizer.ggml.*`` metadata.
 
     Raises:
-        ValueError: unsupported architecture, partial rotary or RoPE scaling (Phi-3's
-            LongRoPE factors included).
+        ValueError: unsupported architecture, partial rotary, or RoPE scaling other than
+            linear, yarn and llama.cpp's frequency factors (``_rope_scaling``; Phi-3's
+            LongRoPE factors refused).
     """
     md = f.metadata
     file_arch = md.get("general.architecture", "<missing>")
@@ -284,10 +293,10 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
     head_dim = int(get("attention.key_length", hidden // num_heads))
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise ValueError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
-    if get("rope.scaling.type", "none") != "none":
-        raise ValueError(f"RoPE scaling {get('rope.scaling.type')!r} is not supported")
     if "rope_factors_long.weight" in f.tensors:
-        raise ValueError("RoPE scaling 'longrope' (rope_factors_long) is not supported")
+        check_rope_scaling({"rope_type": "longrope"})  # raises, naming the supported types
+    rope_scaling = _rope_scaling(f, get, head_dim)
+    context = int(get("context_length"))
     eos = [int(md[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
     extra = _EXTRA_EOS.get(arch)
     if extra and isinstance(md.get("tokenizer.ggml.tokens"), StringArray):
@@ -326,8 +335,10 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
         rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(get("context_length")),
+        # Extended by linear and yarn scaling as vLLM extends it, Gemma 3 excepted (safetensors_loader).
+        max_position_embeddings=context if arch == "gemma3" else scaled_context(context, rope_scaling),
         tie_word_embeddings="output.weight" not in f.tensors,
         attention_bias="blk.0.attn_q.bias" in f.tensors,
         qk_norm=arch in QK_NORM,
@@ -336,6 +347,46 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
         name=name or str(md.get("general.name", "")),
         **extra_fields,
     )
+
+
+def _rope_scaling(f: GGUFFile, get: Callable[..., Any], head_dim: int) -> dict[str, Any]:
+    """``ModelConfig.rope_scaling`` of a GGUF, as llama.cpp reads it: a ``rope_freqs.weight``
+    tensor (its converter's Llama 3.1 RoPE: each inverse frequency divided by its factor);
+    ``rope.scaling.factor`` (or the older ``rope.scale_linear``; 0: none) linear unless
+    ``rope.scaling.type`` is yarn, then with ``rope.scaling.original_context_length`` (default
+    the context length) and llama.cpp's defaults, which are transformers' (beta_fast 32,
+    beta_slow 1, attention factor 0.1 ln(factor) + 1).
+
+    Raises:
+        ValueError: another scaling type, frequency factors with a scaling type, factors not
+            one per rotated pair, or yarn's attention factor, ext factor or log multiplier set.
+    """
+    kind = get("rope.scaling.type", "none")
+    factor = float(get("rope.scaling.factor", get("rope.scale_linear", 0.0))) or 1.0
+    if kind not in ("none", "linear", "yarn"):
+        check_rope_scaling({"rope_type": kind})  # raises, naming the supported types
+    if _ROPE_FREQS in f.tensors:
+        factors = f.dequantize(_ROPE_FREQS, torch.float32).flatten()
+        if kind == "yarn" or factor != 1.0:
+            raise ValueError(f"RoPE frequency factors ({_ROPE_FREQS}) with rope.scaling.{kind} are not supported")
+        if factors.numel() != head_dim // 2:
+            raise ValueError(f"{_ROPE_FREQS} has {factors.numel()} factors, not one per rotated pair ({head_dim // 2})")
+        return {"rope_type": FREQ_FACTORS, FREQ_FACTORS: factors.tolist()}
+    if kind != "yarn":
+        return {} if factor == 1.0 else {"rope_type": "linear", "factor": factor}
+    for key, values in _YARN_DEFAULTS.items():
+        value = get(f"rope.scaling.{key}")
+        if value is not None and float(value) not in values:
+            raise ValueError(f"yarn with rope.scaling.{key}={value} is not supported")
+    scaling = {
+        "rope_type": "yarn", "factor": factor,
+        "original_max_position_embeddings": int(get("rope.scaling.original_context_length", get("context_length"))),
+    }
+    for key in ("beta_fast", "beta_slow"):
+        if get(f"rope.scaling.yarn_{key}") is not None:
+            scaling[key] = float(get(f"rope.scaling.yarn_{key}"))
+    check_rope_scaling(scaling)
+    return scaling
 
 
 def hf_name(gguf_name: str, arch: str = "") -> str:
@@ -379,7 +430,8 @@ def gguf_weights(
     as placeholders on the meta device, of their shape and dtype, nothing read.
     """
     arch = config.architecture
-    names = {name: hf_name(name, arch) for name in f.tensors}  # reject unknown tensors before any work
+    # Reject unknown tensors before any work; RoPE's frequency factors are config (gguf_config).
+    names = {name: hf_name(name, arch) for name in f.tensors if name != _ROPE_FREQS}
 
     def load(name: str) -> tuple[str, torch.Tensor]:
         if name in stored:
