@@ -257,6 +257,20 @@ def test_logprobs_and_prompt_logprobs(llm):
         assert tid in entry and entry[tid].logprob <= 0.0
 
 
+def test_logprobs_without_detokenize_leave_tokens_undecoded(llm):
+    """detokenize=False: the same log-probabilities and ranks, no token decoded (vLLM's None)."""
+    kwargs = dict(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=1)
+    decoded = llm.generate(["The sun rises in the"], SamplingParams(**kwargs))[0]
+    raw = llm.generate(["The sun rises in the"], SamplingParams(detokenize=False, **kwargs))[0]
+    assert raw.outputs[0].text == "" and raw.outputs[0].token_ids == decoded.outputs[0].token_ids
+    for got, want in ((raw.outputs[0].logprobs, decoded.outputs[0].logprobs), (raw.prompt_logprobs[1:], decoded.prompt_logprobs[1:])):
+        assert [{t: (v.logprob, v.rank) for t, v in e.items()} for e in got] == [
+            {t: (v.logprob, v.rank) for t, v in e.items()} for e in want
+        ]
+        assert all(v.decoded_token is None and v.token_bytes is None for e in got for v in e.values())
+        assert all(v.decoded_token is not None for e in want for v in e.values())
+
+
 def test_prompt_logprobs_once_for_n_samples(llm):
     """Each of n samples scores the prompt; the output used to hold n copies end to end."""
     params = SamplingParams(temperature=1.0, seed=0, n=3, max_tokens=2, prompt_logprobs=1)

@@ -192,7 +192,8 @@ class OutputProcessor:
             touched[state.request_id] = state
             # Each of n samples scores the same prompt: the output holds the first's scores once.
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None and sample.index == 0:
-                state.prompt_logprobs.extend(self._to_dicts(out.prompt_logprobs))
+                detokenize = sample.detokenizer.params.detokenize
+                state.prompt_logprobs.extend(self._to_dicts(out.prompt_logprobs, detokenize=detokenize))
             state.num_cached_tokens = out.num_cached_tokens
             if out.queued_time is not None:
                 sample.queued_ts, sample.scheduled_ts = out.queued_time, out.scheduled_time
@@ -274,18 +275,24 @@ class OutputProcessor:
     def _add_logprobs(self, sample: SampleState, lp: TokenLogprobs, texts: list[str]) -> None:
         if sample.logprobs is None:
             sample.logprobs, sample.cumulative_logprob = [], 0.0
-        for entry in self._to_dicts(lp, texts):
+        for entry in self._to_dicts(lp, texts, sample.detokenizer.params.detokenize):
             sample.logprobs.append(entry)
         sample.cumulative_logprob += sum(row[0] for row in lp.logprobs)
 
-    def _to_dicts(self, lp: TokenLogprobs, texts: list[str] | None = None) -> list[dict[int, Logprob]]:
+    def _to_dicts(
+        self, lp: TokenLogprobs, texts: list[str] | None = None, detokenize: bool = True
+    ) -> list[dict[int, Logprob]]:
         """vLLM's logprob dicts. ``texts``: the chosen tokens' shares of the output text
-        (from the detokenizer), so that the chosen tokens' strings join to the text."""
+        (from the detokenizer), so that the chosen tokens' strings join to the text. Without
+        ``detokenize`` (``SamplingParams.detokenize``) no token is decoded: ``decoded_token``
+        and ``token_bytes`` are None, as vLLM leaves them."""
         result = []
         for pos, (ids, lps, rank) in enumerate(zip(lp.token_ids, lp.logprobs, lp.ranks)):
             entry: dict[int, Logprob] = {}
             for j, (tid, value) in enumerate(zip(ids, lps)):
-                if tid not in entry:  # the chosen token may also be among the top-N
+                if tid not in entry and not detokenize:
+                    entry[tid] = Logprob(value, rank if j == 0 else j)
+                elif tid not in entry:  # the chosen token may also be among the top-N
                     text = token_text(self.tokenizer, tid)
                     # In context the chosen token may complete a character; a token the text
                     # skips (a special token) keeps its own string.
