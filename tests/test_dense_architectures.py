@@ -172,7 +172,8 @@ def test_phi3_gguf_4bit_fused_tensors_are_kept_as_stored(tmp_path: Path, tokeniz
     from pagedllm.distributed.parallel_state import TPGroup
     from pagedllm.quantization_config import QuantizationConfig
     from pagedllm.models.gguf_linears import gguf_linears
-    from pagedllm.models.gguf_loader import GGUFFile, gguf_config
+    from pagedllm.models.gguf_file import GGUFFile
+    from pagedllm.models.gguf_loader import gguf_config
 
     hf = _checkpoint("phi3", tmp_path / "hf", tokenizer_dir)
     path = tmp_path / "q4.gguf"

@@ -29,7 +29,7 @@ from pagedllm.layers.linear import PackedLinear
 from pagedllm.layers.quantization.linear import KQuantLinear, W4A8Linear, W8A8Linear
 from pagedllm.layers.quantization.weights import quantize_q4a8
 from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
-from pagedllm.models import gguf_loader, native_decoder
+from pagedllm.models import gguf_file, gguf_loader, native_decoder
 from pagedllm.models.gguf_linears import gguf_linears
 from pagedllm.models.moe import MoEForCausalLM
 from pagedllm.models.native_decoder import NativeDecoder
@@ -410,11 +410,11 @@ def test_gguf_experts_run_as_stored(arch: str, tmp_path: Path, monkeypatch) -> N
     path = tmp_path / f"{arch}-experts.gguf"
     hf = _expert_gguf(arch, path, monkeypatch)
     dequantized: list[str] = []
-    dequantize = gguf_loader.GGUFFile.dequantize
+    dequantize = gguf_file.GGUFFile.dequantize
     with monkeypatch.context() as mp:
-        mp.setattr(gguf_loader.GGUFFile, "dequantize", lambda f, name, *a: dequantized.append(name) or dequantize(f, name, *a))
+        mp.setattr(gguf_file.GGUFFile, "dequantize", lambda f, name, *a: dequantized.append(name) or dequantize(f, name, *a))
         model, config = load(Case(arch, str(path), ("w4a8", 32, True, False)), SINGLE)  # what --dtype auto sets
-    f = gguf_loader.GGUFFile(path)
+    f = gguf_file.GGUFFile(path)
     for i, types in _EXPERT_TYPES[arch].items():
         moe = model.layers[i].mlp
         assert isinstance(moe, FusedMoE) and moe.native_block() is not None
@@ -446,7 +446,7 @@ def test_gguf_expert_shards_keep_whole_blocks(tmp_path: Path, monkeypatch) -> No
         pytest.skip("GGUF blocks as stored need the native kernels")
     path = tmp_path / "qwen3_moe-experts.gguf"
     _expert_gguf("qwen3_moe", path, monkeypatch)
-    f = gguf_loader.GGUFFile(path)
+    f = gguf_file.GGUFFile(path)
     out = gguf_linears(f, gguf_loader.gguf_config(f), QuantizationConfig("w4a8", 32, True, False), TPGroup(1, 2))
     layer0, layer2 = (f"layers.{i}.mlp.experts.5" for i in (0, 2))
     assert [(q, b.shape[0]) for q, b in out.kept[f"{layer0}.gate_up_proj"].parts] == [(int(Q.Q4_K), 256)]

@@ -35,12 +35,13 @@ from pagedllm.layers.quantization.linear import (
     make_linear,
 )
 from pagedllm.layers.quantization.weights import Int4Weight, Int8Weight, quantize_int4, quantize_int8, quantize_q4a8
-from pagedllm.models.gguf_loader import GGUFFile, gguf_config
+from pagedllm.models.gguf_file import GGUFFile
+from pagedllm.models.gguf_loader import gguf_config
 from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.kernels import kquant
 from pagedllm.kernels import linear as linear_kernels
-from pagedllm.models import gguf_loader
+from pagedllm.models import gguf_file
 from pagedllm.models.native_decoder import NativeDecoder
 from tests.models_util import prefill_logits, write_gguf
 from tests.utils import random_gguf_blocks
@@ -685,8 +686,8 @@ def test_auto_keeps_k_quants_as_stored(tiny_kquant_gguf, monkeypatch, caplog) ->
         pytest.skip("GGUF blocks as stored need the native kernels")
     path, hf = tiny_kquant_gguf
     dequantized = []
-    dequantize = gguf_loader.GGUFFile.dequantize
-    monkeypatch.setattr(gguf_loader.GGUFFile, "dequantize", lambda f, name, *a: dequantized.append(name) or dequantize(f, name, *a))
+    dequantize = gguf_file.GGUFFile.dequantize
+    monkeypatch.setattr(gguf_file.GGUFFile, "dequantize", lambda f, name, *a: dequantized.append(name) or dequantize(f, name, *a))
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         model, config = load_model(resolve_model(str(path)), torch.float32, _AUTO)
     assert (

@@ -18,7 +18,8 @@ from pagedllm.distributed.sharding import ModelShard, check_tensor_parallel_size
 from pagedllm.kernels import library
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.models.gguf_linears import gguf_linears
-from pagedllm.models.gguf_loader import GGUFFile, gguf_config
+from pagedllm.models.gguf_file import GGUFFile
+from pagedllm.models.gguf_loader import gguf_config
 from pagedllm.models.loader import load_model, resolve_model
 from tests.models_util import gemma3_config, randomize_vectors, tiny_gemma3, tiny_llama, write_q4_gguf
 from tests.tensor_parallel_ranks import Case, reference, run_group

@@ -126,7 +126,7 @@ def bench_llama_cpp(path: str, prompt: list[int], output_len: int, repeats: int)
     import torch
     from llama_cpp import Llama
 
-    from pagedllm.models.gguf_loader import GGUFFile
+    from pagedllm.models.gguf_file import GGUFFile
 
     f = GGUFFile(path)
     # The token embedding is read one row per token unless it also serves as the output matrix.

@@ -21,7 +21,8 @@ from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import ModelShard, shard_tensor
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.layers.quantization.gguf import STORED_LAYOUT, GGUFLinears, kept_unpackers, stores
-from pagedllm.models.gguf_loader import GGUFFile, hf_name, hf_rows
+from pagedllm.models.gguf_file import GGUFFile
+from pagedllm.models.gguf_loader import hf_name, hf_rows
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.weights import NUM_SHARDS
 

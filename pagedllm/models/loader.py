@@ -32,7 +32,8 @@ from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.models.gguf_linears import gguf_linears
 from pagedllm.layers.quantization.gguf import GGUFLinears
 from pagedllm.layers.quantization.model import quantize_model
-from pagedllm.models.gguf_loader import GGUFFile, gguf_config, gguf_weights
+from pagedllm.models.gguf_file import GGUFFile
+from pagedllm.models.gguf_loader import gguf_config, gguf_weights
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.safetensors_loader import hf_config, hf_weights
 

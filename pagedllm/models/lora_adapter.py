@@ -25,7 +25,8 @@ from safetensors import safe_open
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.sharding import ModelShard
 from pagedllm.errors import LoRAError
-from pagedllm.models.gguf_loader import GGUFFile, hf_name, hf_rows
+from pagedllm.models.gguf_file import GGUFFile
+from pagedllm.models.gguf_loader import hf_name, hf_rows
 from pagedllm.models.weights import STACKED
 
 CONFIG_FILE = "adapter_config.json"
