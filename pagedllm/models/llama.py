@@ -100,7 +100,6 @@ class LlamaAttention(nn.Module):
         out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, attn_metadata)
         return self.tp.all_reduce(self.o_proj(out))
 
-
     def set_key_scales(self, k_weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
         """Derive ``qk_scale`` from the key rows of ``qkv_proj`` (``k_weight`` [Hkv * head_dim,
         hidden], passed in: a weight kept as GGUF blocks has no float rows here), its bias, the

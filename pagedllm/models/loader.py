@@ -29,9 +29,9 @@ from pagedllm.distributed.sharding import check_tensor_parallel_size
 from pagedllm.kernels import library
 from pagedllm.layers.linear import pack_linears
 from pagedllm.quantization_config import QuantizationConfig
-from pagedllm.models.gguf_linears import gguf_linears
 from pagedllm.layers.quantization.gguf import GGUFLinears
 from pagedllm.layers.quantization.model import quantize_model
+from pagedllm.models.gguf_linears import gguf_linears
 from pagedllm.models.gguf_file import GGUFFile
 from pagedllm.models.gguf_loader import gguf_config, gguf_weights
 from pagedllm.models.registry import get_model_class
