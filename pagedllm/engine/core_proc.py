@@ -21,6 +21,7 @@ import zmq
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.distributed.cpu_budget import cpu_share, pin_to
+from pagedllm.engine.malloc_trim import Trimmer
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestType
 from pagedllm.outputs import RequestError
 
@@ -58,19 +59,24 @@ class EngineCoreProc:
         self._abort_decoder = msgspec.msgpack.Decoder(list[str])
         self._utility_decoder = msgspec.msgpack.Decoder(tuple[int, str, list[Any]])
         self._utilities: dict[str, Callable[..., Any]] = {"reset_prefix_cache": core.reset_prefix_cache}
+        # Free C-heap pages back to the kernel: start-up, idle, every minute of work (malloc_trim.py).
+        self.trimmer = Trimmer()
 
     def run(self) -> None:
         """Loop until SHUTDOWN arrives or the parent dies."""
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
+        self.trimmer.started()
         while os.getppid() == self.parent_pid:
             if not self.core.has_unfinished_requests() and not poller.poll(_IDLE_POLL_MS):
+                self.trimmer.idle()
                 continue
             changed = self._drain_input()
             if changed is None:
                 return
             if self.core.has_unfinished_requests():
                 self._send(self.core.step())
+                self.trimmer.stepped()
             elif changed:
                 # Aborts emptied the engine: report the idle stats so gauges drop to zero.
                 self._send(self.core.idle_outputs())
