@@ -1,22 +1,14 @@
 """Give the C heap's free pages back to the kernel (glibc ``malloc_trim``), from the engine core.
 
-Why: under steady mixed load the engine core's RSS crept ~0.6-0.8 MB a minute with the count
-of live Python objects flat. That is glibc's allocator, not a leak in our code: freed chunks
-keep their pages (``free`` returns only the top of a heap), and the step loop's churn (tensors,
-masks, msgpack buffers, grammar matchers, freed by other threads than made them) keeps touching
-pages of the holes it leaves. After ~12 minutes (SmolLM2-135M, ``pagedllm serve``, AMD EPYC, 2
-cores, glibc 2.36) ``malloc_info`` counted 189 MB of free chunks in 444 MB of malloc'd memory:
-142 MB in the main arena (the model load's transient buffers, under allocations made later) and
-32 MB in 23,500 holes of one thread's arena. One ``malloc_trim(0)`` (it also releases the whole
-free pages inside every arena) took RSS from 3,014 to 2,842 MB; RSS right after each trim then
-stayed flat (2,842-2,845 MB over ten minutes): the live memory does not grow.
-
-So the core trims once when start-up is done, once each time it goes idle (a poll interval with
-nothing to run), and at most every ``BUSY_INTERVAL_S`` seconds while it stays busy. Measured
-over the same ten-minute load: a trim took 0.5-12 ms (11 ms the first), the core's RSS stayed
-at 2,846-2,883 MB with no trend against 3,051 -> 3,057 MB without trims. Figures and commands:
-``docs/benchmarks.md``, "Engine-core RSS under steady load". Without glibc (musl, macOS) there
-is no ``malloc_trim`` and this does nothing.
+The engine core's RSS crept under steady mixed load while its live objects stayed flat:
+glibc's allocator keeps freed chunks' pages resident (``free`` returns only the top of a
+heap), and the step loop's churn (tensors, masks, msgpack buffers, grammar matchers, freed by
+other threads than made them) keeps the holes it leaves. ``malloc_trim(0)`` releases the whole
+free pages inside every arena. So the core trims once when start-up is done (the model load's
+transient buffers), once each time it goes idle (a poll interval with nothing to run), and at
+most every ``BUSY_INTERVAL_S`` seconds while it stays busy. Without glibc (musl, macOS) there
+is no ``malloc_trim`` and this does nothing. Measurements: docs/benchmarks.md, "Engine-core
+RSS under steady load".
 """
 
 from __future__ import annotations
