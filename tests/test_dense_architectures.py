@@ -317,6 +317,29 @@ def test_rope_scaling_in_the_old_rope_scaling_field(tmp_path: Path, tokenizer_di
     assert config.max_position_embeddings == 256  # llama3: the config's own
 
 
+def test_rope_parameters_read_as_transformers_reads_them(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A config.json with both fields (a ``rope_scaling`` added to a transformers 5 file, as
+    Qwen2.5's long-context instructions say): rope_scaling wins, as transformers'
+    ``convert_rope_params_to_dict`` (it was silently ignored: plain RoPE); the parameters' own
+    ``rope_theta`` over a top-level one; a top-level ``original_max_position_embeddings`` read
+    for Phi-3 alone (transformers ignores it elsewhere)."""
+    _checkpoint("qwen3", tmp_path, tokenizer_dir)
+    old = {k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items()
+           if k not in ("rope_parameters", "rope_theta")}
+    cases = [
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 1e4},
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}, "original_max_position_embeddings": 16},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": None},
+    ]
+    for fields in cases:
+        (tmp_path / "config.json").write_text(json.dumps(old | fields))
+        expected = dict(transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters)
+        config = load_config(resolve_model(str(tmp_path)))
+        assert config.rope_theta == expected.pop("rope_theta"), fields
+        assert config.rope_scaling == ({} if expected["rope_type"] == "default" else expected), fields
+
+
 @pytest.mark.parametrize(
     ("rope", "message"),
     [

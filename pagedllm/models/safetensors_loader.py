@@ -45,9 +45,16 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
     arch = "gemma3" if arch == "gemma3_text" else arch
     check_architecture(arch)
     # transformers >= 5 nests rope settings in rope_parameters (per layer kind for Gemma 3);
-    # older files use rope_theta/rope_scaling.
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kinds = rope if "full_attention" in rope else {"full_attention": rope}
+    # older files use rope_theta/rope_scaling. A file with both (a rope_scaling added to a
+    # transformers 5 config.json, as Qwen2.5's long-context instructions have it) is read as
+    # transformers' convert_rope_params_to_dict reads it: rope_scaling replaces the rope
+    # parameters (Gemma 3: it updates its global layers'), and their own rope_theta comes first.
+    rope = cfg.get("rope_parameters") or {}
+    kinds = dict(rope) if "full_attention" in rope else {"full_attention": rope}
+    kinds = {kind: params or {} for kind, params in kinds.items()}  # a kind saved as null: plain RoPE
+    if cfg.get("rope_scaling"):
+        old = cfg["rope_scaling"]
+        kinds["full_attention"] = kinds["full_attention"] | old if arch == "gemma3" else old
     for kind in kinds.values():
         if float(kind.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0) != 1.0:
             raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
@@ -96,7 +103,8 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=cfg.get("head_dim") or hidden // num_heads,
-        rope_theta=float(cfg.get("rope_theta", full.get("rope_theta", 10000.0))),
+        # transformers' defaults where neither is set: Gemma 3's global layers 1e6, else 1e4.
+        rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1e6 if arch == "gemma3" else 10000.0))),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(cfg["rms_norm_eps"]),
         # Extended by linear and yarn scaling as vLLM extends it, except Gemma 3's (vLLM's
@@ -121,8 +129,8 @@ def _rope_scaling(params: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]
     """``ModelConfig.rope_scaling`` of one layer kind's rope parameters (an old ``rope_scaling``
     or transformers 5's ``rope_parameters``), standardized as transformers'
     ``standardize_rope_params`` does: ``type`` read as ``rope_type``, llama3's and yarn's
-    ``original_max_position_embeddings`` from the top level of config.json where set there
-    (Phi-3), else the parameters', else ``max_position_embeddings``. Empty for plain RoPE.
+    ``original_max_position_embeddings`` from the top level of config.json where Phi-3's
+    sets it (transformers reads no other architecture's there), else the parameters', else ``max_position_embeddings``. Empty for plain RoPE.
 
     Raises:
         ValueError: a type other than linear, llama3 or yarn, or one missing its keys.
@@ -131,7 +139,8 @@ def _rope_scaling(params: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]
     skip = {"type", "rope_type", "rope_theta", "partial_rotary_factor"}
     scaling = {"rope_type": rope_type} | {k: v for k, v in params.items() if k not in skip}
     if rope_type in ("llama3", "yarn"):
-        original = cfg.get("original_max_position_embeddings")
+        # transformers reads a top-level one only where the config class has the attribute (Phi-3's).
+        original = cfg.get("original_max_position_embeddings") if cfg.get("model_type") == "phi3" else None
         scaling["original_max_position_embeddings"] = original or scaling.get(
             "original_max_position_embeddings", cfg["max_position_embeddings"]
         )
