@@ -386,3 +386,21 @@ def test_rope_scaling_gguf_it_does_not_compute_is_refused(metadata, message) -> 
 
     with pytest.raises(ValueError, match=message):
         _rope_scaling(SimpleNamespace(tensors={}), lambda key, default=None: metadata.get(key, default), 32)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "expected"),
+    [
+        ({"rope.scaling.type": "none", "rope.scaling.factor": 4.0}, {}),
+        ({"rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+        ({"rope.scaling.type": "linear", "rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),
+    ],
+)
+def test_rope_scaling_gguf_type_none_never_scales(metadata, expected) -> None:
+    """llama.cpp's rope.scaling.type none leaves RoPE unscaled whatever factor the file gives
+    (it was read as linear by that factor); a factor without a type is linear, its default."""
+    from types import SimpleNamespace
+
+    from pagedllm.models.gguf_loader import _rope_scaling
+
+    assert _rope_scaling(SimpleNamespace(tensors={}), lambda key, default=None: metadata.get(key, default), 32) == expected

@@ -169,7 +169,7 @@ def _rope_scaling(f: GGUFFile, get: Callable[..., Any], head_dim: int) -> dict[s
     """``ModelConfig.rope_scaling`` of a GGUF, as llama.cpp reads it: a ``rope_freqs.weight``
     tensor (its converter's Llama 3.1 RoPE: each inverse frequency divided by its factor);
     ``rope.scaling.factor`` (or the older ``rope.scale_linear``; 0: none) linear unless
-    ``rope.scaling.type`` is yarn, then with ``rope.scaling.original_context_length`` (default
+    ``rope.scaling.type`` is none (no scaling, as llama.cpp: the factor unused) or yarn, then with ``rope.scaling.original_context_length`` (default
     the context length) and llama.cpp's defaults, which are transformers' (beta_fast 32,
     beta_slow 1, attention factor 0.1 ln(factor) + 1).
 
@@ -177,10 +177,12 @@ def _rope_scaling(f: GGUFFile, get: Callable[..., Any], head_dim: int) -> dict[s
         ValueError: another scaling type, frequency factors with a scaling type, factors not
             one per rotated pair, or yarn's attention factor, ext factor or log multiplier set.
     """
-    kind = get("rope.scaling.type", "none")
+    kind = get("rope.scaling.type", "linear")  # llama.cpp's default: a factor alone is linear
     factor = float(get("rope.scaling.factor", get("rope.scale_linear", 0.0))) or 1.0
     if kind not in ("none", "linear", "yarn"):
         check_rope_scaling({"rope_type": kind})  # raises, naming the supported types
+    if kind == "none":  # llama.cpp never scales then, whatever factor the file gives
+        factor = 1.0
     if _ROPE_FREQS in f.tensors:
         factors = f.dequantize(_ROPE_FREQS, torch.float32).flatten()
         if kind == "yarn" or factor != 1.0:
