@@ -24,6 +24,7 @@ from pagedllm import LLM, __version__
 from pagedllm.entrypoints.chat_repl import stream_reply
 from pagedllm.config import EngineConfig
 from pagedllm.default_model import DEFAULT_MODEL
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.cli import build_parser, check_args, main
 from pagedllm.kernels.attention import MAX_PREFILL_BLOCK
 from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS, SERVE_MAX_NUM_BATCHED_TOKENS
@@ -179,6 +180,19 @@ def test_serve_takes_the_model_as_positional_or_flag(capsys: pytest.CaptureFixtu
         parser.parse_args(["serve", "smollm2", "--model", "other"])
     assert e.value.code == 2
     assert "the model is given twice: 'smollm2' and 'other'" in capsys.readouterr().err
+
+
+def test_generation_config_is_a_flag_of_serve_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    """generate, chat and bench set every sampling field from their own flags, so a
+    generation_config.json default would never apply there: the flag is refused, not ignored."""
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--generation-config", "vllm"]).generation_config == "vllm"
+    assert EngineArgs.from_cli_args(parser.parse_args(["generate", "--prompt", "hi"])).generation_config == "auto"
+    for argv in (["generate", "--prompt", "hi"], ["chat"], ["bench", "throughput"]):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--generation-config", "vllm"])
+        assert e.value.code == 2
+        assert "unrecognized arguments: --generation-config" in capsys.readouterr().err
 
 
 def test_serve_binds_its_port_before_loading(

@@ -163,6 +163,7 @@ class EngineArgs:
         "recommendations: temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps every request's "
         "output) | vllm (SamplingParams' own)",
         choices=("auto", "vllm"),
+        serve_only=True,  # generate, chat and bench set every sampling field from their own flags
     )
     speculative_config: str | None = _flag(
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
@@ -208,15 +209,19 @@ class EngineArgs:
     )
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-        """Add one flag per field; ``positional_model``: the model is also an optional positional
-        (serve: ``pagedllm serve MODEL``, and ``--model`` as vLLM still takes it), given once."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, serve: bool = False) -> None:
+        """Add one flag per field. ``serve``: the model is also an optional positional
+        (``pagedllm serve MODEL``, and ``--model`` as vLLM still takes it), given once, and the
+        fields marked ``serve_only`` (what only requests that leave fields unset read) are
+        flags too; other commands leave them at their defaults (``from_cli_args``)."""
         for f in dataclasses.fields(cls):
             spec = dict(f.metadata)
+            if spec.pop("serve_only", False) and not serve:
+                continue
             names = [f"--{f.name.replace('_', '-')}"]
             if short := spec.pop("short", None):
                 names.append(short)
-            if f.name == "model" and positional_model:
+            if f.name == "model" and serve:
                 # SUPPRESS: a missing positional must not overwrite --model with the default.
                 parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, action=_ModelOnce,
                                     help="model path or alias (as --model)")
@@ -225,8 +230,8 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        """The fields' values from parsed flags."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        """The fields' values from parsed flags (a field without a flag here: its default)."""
+        return cls(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)})
 
     def kwargs(self) -> dict[str, Any]:
         """``LLM(**kwargs)``."""

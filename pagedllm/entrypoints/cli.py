@@ -187,7 +187,7 @@ def _add_chat(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> No
 def _add_serve(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> None:
     from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
 
-    EngineArgs.add_cli_args(parser, positional_model=True)
+    EngineArgs.add_cli_args(parser, serve=True)
     add_serve_args(parser)
     parser.set_defaults(func=run_serve)
 
