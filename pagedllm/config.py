@@ -104,8 +104,8 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # most tokens one request computes per step; 0: no cap
     enable_prefix_caching: bool = True
     # Defaults of the sampling fields a request leaves unset: "auto", the HF checkpoint's
-    # generation_config.json recommendations (ModelConfig.sampling_defaults), or "vllm",
-    # SamplingParams' own (vLLM's --generation-config).
+    # generation_config.json recommendations (ModelConfig.sampling_defaults); "vllm",
+    # SamplingParams' own; or a folder, its generation_config.json's (vLLM's --generation-config).
     generation_config: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: all cores
@@ -165,8 +165,13 @@ class EngineConfig:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.quantization_config()  # raises on a bad mode or group size
-        if self.generation_config not in ("auto", "vllm"):
-            raise ValueError(f"generation_config must be auto or vllm, got {self.generation_config!r:.80}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+            os.path.join(str(self.generation_config), "generation_config.json")
+        ):
+            raise ValueError(
+                "generation_config must be auto, vllm or a folder holding a generation_config.json, "
+                f"got {self.generation_config!r:.200}"
+            )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -228,8 +228,18 @@ def test_generation_config_sampling_defaults(tmp_path: Path, tokenizer_dir: Path
     llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, generation_config="vllm")
     assert llm.get_default_sampling_params() == SamplingParams()
     llm.shutdown()
-    with pytest.raises(ValueError, match="generation_config must be auto or vllm, got 'hf'"):
-        LLM(model=str(tmp_path), generation_config="hf")
+    # A folder: its generation_config.json's recommendations, whatever the checkpoint's.
+    folder = tmp_path / "sampling"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_p": 0.9, "max_new_tokens": 9}))
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128,
+              generation_config=str(folder))
+    default = llm.get_default_sampling_params()
+    assert (default.temperature, default.top_k, default.top_p, default.max_tokens) == (0.3, 0, 0.9, 9)
+    llm.shutdown()
+    for bad in ("hf", str(tmp_path / "nowhere")):
+        with pytest.raises(ValueError, match="generation_config must be auto, vllm or a folder holding a generation_config.json"):
+            LLM(model=str(tmp_path), generation_config=bad)
 
 
 # --- RoPE scaling: linear, llama3 and yarn as transformers computes them ----------------------

@@ -161,8 +161,7 @@ class EngineArgs:
     generation_config: str = _flag(
         "auto", "defaults of the sampling fields a request leaves unset: auto (an HF checkpoint's generation_config.json "
         "recommendations: temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps every request's "
-        "output) | vllm (SamplingParams' own)",
-        choices=("auto", "vllm"),
+        "output) | vllm (SamplingParams' own) | a folder holding a generation_config.json (its recommendations)",
         serve_only=True,  # generate, chat and bench set every sampling field from their own flags
     )
     speculative_config: str | None = _flag(

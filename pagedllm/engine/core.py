@@ -7,6 +7,7 @@ end. The same object runs in process (offline ``LLM``) or inside the engine-core
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import logging
 import os
@@ -26,6 +27,7 @@ from pagedllm.distributed.sharding import check_tensor_parallel_size
 from pagedllm.executor.executor import create_executor
 from pagedllm.kernels.attention import MAX_PREFILL_BLOCK
 from pagedllm.models.loader import load_config, load_tokenizer, resolve_model
+from pagedllm.models.safetensors_loader import sampling_defaults
 from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -93,8 +95,8 @@ class EngineCore:
         )
         self.executor = create_executor(config, kv)
         self.model_config = self.executor.model_config
-        if config.generation_config == "vllm":  # vLLM's flag: SamplingParams' own defaults, not the checkpoint's
-            self.model_config = dataclasses.replace(self.model_config, sampling_defaults={})
+        if config.generation_config != "auto":  # vLLM's flag: SamplingParams' own defaults, or a folder's file's
+            self.model_config = dataclasses.replace(self.model_config, sampling_defaults=_sampling_defaults(config))
         self.recorder = StepRecorder(self.kv_cache) if config.live_view else None
         self.proposer = self._build_proposer()
         self.structured = StructuredOutputManager(
@@ -251,3 +253,13 @@ class EngineCore:
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),
         )
+
+
+def _sampling_defaults(config: EngineConfig) -> dict[str, float | int]:
+    """The sampling defaults ``config.generation_config`` names other than the checkpoint's:
+    none for "vllm", else those of the folder's generation_config.json."""
+    if config.generation_config == "vllm":
+        return {}
+    path = os.path.join(config.generation_config, "generation_config.json")
+    with open(path, encoding="utf-8") as f:
+        return sampling_defaults(json.load(f), path)
