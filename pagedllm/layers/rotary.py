@@ -46,11 +46,13 @@ def check_rope_scaling(scaling: dict[str, Any]) -> None:
         raise ValueError(f"RoPE scaling {rope_type!r} needs {', '.join(missing)} in the rope parameters")
 
 
-def scaled_context(max_position: int, scaling: dict[str, Any]) -> int:
+def scaled_context(max_position: int, scaling: dict[str, Any], architecture: str) -> int:
     """The positions a model with this RoPE scaling serves, as vLLM derives its max_model_len:
     linear's ``max_position * factor``, yarn's ``original_max_position_embeddings * factor``;
-    llama3's (and plain RoPE's) is ``max_position``, which its configs already extend."""
-    rope_type = scaling.get("rope_type", "default")
+    llama3's (and plain RoPE's) is ``max_position``, which its configs already extend, as is
+    Gemma 3's whatever its scaling (vLLM's exception: its max_position_embeddings already
+    counts the factor)."""
+    rope_type = "default" if architecture == "gemma3" else scaling.get("rope_type", "default")
     if rope_type == "linear":
         return int(max_position * scaling["factor"])
     if rope_type == "yarn":

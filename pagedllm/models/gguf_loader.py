@@ -153,8 +153,7 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        # Extended by linear and yarn scaling as vLLM extends it, Gemma 3 excepted (safetensors_loader).
-        max_position_embeddings=context if arch == "gemma3" else scaled_context(context, rope_scaling),
+        max_position_embeddings=scaled_context(context, rope_scaling, arch),
         tie_word_embeddings="output.weight" not in f.tensors,
         attention_bias="blk.0.attn_q.bias" in f.tensors,
         qk_norm=arch in QK_NORM,

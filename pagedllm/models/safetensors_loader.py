@@ -107,12 +107,7 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1e6 if arch == "gemma3" else 10000.0))),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(cfg["rms_norm_eps"]),
-        # Extended by linear and yarn scaling as vLLM extends it, except Gemma 3's (vLLM's
-        # exception too: its max_position_embeddings already counts the factor).
-        max_position_embeddings=(
-            cfg["max_position_embeddings"] if arch == "gemma3"
-            else scaled_context(cfg["max_position_embeddings"], rope_scaling)
-        ),
+        max_position_embeddings=scaled_context(cfg["max_position_embeddings"], rope_scaling, arch),
         # Gemma 3 always ties its lm_head; its config.json may leave the field out.
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),  # Qwen2 always has q/k/v bias
