@@ -26,7 +26,7 @@ from pagedllm.kernels import kquant, library
 from pagedllm.kernels.moe import fused_moe
 from pagedllm.layers.fused_moe import FusedMoE, route
 from pagedllm.layers.linear import PackedLinear
-from pagedllm.layers.quantization.linear import KQuantLinear, W4A8Linear, W8A8Linear
+from pagedllm.layers.quantization.linear import KQuantLinear, Q8A8Linear, W4A8Linear, W8A8Linear
 from pagedllm.layers.quantization.weights import quantize_q4a8
 from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
 from pagedllm.models import gguf_file, gguf_loader, native_decoder
@@ -40,7 +40,7 @@ from tests.models_util import (
     random_weight_blocks, randomize_vectors, shared_prefix_prompts,
 )
 from tests.tensor_parallel_ranks import Case, load, reference, run_group, run_steps
-from tests.utils import pool_is_whole
+from tests.utils import assert_holds_blocks, pool_is_whole
 
 MAX_TOKENS = 16
 WINDOW = 12  # Mixtral's: shorter than the longer prompts
@@ -236,7 +236,7 @@ def _q8_0(w: np.ndarray) -> np.ndarray:
 def _assert_layers_match_on_our_inputs(
     hf: torch.nn.Module, model: torch.nn.Module, config, ids: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each of our layers that runs GGUF blocks (``KQuantLinear``, ``W4A8Linear``) and each MoE
+    """Each of our layers that runs GGUF blocks (``KQuantLinear``, ``Q8A8Linear``, ``W4A8Linear``) and each MoE
     block, on the inputs our prefill of ``ids`` gave it, equals transformers' (the file's
     weights: gguf.quants' dequantization) on the same inputs within int8 activations' rounding;
     an MoE block on the same experts as ours.
@@ -257,7 +257,8 @@ def _assert_layers_match_on_our_inputs(
 
     hooks = [
         module.register_forward_hook(record(name)) for name, module in model.named_modules()
-        if isinstance(module, FusedMoE) or (isinstance(module, KQuantLinear | W4A8Linear) and ".experts." not in name)
+        if isinstance(module, FusedMoE)
+        or (isinstance(module, KQuantLinear | Q8A8Linear | W4A8Linear) and ".experts." not in name)
     ]
     try:
         prefill_logits(model, config, ids)
@@ -324,10 +325,11 @@ def test_q8_0_gguf_runs_every_matrix_as_stored(tiny, tmp_path: Path, monkeypatch
     dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
     stored = [model.lm_head] + [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
     stored += [m for i in dense for m in (model.layers[i].mlp.gate_up_proj, model.layers[i].mlp.down_proj)]
-    assert all(isinstance(m, KQuantLinear) for m in stored)
+    as_stored = KQuantLinear | Q8A8Linear  # the file's codes and scales, on the K-quant GEMM or w8a8's panels
+    assert all(isinstance(m, as_stored) for m in stored)
     moe = model.layers[0].mlp
     assert isinstance(moe, FusedMoE) and moe.gate.weight.dtype == torch.float32
-    assert all(isinstance(m, KQuantLinear) for e in moe.experts for m in (e.gate_up_proj, e.down_proj))
+    assert all(isinstance(m, as_stored) for e in moe.experts for m in (e.gate_up_proj, e.down_proj))
     assert moe.native_block() is not None and NativeDecoder.of(model) is not None
     _assert_one_call_and_layers_match(hf, model, config, monkeypatch)
 
@@ -424,15 +426,11 @@ def test_gguf_experts_run_as_stored(arch: str, tmp_path: Path, monkeypatch) -> N
             continue
         assert not set(names) & set(dequantized)
         for e, expert in enumerate(moe.experts):
-            gate_up, down = expert.gate_up_proj, expert.down_proj
-            assert isinstance(gate_up, KQuantLinear) and isinstance(down, KQuantLinear)
             expected = [(int(types[0]), f.blocks(names[0])[e]), (int(types[1]), f.blocks(names[1])[e])]
             if types[0] == types[1]:  # one part of both
                 expected = [(int(types[0]), torch.cat([expected[0][1], expected[1][1]]))]
-            got = gate_up.stored.parts + down.stored.parts
-            expected.append((int(types[2]), f.blocks(names[2])[e]))
-            assert [q for q, _ in got] == [q for q, _ in expected]
-            assert all(torch.equal(b, want.flatten(1)) for (_, b), (_, want) in zip(got, expected, strict=True))
+            assert_holds_blocks(expert.gate_up_proj, expected)
+            assert_holds_blocks(expert.down_proj, [(int(types[2]), f.blocks(names[2])[e])])
     assert NativeDecoder.of(model) is not None
     _assert_one_call_and_layers_match(hf, model, config, monkeypatch)
 

@@ -29,6 +29,7 @@ from pagedllm.layers.quantization.linear import (
     Int8BlockLinear,
     Int8Linear,
     KQuantLinear,
+    Q8A8Linear,
     QuantizedLinear,
     W4A8Linear,
     W8A8Linear,
@@ -334,8 +335,8 @@ def test_engine_end_to_end(kwargs: dict, layer: type) -> None:
     assert type(model.layers[0].mlp.gate_up_proj) is layer
     if kwargs.get("quantization") == "w4a8":
         assert type(model.lm_head) is W8A8Linear
-    if not kwargs and auto_linears() != "float32":  # SmolLM2's tied Q8_0 embedding, as stored
-        assert type(model.lm_head) is KQuantLinear
+    if not kwargs and auto_linears() != "float32":  # SmolLM2's tied Q8_0 embedding, as stored, on w8a8's panels
+        assert type(model.lm_head) is Q8A8Linear
     if kwargs.get("quantize_lm_head") and kwargs["quantization"] != "w4a8":  # SmolLM2's tied Q8_0 embedding: kept in int8, requantized in int4
         assert type(model.lm_head) is (Int8BlockLinear if kwargs["quantization"] == "int8" else Int4Linear)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, logprobs=1), use_tqdm=False)
@@ -430,7 +431,8 @@ def test_k_quant_files_perplexity_within_half_a_percent_of_float32(model: str, p
         llm = LLM(model=model, dtype=dtype, kv_cache_memory="64MiB", max_model_len=512)
         if dtype == "auto":
             runner_model = llm.engine.core.executor.runner.model
-            assert all(isinstance(m, KQuantLinear) for m in (runner_model.lm_head, runner_model.layers[0].mlp.down_proj))
+            assert isinstance(runner_model.lm_head, Q8A8Linear)  # the tied Q8_0 embedding, on w8a8's panels
+            assert isinstance(runner_model.layers[0].mlp.down_proj, KQuantLinear)
         ids = ids or llm.get_tokenizer().encode(DEFAULT_TEXT.read_text(), add_special_tokens=False)[:640]
         results[dtype] = perplexity(llm, ids, window=256, stride=128, label=dtype).perplexity
         del llm

@@ -184,6 +184,26 @@ def many_properties(n: int) -> dict:
     return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
 
 
+def assert_holds_blocks(layer, parts) -> None:
+    """``layer`` runs these GGUF blocks ([(ggml type, [rows, ...] uint8)], fused order) as
+    stored: a KQuantLinear holds them byte for byte, a Q8A8Linear (a weight all of Q8_0) their
+    packing (``kernels.linear.linear_pack_q8_0``)."""
+    import gguf
+
+    from pagedllm.kernels.linear import linear_pack_q8_0
+    from pagedllm.layers.quantization.linear import KQuantLinear, Q8A8Linear
+
+    parts = [(int(qtype), blocks.flatten(1)) for qtype, blocks in parts]
+    if isinstance(layer, Q8A8Linear):
+        assert [q for q, _ in parts] == [int(gguf.GGMLQuantizationType.Q8_0)]
+        codes, d = linear_pack_q8_0(parts[0][1], layer.in_features)
+        assert torch.equal(layer.packed, codes) and torch.equal(layer.d, d)
+        return
+    assert isinstance(layer, KQuantLinear)
+    assert [q for q, _ in layer.stored.parts] == [q for q, _ in parts]
+    assert all(torch.equal(b, want) for (_, b), (_, want) in zip(layer.stored.parts, parts, strict=True))
+
+
 def random_gguf_blocks(qtype, n: int, k: int, seed: int = 0, scale: float = 1.0):
     """[n, row bytes] uint8 GGUF blocks of ggml type ``qtype`` (Q8_0, Q5_0, Q4_K, Q5_K, Q6_K)
     for rows of k weights: random codes, scales and mins (every bit pattern), finite float16

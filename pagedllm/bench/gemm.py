@@ -5,6 +5,8 @@ shapes (q/k/v fused, o, gate/up fused, down; ``--shapes``), the time of:
 - ``f32``: our packed float32 GEMM (``linear_f32``), the reference every ratio divides;
 - ``w8a8``, ``w4a8``: our int8-activation GEMMs (``linear_w8a8``, ``linear_q4a8``), the
   activations' quantization included;
+- ``q8a8``: GGUF Q8_0 blocks on w8a8's panels (``linear_q8a8``: the layer an all-Q8_0 weight
+  takes, a tied lm_head);
 - ``q8_0``, ``q5_0``, ``q4_k``, ``q5_k``, ``q6_k``: the K-quant GEMM on GGUF blocks as stored
   (``kquant.linear``), where the format takes K (the K-quants: K a multiple of 256);
 - ``torch``: PyTorch's float32 matmul (oneDNN / MKL);
@@ -31,7 +33,7 @@ MODEL_SHAPES = {
     "smollm2-135m": (576, 1536, 9, 3, 64),
     "qwen2.5-0.5b": (896, 4864, 14, 2, 64),
 }
-KINDS = ("f32", "w8a8", "w4a8", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k", "torch", "int_mm")
+KINDS = ("f32", "w8a8", "w4a8", "q8a8", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k", "torch", "int_mm")
 
 
 def layer_gemms(model: str) -> list[tuple[str, int, int]]:
@@ -78,16 +80,20 @@ def _kernels(kinds: list[str], n: int, k: int) -> dict[str, Callable[[object], o
             scale = torch.full((n, groups), 0.01)
             packed4 = lin.linear_pack_q4a8(codes, scale, -8 * scale)
             fns[kind] = lambda x, p=packed4: lin.linear_q4a8(x, p, None, n)
-        elif kind in ("q8_0", "q5_0", "q4_k", "q5_k", "q6_k"):
-            qtype = kquant.abi.CONSTANTS[f"PAGEDLLM_GGML_{kind.upper()}"]
+        elif kind in ("q8a8", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k"):
+            qtype = kquant.abi.CONSTANTS[f"PAGEDLLM_GGML_{'Q8_0' if kind == 'q8a8' else kind.upper()}"]
             size = kquant.row_bytes(qtype, k)
             if size:  # random blocks: the speed does not depend on the values
                 blocks = torch.randint(0, 256, (n, size), dtype=torch.uint8, generator=gen)
-                if kind == "q8_0":  # codes in [-127, 127], as quantizers write them (-128 takes a slower path)
+                if kind in ("q8a8", "q8_0"):  # codes in [-127, 127], as quantizers write them (-128 takes a slower path)
                     codes = blocks.view(n, -1, 34)[..., 2:]
                     codes.masked_fill_(codes == 0x80, 0x81)
-                weight = kquant.StoredWeight([(qtype, blocks)], k)
-                fns[kind] = lambda x, wt=weight: kquant.linear(x, wt)
+                if kind == "q8a8":
+                    packed_q8 = lin.linear_pack_q8_0(blocks, k)
+                    fns[kind] = lambda x, p=packed_q8: lin.linear_q8a8(x, p, None, n)
+                else:
+                    weight = kquant.StoredWeight([(qtype, blocks)], k)
+                    fns[kind] = lambda x, wt=weight: kquant.linear(x, wt)
         elif kind == "torch":
             fns[kind] = lambda x, wt=w.T.contiguous(): torch.mm(x, wt)
         elif kind == "int_mm":

@@ -36,6 +36,10 @@ void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t 
     case PAGEDLLM_LINEAR_Q4A8:
       linear_q4a8(x, ldx, static_cast<const uint8_t*>(l.w), l.bias, y, M, l.n, l.k);
       break;
+    case PAGEDLLM_LINEAR_Q8A8:
+      linear_q8a8(x, ldx, static_cast<const int8_t*>(l.w), reinterpret_cast<const uint16_t*>(l.wscale), l.bias, y, M,
+                  l.n, l.k);
+      break;
     default:
       linear_kquant(x, ldx, static_cast<const KQuantWeight*>(l.w), l.bias, y, M, l.n, l.k);
   }
@@ -73,7 +77,7 @@ bool supported(const DecoderDesc* m, int64_t P) {
     if (layer.moe && !moe_supported(*layer.moe)) return false;
     for (const LinearDesc* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
       if (layer.moe && (l == &layer.gate_up || l == &layer.down)) continue;
-      if (l->kind < PAGEDLLM_LINEAR_F32 || l->kind > PAGEDLLM_LINEAR_KQUANT) return false;
+      if (l->kind < PAGEDLLM_LINEAR_F32 || l->kind > PAGEDLLM_LINEAR_Q8A8) return false;
       if (l->kind == PAGEDLLM_LINEAR_KQUANT && !kquant::fits(*static_cast<const KQuantWeight*>(l->w), l->n, l->k))
         return false;
     }

@@ -63,10 +63,15 @@ inline void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K,
   store<R>(acc, y, ldy, ncols);
 }
 
-// out[r] += xscale[r * G] * wscale * acc[r] (one group's int32 sums of R rows x 32 columns);
-// kColumnScales (the weight scales per column, applied once by finish): out[r] += xscale[r * G] * acc[r].
-template <int R, bool kColumnScales>
-inline void add_scaled(F32x16 (&out)[R][2], const I32x16 (&acc)[R][2], const float* wscale, const float* xscale,
+// A group's 32 weight scales, one per column: float32, or float16 (Q8_0's d as the file stores it).
+inline void load_scales(const float* p, F32x16& d0, F32x16& d1) { d0 = load(p), d1 = load(p + 16); }
+inline void load_scales(const uint16_t* p, F32x16& d0, F32x16& d1) { d0 = load_f16(p), d1 = load_f16(p + 16); }
+
+// out[r] += xscale[r * G] * wscale * acc[r] (one group's int32 sums of R rows x 32 columns;
+// wscale float32 or float16 [32]); kColumnScales (the weight scales per column, applied once
+// by finish): out[r] += xscale[r * G] * acc[r].
+template <int R, bool kColumnScales, typename WS = float>
+inline void add_scaled(F32x16 (&out)[R][2], const I32x16 (&acc)[R][2], const WS* wscale, const float* xscale,
                        int64_t G) {
   if constexpr (kColumnScales) {
     for (int r = 0; r < R; ++r) {
@@ -75,7 +80,8 @@ inline void add_scaled(F32x16 (&out)[R][2], const I32x16 (&acc)[R][2], const flo
       out[r][1] = fma(to_f32(acc[r][1]), s, out[r][1]);
     }
   } else {
-    const F32x16 d0 = load(wscale), d1 = load(wscale + 16);
+    F32x16 d0, d1;
+    load_scales(wscale, d0, d1);
     for (int r = 0; r < R; ++r) {
       const F32x16 s = set1(xscale[r * G]);
       out[r][0] = fma(to_f32(acc[r][0]), mul(d0, s), out[r][0]);
@@ -102,12 +108,12 @@ inline int8_t stored_code(int8_t q) { return kDotXSums ? static_cast<int8_t>(q ^
 // x: R rows of kq quads of s8 codes (stride ldx, in int32), groups of QG/4 quads; xscale: R rows
 // of G scales (stride G); xsum128: R rows of G (stride G; quantize_rows', read where
 // kDotXSums); panel: [kq][32][4] stored codes (stored_code). kColumnScales (w8a8): wscale
-// [32], one per column, y[r, n] = wscale[n] * sum_g xscale[r, g] * (sum_k x w) + bias[n];
-// else (Q8_0's blocks) wscale [G][32], y[r, n] = sum_g xscale[r, g] * wscale[g, n] * (sum_k x w)
-// + bias[n] (a multiply more per group and accumulator).
-template <int R, bool kColumnScales>
+// [32] float32, one per column, y[r, n] = wscale[n] * sum_g xscale[r, g] * (sum_k x w) + bias[n];
+// else (Q8_0's blocks) wscale [G][32] float32 or float16, y[r, n] = sum_g xscale[r, g] *
+// wscale[g, n] * (sum_k x w) + bias[n] (a multiply more per group and accumulator).
+template <int R, bool kColumnScales, typename WS = float>
 inline void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const int8_t* panel, int64_t G,
-                      const int32_t* xsum128, const float* wscale, const float* bias, float* y, int64_t ldy,
+                      const int32_t* xsum128, const WS* wscale, const float* bias, float* y, int64_t ldy,
                       int64_t ncols) {
   constexpr int64_t quads = QG / 4;
   F32x16 out[R][2];
@@ -126,7 +132,7 @@ inline void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const 
         acc[r][1] = dot(acc[r][1], a, w + 2 * NB);
       }
     }
-    add_scaled<R, kColumnScales>(out, acc, kColumnScales ? nullptr : wscale + g * NB, xscale + g, G);
+    add_scaled<R, kColumnScales, WS>(out, acc, kColumnScales ? nullptr : wscale + g * NB, xscale + g, G);
   }
   if constexpr (kColumnScales)
     finish<R>(out, wscale, bias, y, ldy, ncols);
@@ -166,7 +172,7 @@ inline void tile_w8a8_wide(const int32_t* x, int64_t ldx, const float* xscale, c
         acc[r][1] = dot_wide(acc[r][1], a, w1);
       }
     }
-    add_scaled<R, true>(out, acc, nullptr, xscale + g, G);
+    add_scaled<R, true, float>(out, acc, nullptr, xscale + g, G);
   }
   finish<R>(out, wscale, bias, y, ldy, ncols);
 }

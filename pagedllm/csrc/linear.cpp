@@ -1,6 +1,6 @@
 // y[M, N] = x[M, K] @ w[N, K]^T + bias, float32 activations, weights packed once at load time.
 //
-// Two weight formats, each in panels of 32 output columns (N padded to a multiple of 32 with
+// The weight formats, each in panels of 32 output columns (N padded to a multiple of 32 with
 // zeros):
 // - float32, [K][32] per panel (--dtype float32: exact, batch-invariant);
 // - int8 with int8 activations (w8a8): weights symmetric per output column (one scale per row
@@ -14,6 +14,11 @@
 //   Q8_1 dot product): y = sum_g xs (d sum(q x) + m sum(x)). Per panel and group, Q4_BYTES:
 //   QG/4 quads of 64 bytes of nibbles (vec.h's dot_q4_load layout), then d and m as float16
 //   [32] each: 0.625 bytes per weight, against w8a8's 1.0, for batches bound by memory.
+// - GGUF Q8_0 with int8 activations (q8a8): w = d q per group of QG k of a row (d float16, as
+//   the file stores it), llama.cpp's Q8_0 x Q8_0 product: y = sum_g xs d sum(q x). w8a8's
+//   panels of codes, and per panel [G][32] float16 d: the file's 1.0625 bytes per weight, the
+//   per-group scaling amortized over a group's 8 dot products of a 32-column tile (the
+//   K-quant GEMM's Q8_0 rows take it per 64 products and activation row).
 // A micro-tile (gemm.h, shared with moe.cpp) keeps R rows x 32 columns of y in registers while
 // it walks K once (R per ISA: vec::kGemmRows*); every row takes the same instructions in the
 // same order whatever M is, so a row's result does not depend on the rest of the batch. On AVX2
@@ -25,6 +30,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 
 #include "gemm.h"
@@ -129,6 +135,58 @@ void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float*
         tile_w8a8<decltype(r)::value, true>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
                                             packed + p * kq * 4 * NB, G, xq.xsum128.data() + (m0 + m) * G,
                                             wscale + p * NB, b, y + (m0 + m) * N + p * NB, N, ncols);
+      });
+    });
+  }
+}
+
+// blocks: [N][K / QG] GGUF Q8_0 blocks (34 bytes: float16 d, 32 int8 codes), K a multiple of
+// QG -> packed [ceil(N/32)][K/4][32][4] (linear_pack_w8a8's layout and byte encoding) and d
+// [ceil(N/32)][K / QG][32] float16 bits, zero padded. Returns -1 (nothing written) where a code
+// is -128 and this ISA's dot product takes no x sums (kDotXSums false: its sign trick cannot
+// negate -128; llama.cpp's and gguf's quantizers write codes in [-127, 127]), else 0.
+int linear_pack_q8_0(const uint8_t* blocks, int8_t* packed, uint16_t* d, int64_t N, int64_t K) {
+  constexpr int64_t kBlock = 2 + QG;
+  const int64_t G = K / QG, kq = K / 4, panels = (N + NB - 1) / NB;
+  if (K % QG) return -1;
+  if (!kDotXSums) {
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t g = 0; g < G; ++g)
+        if (std::memchr(blocks + (n * G + g) * kBlock + 2, 0x80, QG)) return -1;
+  }
+  par::parallel_for(panels, [&](int64_t p) {
+    for (int64_t c = 0; c < NB; ++c) {
+      const int64_t n = p * NB + c;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* b = n < N ? blocks + (n * G + g) * kBlock : nullptr;
+        uint16_t dg = 0;
+        if (b) std::memcpy(&dg, b, 2);
+        d[(p * G + g) * NB + c] = dg;
+        for (int64_t k = g * QG; k < (g + 1) * QG; ++k) {
+          const int8_t q = b ? static_cast<int8_t>(b[2 + k - g * QG]) : 0;
+          packed[((p * kq + k / 4) * NB + c) * 4 + k % 4] = stored_code(q);
+        }
+      }
+    }
+  });
+  return 0;
+}
+
+// x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed, d from linear_pack_q8_0;
+// bias: null or float32 padded to ceil(N/32)*32. Each row of x is quantized on the fly as for
+// linear_w8a8 (the same tile, each group's sums scaled by its column's d and x's scale).
+void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed, const uint16_t* d, const float* bias, float* y,
+                 int64_t M, int64_t N, int64_t K) {
+  const int64_t G = K / QG, kq = K / 4;
+  const QuantizedRows xq = quantize_rows<false>(x, ldx, M, K);
+  const int64_t chunk = chunk_rows_i8(kq);  // as linear_w8a8
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
+      panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
+        tile_w8a8<decltype(r)::value, false>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
+                                             packed + p * kq * 4 * NB, G, xq.xsum128.data() + (m0 + m) * G,
+                                             d + p * G * NB, b, y + (m0 + m) * N + p * NB, N, ncols);
       });
     });
   }

@@ -6,8 +6,8 @@
 // hidden] float32. Per token t: p = softmax(router x_t) over all experts; the top_k experts
 // by p (the lower index first among equal ones), weights p_e, divided by their sum when
 // `renormalize`; y_t = sum over its experts, in ascending expert order, of
-// w_e * down_e(silu(gate_e x_t) * up_e x_t). Experts may mix the GEMM kinds: float32, w8a8 and
-// w4a8 panels (linear.cpp's formats, the same micro-kernels, gemm.h) and GGUF blocks as stored
+// w_e * down_e(silu(gate_e x_t) * up_e x_t). Experts may mix the GEMM kinds: float32, w8a8,
+// w4a8 and q8a8 panels (linear.cpp's formats, the same micro-kernels, gemm.h) and GGUF blocks as stored
 // (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, a fused gate/up's parts each in its own format: kquant.cpp's
 // layers, the same tiles, kquant.h). An int8 expert quantizes its inputs per row and group of
 // 32 as its layer alone does, so an expert computes for a token exactly what its layer alone
@@ -110,6 +110,16 @@ void run_item(const LinearDesc& l, const Acts& a, const Item& it, float* y, int6
       });
       break;
     }
+    case PAGEDLLM_LINEAR_Q8A8: {
+      const int8_t* panel = static_cast<const int8_t*>(l.w) + p * kq * 4 * NB;
+      const uint16_t* d = reinterpret_cast<const uint16_t*>(l.wscale) + p * G * NB;
+      panel_rows<kGemmRowsI8>(it.rows, [&](auto r, int64_t m) {
+        const int64_t row = it.row0 + m;
+        tile_w8a8<decltype(r)::value, false>(a.w8.codes.data() + row * kq, kq, a.w8.scale.data() + row * G, panel, G,
+                                             a.w8.xsum128.data() + row * G, d, bias, out + m * ldy, ldy, ncols);
+      });
+      break;
+    }
     default: {
       const uint8_t* panel = static_cast<const uint8_t*>(l.w) + p * G * Q4_BYTES;
       panel_rows<kGemmRowsQ4>(it.rows, [&](auto r, int64_t m) {
@@ -201,13 +211,15 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
       R, [&](int64_t r) { std::copy(x + token_of[r] * ldx, x + token_of[r] * ldx + H, xs.data() + r * H); },
       kParallelRows);
   {
-    const Acts a(xs.data(), H, R, H, any_kind(m->gate_up, start, PAGEDLLM_LINEAR_W8A8),
+    const Acts a(xs.data(), H, R, H,
+                 any_kind(m->gate_up, start, PAGEDLLM_LINEAR_W8A8) || any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q8A8),
                  any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q4A8), any_kind(m->gate_up, start, PAGEDLLM_LINEAR_KQUANT));
     grouped_gemm(m->gate_up, start, a, h.data(), 2 * I);
   }
   silu_and_mul(h.data(), 2 * I, R, I);
   {
-    const Acts a(h.data(), 2 * I, R, I, any_kind(m->down, start, PAGEDLLM_LINEAR_W8A8),
+    const Acts a(h.data(), 2 * I, R, I,
+                 any_kind(m->down, start, PAGEDLLM_LINEAR_W8A8) || any_kind(m->down, start, PAGEDLLM_LINEAR_Q8A8),
                  any_kind(m->down, start, PAGEDLLM_LINEAR_Q4A8), any_kind(m->down, start, PAGEDLLM_LINEAR_KQUANT));
     grouped_gemm(m->down, start, a, out.data(), H);
   }

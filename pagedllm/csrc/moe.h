@@ -12,7 +12,7 @@
 // blocks as stored: of types and sizes the K-quant GEMM takes, kquant::fits).
 inline bool moe_supported(const MoeDesc& m) {
   auto fits = [](const LinearDesc& l, int64_t n, int64_t k) {
-    if (l.kind < PAGEDLLM_LINEAR_F32 || l.kind > PAGEDLLM_LINEAR_KQUANT || l.n != n || l.k != k || !l.w) return false;
+    if (l.kind < PAGEDLLM_LINEAR_F32 || l.kind > PAGEDLLM_LINEAR_Q8A8 || l.n != n || l.k != k || !l.w) return false;
     return l.kind != PAGEDLLM_LINEAR_KQUANT || kquant::fits(*static_cast<const KQuantWeight*>(l.w), n, k);
   };
   if (m.num_experts < 1 || m.top_k < 1 || m.top_k > m.num_experts || m.hidden < 1 || m.intermediate < 1) return false;

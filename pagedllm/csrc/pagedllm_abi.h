@@ -34,6 +34,7 @@
 #define PAGEDLLM_LINEAR_W8A8 1
 #define PAGEDLLM_LINEAR_Q4A8 2
 #define PAGEDLLM_LINEAR_KQUANT 3
+#define PAGEDLLM_LINEAR_Q8A8 4
 /* GGUF block formats the K-quant GEMM reads as the file stores them (ggml's type ids). */
 #define PAGEDLLM_GGML_Q5_0 6
 #define PAGEDLLM_GGML_Q8_0 8
@@ -88,8 +89,9 @@ typedef struct KQuantWeight {
 
 /* One packed linear layer: kind PAGEDLLM_LINEAR_F32 (w: linear_pack_f32's panels),
  * PAGEDLLM_LINEAR_W8A8 (w, wscale: linear_pack_w8a8's), PAGEDLLM_LINEAR_Q4A8 (w:
- * linear_pack_q4a8's) or PAGEDLLM_LINEAR_KQUANT (w: a KQuantWeight); bias null or float32
- * padded to whole panels. */
+ * linear_pack_q4a8's), PAGEDLLM_LINEAR_KQUANT (w: a KQuantWeight) or PAGEDLLM_LINEAR_Q8A8
+ * (w, wscale: linear_pack_q8_0's codes and float16 d); bias null or float32 padded to whole
+ * panels. */
 typedef struct LinearDesc {
   int64_t kind;
   int64_t n;
@@ -239,6 +241,12 @@ void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float*
 void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K);
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K);
+/* GGUF Q8_0 blocks [N][K/32] (K a multiple of 32) -> q8a8 panels: w8a8's codes and per group
+ * of 32 k the columns' float16 d. Returns -1 (nothing written) where a code is -128 and this
+ * library's int8 dot product cannot take it, else 0. */
+int linear_pack_q8_0(const uint8_t* blocks, int8_t* packed, uint16_t* d, int64_t N, int64_t K);
+void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed, const uint16_t* d, const float* bias, float* y,
+                 int64_t M, int64_t N, int64_t K);
 
 /* --- GGUF blocks as stored (kquant.cpp) --- */
 

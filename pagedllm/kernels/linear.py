@@ -1,8 +1,9 @@
 """The GEMMs on packed weights (csrc/linear.cpp): packing a weight once, ``x @ w.T + bias``
 on the packed panels, and a packed layer's descriptor for the one-call decoder
-(``kernels.decoder``). Three formats, each in panels of ``PANEL`` output columns: float32,
-w8a8 (int8 weights per output feature, int8 activations per group of ``QUANT_GROUP`` inputs)
-and w4a8 (4-bit weights, int8 activations)."""
+(``kernels.decoder``). Four formats, each in panels of ``PANEL`` output columns: float32,
+w8a8 (int8 weights per output feature, int8 activations per group of ``QUANT_GROUP`` inputs),
+w4a8 (4-bit weights, int8 activations) and q8a8 (GGUF Q8_0: int8 weights with a float16 scale
+per group of ``QUANT_GROUP`` inputs, as the file stores them; int8 activations)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ from pagedllm.kernels.args import matrix, ptr, ptr_or_none, require
 PANEL = abi.CONSTANTS["PAGEDLLM_PANEL"]  # output columns per packed panel
 QUANT_GROUP = abi.CONSTANTS["PAGEDLLM_QUANT_GROUP"]  # input features per scale, of weights and activations
 Q4A8_GROUP_BYTES = abi.CONSTANTS["PAGEDLLM_Q4A8_GROUP_BYTES"]  # per panel and group of a w4a8 weight
-LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8 = (abi.CONSTANTS[f"PAGEDLLM_LINEAR_{k}"] for k in ("F32", "W8A8", "Q4A8"))
+LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8, LINEAR_Q8A8 = (
+    abi.CONSTANTS[f"PAGEDLLM_LINEAR_{k}"] for k in ("F32", "W8A8", "Q4A8", "Q8A8")
+)
 LinearDesc = abi.STRUCTS["LinearDesc"]  # one packed layer (pagedllm_abi.h documents each field)
 
 W8A8Packed = tuple[torch.Tensor, torch.Tensor]  # int8 panels, wscale float32
+Q8A8Packed = tuple[torch.Tensor, torch.Tensor]  # int8 panels, d float16 per panel, group and column
+Q8_0_BLOCK_BYTES = 2 + QUANT_GROUP  # a GGUF Q8_0 block: float16 d, then QUANT_GROUP int8 codes
 
 
 def linear_pack_f32(weight: torch.Tensor) -> torch.Tensor:
@@ -75,6 +80,34 @@ def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) 
     scale_max = own_max if row_max is None else row_max  # own_max: the kernel need not find it again
     lib.linear_pack_w8a8(ptr(w32), ptr(scale_max), ptr(packed), ptr(wscale), n, k)
     return packed, wscale
+
+
+def linear_pack_q8_0(blocks: torch.Tensor, in_features: int) -> Q8A8Packed | None:
+    """GGUF Q8_0 blocks [N, in_features / 32 * 34] uint8 -> ``linear_q8a8``'s (int8 panels in
+    ``linear_pack_w8a8``'s layout and byte encoding, d float16 [ceil(N / 32) * G * 32]), the
+    codes and d bit for bit, zero padded; None where this library's int8 dot product cannot take
+    a code of -128 (AVX2, AVX-512 without VNNI, NEON, scalar: the K-quant GEMM reads such
+    blocks instead) and one occurs. Packed panels belong to the library that packed them.
+
+    Raises:
+        RuntimeError: no native library here.
+        ValueError: blocks are not uint8 [N, in_features / 32 * 34] on the CPU, or in_features
+            is not a positive multiple of 32.
+    """
+    lib = require()
+    groups = in_features // QUANT_GROUP
+    if in_features <= 0 or in_features % QUANT_GROUP:
+        raise ValueError(f"Q8_0: in_features must be a positive multiple of {QUANT_GROUP}, got {in_features}")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != groups * Q8_0_BLOCK_BYTES:
+        raise ValueError(f"Q8_0 blocks: need uint8 [N, {groups * Q8_0_BLOCK_BYTES}], got {blocks.dtype} {list(blocks.shape)}")
+    blocks = matrix(blocks, "blocks").contiguous()
+    n = blocks.shape[0]
+    panels = -(-n // PANEL)
+    packed = torch.empty(panels * PANEL * in_features, dtype=torch.int8)
+    d = torch.empty(panels * groups * PANEL, dtype=torch.float16)
+    if lib.linear_pack_q8_0(ptr(blocks), ptr(packed), ptr(d), n, in_features) != 0:
+        return None
+    return packed, d
 
 
 def linear_pack_q4a8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -155,15 +188,32 @@ def linear_q4a8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return _gemm(require().linear_q4a8, x, (packed,), bias, out_features)
 
 
+def linear_q8a8(x: torch.Tensor, packed: Q8A8Packed, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ w.T + bias`` on ``linear_pack_q8_0``'s panels, x quantized to int8 per row and
+    group of 32 on the fly (llama.cpp's Q8_0 x Q8_0 dot product): x [M, K] float32 (rows at
+    any stride) -> [M, out_features] float32.
+
+    Args:
+        bias: float32 padded to whole panels ([ceil(N / 32) * 32]), or None.
+
+    Raises:
+        RuntimeError: no native library here.
+        ValueError: x, packed or bias do not fit each other.
+    """
+    x = _rows(x)
+    _check_q8a8(packed, out_features, x.shape[1], bias)
+    return _gemm(require().linear_q8a8, x, packed, bias, out_features)
+
+
 def linear_desc(
     kind: int,
-    packed: torch.Tensor | W8A8Packed,
+    packed: torch.Tensor | W8A8Packed | Q8A8Packed,
     bias: torch.Tensor | None,
     out_features: int,
     in_features: int,
 ) -> LinearDesc:
-    """The LinearDesc of a packed layer: ``packed`` as ``linear_f32``, ``linear_w8a8`` or
-    ``linear_q4a8`` take it (by ``kind``), checked as they check it. The caller keeps the
+    """The LinearDesc of a packed layer: ``packed`` as ``linear_f32``, ``linear_w8a8``,
+    ``linear_q4a8`` or ``linear_q8a8`` take it (by ``kind``), checked as they check it. The caller keeps the
     tensors alive as long as the descriptor is used.
 
     Raises:
@@ -178,6 +228,9 @@ def linear_desc(
     elif kind == LINEAR_Q4A8:
         _check_q4a8(packed, out_features, in_features, bias)
         w, wscale = packed, None
+    elif kind == LINEAR_Q8A8:
+        _check_q8a8(packed, out_features, in_features, bias)
+        w, wscale = packed  # wscale: the float16 d, as the kernel reads it
     else:
         raise ValueError(f"unknown linear kind {kind}")
     return LinearDesc(kind, out_features, in_features, ptr(w), ptr_or_none(wscale), ptr_or_none(bias))
@@ -227,3 +280,12 @@ def _check_q4a8(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None)
     """``linear_pack_q4a8``'s panels of an [n, k] weight, and a panel-padded bias."""
     # Counted in elements per output column: one panel-group's bytes per 32 columns.
     _check_packed(packed, torch.uint8, n, -(-k // QUANT_GROUP) * Q4A8_GROUP_BYTES // PANEL, bias)
+
+
+def _check_q8a8(packed: Q8A8Packed, n: int, k: int, bias: torch.Tensor | None) -> None:
+    """``linear_pack_q8_0``'s codes and d of an [n, k] weight, and a panel-padded bias."""
+    codes, d = packed
+    _check_packed(codes, torch.int8, n, k, bias)
+    size = -(-n // PANEL) * PANEL * (k // QUANT_GROUP)
+    if k % QUANT_GROUP or (d.dtype, d.numel(), d.is_contiguous()) != (torch.float16, size, True):
+        raise ValueError(f"q8a8 scales: need {size} contiguous float16 (k a multiple of {QUANT_GROUP}), got {d.numel()} {d.dtype}")

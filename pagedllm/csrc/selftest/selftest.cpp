@@ -167,6 +167,42 @@ void test_linear() {
   std::fill(y.begin(), y.end(), 0.f);
   linear_q4a8(xs_rows.data(), ldx, q4.data(), bias.data(), y.data(), M, N, K);
   check("linear_q4a8", max_error(y, ref), 1e-4f);
+
+  // q8a8: GGUF Q8_0 blocks (float16 d, 32 int8 codes in [-127, 127]) of K8 = 96 weights a row
+  // (Q8_0 rows are whole blocks), x as for w8a8, against the same arithmetic in plain integers.
+  const int64_t K8 = 96, G8 = K8 / 32;
+  const auto x8 = rng.normals(M * K8);
+  std::vector<uint8_t> blocks(N * G8 * 34);
+  std::vector<int8_t> q8(N * K8);
+  std::vector<float> d8(N * G8);
+  for (int64_t i = 0; i < N * G8; ++i) {
+    uint16_t bits;
+    std::tie(bits, d8[i]) = f16(1 + int(std::fabs(rng.normal()) * 300.f) % 1000, 12);
+    std::memcpy(blocks.data() + i * 34, &bits, 2);
+    for (int j = 0; j < 32; ++j) {
+      q8[i * 32 + j] = int8_t(int(rng.normal() * 60.f) % 128);
+      blocks[i * 34 + 2 + j] = uint8_t(q8[i * 32 + j]);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    std::vector<int8_t> xc;
+    std::vector<float> xsc;
+    quantize(x8.data() + m * K8, K8, xc, xsc);
+    for (int64_t n = 0; n < N; ++n) {
+      double s = b[n];
+      for (int64_t g = 0; g < G8; ++g) {
+        int32_t dot = 0;
+        for (int64_t k = g * 32; k < (g + 1) * 32; ++k) dot += int32_t(xc[k]) * q8[n * K8 + k];
+        s += double(xsc[g]) * double(d8[n * G8 + g]) * dot;
+      }
+      ref[m * N + n] = float(s);
+    }
+  }
+  std::vector<int8_t> p8(panels * 32 * K8);
+  std::vector<uint16_t> pd(panels * G8 * 32);
+  const int packed_q8 = linear_pack_q8_0(blocks.data(), p8.data(), pd.data(), N, K8);
+  linear_q8a8(x8.data(), K8, p8.data(), pd.data(), bias.data(), y.data(), M, N, K8);
+  check("linear_q8a8", packed_q8 == 0 ? max_error(y, ref) : 1e9f, 1e-4f);
 }
 
 // The token sample_rows draws at u, in double precision: softmax(x / t); min-p drops p < min_p

@@ -11,12 +11,14 @@ model's dtype, and outputs are cast back to the input's dtype, so a float32 mode
 these layers too. Why bfloat16: the kernels' fast path is bfloat16, and with float32 or
 float16 activations they take a far slower reference path (docs/benchmarks.md).
 
-Also the layers on our native integer GEMMs (csrc/linear.cpp): ``W8A8Linear`` and ``W4A8Linear``.
+Also the layers on our native integer GEMMs (csrc/linear.cpp, csrc/kquant.cpp): ``W8A8Linear``,
+``W4A8Linear``, ``Q8A8Linear`` and ``KQuantLinear``.
 """
 
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm.kernels import kquant, library
@@ -232,6 +234,57 @@ class KQuantLinear(QuantizedLinear):
     def extra_repr(self) -> str:
         types = ", ".join(f"{qtype}: {blocks.shape[0]} rows" for qtype, blocks in self.stored.parts)
         return f"{super().extra_repr()}, ggml types {{{types}}}"
+
+
+class Q8A8Linear(QuantizedLinear):
+    """GGUF Q8_0 blocks (``w = d * q`` per group of 32 inputs of a row, d float16) against int8
+    activations per group of 32: llama.cpp's Q8_0 x Q8_0 product on our native w8a8 tile
+    (``csrc/linear.cpp``'s q8a8 GEMM), codes and d copied bit for bit into panels at load, so
+    it reads the file's 1.0625 bytes per weight. Against the K-quant GEMM on the same blocks
+    (``KQuantLinear``: the same products, summed in another order) each group's scaling is
+    shared by a 32-column tile's dot products instead of paid per activation row, so a decode
+    step's few rows (a batch, a speculative verification) cost little more than one. Buffers:
+    ``packed`` (int8 panels), ``d`` (float16 per panel, group and column), the bias in float32,
+    padded to whole panels.
+
+    Args:
+        packed: ``kernels.linear_pack_q8_0``'s two tensors.
+        in_features, out_features: the weight's shape [out_features, in_features].
+        bias: [out_features] or None.
+    """
+
+    def __init__(
+        self, packed: kernels.Q8A8Packed, in_features: int, out_features: int, bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__(in_features, out_features, None)
+        self.register_buffer("packed", packed[0])
+        self.register_buffer("d", packed[1])
+        self.register_buffer("padded_bias", None if bias is None else pad_to_panels(bias.detach().float()))
+        kernels.linear_desc(kernels.LINEAR_Q8A8, packed, self.padded_bias, out_features, in_features)  # checks the fit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
+        return kernels.linear_q8a8(x.float(), (self.packed, self.d), self.padded_bias, self.out_features).to(x.dtype)
+
+    def native_desc(self) -> kernels.LinearDesc:
+        """This layer for the one-call decoder (``kernels.decoder.decode_layers``)."""
+        packed = (self.packed, self.d)
+        return kernels.linear_desc(kernels.LINEAR_Q8A8, packed, self.padded_bias, self.out_features, self.in_features)
+
+
+def stored_linear(weight: kquant.StoredWeight, bias: torch.Tensor | None = None) -> Q8A8Linear | KQuantLinear:
+    """The layer for GGUF blocks kept as stored: ``Q8A8Linear`` for a weight all of Q8_0 blocks
+    that this library's int8 dot product takes (``kernels.linear_pack_q8_0``), else ``KQuantLinear``.
+
+    Raises:
+        ValueError: where the native kernels do not run.
+    """
+    _require_native("GGUF blocks as stored")
+    if len(weight.parts) == 1 and weight.parts[0][0] == int(GGMLQuantizationType.Q8_0):
+        packed = kernels.linear_pack_q8_0(weight.parts[0][1], weight.in_features)
+        if packed is not None:
+            return Q8A8Linear(packed, weight.in_features, weight.out_features, bias)
+    return KQuantLinear(weight, bias)
 
 
 def make_linear(weight: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantizedLinear:

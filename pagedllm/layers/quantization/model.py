@@ -14,7 +14,7 @@ from pagedllm.distributed.sharding import is_row_parallel
 from pagedllm.quantization_config import GROUP_SIZES, QuantizationConfig
 from pagedllm.kernels.kquant import StoredWeight
 from pagedllm.layers.quantization.gguf import GGUFLinears
-from pagedllm.layers.quantization.linear import KQuantLinear, QuantizedLinear, W4A8Linear, W8A8Linear, make_linear
+from pagedllm.layers.quantization.linear import QuantizedLinear, W4A8Linear, W8A8Linear, make_linear, stored_linear
 from pagedllm.layers.quantization.weights import Int4Weight, QuantizedWeight, quantize_int4, quantize_int8, quantize_q4a8
 
 logger = logging.getLogger("pagedllm")
@@ -132,7 +132,7 @@ def quantize_model(
         weight, bias = targets[name]
         qweight: QuantizedWeight
         if isinstance(kept.get(name), StoredWeight):
-            return name, KQuantLinear(kept[name], bias)
+            return name, stored_linear(kept[name], bias)
         if is_w8a8(name):
             try:
                 return name, W8A8Linear(weight, bias, row_max.get(name))
