@@ -37,8 +37,9 @@ class ModelConfig:
     attention_bias: bool = False  # qwen2: bias on q/k/v projections
     qk_norm: bool = False  # qwen3: RMSNorm (weight [head_dim]) over each query and key head before RoPE
     # RoPE scaling of the full-attention layers (Gemma 3's sliding ones run plain RoPE), in
-    # transformers' rope parameters: rope_type ("linear" | "llama3" | "yarn") and its own keys
-    # (factor, original_max_position_embeddings, ...), the base being ``rope_theta``; or a GGUF's
+    # transformers' rope parameters: rope_type ("linear" | "llama3" | "yarn" | "longrope" |
+    # "dynamic") and its own keys (factor, original_max_position_embeddings, ...; dynamic's
+    # original length set by the loaders), the base being ``rope_theta``; or a GGUF's
     # llama.cpp frequency factors (rope_type "freq_factors", layers/rotary.py). Empty: none.
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     bos_token_id: int | None = None

@@ -7,6 +7,7 @@ Test modules import from here, never from one another.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -24,6 +25,25 @@ from tests.utils import random_gguf_blocks
 
 PREFILL_BLOCK_SIZE = 16
 GEMMA3_WINDOW = 5  # the tiny Gemma 3's sliding window: shorter than the tests' requests
+# The tiny dense decoders' sizes (the vocabulary is SmolLM2's first 256 ids): head_dim 32.
+DENSE_COMMON = dict(
+    vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+)
+
+
+def save_checkpoint(hf: torch.nn.Module, path: Path, tokenizer_dir: Path) -> None:
+    """``hf.save_pretrained(path)`` with the tokenizer files of ``tokenizer_dir`` beside it."""
+    hf.save_pretrained(path)
+    for f in tokenizer_dir.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+
+
+def edit_config(path: Path, **changes) -> None:
+    """Set top-level fields of the checkpoint's config.json."""
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | changes))
 
 
 @torch.inference_mode()
@@ -240,7 +260,7 @@ def write_gguf(
         writer.add_sliding_window(c.sliding_window)
     if tokens:
         writer.add_token_list(tokens)
-    _write_rope_scaling(writer, c.rope_parameters, head_dim)
+    _write_rope_scaling(writer, c.rope_parameters, head_dim, c.max_position_embeddings)
     for name, tensor in hf.state_dict().items():
         qtype, w = (blocks or {}).get(name, (None, tensor.numpy()))
         if name.startswith("model.layers."):
@@ -258,11 +278,19 @@ def write_gguf(
     finish_gguf(writer)
 
 
-def _write_rope_scaling(writer: gguf.GGUFWriter, rope: dict, head_dim: int) -> None:
+def _write_rope_scaling(writer: gguf.GGUFWriter, rope: dict, head_dim: int, context: int) -> None:
     """RoPE scaling as llama.cpp's converter writes it: linear and yarn as ``rope.scaling.*``
     metadata, llama3 as a ``rope_freqs.weight`` tensor of frequency factors (LlamaModel's
-    ``generate_extra_tensors``)."""
+    ``generate_extra_tensors``), Phi-3's longrope as its two factor tensors, the original
+    context length and the attention factor (Phi3MiniModel's)."""
     rope_type = rope.get("rope_type", "default")
+    if rope_type == "longrope":
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = context / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     if rope_type in ("linear", "yarn"):
         writer.add_rope_scaling_type(gguf.RopeScalingType(rope_type))
         writer.add_rope_scaling_factor(rope["factor"])

@@ -1,8 +1,8 @@
 """Qwen3, Mistral and Phi-3 against transformers: tiny random checkpoints built from
 transformers' own classes, saved with ``save_pretrained`` next to SmolLM2's tokenizer, served
 by ``LLM`` in float32 (chunked prefill, prefix caching) and compared with ``generate``; Qwen3
-and Phi-3 also as GGUF files written the way llama.cpp's converter does. RoPE scaling (linear,
-llama3, yarn) on Llama and Qwen2 checkpoints against transformers too."""
+and Phi-3 also as GGUF files written the way llama.cpp's converter does (RoPE scaling:
+test_rope_scaling.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import transformers
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
 from tests.models_util import (
-    assert_greedy_matches, prefill_logits, randomize_vectors, shared_prefix_prompts, write_gguf, write_q4_gguf,
+    DENSE_COMMON, assert_greedy_matches, edit_config, prefill_logits, randomize_vectors, save_checkpoint,
+    shared_prefix_prompts, write_gguf, write_q4_gguf,
 )
 from tests.utils import pool_is_whole
 
@@ -28,11 +29,7 @@ WINDOW = 12  # Mistral's: shorter than every prompt
 _, PROMPTS = shared_prefix_prompts(7, 24, (5, 9, 17))
 # hidden 128 with 4 heads: Qwen3's head_dim 64 is not hidden / heads (and runs the native
 # decode kernel, whose smallest head is 64); Mistral and Phi-3 have 32 (the PyTorch fallback).
-COMMON = dict(
-    vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2,
-    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-)
+COMMON = DENSE_COMMON
 CONFIGS = {
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=64, rope_theta=1e6),
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=WINDOW, rope_theta=1e4),
@@ -57,9 +54,7 @@ def _checkpoint(arch: str, path: Path, tokenizer_dir: Path, config=None) -> tran
     torch.manual_seed(0)
     hf = HF_CLASSES[arch](config or CONFIGS[arch]()).eval()
     randomize_vectors(hf)  # q/k norms too: every vector around 1
-    hf.save_pretrained(path)
-    for f in tokenizer_dir.iterdir():
-        (path / f.name).write_bytes(f.read_bytes())
+    save_checkpoint(hf, path, tokenizer_dir)
     return hf
 
 
@@ -103,26 +98,16 @@ def test_greedy_matches_transformers_with_chunks_and_prefix_hits(tiny) -> None:
     llm.shutdown()
 
 
-def _edit_config(path: Path, **changes) -> None:
-    config = json.loads((path / "config.json").read_text())
-    for key, value in changes.items():
-        config[key] = value
-    (path / "config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
          "partial rotary"),
-        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 16,
-                              "long_factor": [2.0] * 16, "original_max_position_embeddings": 128}},
-         "'longrope' is not supported"),
     ],
 )
 def test_phi3_features_it_does_not_compute_are_refused(changes, message, tmp_path, tokenizer_dir) -> None:
     _checkpoint("phi3", tmp_path, tokenizer_dir)
-    _edit_config(tmp_path, **changes)
+    edit_config(tmp_path, **changes)
     with pytest.raises(ValueError, match=message):
         load_config(resolve_model(str(tmp_path)))
 
@@ -131,7 +116,7 @@ def test_phi3_features_it_does_not_compute_are_refused(changes, message, tmp_pat
 def test_activation_other_than_silu_is_refused(act: str, tmp_path: Path, tokenizer_dir: Path) -> None:
     """The model classes compute SiLU: another ``hidden_act`` is refused, not run as SiLU."""
     _checkpoint("qwen3", tmp_path, tokenizer_dir)
-    _edit_config(tmp_path, hidden_act=act)
+    edit_config(tmp_path, hidden_act=act)
     with pytest.raises(ValueError, match=f"hidden_act='{act}': only silu is supported for qwen3"):
         load_config(resolve_model(str(tmp_path)))
 
@@ -240,177 +225,3 @@ def test_generation_config_sampling_defaults(tmp_path: Path, tokenizer_dir: Path
     for bad in ("hf", str(tmp_path / "nowhere")):
         with pytest.raises(ValueError, match="generation_config must be auto, vllm or a folder holding a generation_config.json"):
             LLM(model=str(tmp_path), generation_config=bad)
-
-
-# --- RoPE scaling: linear, llama3 and yarn as transformers computes them ----------------------
-
-ROPE_PROMPT = shared_prefix_prompts(11, 0, (150, 1, 1))[1][0]  # far past the original 32 positions
-# Each config's rope parameters and max_position_embeddings (the original 32 for linear and
-# yarn, which vLLM extends by the factor to 256; llama3's configs give the extended length).
-ROPE_SCALING = {
-    "linear": ({"rope_type": "linear", "factor": 8.0}, 32),
-    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32}, 256),
-    "yarn": ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}, 32),
-}
-ROPE_CASES = [("linear", "llama"), ("llama3", "llama"), ("yarn", "llama"), ("yarn", "qwen2")]
-_ROPE_CLASSES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-}
-
-
-def _rope_model(arch: str, rope: dict | None, max_positions: int) -> transformers.PreTrainedModel:
-    """A random ``arch`` model (seed 0) with these rope parameters (None: plain RoPE)."""
-    config_cls, model_cls = _ROPE_CLASSES[arch]
-    common = COMMON | {"max_position_embeddings": max_positions}
-    torch.manual_seed(0)
-    hf = model_cls(config_cls(**common, rope_parameters={"rope_theta": 1e4} | (rope or {}))).eval()
-    randomize_vectors(hf)
-    return hf
-
-
-@pytest.fixture(scope="module", params=ROPE_CASES, ids=[f"{r}-{a}" for r, a in ROPE_CASES])
-def rope_tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
-    """(rope type, HF model, checkpoint directory) of a scaled-RoPE checkpoint."""
-    rope_type, arch = request.param
-    path = tmp_path_factory.mktemp(f"{rope_type}-{arch}")
-    hf = _rope_model(arch, *ROPE_SCALING[rope_type])
-    hf.save_pretrained(path)
-    for f in tokenizer_dir.iterdir():
-        (path / f.name).write_bytes(f.read_bytes())
-    return rope_type, arch, hf, path
-
-
-def test_rope_scaling_logits_match_transformers(rope_tiny) -> None:
-    """150 positions, of an original 32: the scaled RoPE's logits are transformers' (and far
-    from plain RoPE's, so the scaling is what is compared)."""
-    rope_type, arch, hf, path = rope_tiny
-    model, config = load_model(resolve_model(str(path)), torch.float32)
-    assert config.rope_scaling["rope_type"] == rope_type
-    assert config.max_position_embeddings == 256  # linear and yarn: 32 * 8, as vLLM derives it
-    with torch.inference_mode():
-        ids = torch.tensor([ROPE_PROMPT])
-        expected = hf(ids).logits[0]
-        plain = _rope_model(arch, None, 256)(ids).logits[0]
-    got = prefill_logits(model, config, ROPE_PROMPT)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
-    assert (plain - expected)[32:].abs().mean() > 0.1 * expected.abs().mean()
-
-
-def test_rope_scaling_greedy_matches_transformers(rope_tiny) -> None:
-    """Served by ``LLM`` (chunked prefill, decode past the 150-token prompt): transformers' tokens."""
-    _, _, hf, path = rope_tiny
-    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=64)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
-    out = llm.generate([ROPE_PROMPT], params, use_tqdm=False)[0]
-    assert_greedy_matches(hf, ROPE_PROMPT, out.outputs[0], MAX_TOKENS)
-    llm.shutdown()
-
-
-def test_rope_scaling_in_the_old_rope_scaling_field(tmp_path: Path, tokenizer_dir: Path) -> None:
-    """Configs written before transformers 5 (Llama 3.1's, Qwen2.5's): ``rope_theta`` and a
-    ``rope_scaling`` with ``type`` or ``rope_type``; yarn's original length from
-    ``max_position_embeddings`` when left out, as transformers reads it."""
-    _checkpoint("qwen3", tmp_path, tokenizer_dir)
-    old = {k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items() if k != "rope_parameters"}
-    cases = [
-        ({"type": "yarn", "factor": 4.0},
-         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),
-        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}, None),
-    ]
-    for rope_scaling, expected in cases:
-        (tmp_path / "config.json").write_text(json.dumps(old | {"rope_theta": 1e4, "rope_scaling": rope_scaling}))
-        config = load_config(resolve_model(str(tmp_path)))
-        assert config.rope_scaling == (expected or rope_scaling) and config.rope_theta == 1e4
-    assert config.max_position_embeddings == 256  # llama3: the config's own
-
-
-def test_rope_parameters_read_as_transformers_reads_them(tmp_path: Path, tokenizer_dir: Path) -> None:
-    """A config.json with both fields (a ``rope_scaling`` added to a transformers 5 file, as
-    Qwen2.5's long-context instructions say): rope_scaling wins, as transformers'
-    ``convert_rope_params_to_dict`` (it was silently ignored: plain RoPE); the parameters' own
-    ``rope_theta`` over a top-level one; a top-level ``original_max_position_embeddings`` read
-    for Phi-3 alone (transformers ignores it elsewhere)."""
-    _checkpoint("qwen3", tmp_path, tokenizer_dir)
-    old = {k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items()
-           if k not in ("rope_parameters", "rope_theta")}
-    cases = [
-        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-        {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 1e4},
-        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}, "original_max_position_embeddings": 16},
-        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": None},
-    ]
-    for fields in cases:
-        (tmp_path / "config.json").write_text(json.dumps(old | fields))
-        expected = dict(transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters)
-        config = load_config(resolve_model(str(tmp_path)))
-        assert config.rope_theta == expected.pop("rope_theta"), fields
-        assert config.rope_scaling == ({} if expected["rope_type"] == "default" else expected), fields
-
-
-@pytest.mark.parametrize(
-    ("rope", "message"),
-    [
-        ({"rope_type": "dynamic", "factor": 2.0},
-         r"RoPE scaling 'dynamic' is not supported \(supported: linear, llama3, yarn\)"),
-        ({"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
-          "original_max_position_embeddings": 128}, "RoPE scaling 'longrope' is not supported"),
-        ({"rope_type": "llama3", "factor": 8.0}, "RoPE scaling 'llama3' needs low_freq_factor, high_freq_factor"),
-    ],
-)
-def test_rope_scaling_it_does_not_compute_is_refused(rope, message, tmp_path: Path, tokenizer_dir: Path) -> None:
-    _checkpoint("qwen3", tmp_path, tokenizer_dir)
-    _edit_config(tmp_path, rope_parameters={"rope_theta": 1e4} | rope)
-    with pytest.raises(ValueError, match=message):
-        load_config(resolve_model(str(tmp_path)))
-
-
-def test_rope_scaling_gguf_as_llama_cpp_writes_it_matches_transformers(rope_tiny, tmp_path: Path) -> None:
-    """llama.cpp's converter writes linear and yarn as ``rope.scaling.*`` metadata and Llama
-    3.1's llama3 as a ``rope_freqs.weight`` tensor of frequency factors: the same logits."""
-    rope_type, _, hf, _ = rope_tiny
-    path = tmp_path / "tiny.gguf"
-    write_gguf(path, hf)
-    model, config = load_model(resolve_model(str(path)), torch.float32)
-    assert config.rope_scaling["rope_type"] == ("freq_factors" if rope_type == "llama3" else rope_type)
-    assert config.max_position_embeddings == 256
-    with torch.inference_mode():
-        expected = hf(torch.tensor([ROPE_PROMPT])).logits[0]
-    torch.testing.assert_close(prefill_logits(model, config, ROPE_PROMPT), expected, atol=1e-4, rtol=0)
-
-
-@pytest.mark.parametrize(
-    ("metadata", "message"),
-    [
-        ({"rope.scaling.type": "longrope"}, r"RoPE scaling 'longrope' is not supported \(supported: linear, llama3"),
-        ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.attn_factor": 0.5},
-         r"yarn with rope.scaling.attn_factor=0.5 is not supported"),
-    ],
-)
-def test_rope_scaling_gguf_it_does_not_compute_is_refused(metadata, message) -> None:
-    from types import SimpleNamespace
-
-    from pagedllm.models.gguf_loader import _rope_scaling
-
-    with pytest.raises(ValueError, match=message):
-        _rope_scaling(SimpleNamespace(tensors={}), lambda key, default=None: metadata.get(key, default), 32)
-
-
-@pytest.mark.parametrize(
-    ("metadata", "expected"),
-    [
-        ({"rope.scaling.type": "none", "rope.scaling.factor": 4.0}, {}),
-        ({"rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
-        ({"rope.scaling.type": "linear", "rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),
-    ],
-)
-def test_rope_scaling_gguf_type_none_never_scales(metadata, expected) -> None:
-    """llama.cpp's rope.scaling.type none leaves RoPE unscaled whatever factor the file gives
-    (it was read as linear by that factor); a factor without a type is linear, its default."""
-    from types import SimpleNamespace
-
-    from pagedllm.models.gguf_loader import _rope_scaling
-
-    assert _rope_scaling(SimpleNamespace(tensors={}), lambda key, default=None: metadata.get(key, default), 32) == expected

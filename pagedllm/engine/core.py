@@ -117,7 +117,7 @@ class EngineCore:
         # As many draft KV slots as target ones: every request the target holds can be drafted for.
         return DraftModelProposer(
             spec.model, spec.num_speculative_tokens, self.model_config.vocab_size,
-            self.num_blocks, self.config.block_size, self.config.dtype, self.config.kv_dtype,
+            self.num_blocks, self.config.block_size, self.config.dtype, self.config.kv_dtype, self.max_model_len,
         )
 
     # -- requests ------------------------------------------------------------------------

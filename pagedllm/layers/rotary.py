@@ -16,15 +16,21 @@ from pagedllm.layers.custom_op import CustomOp
 
 
 # RoPE scaling types computed (transformers' rope_type names), each by transformers' own
-# ROPE_INIT_FUNCTIONS; "dynamic" (NTK by sequence length) and "longrope" (Phi-3's) are refused.
-ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+# ROPE_INIT_FUNCTIONS. Two are fixed at model build where transformers recomputes them per
+# sequence (a paged cache keeps K/V rotated once; a prefix hit or a recomputed request must see
+# the same rotation): "longrope"'s factor set by the engine's max_model_len, "dynamic"'s base
+# by the scaled context (``rope_frequencies``).
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "dynamic")
 
 
-# The keys each type's ROPE_INIT_FUNCTION requires (besides rope_theta).
+# The keys each type's ROPE_INIT_FUNCTION requires (besides rope_theta); dynamic's original
+# length is the loaders' (transformers reads the config's max_position_embeddings).
 _REQUIRED_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "dynamic": ("factor", "original_max_position_embeddings"),
 }
 # llama.cpp's frequency factors (a GGUF's ``rope_freqs.weight``, Llama 3.1's RoPE as its
 # converter writes it): each inverse frequency divided by its factor. Not a transformers type.
@@ -48,12 +54,12 @@ def check_rope_scaling(scaling: dict[str, Any]) -> None:
 
 def scaled_context(max_position: int, scaling: dict[str, Any], architecture: str) -> int:
     """The positions a model with this RoPE scaling serves, as vLLM derives its max_model_len:
-    linear's ``max_position * factor``, yarn's ``original_max_position_embeddings * factor``;
-    llama3's (and plain RoPE's) is ``max_position``, which its configs already extend, as is
-    Gemma 3's whatever its scaling (vLLM's exception: its max_position_embeddings already
-    counts the factor)."""
+    linear's and dynamic's ``max_position * factor``, yarn's ``original_max_position_embeddings
+    * factor``; llama3's, longrope's (and plain RoPE's) is ``max_position``, which their configs
+    already extend, as is Gemma 3's whatever its scaling (vLLM's exception: its
+    max_position_embeddings already counts the factor)."""
     rope_type = "default" if architecture == "gemma3" else scaling.get("rope_type", "default")
-    if rope_type == "linear":
+    if rope_type in ("linear", "dynamic"):
         return int(max_position * scaling["factor"])
     if rope_type == "yarn":
         return int(scaling["original_max_position_embeddings"] * scaling["factor"])
@@ -74,15 +80,33 @@ class _RopeConfig:
 
 
 def rope_frequencies(
-    head_dim: int, base: float, max_position: int, scaling: dict[str, Any] | None = None
+    head_dim: int, base: float, max_position: int, scaling: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> tuple[torch.Tensor, float]:
     """RoPE's inverse frequencies [head_dim / 2] float32 and the factor cos and sin are
-    multiplied by (YaRN's attention factor; 1.0 otherwise).
+    multiplied by (YaRN's and LongRoPE's attention factor; 1.0 otherwise).
 
     ``scaling``: transformers' rope parameters of a scaled RoPE (``rope_type`` one of
     ``ROPE_SCALING_TYPES``, its ``factor`` etc.; ``ModelConfig.rope_scaling``), computed by
     transformers' ``ROPE_INIT_FUNCTIONS`` as its models do, or ``FREQ_FACTORS`` with its
-    ``freq_factors`` list; None or empty: plain RoPE.
+    ``freq_factors`` list; None or empty: plain RoPE. ``max_position``: the positions served
+    (``ModelConfig.max_position_embeddings``, ``scaled_context``'s).
+
+    The two types transformers recomputes as a sequence grows are fixed here, for every
+    position and request alike (K/V in the paged cache, reused by prefix hits and recomputed
+    after preemption, stay valid):
+
+    - ``longrope`` (Phi-3 128k, Phi-3.5): the factors transformers uses for a
+      sequence of ``max_model_len`` tokens (None: ``max_position``), as vLLM: ``long_factor``
+      when it exceeds ``original_max_position_embeddings``, else ``short_factor``; the
+      attention factor either way. So transformers' logits for any sequence when max_model_len
+      is at most the original length; else transformers' for a sequence longer than it (its
+      short prompts differ: transformers rotates them by the short factors).
+    - ``dynamic`` (NTK): the base transformers uses for a sequence of ``max_position`` (the
+      original length times ``factor``) tokens, as vLLM's fixed base: ``base * (factor**2 -
+      factor + 1) ** (d / (d - 2))``. So transformers' logits for a sequence of that length (or
+      a shorter one past the original length once transformers has seen that length); shorter
+      sequences differ (transformers rotates one within the original length by plain RoPE).
     """
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
     if not scaling:
@@ -92,9 +116,14 @@ def rope_frequencies(
     check_rope_scaling(scaling)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    rope_type, seq_len = scaling["rope_type"], None
+    if rope_type == "longrope":
+        seq_len = max_model_len or max_position
+    elif rope_type == "dynamic":  # transformers' dynamic reads the original length here
+        seq_len, max_position = max_position, scaling["original_max_position_embeddings"]
     config = _RopeConfig({**scaling, "rope_theta": base}, head_dim, max_position)
     with torch.device("cpu"):  # real values under the loader's torch.device("meta") too
-        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, torch.device("cpu"))
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), seq_len=seq_len)
     return inv_freq.float(), float(attention_factor)
 
 
@@ -107,18 +136,21 @@ class RotaryEmbedding(nn.Module):
         base: RoPE theta.
         dtype: dtype of the cache (the model's dtype, as HF casts cos/sin to it).
         scaling: the RoPE scaling parameters (``rope_frequencies``); None: plain RoPE.
+        max_model_len: the engine's longest request, which picks longrope's factors
+            (``rope_frequencies``); None: ``max_position``.
     """
 
     def __init__(
-        self, head_dim: int, max_position: int, base: float, dtype: torch.dtype, scaling: dict[str, Any] | None = None
+        self, head_dim: int, max_position: int, base: float, dtype: torch.dtype, scaling: dict[str, Any] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         super().__init__()
         # Explicit CPU device: the loader builds the model under torch.device("meta"), and
         # this buffer is not in any checkpoint, so it must hold real values from the start.
-        inv_freq, attention_factor = rope_frequencies(head_dim, base, max_position, scaling)
+        inv_freq, attention_factor = rope_frequencies(head_dim, base, max_position, scaling, max_model_len)
         freqs = torch.outer(torch.arange(max_position, device="cpu").float(), inv_freq).repeat(1, 2)  # [P, D]
         cache = torch.stack([freqs.cos(), freqs.sin()], 1)  # [P, 2, D]
-        if attention_factor != 1.0:  # YaRN: cos and sin scaled (transformers' attention_scaling)
+        if attention_factor != 1.0:  # YaRN, LongRoPE: cos and sin scaled (transformers' attention_scaling)
             cache.mul_(attention_factor)
         # Sign of rotate_half folded into sin: rotate_half(x) * sin == roll(x, D/2) * signed_sin.
         cache[:, 1, : head_dim // 2].neg_()

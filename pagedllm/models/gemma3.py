@@ -99,12 +99,16 @@ class Gemma3ForCausalLM(CausalLM):
             ``sliding_window``, ``rope_local_theta`` and ``query_pre_attn_scalar``.
         dtype: dtype of weights and activations.
         tp: the tensor-parallel group: the module holds rank ``tp.rank``'s shard.
+        max_model_len: the engine's longest request (``layers.rotary.rope_frequencies``).
     """
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = PACKED_MODULES_MAPPING
     NATIVE_GELU: ClassVar[bool] = True  # GeGLU
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPGroup = SINGLE,
+        max_model_len: int | None = None,
+    ) -> None:
         if config.attn_logit_softcapping:
             raise ValueError("attention logit softcapping (Gemma 2) is not supported")
         if not config.tie_word_embeddings:
@@ -120,7 +124,8 @@ class Gemma3ForCausalLM(CausalLM):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None  # tied: quantize_model and the spec-decode code look for it
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, config.rope_scaling
+            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, config.rope_scaling,
+            max_model_len,
         )
         if any(layer.is_sliding for layer in self.layers):
             local_base = config.rope_local_theta or config.rope_theta

@@ -79,8 +79,11 @@ _NORM_PLUS_ONE = {"gemma3"}
 # head_dim ** -0.5, except the 27B (62 layers), which uses hidden / heads as transformers'
 # query_pre_attn_scalar.
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
-# llama.cpp's RoPE frequency factors (Llama 3.1's RoPE as its converter writes it).
+# llama.cpp's RoPE frequency factors (Llama 3.1's RoPE as its converter writes it), and
+# Phi-3's LongRoPE factors (its converter's ``generate_extra_tensors``): config, not weights.
 _ROPE_FREQS = "rope_freqs.weight"
+_LONGROPE = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+_ROPE_TENSORS = frozenset((_ROPE_FREQS, *_LONGROPE.values()))
 # llama.cpp's yarn settings and the values that leave its YaRN transformers' (ext factor -1:
 # 1 for yarn); another value is refused.
 _YARN_DEFAULTS = {
@@ -93,8 +96,8 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
 
     Raises:
         ValueError: unsupported architecture, partial rotary, or RoPE scaling other than
-            linear, yarn and llama.cpp's frequency factors (``_rope_scaling``; Phi-3's
-            LongRoPE factors refused).
+            linear, yarn, llama.cpp's frequency factors and Phi-3's LongRoPE factors
+            (``_rope_scaling``).
     """
     md = f.metadata
     file_arch = md.get("general.architecture", "<missing>")
@@ -109,8 +112,6 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
     head_dim = int(get("attention.key_length", hidden // num_heads))
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise ValueError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
-    if "rope_factors_long.weight" in f.tensors:
-        check_rope_scaling({"rope_type": "longrope"})  # raises, naming the supported types
     rope_scaling = _rope_scaling(f, get, head_dim)
     context = int(get("context_length"))
     eos = [int(md[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
@@ -167,28 +168,33 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
 def _rope_scaling(f: GGUFFile, get: Callable[..., Any], head_dim: int) -> dict[str, Any]:
     """``ModelConfig.rope_scaling`` of a GGUF, as llama.cpp reads it: a ``rope_freqs.weight``
     tensor (its converter's Llama 3.1 RoPE: each inverse frequency divided by its factor);
-    ``rope.scaling.factor`` (or the older ``rope.scale_linear``; 0: none) linear unless
-    ``rope.scaling.type`` is none (no scaling, as llama.cpp: the factor unused) or yarn, then with ``rope.scaling.original_context_length`` (default
-    the context length) and llama.cpp's defaults, which are transformers' (beta_fast 32,
-    beta_slow 1, attention factor 0.1 ln(factor) + 1).
+    ``rope_factors_long.weight`` and ``rope_factors_short.weight`` (Phi-3's longrope,
+    ``_rope_factors``); ``rope.scaling.factor`` (or the older ``rope.scale_linear``; 0: none)
+    linear unless ``rope.scaling.type`` is none (no scaling, as llama.cpp: the factor unused)
+    or yarn, then with ``rope.scaling.original_context_length`` (default the context length)
+    and llama.cpp's defaults, which are transformers' (beta_fast 32, beta_slow 1, attention
+    factor 0.1 ln(factor) + 1).
 
     Raises:
-        ValueError: another scaling type, frequency factors with a scaling type, factors not
-            one per rotated pair, or yarn's attention factor, ext factor or log multiplier set.
+        ValueError: another scaling type, frequency or LongRoPE factors with a scaling type,
+            factors not one per rotated pair, or yarn's attention factor, ext factor or log
+            multiplier set.
     """
     kind = get("rope.scaling.type", "linear")  # llama.cpp's default: a factor alone is linear
     factor = float(get("rope.scaling.factor", get("rope.scale_linear", 0.0))) or 1.0
-    if kind not in ("none", "linear", "yarn"):
-        check_rope_scaling({"rope_type": kind})  # raises, naming the supported types
+    tensors = [name for name in (_ROPE_FREQS, *_LONGROPE.values()) if name in f.tensors]
+    longrope = _LONGROPE["long_factor"] in f.tensors  # rope.scaling.type longrope: only beside them
+    if kind not in ("none", "linear", "yarn", "longrope") or (kind == "longrope" and not longrope):
+        raise ValueError(
+            f"GGUF RoPE scaling {kind!r} is not supported (supported: rope.scaling.type none, linear or yarn; "
+            f"factor tensors {_ROPE_FREQS} or {' and '.join(_LONGROPE.values())})"
+        )
     if kind == "none":  # llama.cpp never scales then, whatever factor the file gives
         factor = 1.0
-    if _ROPE_FREQS in f.tensors:
-        factors = f.dequantize(_ROPE_FREQS, torch.float32).flatten()
+    if tensors:
         if kind == "yarn" or factor != 1.0:
-            raise ValueError(f"RoPE frequency factors ({_ROPE_FREQS}) with rope.scaling.{kind} are not supported")
-        if factors.numel() != head_dim // 2:
-            raise ValueError(f"{_ROPE_FREQS} has {factors.numel()} factors, not one per rotated pair ({head_dim // 2})")
-        return {"rope_type": FREQ_FACTORS, FREQ_FACTORS: factors.tolist()}
+            raise ValueError(f"RoPE factors ({', '.join(tensors)}) with rope.scaling.{kind} are not supported")
+        return _rope_factors(f, get, head_dim, tensors)
     if kind != "yarn":
         return {} if factor == 1.0 else {"rope_type": "linear", "factor": factor}
     for key, values in _YARN_DEFAULTS.items():
@@ -203,6 +209,41 @@ def _rope_scaling(f: GGUFFile, get: Callable[..., Any], head_dim: int) -> dict[s
         if get(f"rope.scaling.yarn_{key}") is not None:
             scaling[key] = float(get(f"rope.scaling.yarn_{key}"))
     check_rope_scaling(scaling)
+    return scaling
+
+
+def _rope_factors(f: GGUFFile, get: Callable[..., Any], head_dim: int, tensors: list[str]) -> dict[str, Any]:
+    """``_rope_scaling`` of a file with RoPE factor tensors (``tensors``, those it has):
+    llama.cpp's frequency factors, or Phi-3's long and short LongRoPE factors with
+    ``rope.scaling.original_context_length`` (default the context length) and
+    ``rope.scaling.attn_factor`` (absent: transformers' default from the two lengths), the
+    factor set picked as for a checkpoint (``layers.rotary.rope_frequencies``).
+
+    Raises:
+        ValueError: both kinds, one LongRoPE set without the other, or factors not one per
+            rotated pair.
+    """
+    if tensors not in ([_ROPE_FREQS], list(_LONGROPE.values())):
+        raise ValueError(
+            f"RoPE factor tensors {', '.join(tensors)} are not supported "
+            f"({_ROPE_FREQS} alone, or {' and '.join(_LONGROPE.values())})"
+        )
+    if tensors == [_ROPE_FREQS]:
+        scaling: dict[str, Any] = {"rope_type": FREQ_FACTORS}
+        names = {FREQ_FACTORS: _ROPE_FREQS}
+    else:
+        scaling = {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length", get("context_length"))),
+        }
+        if get("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(get("rope.scaling.attn_factor"))
+        names = _LONGROPE
+    for key, name in names.items():
+        factors = f.dequantize(name, torch.float32).flatten()
+        if factors.numel() != head_dim // 2:
+            raise ValueError(f"{name} has {factors.numel()} factors, not one per rotated pair ({head_dim // 2})")
+        scaling[key] = factors.tolist()
     return scaling
 
 
@@ -247,8 +288,8 @@ def gguf_weights(
     as placeholders on the meta device, of their shape and dtype, nothing read.
     """
     arch = config.architecture
-    # Reject unknown tensors before any work; RoPE's frequency factors are config (gguf_config).
-    names = {name: hf_name(name, arch) for name in f.tensors if name != _ROPE_FREQS}
+    # Reject unknown tensors before any work; RoPE's factors are config (gguf_config).
+    names = {name: hf_name(name, arch) for name in f.tensors if name not in _ROPE_TENSORS}
 
     def load(name: str) -> tuple[str, torch.Tensor]:
         if name in stored:

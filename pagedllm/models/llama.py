@@ -173,6 +173,8 @@ class LlamaForCausalLM(CausalLM):
         dtype: dtype of weights and activations (bfloat16 to serve, float32 for tests).
         tp: the tensor-parallel group: the module holds rank ``tp.rank``'s shard (sizes
             checked with ``sharding.check_tensor_parallel_size``).
+        max_model_len: the engine's longest request, which picks a longrope RoPE's factors
+            (``layers.rotary.rope_frequencies``); None: the model's context.
 
     Parameters are randomly initialized; :meth:`load_weights` replaces them (the loader
     builds the module on the meta device to skip that initialization).
@@ -181,7 +183,10 @@ class LlamaForCausalLM(CausalLM):
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = PACKED_MODULES_MAPPING
     NATIVE_GELU: ClassVar[bool] = False  # SwiGLU
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPGroup = SINGLE,
+        max_model_len: int | None = None,
+    ) -> None:
         super().__init__(config, dtype, tp)
         shard = self.shard
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, shard, tp) for i in range(config.num_layers))
@@ -193,7 +198,8 @@ class LlamaForCausalLM(CausalLM):
             else nn.Linear(config.hidden_size, shard.vocab_rows, bias=False, dtype=dtype)
         )
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, config.rope_scaling
+            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, config.rope_scaling,
+            max_model_len,
         )
         self.requires_grad_(False)  # inference only: no autograd bookkeeping even outside inference_mode
 

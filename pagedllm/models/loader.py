@@ -242,8 +242,13 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     quantization: QuantizationConfig | None = None,
     tp: TPGroup = SINGLE,
+    max_model_len: int | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model and fill it with the checkpoint's weights, cast to ``dtype``.
+
+    ``max_model_len``: the engine's longest request (``KVCacheConfig.max_model_len``), which
+    picks a longrope RoPE's factor set for every position (``layers.rotary.rope_frequencies``);
+    None: the model's context (``ModelConfig.max_position_embeddings``).
 
     With ``quantization``, the linear layers are quantized (from float32 weights, or kept from
     the GGUF blocks where the layouts allow; the log says which) and run in ``dtype`` around them.
@@ -279,7 +284,7 @@ def load_model(
         else:
             weights = hf_weights(resolved.path)
         with torch.device("meta"):  # no allocation nor random init: load_weights assigns real tensors
-            model = get_model_class(config.architecture)(config, load_dtype, tp)
+            model = get_model_class(config.architecture)(config, load_dtype, tp, max_model_len)
         model.load_weights(weights)
         set_key_scales(model, linears)
         if quantization is not None:

@@ -62,8 +62,11 @@ class MoEForCausalLM(LlamaForCausalLM):
     """``LlamaForCausalLM`` with a ``FusedMoE`` block as the MLP of each MoE layer (the
     others keep the dense MLP of ``intermediate_size``); arguments as Llama's."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPGroup = SINGLE) -> None:
-        super().__init__(config, dtype, tp)
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPGroup = SINGLE,
+        max_model_len: int | None = None,
+    ) -> None:
+        super().__init__(config, dtype, tp, max_model_len)
         for i, layer in enumerate(self.layers):
             if config.is_moe_layer(i):
                 layer.mlp = FusedMoE(

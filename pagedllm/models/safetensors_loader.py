@@ -33,11 +33,12 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
     """ModelConfig from ``config.json`` (eos ids from ``generation_config.json`` when present).
 
     Raises:
-        ValueError: unsupported architecture, RoPE scaling other than linear, llama3 and
-            yarn (``dynamic``, Phi-3's ``longrope``; any on Gemma 3's sliding layers), partial
-            rotary embeddings, Qwen's ``use_sliding_window``, an MLP bias, an o_proj bias
-            (``attention_bias`` beyond Qwen2's q/k/v, ``O_PROJ_BIAS``), or an MLP
-            activation other than the architecture's (``hidden_act``, Gemma 3's ``hidden_activation``).
+        ValueError: unsupported architecture, RoPE scaling other than linear, llama3, yarn,
+            longrope and dynamic (``layers.rotary.ROPE_SCALING_TYPES``; any on Gemma 3's
+            sliding layers), partial rotary embeddings, Qwen's ``use_sliding_window``, an MLP
+            bias, an o_proj bias (``attention_bias`` beyond Qwen2's q/k/v, ``O_PROJ_BIAS``), or
+            an MLP activation other than the architecture's (``hidden_act``, Gemma 3's
+            ``hidden_activation``).
     """
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg = cfg.get("text_config", cfg) if cfg.get("model_type") == "gemma3" else cfg  # the multimodal wrapper
@@ -123,22 +124,27 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
 def _rope_scaling(params: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
     """``ModelConfig.rope_scaling`` of one layer kind's rope parameters (an old ``rope_scaling``
     or transformers 5's ``rope_parameters``), standardized as transformers'
-    ``standardize_rope_params`` does: ``type`` read as ``rope_type``, llama3's and yarn's
-    ``original_max_position_embeddings`` from the top level of config.json where Phi-3's
-    sets it (transformers reads no other architecture's there), else the parameters', else ``max_position_embeddings``. Empty for plain RoPE.
+    ``standardize_rope_params`` does: ``type`` read as ``rope_type``, llama3's, yarn's and
+    longrope's ``original_max_position_embeddings`` from the top level of config.json where
+    Phi-3's sets it (transformers reads no other architecture's there), else the parameters',
+    else ``max_position_embeddings``. Dynamic's is ``max_position_embeddings`` (the length
+    transformers' dynamic NTK scales from; ModelConfig's is the scaled context). Empty for
+    plain RoPE.
 
     Raises:
-        ValueError: a type other than linear, llama3 or yarn, or one missing its keys.
+        ValueError: a type not in ``ROPE_SCALING_TYPES``, or one missing its keys.
     """
     rope_type = params.get("rope_type", params.get("type", "default"))
     skip = {"type", "rope_type", "rope_theta", "partial_rotary_factor"}
     scaling = {"rope_type": rope_type} | {k: v for k, v in params.items() if k not in skip}
-    if rope_type in ("llama3", "yarn"):
+    if rope_type in ("llama3", "yarn", "longrope"):
         # transformers reads a top-level one only where the config class has the attribute (Phi-3's).
         original = cfg.get("original_max_position_embeddings") if cfg.get("model_type") == "phi3" else None
         scaling["original_max_position_embeddings"] = original or scaling.get(
             "original_max_position_embeddings", cfg["max_position_embeddings"]
         )
+    if rope_type == "dynamic":
+        scaling["original_max_position_embeddings"] = cfg["max_position_embeddings"]
     if rope_type == "yarn" and scaling.get("factor") is None:  # transformers' (DeepSeek-V3's) fallback
         scaling["factor"] = cfg["max_position_embeddings"] / scaling["original_max_position_embeddings"]
     check_rope_scaling(scaling)

@@ -76,6 +76,7 @@ class DraftModelProposer:
         num_blocks, block_size: the draft KV cache's geometry (the engine gives it as many
             token slots as the target's cache).
         dtype, kv_dtype: compute dtype and KV cache dtype.
+        max_model_len: the engine's longest request (the draft's RoPE as the target's: ``load_model``).
 
     Raises:
         ValueError: if the draft model cannot be loaded or its vocabulary differs.
@@ -90,8 +91,9 @@ class DraftModelProposer:
         block_size: int,
         dtype: torch.dtype,
         kv_dtype: torch.dtype,
+        max_model_len: int | None = None,
     ) -> None:
-        self.model, self.config = load_model(resolve_model(model), dtype)
+        self.model, self.config = load_model(resolve_model(model), dtype, max_model_len=max_model_len)
         if self.config.vocab_size != vocab_size:
             raise ValueError(
                 f"draft model {model!r} has vocabulary size {self.config.vocab_size}, "

@@ -99,7 +99,8 @@ class Worker:
         try:
             self.tp = init_tensor_parallel(rank, size, init_method, collective_timeout_s=config.worker_timeout_s)
             model, self.model_config = load_model(
-                resolve_model(config.model), config.dtype, config.quantization_config(), tp=self.tp
+                resolve_model(config.model), config.dtype, config.quantization_config(), tp=self.tp,
+                max_model_len=kv.max_model_len,
             )
             lora = (
                 LoRAManager(model, self.model_config, config.max_lora_rank, config.max_cpu_loras, config.lora_dtype)
