@@ -330,3 +330,31 @@ def test_rope_scaling_gguf_longrope_needs_both_factor_sets() -> None:
     only_long = SimpleNamespace(tensors={"rope_factors_long.weight": None})
     with pytest.raises(ValueError, match=r"rope_factors_long.weight are not supported \(rope_freqs.weight alone, or"):
         _rope_scaling(only_long, lambda key, default=None: default, 32)
+
+
+def test_longrope_in_phi3_5s_config_fields_read_as_transformers_reads_them(longrope_tiny, tmp_path: Path) -> None:
+    """Phi-3.5's config.json: ``rope_scaling`` with ``type`` longrope, ``rope_theta`` and the
+    original length at the top level: the rope parameters transformers reads."""
+    _, path = longrope_tiny
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    new = json.loads((path / "config.json").read_text())
+    factors = {key: LONGROPE[key] for key in ("short_factor", "long_factor")}
+    old = {k: v for k, v in new.items() if k != "rope_parameters"} | {
+        "rope_theta": 1e4, "original_max_position_embeddings": ORIGINAL, "rope_scaling": {"type": "longrope"} | factors,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    expected = dict(transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters)
+    config = load_config(resolve_model(str(tmp_path)))
+    assert config.rope_theta == expected.pop("rope_theta")
+    # Phi3Config adds its partial_rotary_factor (1.0: checked, not kept) and keeps ``type``.
+    assert config.rope_scaling == {k: v for k, v in expected.items() if k not in ("type", "partial_rotary_factor")}
+    assert config.rope_scaling["original_max_position_embeddings"] == ORIGINAL
+
+
+def test_longrope_factors_not_one_per_rotated_pair_are_refused() -> None:
+    from pagedllm.layers.rotary import rope_frequencies
+
+    rope = LONGROPE | {"original_max_position_embeddings": ORIGINAL, "short_factor": [1.0] * 8}
+    with pytest.raises(ValueError, match=r"longrope needs one short_factor and one long_factor per rotated pair \(16\)"):
+        rope_frequencies(32, 1e4, 256, rope)

@@ -107,6 +107,10 @@ def rope_frequencies(
       factor + 1) ** (d / (d - 2))``. So transformers' logits for a sequence of that length (or
       a shorter one past the original length once transformers has seen that length); shorter
       sequences differ (transformers rotates one within the original length by plain RoPE).
+
+    Raises:
+        ValueError: a type not in ``ROPE_SCALING_TYPES``, one missing its keys, or longrope
+            factors not one per rotated pair.
     """
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
     if not scaling:
@@ -119,6 +123,8 @@ def rope_frequencies(
     rope_type, seq_len = scaling["rope_type"], None
     if rope_type == "longrope":
         seq_len = max_model_len or max_position
+        if any(len(scaling[key]) != head_dim // 2 for key in ("short_factor", "long_factor")):
+            raise ValueError(f"longrope needs one short_factor and one long_factor per rotated pair ({head_dim // 2})")
     elif rope_type == "dynamic":  # transformers' dynamic reads the original length here
         seq_len, max_position = max_position, scaling["original_max_position_embeddings"]
     config = _RopeConfig({**scaling, "rope_theta": base}, head_dim, max_position)
