@@ -184,14 +184,17 @@ def test_generation_config_sampling_defaults(tmp_path: Path, tokenizer_dir: Path
     """The model creator's sampling defaults in generation_config.json (Qwen's temperature 0.7,
     top_p 0.8, ...) are what ``generate`` samples with when given no params, as vLLM's
     ``--generation-config auto`` (they were ignored: SamplingParams()'s temperature 1.0 ran);
-    transformers' own defaults are no recommendation, and an invalid value is dropped with a
-    warning, not a failure of every request."""
+    a stated value equal to transformers' old default (temperature 1.0, top_p 1.0) is read as
+    vLLM reads it (it was dropped, so a --generation-config folder stating temperature 1.0 over
+    a checkpoint's 0.7 changed nothing); an invalid value is dropped with a warning, not a
+    failure of every request."""
     from pagedllm.models.safetensors_loader import sampling_defaults
 
     assert sampling_defaults({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
                               "do_sample": True}) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
                                                       "repetition_penalty": 1.05}
-    assert sampling_defaults({"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None}) == {}
+    assert sampling_defaults({"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None}) == {
+        "temperature": 1.0, "top_p": 1.0, "top_k": 50}
     assert sampling_defaults({"max_new_tokens": 64, "max_length": 20}) == {"max_tokens": 64}  # vLLM's cap
     with caplog.at_level("WARNING", logger="pagedllm"):
         assert sampling_defaults({"temperature": 5.0, "top_k": "x", "min_p": 0.1, "max_new_tokens": 0}) == {"min_p": 0.1}

@@ -151,24 +151,25 @@ def _rope_scaling(params: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]
     return {} if rope_type == "default" else scaling
 
 
-# transformers' GenerationConfig defaults: a generation_config.json value equal to one is no
-# recommendation (vLLM reads the file's diff against these, ``GenerationConfig.to_diff_dict``).
-_GENERATION_DEFAULTS: dict[str, float | int | None] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0, "max_new_tokens": None,
-}
+# The generation_config.json fields vLLM reads as sampling defaults (``get_diff_sampling_param``).
+# Every value the file states is read, transformers' own default included: vLLM reads the file's
+# ``GenerationConfig.to_diff_dict()``, and transformers (5.x) defaults these fields to None, so an
+# explicit ``"temperature": 1.0`` or ``"top_p": 1.0`` is a recommendation as any other value is.
+_GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def sampling_defaults(generation: dict[str, Any], path: Path | str = "generation_config.json") -> dict[str, float | int]:
     """The sampling defaults a ``generation_config.json`` recommends, as vLLM's
     ``ModelConfig.get_diff_sampling_param`` reads them: temperature, top_p, top_k, min_p,
     repetition_penalty and max_new_tokens (as ``max_tokens``: vLLM's server-wide cap on output
-    tokens) where set and not transformers' default (``do_sample`` and ``max_length`` are not
-    read, as vLLM). A value outside its SamplingParams range, or of another type, is dropped
+    tokens) wherever the file sets them (not null), a value equal to transformers' old default
+    (temperature 1.0, top_p 1.0, top_k 50) included; ``do_sample`` and ``max_length`` are not
+    read, as vLLM. A value outside its SamplingParams range, or of another type, is dropped
     with a warning rather than failing every request that leaves the field unset."""
     defaults: dict[str, float | int] = {}
-    for key, default in _GENERATION_DEFAULTS.items():
+    for key in _GENERATION_FIELDS:
         value = generation.get(key)
-        if value is None or value == default:
+        if value is None:
             continue
         name = "max_tokens" if key == "max_new_tokens" else key
         try:
