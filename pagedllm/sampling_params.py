@@ -93,8 +93,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     <= max_tokens; logprobs and prompt_logprobs in [0, 20]; seed any 64-bit integer; the flags
     (``ignore_eos``, ``detokenize``, ...) bools, not truthy values; at most
     ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_STRING_CHARS`` characters each and
-    ``MAX_BAD_WORDS`` bad words, and stop strings only with ``detokenize``. Every number must be
-    finite and every integer fit in 64 bits.
+    ``MAX_BAD_WORDS`` bad words, and stop strings only with ``detokenize``; truncate_prompt_tokens
+    None (off), -1 or >= 1. Every number must be finite and every integer fit in 64 bits.
+
+    ``truncate_prompt_tokens`` (vLLM's): k keeps only the prompt's last k tokens (left
+    truncation, after tokenization: a text prompt's BOS goes too if it falls outside them); -1
+    keeps the last ``max_model_len``; a k above ``max_model_len`` is refused by ``Processor``.
+    The output's ``prompt_token_ids`` are the tokens kept; its ``prompt`` text is as given.
 
     Token-level controls, applied to the logits before penalties and sampling (vLLM order):
     ``allowed_token_ids`` (non-empty: every other token is banned), ``bad_words`` (a word's
@@ -136,6 +141,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None  # set by Processor from bad_words
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
 
     def __post_init__(self) -> None:
         self.check()
@@ -162,7 +168,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check_int(field, getattr(self, field))
         if self.top_k == -1:
             self.top_k = 0
-        for field in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+        for field in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
             if getattr(self, field) is not None:
                 _check_int(field, getattr(self, field))
         for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -190,6 +196,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         min_max_tokens = 0 if self.prompt_logprobs is not None else 1
         if self.max_tokens is not None and self.max_tokens < min_max_tokens:
             raise bad("max_tokens", self.max_tokens, "at least 1 (0 only with prompt_logprobs)")
+        if self.truncate_prompt_tokens is not None and not (
+            self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1
+        ):
+            raise bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "-1 (max_model_len) or at least 1")
         if self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -12,7 +12,7 @@ from pagedllm.errors import InvalidParamError
 from pagedllm.sampling_params import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams, check_text
 
 FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
-INT_FIELDS = ["n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"]
+INT_FIELDS = ["n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"]
 BOOL_FIELDS = ["include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"]
 
 
@@ -70,6 +70,8 @@ def test_bool_fields_must_be_booleans(field: str, value: object) -> None:
         ({"bad_words": ["\udfff"]}, "bad_words"),
         ({"bad_words": ["  "]}, "bad_words"),
         ({"stop": "x", "detokenize": False}, "stop"),  # was a bare ValueError from the detokenizer
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ],
 )
 def test_out_of_range(kwargs: dict, param: str) -> None:
@@ -213,6 +215,36 @@ def test_generate_takes_vllm_prompt_dicts(llm: LLM) -> None:
     assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
     assert one[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
     assert dicts[0].prompt == "The sky is" and dicts[1].prompt_token_ids == ids and _idle(llm)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm: LLM) -> None:
+    """vLLM's truncate_prompt_tokens (was an unknown field: TypeError): k keeps the prompt's last
+    k tokens, text or ids alike, the output as for those tokens given whole; -1 keeps the last
+    max_model_len (a prompt past it then runs instead of being refused); above max_model_len
+    it is refused, naming the field."""
+    ids = llm.get_tokenizer().encode("The sky is blue and the grass is green because of")
+    greedy = dict(temperature=0.0, max_tokens=3, ignore_eos=True)
+    whole = llm.generate({"prompt_token_ids": ids[-4:]}, SamplingParams(**greedy), use_tqdm=False)[0]
+    cut = SamplingParams(**greedy, truncate_prompt_tokens=4)
+    text, tokens = llm.generate(["The sky is blue and the grass is green because of", ids], cut, use_tqdm=False)
+    for out in (text, tokens):
+        assert out.prompt_token_ids == ids[-4:] and out.outputs[0].token_ids == whole.outputs[0].token_ids
+    assert text.prompt == "The sky is blue and the grass is green because of"
+    short = llm.generate(ids[:3], cut, use_tqdm=False)[0]  # shorter than k: kept whole
+    assert short.prompt_token_ids == ids[:3]
+    long = list(range(5, 5 + 300))  # past max_model_len 256
+    with pytest.raises(InvalidParamError) as e:
+        llm.generate(long, SamplingParams(**greedy), use_tqdm=False)
+    assert e.value.param == "prompt"
+    capped = llm.generate(long, SamplingParams(**greedy, truncate_prompt_tokens=200), use_tqdm=False)[0]
+    assert capped.prompt_token_ids == long[-200:] and len(capped.outputs[0].token_ids) == 3
+    with pytest.raises(InvalidParamError) as e:
+        llm.generate(ids, SamplingParams(**greedy, truncate_prompt_tokens=257), use_tqdm=False)
+    assert e.value.param == "truncate_prompt_tokens" and "256" in str(e.value) and _idle(llm)
+    # -1: the last max_model_len tokens, which leave no room for output: refused as any such prompt.
+    with pytest.raises(InvalidParamError) as e:
+        llm.generate(long, SamplingParams(**greedy, truncate_prompt_tokens=-1), use_tqdm=False)
+    assert e.value.param == "prompt" and "256 tokens" in str(e.value) and _idle(llm)
 
 
 def test_a_row_with_every_token_banned_fails_alone(llm: LLM) -> None:

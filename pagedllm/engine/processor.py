@@ -108,8 +108,12 @@ class Processor:
     ) -> list[EngineCoreRequest]:
         """Validate one request and return its ``n`` engine-core requests ("{id}-{i}").
 
+        ``params.truncate_prompt_tokens`` first cuts the prompt to its last k tokens (-1: the
+        last ``max_model_len``), as vLLM; the core requests carry the tokens kept.
+
         Raises:
-            InvalidParamError (a ValueError naming the field): empty prompt, token ids outside
+            InvalidParamError (a ValueError naming the field): truncate_prompt_tokens above
+                max_model_len, empty prompt, token ids outside
                 the vocabulary (prompt, stop_token_ids, logit_bias, allowed_token_ids), a
                 prompt that leaves no room for output within max_model_len (``prompt``), a
                 prompt + max_tokens beyond it unless ``cap_max_tokens`` (``max_tokens``; the
@@ -121,6 +125,14 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise InvalidParamError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
         params.check()
+        if params.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            if keep > self.max_model_len:
+                raise InvalidParamError(
+                    "truncate_prompt_tokens", f"truncate_prompt_tokens ({keep}) must be at most {self.limit_name} "
+                    f"of {self.max_model_len} tokens (or -1)"
+                )
+            prompt_token_ids = prompt_token_ids[-keep:]
         n_prompt = len(prompt_token_ids)
         if n_prompt == 0:
             raise InvalidParamError("prompt", "the prompt is empty: it must have at least 1 token")
