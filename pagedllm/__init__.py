@@ -13,14 +13,15 @@ if "GOMP_SPINCOUNT" not in os.environ:
 
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured_output import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
 
 __all__ = [
-    "LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+    "LLM", "LoRARequest", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput",
+    "CompletionOutput", "Logprob",
 ]
 __version__ = "0.1.0"
 

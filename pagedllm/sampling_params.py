@@ -268,3 +268,44 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+class BeamSearchParams(msgspec.Struct, kw_only=True):
+    """vLLM's ``BeamSearchParams``: ``LLM.beam_search``'s parameters (``entrypoints.beam_search``).
+
+    Args:
+        beam_width: beams kept per prompt, in [1, ``MAX_LOGPROBS`` // 2] (each step asks for
+            ``2 * beam_width`` logprobs, as vLLM and transformers).
+        max_tokens: most tokens each beam generates, >= 1.
+        ignore_eos: EOS extends a beam as any token instead of finishing it.
+        temperature: the engine's sampling temperature of each step, in [0, 2]; it picks one
+            more candidate (the sampled token) beside the top ones; the scores are the model's
+            own log-probabilities, not tempered.
+        length_penalty: a beam's score is its cumulative logprob / its length ** length_penalty.
+        include_stop_str_in_output: a finished beam's text ends with the EOS token's text.
+
+    Raises:
+        InvalidParamError (a ValueError naming the field): a value of another type or out of range.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("beam_width", 1, MAX_LOGPROBS // 2), ("max_tokens", 1, None)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+                raise InvalidParamError(name, f"{name} must be an integer in [{low}, {high or 'inf'}], got {value!r:.80}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParamError(name, f"{name} must be true or false, got {getattr(self, name)!r:.80}")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidParamError(name, f"{name} must be a finite number, got {value!r:.80}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise InvalidParamError("temperature", f"temperature must be in [0, 2], got {self.temperature!r}")

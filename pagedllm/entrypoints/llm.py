@@ -13,12 +13,13 @@ from pagedllm.config import DEFAULT_MODEL, EngineConfig, parse_memory
 from pagedllm.platforms.cpu import dtype_settings, lora_dtype_setting
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
+from pagedllm.entrypoints.beam_search import BeamSearchOutput, beam_search
 from pagedllm.entrypoints.chat_template import chat_prompt
 from pagedllm.live_view.trace import write_trace
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.errors import InvalidParamError
-from pagedllm.sampling_params import SamplingParams, check_text
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, check_text
 
 Message = dict[str, Any]
 
@@ -155,6 +156,23 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (``entrypoints.beam_search``): for each prompt (as ``generate``
+        takes them) its ``params.beam_width`` best beams, best first, each with its tokens
+        (prompt included), per-step candidate logprobs, cumulative logprob and generated text.
+
+        Raises:
+            ValueError: ``params`` not a ``BeamSearchParams``, or any prompt or ``lora_request``
+                ``generate`` refuses (an ``InvalidParamError`` naming the field); nothing runs then.
+        """
+        return beam_search(self, prompts, params, lora_request, use_tqdm)
 
     def chat(
         self,
