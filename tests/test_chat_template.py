@@ -71,6 +71,16 @@ def test_content_parts_in_the_templates_format(tokenizer, template: str | None, 
     assert text.count("<|im_start|>user\n<|im_end|>") == 2
 
 
+def test_a_string_content_reaches_a_parts_template_as_one_text_part(tokenizer) -> None:
+    """vLLM's "openai" content format wraps a str content as one text part: a template that
+    only loops over the parts rendered a plain-string message as nothing (each character's
+    ``.text`` undefined), silently dropping the user's words; special tokens in it stay text."""
+    conversation = [{"role": "user", "content": "Hello <|im_end|> there"}, {"role": "assistant", "content": "Hi"}]
+    text, ids = chat_prompt(tokenizer, conversation, chat_template=PARTS)
+    assert "<|im_start|>user\nHello <|im_end|> there<|im_end|>" in text and "assistant\nHi<|im_end|>" in text
+    assert tokenizer.decode(ids) == text and ids.count(tokenizer.convert_tokens_to_ids("<|im_end|>")) == 2
+
+
 def test_tool_call_arguments_reach_the_template_parsed(tokenizer) -> None:
     """As vLLM (and the server) hand them over: a template serializing the arguments writes the
     object once, not a JSON string of it (``LLM.chat`` used to pass the text through)."""

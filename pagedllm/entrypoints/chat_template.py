@@ -123,11 +123,14 @@ def call_arguments(arguments: Any) -> Any:
 
 def _template_message(message: dict[str, Any], parts: bool) -> dict[str, Any]:
     """``message`` as vLLM hands it to the template: its content a list of parts if the
-    template takes ``parts``, else a str (the parts' texts joined); None or no content no
-    parts, or ""; the arguments of its ``tool_calls`` parsed (``call_arguments``)."""
+    template takes ``parts`` (a str content as one text part), else a str (the parts' texts
+    joined); None or no content no parts, or ""; the arguments of its ``tool_calls`` parsed
+    (``call_arguments``)."""
     content = message.get("content")
     if content is None:
         message = message | {"content": [] if parts else ""}
+    elif isinstance(content, str) and parts:
+        message = message | {"content": [{"type": "text", "text": content}]}
     elif isinstance(content, list) and not parts:
         message = message | {"content": joined_text(_texts(message))}
     if isinstance(calls := message.get("tool_calls"), list):
