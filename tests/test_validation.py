@@ -338,3 +338,23 @@ def test_generate_interrupted_mid_step_leaves_the_engine_whole(llm: LLM, monkeyp
         llm.generate(["Count to a hundred:", "Hello"], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
     assert _idle(llm) and llm.engine.core.kv_cache.usage == 0.0
     assert llm.generate("The sky is", greedy, use_tqdm=False)[0].outputs[0].token_ids == alone
+
+
+def test_chat_takes_vllms_arguments_in_vllms_order(llm: LLM) -> None:
+    """``LLM.chat``'s parameters are vLLM's, in its order (lora_request was fifth and
+    add_generation_prompt fourth: a positional vLLM call was refused or misread), and vLLM's
+    ``chat_template_content_format`` picks how contents reach the template (was a TypeError)."""
+    conversation = [{"role": "user", "content": "Hi"}]
+    shows = "{% for m in messages %}[{{ m.content is string }}]{% endfor %}"
+    params = SamplingParams(max_tokens=1)
+    out = llm.chat(conversation, params, False, None, shows)[0]  # vLLM: ..., lora_request, chat_template
+    assert out.prompt == "[True]"
+    for content_format, string in (("auto", True), ("string", True), ("openai", False)):
+        out = llm.chat(conversation, params, False, None, shows, content_format)[0]
+        assert out.prompt == f"[{string}]"
+    out = llm.chat(conversation, params, use_tqdm=False, chat_template=shows, add_generation_prompt=True)[0]
+    assert out.prompt == "[True]"
+    with pytest.raises(InvalidParamError) as e:
+        llm.chat(conversation, params, use_tqdm=False, chat_template_content_format="parts")
+    assert e.value.param == "chat_template_content_format" and _idle(llm)
+

@@ -158,7 +158,8 @@ def _with_texts(message: dict[str, Any], texts: list[str]) -> dict[str, Any]:
 
 
 def chat_prompt(
-    tokenizer: Any, conversation: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    tokenizer: Any, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
+    content_format: str = "auto", **template_kwargs: Any,
 ) -> tuple[str, list[int]]:
     """The prompt of a conversation: (the template's text, its token ids).
 
@@ -168,9 +169,11 @@ def chat_prompt(
             a str, a list of {"type": "text", "text": str} parts, or None). A template that
             does not loop over a content gets its parts' texts joined by newlines, and None as
             "" (vLLM's "string" content format; one that does, vLLM's "openai" one, gets the
-            parts, and None as no parts). Tool calls' arguments given as JSON text are parsed
+            parts, a str as one text part, and None as no parts). Tool calls' arguments given as JSON text are parsed
             (``call_arguments``).
         add_generation_prompt: end with the opening of the assistant's turn.
+        content_format: "auto" (as above: the template decides), or vLLM's "string" or
+            "openai" to give every template contents in that form.
         **template_kwargs: passed to ``apply_chat_template`` (``chat_template``, ``tools``,
             ``continue_final_message``, the template's own variables).
 
@@ -186,7 +189,10 @@ def chat_prompt(
     """
     template = template_kwargs.get("chat_template")
     template = tokenizer.chat_template if template is None else template
-    parts = isinstance(template, str) and _takes_content_parts(template)
+    if content_format == "auto":
+        parts = isinstance(template, str) and _takes_content_parts(template)
+    else:
+        parts = content_format == "openai"
     conversation = [_template_message(m, parts) for m in conversation]
     text = tokenizer.apply_chat_template(
         conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs

@@ -179,22 +179,28 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
-        add_generation_prompt: bool = True,
-        chat_template: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate. Contents are
         text: a content that spells a special token gets no special token from it
-        (``chat_template.chat_prompt``).
+        (``chat_template.chat_prompt``). The arguments are vLLM's, in vLLM's order (positional
+        calls written for vLLM's ``LLM.chat`` mean the same here).
 
         Args:
             messages: one conversation (a list of {"role", "content"} dicts) or a list of them;
                 a content is a str, a list of {"type": "text", "text": str} parts or None, given
                 to the template as vLLM does (``chat_template.chat_prompt``).
             chat_template: a Jinja template to use instead of the model's (its text).
+            chat_template_content_format: how a content reaches the template, as vLLM's:
+                "string" (a list of text parts joined by newlines into one str), "openai" (the
+                list of parts, a str content as one text part) or "auto" (the template's own
+                way: "openai" when it loops over a message's content, else "string").
             use_tqdm: as ``generate``'s.
             lora_request: as ``generate``'s, one for all conversations or one per conversation.
             tools: OpenAI-style tool definitions ({"type": "function", "function": {...}}) given
@@ -225,6 +231,9 @@ class LLM:
         paths = ["messages"] if single else [f"messages.{i}" for i in range(len(conversations))]
         for conv, path in zip(conversations, paths, strict=True):
             _check_conversation(conv, path)
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise InvalidParamError("chat_template_content_format", 'chat_template_content_format must be "auto", '
+                                    f'"string" or "openai", got {chat_template_content_format!r:.80}')
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidParamError("tools", f"tools must be a list of tool dicts, got {tools!r:.80}")
         for flag, value in (("add_generation_prompt", add_generation_prompt),
@@ -238,7 +247,7 @@ class LLM:
             )
         extra = {} if chat_template_kwargs is None else chat_template_kwargs
         named = {"chat_template", "tools", "add_generation_prompt", "continue_final_message", "conversation",
-                 "tokenize"}
+                 "tokenize", "content_format"}
         if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra) or named & set(extra):
             raise InvalidParamError(
                 "chat_template_kwargs", f"chat_template_kwargs must be a dict of template variables other than "
@@ -250,7 +259,8 @@ class LLM:
                 rendered.append(
                     chat_prompt(
                         self.engine.tokenizer, conv, add_generation_prompt, chat_template=chat_template, tools=tools,
-                        continue_final_message=continue_final_message, **extra,
+                        continue_final_message=continue_final_message, content_format=chat_template_content_format,
+                        **extra,
                     )
                 )
             except Exception as e:  # jinja's own errors, or a TypeError, for what a template refuses
