@@ -197,7 +197,8 @@ def test_largest_seed_with_n_above_one(llm: LLM) -> None:
 
 @pytest.mark.parametrize("prompts", [
     None, 5, {"prompt": [1, 2]}, {"prompt_token_ids": "Hi"}, {"prompt": "Hi", "multi_modal_data": {}},
-    ["Hi", {"prompt_token_ids": [1, 2], "cache_salt": "x"}], {"prompt_token_ids": [1, True]},
+    ["Hi", {"prompt_token_ids": [1, 2], "prompt": 5}], {"prompt_token_ids": [1, True]},
+    {"prompt_token_ids": [1, 2], "cache_salt": "x", "mm_processor_kwargs": {}},
 ])
 def test_generate_refuses_what_is_not_a_prompt(llm: LLM, prompts: object) -> None:
     with pytest.raises(InvalidParamError) as e:
@@ -215,6 +216,25 @@ def test_generate_takes_vllm_prompt_dicts(llm: LLM) -> None:
     assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
     assert one[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
     assert dicts[0].prompt == "The sky is" and dicts[1].prompt_token_ids == ids and _idle(llm)
+
+
+def test_prompt_dicts_take_vllms_prompt_text_and_cache_salt(llm: LLM) -> None:
+    """vLLM's TokensPrompt may give its ids' "prompt" text (the output's ``prompt``), and either
+    dict a "cache_salt" (both were refused): a salted prompt shares prefix-cache entries only
+    with prompts of the same salt."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    text = "A long shared preamble about the sky, the sea and the mountains, told twice over. " * 2
+    ids = llm.get_tokenizer().encode(text)
+    plain = llm.generate({"prompt_token_ids": ids, "prompt": text}, greedy, use_tqdm=False)[0]
+    assert plain.prompt == text and plain.prompt_token_ids == ids
+    again = llm.generate([{"prompt": text}, {"prompt": text, "cache_salt": "alice"}], greedy, use_tqdm=False)
+    assert again[0].num_cached_tokens > 0 and again[1].num_cached_tokens == 0  # another salt: no hit
+    salted = llm.generate({"prompt_token_ids": ids, "cache_salt": "alice"}, greedy, use_tqdm=False)[0]
+    assert salted.num_cached_tokens > 0 and salted.outputs[0].token_ids == plain.outputs[0].token_ids
+    for salt in ("", 5):
+        with pytest.raises(InvalidParamError) as e:
+            llm.generate({"prompt": text, "cache_salt": salt}, greedy, use_tqdm=False)
+        assert e.value.param == "cache_salt" and _idle(llm)
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm: LLM) -> None:

@@ -22,7 +22,7 @@ from pagedllm.engine.lora_check import LoRAChecker
 from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.engine.metrics import EngineMetrics, sum_stats
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.processor import Processor, PromptType, prompt_cache_salt
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.live_view.view import LiveView
 from pagedllm.models.loader import load_tokenizer, resolve_model
@@ -148,6 +148,7 @@ class AsyncLLM:
             ValueError: for invalid input; the message says what and the allowed range.
         """
         text, token_ids = self.processor.tokenize(prompt)
+        cache_salt = prompt_cache_salt(prompt, cache_salt)  # a prompt dict's, unless given
         return PreparedRequest(
             request_id, text, self.processor.process(request_id, token_ids, params, cache_salt, lora_request)
         )

@@ -9,7 +9,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.lora_check import LoRAChecker
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.processor import Processor, PromptType, prompt_cache_salt
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.live_view.view import LiveView
 from pagedllm.models.loader import load_tokenizer, resolve_model
@@ -66,6 +66,7 @@ class LLMEngine:
             ValueError: for invalid input.
         """
         text, token_ids = self.processor.tokenize(prompt)
+        cache_salt = prompt_cache_salt(prompt, cache_salt)  # a prompt dict's, unless given
         return text, self.processor.process(request_id, token_ids, params, cache_salt, lora_request)
 
     def submit(self, request_id: str, text: str | None, core_requests: list[EngineCoreRequest], stream: bool = False) -> None:

@@ -15,20 +15,42 @@ from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.structured_output import backend
 
 # A prompt: text, token ids, or vLLM's prompt dicts, {"prompt": text} (TextPrompt) and
-# {"prompt_token_ids": ids} (TokensPrompt); a dict with any other key is refused.
+# {"prompt_token_ids": ids} (TokensPrompt, which may also give the ids' "prompt" text), either
+# with a "cache_salt"; a dict with any other key (multi_modal_data, ...) is refused.
 PromptType = str | Sequence[int] | Mapping[str, object]
 
 
-def _unwrap(prompt: Mapping[str, object]) -> object:
-    """The text of a TextPrompt dict, the ids of a TokensPrompt dict (checked by the caller)."""
-    keys = sorted(prompt)
-    if keys == ["prompt"] and isinstance(prompt["prompt"], str):
-        return prompt["prompt"]
-    if keys == ["prompt_token_ids"] and not isinstance(prompt["prompt_token_ids"], (str, Mapping)):
-        return prompt["prompt_token_ids"]
+def _unwrap(prompt: Mapping[str, object]) -> tuple[str | None, object]:
+    """(the output's prompt text, what to tokenize: the text of a TextPrompt dict, the ids of a
+    TokensPrompt dict, checked by the caller); its "cache_salt" is ``prompt_cache_salt``'s."""
+    keys = set(prompt) - {"cache_salt"}
+    text = prompt.get("prompt")
+    ids = prompt.get("prompt_token_ids")
+    if keys == {"prompt"} and isinstance(text, str):
+        return text, text
+    if keys <= {"prompt_token_ids", "prompt"} and "prompt_token_ids" in keys and not isinstance(ids, (str, Mapping)):
+        if text is not None:
+            check_text(text, "prompt")
+        return text, ids
     raise InvalidParamError(
-        "prompt", f'a prompt dict holds only "prompt" (a str) or only "prompt_token_ids" (a list of int); got {prompt!r:.80}'
+        "prompt", 'a prompt dict holds "prompt" (a str) or "prompt_token_ids" (a list of int, with or without its '
+        f'"prompt" text), and "cache_salt" (a str) if any; got {prompt!r:.80}'
     )
+
+
+def prompt_cache_salt(prompt: PromptType, cache_salt: str | None = None) -> str | None:
+    """``cache_salt`` if given, else a prompt dict's "cache_salt" (vLLM's: the prompt's prefix-cache
+    entries are shared only with requests of the same salt); None for other prompts.
+
+    Raises:
+        InvalidParamError (param "cache_salt"): a dict's salt that is not a non-empty str.
+    """
+    if cache_salt is not None or not isinstance(prompt, Mapping) or "cache_salt" not in prompt:
+        return cache_salt
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        raise InvalidParamError("cache_salt", f"cache_salt must be a non-empty string, got {salt!r:.80}")
+    return check_text(salt, "cache_salt")
 
 
 class Processor:
@@ -63,22 +85,25 @@ class Processor:
         self.eos_token_ids = eos_token_ids
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids). Text is tokenized as the model expects (BOS if any).
+        """(prompt text or None, token ids). Text is tokenized as the model expects (BOS if any);
+        a TokensPrompt's ids are taken as given, its "prompt" (if any) as their text.
 
         Raises:
             InvalidParamError (a ValueError, param "prompt"): text that is not Unicode scalar
                 values, a prompt that is neither a str nor a sequence of int token ids, or a
-                prompt dict other than {"prompt": str} and {"prompt_token_ids": ids}.
+                prompt dict other than {"prompt": str} and {"prompt_token_ids": ids, "prompt":
+                str}, each with a "cache_salt" or not.
         """
+        text = None
         if isinstance(prompt, Mapping):
-            prompt = _unwrap(prompt)
+            text, prompt = _unwrap(prompt)
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(check_text(prompt, "prompt"))
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence) or any(
             isinstance(t, bool) or not isinstance(t, int) for t in prompt
         ):
             raise InvalidParamError("prompt", f"a prompt must be a str or a list of int token ids, got {prompt!r:.80}")
-        return None, list(prompt)
+        return text, list(prompt)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """The token sequences ``bad_words`` bans, as vLLM tokenizes them: each word as given
