@@ -135,6 +135,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # top-N logprobs per sampled token
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
+    # vLLM's; the text is the same either way: pagedllm's tokenizers are fast (Rust) ones, whose
+    # decoding writes special tokens with no spaces between them, as vLLM's fast detokenizer does.
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -173,7 +176,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 _check_int(field, getattr(self, field))
         for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             setattr(self, field, _check_float(field, getattr(self, field)))
-        for field in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+        for field in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize",
+                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, getattr(self, field), "true or false")
         if not 1 <= self.n <= MAX_N:

@@ -13,7 +13,8 @@ from pagedllm.sampling_params import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRI
 
 FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
 INT_FIELDS = ["n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"]
-BOOL_FIELDS = ["include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"]
+BOOL_FIELDS = ["include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize",
+               "spaces_between_special_tokens"]
 
 
 @pytest.mark.parametrize("field", FLOAT_FIELDS)
@@ -221,7 +222,7 @@ def test_generate_takes_vllm_prompt_dicts(llm: LLM) -> None:
 def test_prompt_dicts_take_vllms_prompt_text_and_cache_salt(llm: LLM) -> None:
     """vLLM's TokensPrompt may give its ids' "prompt" text (the output's ``prompt``), and either
     dict a "cache_salt" (both were refused): a salted prompt shares prefix-cache entries only
-    with prompts of the same salt."""
+    with prompts of the same salt. ``LLM.reset_prefix_cache`` empties the cache."""
     greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     text = "A long shared preamble about the sky, the sea and the mountains, told twice over. " * 2
     ids = llm.get_tokenizer().encode(text)
@@ -231,6 +232,8 @@ def test_prompt_dicts_take_vllms_prompt_text_and_cache_salt(llm: LLM) -> None:
     assert again[0].num_cached_tokens > 0 and again[1].num_cached_tokens == 0  # another salt: no hit
     salted = llm.generate({"prompt_token_ids": ids, "cache_salt": "alice"}, greedy, use_tqdm=False)[0]
     assert salted.num_cached_tokens > 0 and salted.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert llm.reset_prefix_cache()  # vLLM's (was missing): nothing cached afterwards
+    assert llm.generate({"prompt": text}, greedy, use_tqdm=False)[0].num_cached_tokens == 0
     for salt in ("", 5):
         with pytest.raises(InvalidParamError) as e:
             llm.generate({"prompt": text, "cache_salt": salt}, greedy, use_tqdm=False)
@@ -378,3 +381,18 @@ def test_chat_takes_vllms_arguments_in_vllms_order(llm: LLM) -> None:
         llm.chat(conversation, params, use_tqdm=False, chat_template_content_format="parts")
     assert e.value.param == "chat_template_content_format" and _idle(llm)
 
+
+
+def test_spaces_between_special_tokens_is_accepted_and_decoding_is_the_fast_tokenizers(llm: LLM) -> None:
+    """vLLM's field (was a TypeError): with fast tokenizers, as vLLM's fast detokenizer, special
+    tokens are written with no spaces between them whatever it says."""
+    tok = llm.get_tokenizer()
+    specials = [tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")]
+    texts = []
+    for spaces in (True, False):
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, allowed_token_ids=specials,
+                                skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        out = llm.generate("Hi", params, use_tqdm=False)[0].outputs[0]
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=False) and " " not in out.text
+        texts.append(out.text)
+    assert texts[0] == texts[1]

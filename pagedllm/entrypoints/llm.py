@@ -106,6 +106,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache's cached blocks, as vLLM's: later prompts are computed anew
+        (a benchmark's cold start). False, and nothing dropped, while a request holds blocks
+        (never between ``generate`` calls)."""
+        return self.engine.core.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` sample with when given no ``sampling_params``, as vLLM's:
         the sampling defaults the model's ``generation_config.json`` recommends (temperature,
