@@ -116,7 +116,13 @@ class Executor:
         Raises:
             WorkerDiedError: if another rank exited (before or during the step), or kept the
                 others waiting ``worker_timeout_s`` in a collective.
+            RuntimeError: after ``shutdown`` (was an AttributeError on its None driver).
         """
+        if getattr(self, "driver", None) is None:
+            raise RuntimeError(
+                "the engine is shut down (LLM.shutdown(), or the end of its with block): no step can run; "
+                "make a new LLM"
+            )
         sender = self.sender
         if sender is not None and sender.dead_ranks:
             raise WorkerDiedError(f"tensor-parallel rank {sender.dead_ranks[0]} is gone")
