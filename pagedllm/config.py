@@ -108,7 +108,7 @@ class EngineConfig:
     # generation_config.json recommendations (ModelConfig.sampling_defaults); "vllm",
     # SamplingParams' own; or a folder, its generation_config.json's (vLLM's --generation-config).
     generation_config: str = "auto"
-    seed: int = 0
+    seed: int = 0  # None (vLLM's LLM(seed=None)) is taken as 0, vLLM V1's default
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     # Speculative decoding; a dict or JSON string in vLLM's shape is parsed. None: off.
     speculative_config: SpeculativeConfig | None = None
@@ -152,6 +152,8 @@ class EngineConfig:
                 (``max_model_len="256"``), or a flag that is not a bool (``enable_lora="no"``,
                 which is truthy); the message names the setting.
         """
+        if self.seed is None:  # vLLM's EngineArgs take None for its V1 default, 0
+            self.seed = 0
         for f in fields(self):  # the settings annotated int (or int | None), and the flags
             value = getattr(self, f.name)
             if f.type in ("int", "int | None") and not (value is None and f.type != "int") and (

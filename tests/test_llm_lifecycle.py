@@ -1,4 +1,5 @@
-"""An ``LLM`` used after ``shutdown`` (or after its ``with`` block) says so, instead of an
+"""An ``LLM``'s construction and end as vLLM's: ``seed=None`` is vLLM V1's default seed 0, and
+an ``LLM`` used after ``shutdown`` (or after its ``with`` block) says so, instead of an
 AttributeError from deep in the executor ('NoneType' object has no attribute 'execute'), and
 leaves no request behind."""
 
@@ -7,6 +8,14 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
+
+
+def test_seed_none_is_vllms_default_seed() -> None:
+    """``LLM(seed=None)`` is valid vLLM (its V1 default, 0); it was refused as not an integer."""
+    assert EngineConfig(seed=None).seed == 0 == EngineConfig().seed
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        EngineConfig(seed="0")
 
 
 def test_generate_after_shutdown_says_the_engine_is_shut_down() -> None:
