@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pagedllm.lora_request import LoRARequest
+
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
     """Top-N log-probabilities at consecutive positions (sampled or prompt tokens).
@@ -76,6 +78,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     error: str | None = None  # with finish_reason "error": why the engine failed this sample
     error_param: str | None = None  # with ``error``: the request field at fault, when it was the client's
+    lora_request: LoRARequest | None = None  # the adapter it ran with (vLLM's field)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -91,3 +94,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first entry None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    lora_request: LoRARequest | None = None  # the adapter it ran with (vLLM's field)

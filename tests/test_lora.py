@@ -201,7 +201,8 @@ def test_each_adapter_matches_peft_merged(llm, base, adapters) -> None:
 def test_mixed_batch_equals_each_alone(llm, adapters) -> None:
     """Three adapters and the base model in one batch (decodes and prefill chunks of several
     adapters in the same steps): each request's tokens are those it gets alone, its logprobs
-    within float32 rounding (its prompt is cut into other chunks in a mixed batch)."""
+    within float32 rounding (its prompt is cut into other chunks in a mixed batch); each output
+    names its adapter (``lora_request``, as vLLM's)."""
     loras = [None, *(_lora(adapters, name) for name in ADAPTERS)]
     prompts = [p for p in PROMPTS for _ in loras]
     per_prompt = [lr for _ in PROMPTS for lr in loras]
@@ -212,6 +213,7 @@ def test_mixed_batch_equals_each_alone(llm, adapters) -> None:
         alone = llm.generate([prompt], _greedy(), use_tqdm=False, lora_request=lora)[0].outputs[0]
         together = out.outputs[0]
         assert together.token_ids == alone.token_ids, lora
+        assert out.lora_request == together.lora_request == lora  # vLLM's fields (were missing)
         for tok, a, b in zip(alone.token_ids, together.logprobs, alone.logprobs, strict=True):
             assert math.isclose(a[tok].logprob, b[tok].logprob, abs_tol=1e-4), lora
     assert_pool_whole(llm.engine.core)

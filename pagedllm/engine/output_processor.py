@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, TokenBytes, token_text
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -55,6 +56,7 @@ class RequestState:
     arrival_time: float
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    lora_request: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:
@@ -140,7 +142,8 @@ class OutputProcessor:
             )
             for i, r in enumerate(core_requests)
         ]
-        state = RequestState(request_id, prompt, first.prompt_token_ids, samples, stream, first.arrival_time)
+        state = RequestState(request_id, prompt, first.prompt_token_ids, samples, stream, first.arrival_time,
+                             lora_request=first.lora_request)
         if first.sampling_params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.requests[request_id] = state
@@ -317,7 +320,7 @@ class OutputProcessor:
             outputs.append(
                 CompletionOutput(
                     s.index, text, tokens, s.finish_reason, s.stop_reason, logprobs, s.cumulative_logprob, s.error,
-                    s.error_param,
+                    s.error_param, state.lora_request,
                 )
             )
         first_times = [s.first_token_time for s in state.samples if s.first_token_time is not None]
@@ -334,6 +337,7 @@ class OutputProcessor:
             state.prompt_logprobs,
             state.num_cached_tokens,
             metrics,
+            state.lora_request,
         )
 
     def _drop(self, state: RequestState) -> None:
