@@ -3,6 +3,7 @@ every entry point (Python API, CLI, server) on parameter values and text."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 
@@ -268,6 +269,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 )
             checked[token] = value
         return checked
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, as vLLM's ``SamplingParams.clone``: changing it leaves this one as it is."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
