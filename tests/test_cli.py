@@ -231,7 +231,7 @@ def test_a_vllm_only_flag_says_what_to_use_instead(capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         main(["serve", "--gpu-memory-utilization=0.9"])
     assert ("unrecognized arguments: --gpu-memory-utilization=0.9; --gpu-memory-utilization: the KV cache is sized "
-            "in bytes here, by --kv-cache-memory") in capsys.readouterr().err
+            "in bytes here, by kv_cache_memory / --kv-cache-memory") in capsys.readouterr().err
 
 
 def test_bench_serve_without_a_server_exits_1(capsys: pytest.CaptureFixture[str]) -> None:

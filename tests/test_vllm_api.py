@@ -113,3 +113,13 @@ def test_spaces_between_special_tokens_is_accepted_and_decoding_is_the_fast_toke
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=False) and " " not in out.text
         texts.append(out.text)
     assert texts[0] == texts[1]
+
+
+def test_vllm_only_keywords_say_what_to_use_instead() -> None:
+    """vLLM scripts pass LLM(gpu_memory_utilization=..., enforce_eager=...): refused before
+    anything loads, naming LLM and, for each vLLM-only keyword, what to do here (the words
+    the command line gives for its flags); an unknown keyword is named too."""
+    with pytest.raises(TypeError, match=r"LLM\(\) got unexpected keyword arguments: enforce_eager, "
+                       r"gpu_memory_utilization, no_such_setting; enforce_eager: nothing is captured .*"
+                       r"; gpu_memory_utilization: the KV cache is sized in bytes here, by kv_cache_memory"):
+        LLM(gpu_memory_utilization=0.9, enforce_eager=True, no_such_setting=1)

@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedllm import __version__
 from pagedllm.engine.arg_utils import EngineArgs, finite_float, positive_int
+from pagedllm.entrypoints.vllm_only import hint
 
 logger = logging.getLogger("pagedllm")
 
@@ -278,25 +279,12 @@ def _flag_message(error: ValueError, parser: argparse.ArgumentParser) -> str:
     return f"{flags[param]}: {text}" if param in flags else text
 
 
-# vLLM flags pagedllm has no use for, and what to do instead: said when one is refused.
-_VLLM_ONLY = {
-    "--gpu-memory-utilization": "the KV cache is sized in bytes here, by --kv-cache-memory (e.g. 4GiB)",
-    "--trust-remote-code": "no code from a checkpoint is ever run here (GGUF, or config.json + safetensors): "
-    "leave it out",
-    "--load-format": "the format follows the model path: a .gguf file, or a directory of safetensors",
-    "--revision": "models are local paths or installed aliases here: nothing is downloaded",
-    "--guided-decoding-backend": "structured outputs always run on llguidance here",
-    "--disable-log-requests": "serve's --disable-access-log drops the log line per request",
-}
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # under the command's usage, whose --help lists its flags (the top level's does not)
-        flags = [word.split("=", 1)[0] for word in unknown]
-        hints = "".join(f"; {flag}: {_VLLM_ONLY[flag]}" for flag in flags if flag in _VLLM_ONLY)
+        hints = "".join(hint(word) for word in unknown if word.startswith("--"))
         getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}{hints}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "chat" and not args.verbose:  # the REPL streams: log lines would cut into replies

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -15,6 +16,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.beam_search import BeamSearchOutput, beam_search
 from pagedllm.entrypoints.chat_template import chat_prompt
+from pagedllm.entrypoints.vllm_only import hint
 from pagedllm.live_view.trace import write_trace
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
@@ -73,6 +75,9 @@ class LLM:
         trace: str | None = None,
         **kwargs: Any,
     ) -> None:
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)} - {"kv_cache_dtype"})
+        if unknown:  # vLLM's keywords that have no use here say what to do instead
+            raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)}" + "".join(map(hint, unknown)))
         kwargs["lora_dtype"] = lora_dtype_setting(dtype, kwargs.get("lora_dtype", "auto"))
         settings = dtype_settings(dtype, kwargs.pop("kv_cache_dtype", "auto"), quantization)
         config = EngineConfig(
