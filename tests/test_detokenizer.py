@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer, TokenBytes
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, TokenBytes, token_shares
 from pagedllm.sampling_params import SamplingParams
 
 TEXTS = [
@@ -350,3 +350,13 @@ def test_sentencepiece_stop_string() -> None:
     detok, deltas, stop = stream(sp, prompt, ids, SamplingParams(stop=["n fox"]))
     assert stop == "n fox"
     assert detok.output_text == "".join(deltas) == " the quick brow"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_shares_join_to_the_text(tok: PreTrainedTokenizerFast, text: str) -> None:
+    """A prompt's tokens' shares (its echoed logprobs' strings) join to its text: a character
+    split over tokens belongs whole to the token that completes it, not lost as "" or U+FFFD."""
+    ids = tok.encode("<|im_start|>" + text)
+    shares = token_shares(tok, ids)
+    assert len(shares) == len(ids) and "".join(shares) == "<|im_start|>" + text
+    assert "\ufffd" not in "".join(shares)

@@ -242,6 +242,16 @@ class TokenBytes:
         return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False).encode()
 
 
+def token_shares(tokenizer: PreTrainedTokenizerBase, token_ids: list[int]) -> list[str]:
+    """Each token's share of the text of ``token_ids`` decoded from the start, special tokens
+    kept (as an echoed prompt is): "" for a token that ends inside a UTF-8 character, the whole
+    character for the token that completes it, as ``IncrementalDetokenizer.token_texts``; the
+    shares join to that text (less an unfinished character at the end)."""
+    stream = DecodeStream([], skip_special_tokens=False)
+    backend = tokenizer.backend_tokenizer
+    return [stream.step(backend, token_id) or "" for token_id in token_ids]
+
+
 def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     """A token's text out of context: "" when it holds only part of a UTF-8 character."""
     text = tokenizer.decode([token_id], clean_up_tokenization_spaces=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer, TokenBytes, token_text
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, TokenBytes, token_shares, token_text
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs, TokenLogprobs
@@ -55,6 +55,9 @@ class RequestState:
     stream: bool  # emit deltas every step, else one cumulative output at the end
     arrival_time: float
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # With prompt_logprobs (and detokenize): each prompt token's share of the prompt's text
+    # (``token_shares``), the string its entry gets, so that the prompt's tokens join to its text.
+    prompt_texts: list[str] | None = None
     num_cached_tokens: int = 0
     lora_request: LoRARequest | None = None
 
@@ -146,6 +149,8 @@ class OutputProcessor:
                              lora_request=first.lora_request)
         if first.sampling_params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
+            if first.sampling_params.detokenize:
+                state.prompt_texts = token_shares(self.tokenizer, first.prompt_token_ids)
         self.requests[request_id] = state
         for r, s in zip(core_requests, samples):
             self._child_to_parent[r.request_id] = (state, s)
@@ -196,7 +201,9 @@ class OutputProcessor:
             # Each of n samples scores the same prompt: the output holds the first's scores once.
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None and sample.index == 0:
                 detokenize = sample.detokenizer.params.detokenize
-                state.prompt_logprobs.extend(self._to_dicts(out.prompt_logprobs, detokenize=detokenize))
+                # This chunk scores the prompt tokens from len(state.prompt_logprobs) on.
+                texts = None if state.prompt_texts is None else state.prompt_texts[len(state.prompt_logprobs):]
+                state.prompt_logprobs.extend(self._to_dicts(out.prompt_logprobs, texts, detokenize))
             state.num_cached_tokens = out.num_cached_tokens
             if out.queued_time is not None:
                 sample.queued_ts, sample.scheduled_ts = out.queued_time, out.scheduled_time

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from pagedllm.engine.async_llm import PreparedRequest
 from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.engine.detokenizer import token_shares
 from pagedllm.entrypoints.openai.errors import generation_error
 from pagedllm.entrypoints.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from pagedllm.entrypoints.openai.response_bodies import (
@@ -172,10 +173,12 @@ class OpenAIServingCompletion(OpenAIServing):
         """Append one entry per token, the first at text ``offset``. Each ``top_logprobs`` holds
         the sampled token and the ``n`` most likely ones, as OpenAI and vLLM: up to n + 1
         entries (with n = 0, the sampled token alone). The first prompt position has no
-        logprob (nothing precedes it): None, as OpenAI."""
+        logprob (nothing precedes it): None, as OpenAI; its string is its share of the
+        prompt's text, as every other token's (``token_shares``), so that the tokens join to
+        the text and ``text_offset`` indexes it."""
         for tid, entry in zip(token_ids, entries):
             chosen = None if entry is None else entry.get(tid)
-            token = self.token_str(tid, chosen)
+            token = token_shares(self.tokenizer, [tid])[0] if entry is None else self.token_str(tid, chosen)
             lp.tokens.append(token)
             lp.token_logprobs.append(None if chosen is None else chosen.logprob)
             top = None
