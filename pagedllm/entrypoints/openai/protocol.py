@@ -8,9 +8,9 @@ and ignored; the README lists every field per route.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from pagedllm.entrypoints.openai.tools import check_tools
@@ -30,6 +30,17 @@ class RequestModel(OpenAIBaseModel):
     fail validation; an integer is taken where a number is."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    # Fields OpenAI documents as nullable and vLLM declares Optional with a default, where
+    # null means that default (``"stream": null`` is a non-streaming request): read as absent.
+    null_is_default: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.null_is_default:
+            return {k: v for k, v in data.items() if v is not None or k not in cls.null_is_default}
+        return data
 
     def check(self) -> None:
         """Checks beyond each field's type, run before anything is tokenized or queued.
@@ -58,6 +69,7 @@ def _check_texts(value: object, path: str) -> None:
 
 # -- requests --------------------------------------------------------------------------------
 class StreamOptions(RequestModel):
+    null_is_default = frozenset({"include_usage", "continuous_usage_stats"})
     include_usage: bool = False  # a last chunk, without choices, with the request's usage
     # vLLM's: every chunk carries its choice's usage so far (its prompt's tokens, its own tokens).
     continuous_usage_stats: bool = False
@@ -66,6 +78,7 @@ class StreamOptions(RequestModel):
 class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extensions)."""
 
+    null_is_default = frozenset({"stream"})
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -117,6 +130,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 class CompletionRequest(SamplingRequest):
+    null_is_default = SamplingRequest.null_is_default | {"echo"}
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     echo: bool = False
@@ -196,6 +210,7 @@ class NamedToolChoice(RequestModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    null_is_default = SamplingRequest.null_is_default | {"logprobs"}
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
