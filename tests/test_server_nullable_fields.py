@@ -1,6 +1,7 @@
-"""Nullable request fields on the session's shared server: where OpenAI documents a field as
+"""Fields left empty, on the session's shared server: where OpenAI documents a field as
 nullable and vLLM declares it Optional with a default, null is that default, not a 400; other
-nulls (``n``, vLLM's own booleans) stay refused, as vLLM refuses them."""
+nulls (``n``, vLLM's own booleans) stay refused, as vLLM refuses them. An empty ``model``
+names the base model, as in vLLM."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.utils import API_KEY, Server
+from tests.utils import API_KEY, MODEL, Server
 
 CHAT = [{"role": "user", "content": "Hi"}]
 
@@ -50,3 +51,17 @@ def test_null_stream_options_members_are_false(http: httpx.Client) -> None:
 def test_other_nulls_stay_refused(http: httpx.Client, path: str, body: dict, param: str) -> None:
     r = http.post(path, json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+    ("/tokenize", {"prompt": "Hi"}),
+])
+def test_empty_model_is_the_base_model(http: httpx.Client, path: str, body: dict) -> None:
+    """``"model": ""`` was a 404 ("the model `` does not exist"); vLLM serves it with the base
+    model, and names the base model in the response."""
+    r = http.post(path, json={**body, "model": ""})
+    assert r.status_code == 200, r.text
+    if path != "/tokenize":
+        assert r.json()["model"] == MODEL

@@ -104,10 +104,11 @@ class OpenAIServing:
         )
 
     def check_model(self, model: str | None) -> LoRARequest | None:
-        """The adapter ``model`` names, None for the base model; 404 for anything else."""
+        """The adapter ``model`` names, None for the base model (also for no name: absent,
+        null or "", as vLLM); 404 for anything else."""
         if self.loras is not None:
             return self.loras.resolve(model)
-        if model is not None and model not in self.served_model_names:
+        if model and model not in self.served_model_names:
             served = ", ".join(f"`{n}`" for n in self.served_model_names)
             raise OpenAIError(404, f"the model `{model}` does not exist; this server serves {served}",
                               "NotFoundError", "model")
@@ -115,8 +116,8 @@ class OpenAIServing:
 
     def response_model(self, model: str | None) -> str:
         """A response's ``model`` field, as vLLM fills it: the name the request gave (the base
-        model's or an adapter's, checked by ``check_model``), else the base model's."""
-        return self.served_model_names[0] if model is None else model
+        model's or an adapter's, checked by ``check_model``), else (none, or "") the base model's."""
+        return model or self.served_model_names[0]
 
     def check_request(self, req: RequestModel) -> None:
         """The request's own checks (text, field combinations), then its model.

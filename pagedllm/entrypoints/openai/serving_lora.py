@@ -142,12 +142,13 @@ class ServingLoRA:
         return self._parents.get(name, self.base_names[0])
 
     def resolve(self, model: str | None) -> LoRARequest | None:
-        """The adapter a request's ``model`` names; None for the base model (or no model).
+        """The adapter a request's ``model`` names; None for the base model (or no model:
+        absent, null or "", which vLLM also serves with the base model).
 
         Raises:
             OpenAIError: 404 for a name that is neither the base model nor a loaded adapter.
         """
-        if model is None or model in self.base_names:
+        if not model or model in self.base_names:
             return None
         lora = self.adapters.get(model)
         if lora is None:
