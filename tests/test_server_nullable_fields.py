@@ -1,7 +1,8 @@
 """Fields left empty, on the session's shared server: where OpenAI documents a field as
 nullable and vLLM declares it Optional with a default, null is that default, not a 400; other
 nulls (``n``, vLLM's own booleans) stay refused, as vLLM refuses them. An empty ``model``
-names the base model, as in vLLM."""
+names the base model, and ``stream_options`` without ``include_usage`` includes the usage,
+as in vLLM."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def test_null_is_the_default(http: httpx.Client, path: str, body: dict) -> None:
 
 
 def test_null_stream_options_members_are_false(http: httpx.Client) -> None:
+    """As vLLM reads them (its ``include_usage`` defaults to true, but null is false)."""
     body = {"prompt": "Hi", "max_tokens": 2, "stream": True,
             "stream_options": {"include_usage": None, "continuous_usage_stats": None}}
     r = http.post("/v1/completions", json=body)
@@ -65,3 +67,21 @@ def test_empty_model_is_the_base_model(http: httpx.Client, path: str, body: dict
     assert r.status_code == 200, r.text
     if path != "/tokenize":
         assert r.json()["model"] == MODEL
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/chat/completions", {"messages": CHAT}),
+])
+@pytest.mark.parametrize(("options", "last_usage"), [
+    ({}, True), ({"continuous_usage_stats": False}, True), ({"include_usage": False}, False),
+])
+def test_include_usage_is_true_unless_set_false(
+    http: httpx.Client, path: str, body: dict, options: dict, last_usage: bool
+) -> None:
+    """vLLM's ``include_usage`` defaults to true: stream options that leave it out got no last
+    usage chunk here (its default was false)."""
+    r = http.post(path, json={**body, "max_tokens": 2, "stream": True, "stream_options": options})
+    assert r.status_code == 200, r.text
+    chunks = [line for line in r.text.splitlines() if line.startswith("data: {")]
+    assert ('"choices":[]' in chunks[-1] and '"completion_tokens":2' in chunks[-1]) == last_usage

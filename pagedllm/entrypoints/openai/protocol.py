@@ -69,8 +69,11 @@ def _check_texts(value: object, path: str) -> None:
 
 # -- requests --------------------------------------------------------------------------------
 class StreamOptions(RequestModel):
-    null_is_default = frozenset({"include_usage", "continuous_usage_stats"})
-    include_usage: bool = False  # a last chunk, without choices, with the request's usage
+    """vLLM's stream options: ``include_usage`` is true unless set false (or null), as in vLLM,
+    so that ``{"continuous_usage_stats": true}`` alone also gets the last usage chunk."""
+
+    null_is_default = frozenset({"continuous_usage_stats"})
+    include_usage: bool | None = True  # a last chunk, without choices, with the request's usage
     # vLLM's: every chunk carries its choice's usage so far (its prompt's tokens, its own tokens).
     continuous_usage_stats: bool = False
 
@@ -118,7 +121,7 @@ class SamplingRequest(RequestModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
