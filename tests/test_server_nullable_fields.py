@@ -1,7 +1,7 @@
 """Fields left empty, on the session's shared server: where OpenAI documents a field as
 nullable and vLLM declares it Optional with a default, null is that default, not a 400; other
 nulls (``n``, vLLM's own booleans) stay refused, as vLLM refuses them. An empty ``model``
-names the base model, and ``stream_options`` without ``include_usage`` includes the usage,
+names the base model, an empty ``cache_salt`` is refused, and ``stream_options`` without ``include_usage`` includes the usage,
 as in vLLM."""
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def test_null_stream_options_members_are_false(http: httpx.Client) -> None:
     ("/v1/completions", {"prompt": "Hi", "n": None}, "n"),
     ("/v1/chat/completions", {"messages": CHAT, "ignore_eos": None}, "ignore_eos"),
     ("/v1/chat/completions", {"messages": CHAT, "add_generation_prompt": None}, "add_generation_prompt"),
+    ("/v1/completions", {"prompt": "Hi", "cache_salt": ""}, "cache_salt"),  # was taken as a salt, vLLM refuses it
+    ("/v1/chat/completions", {"messages": CHAT, "cache_salt": ""}, "cache_salt"),
 ])
 def test_other_nulls_stay_refused(http: httpx.Client, path: str, body: dict, param: str) -> None:
     r = http.post(path, json=body)

@@ -117,6 +117,8 @@ class SamplingRequest(RequestModel):
         super().check()
         if self.stream_options is not None and not self.stream:
             raise InvalidParamError("stream_options", "stream_options is only allowed with stream: true")
+        if self.cache_salt == "":  # as vLLM: a salt meant to isolate must be one
+            raise InvalidParamError("cache_salt", "cache_salt must be a non-empty string if given")
         structured_outputs_params(self)
 
     @property
