@@ -136,6 +136,11 @@ BAD = [
      "response_format.json_schema.schema"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "y": 2}}},
      "response_format.json_schema.y"),
+    # Hints of another type were taken silently ("strict": "yes"): refused as any other field's.
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": "yes"}}},
+     "response_format.json_schema.strict"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "name": 5}}},
+     "response_format.json_schema.name"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}},
      "response_format.json_schema.schema"),
     ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nope"}}}},

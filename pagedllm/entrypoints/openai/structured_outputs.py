@@ -18,7 +18,9 @@ _JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 
 
 def _response_format(value: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """(param, StructuredOutputsParams kwargs) of OpenAI's ``response_format``; None for text."""
+    """(param, StructuredOutputsParams kwargs) of OpenAI's ``response_format``; None for text.
+    ``json_schema``'s ``name``, ``description`` and ``strict`` are hints (the output always
+    follows the schema, as vLLM's), but of OpenAI's types (str, str, bool) or null."""
     kind = value.get("type")
     for key in value:
         if key not in ("type", "json_schema"):
@@ -41,6 +43,11 @@ def _response_format(value: dict[str, Any]) -> tuple[str, dict[str, Any]] | None
         for key in spec:
             if key not in _JSON_SCHEMA_KEYS:
                 raise InvalidParamError(f"response_format.json_schema.{key}", f"response_format.json_schema.{key} is not supported")
+        for key, kind in (("name", str), ("description", str), ("strict", bool)):  # OpenAI's types, not coerced
+            if spec.get(key) is not None and not isinstance(spec[key], kind):
+                raise InvalidParamError(f"response_format.json_schema.{key}",
+                                        f"response_format.json_schema.{key} must be a {kind.__name__} or null, "
+                                        f"got {type(spec[key]).__name__}")
         return "response_format.json_schema.schema", {"json": spec["schema"]}
     raise InvalidParamError(
         "response_format", f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r:.80}"
