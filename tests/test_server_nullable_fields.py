@@ -1,8 +1,8 @@
 """Fields left empty, on the session's shared server: where OpenAI documents a field as
 nullable and vLLM declares it Optional with a default, null is that default, not a 400; other
 nulls (``n``, vLLM's own booleans) stay refused, as vLLM refuses them. An empty ``model``
-names the base model, an empty ``cache_salt`` is refused, and ``stream_options`` without ``include_usage`` includes the usage,
-as in vLLM."""
+names the base model, an empty ``cache_salt`` is refused, and ``stream_options`` without
+``include_usage`` includes the usage, as in vLLM."""
 
 from __future__ import annotations
 

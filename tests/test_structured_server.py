@@ -137,7 +137,8 @@ BAD = [
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "y": 2}}},
      "response_format.json_schema.y"),
     # Hints of another type were taken silently ("strict": "yes"): refused as any other field's.
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": "yes"}}},
+    ("/v1/chat/completions",
+     {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": "yes"}}},
      "response_format.json_schema.strict"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "name": 5}}},
      "response_format.json_schema.name"),
