@@ -232,3 +232,24 @@ def test_hybrid_groups_never_hand_one_block_to_two_groups():
                 for block_id, gs in held.items():
                     assert len(set(gs)) == 1, f"seed {seed}: block {block_id} in groups {gs}"
                     assert kv.pool.blocks[block_id].ref_cnt == len(gs)
+
+
+def test_a_prompts_last_token_alone_gives_the_cold_runs_bits():
+    """Under dtype auto (int8 activations), a prompt of 5 blocks + 1 token: the warm run's hit
+    leaves the last token alone, a budget of 80 tokens cuts it into a chunk of its own; both
+    take the prefill kernel, as the cold run's whole prompt does, so the first token's
+    logprobs are the cold run's bit for bit (the decode kernel's other summation order moved
+    them by up to 0.2 through int8 rounding edges)."""
+    prompt = list(range(1000, 1081))
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+
+    def first_logprobs(llm):
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        return out.num_cached_tokens, {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+
+    with LLM(kv_cache_memory="32MiB", max_model_len=256) as llm:
+        (cold_hit, cold), (warm_hit, warm) = first_logprobs(llm), first_logprobs(llm)
+    with LLM(kv_cache_memory="32MiB", max_model_len=256, max_num_batched_tokens=80, enable_prefix_caching=False) as llm:
+        _, chunked = first_logprobs(llm)
+    assert (cold_hit, warm_hit) == (0, 80)
+    assert warm == cold and chunked == cold

@@ -37,7 +37,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.kv_cache import build_attention_metadata
-from pagedllm.worker.step_input import BlockTableMirror, StepInput, build_step
+from pagedllm.worker.step_input import BlockTableMirror, StepInput, build_step, is_decode
 from tests.utils import assert_pool_whole
 
 VOCAB = 24
@@ -122,7 +122,8 @@ class FakeModel:
         query_lens = [len(r.token_ids) for r in step.requests]
         seq_lens = [r.num_computed_before + len(r.token_ids) for r in step.requests]
         metas = build_attention_metadata(
-            self.groups, self.num_layers, query_lens, seq_lens, [self.mirror[r.req_id] for r in step.requests], bs
+            self.groups, self.num_layers, query_lens, seq_lens, [self.mirror[r.req_id] for r in step.requests], bs,
+            step.num_decodes,
         )
         for g, group in enumerate(self.groups):  # every layer writes the step's K/V, then attends
             meta = metas[group.layers[0]]
@@ -199,7 +200,7 @@ def _forward_order(out: SchedulerOutput) -> list[int]:
     """The scheduler indices in ``build_step``'s forward order (decodes first, by adapter)."""
     return sorted(
         range(len(out.scheduled)),
-        key=lambda i: (out.scheduled[i].num_new_tokens != 1, _adapter(out.scheduled[i].request)),
+        key=lambda i: (not is_decode(out.scheduled[i]), _adapter(out.scheduled[i].request)),
     )
 
 

@@ -47,7 +47,9 @@ class PrefillMeta:
 class AttentionMetadata:
     """Per-step inputs shared by every attention layer.
 
-    Decode requests (query length 1) come first in the flattened tokens.
+    Decode requests (query length 1, the decode kernel's) come first in the flattened tokens;
+    the rest (prefill chunks, of any length, and speculative verification) take the prefill
+    kernel.
     """
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) per token
@@ -70,24 +72,35 @@ class AttentionMetadata:
         seq_lens: list[int],
         block_tables: list[list[int]],
         block_size: int,
+        num_decodes: int | None = None,
     ) -> AttentionMetadata:
         """Build the metadata for one step.
 
         Args:
-            query_lens: new tokens per request this step; requests with 1 must come first.
+            query_lens: new tokens per request this step.
             seq_lens: context length per request after this step (num_computed + query_len).
             block_tables: block ids per request, covering at least ``seq_len`` tokens.
             block_size: tokens per block.
+            num_decodes: the leading requests that are decodes (query length 1 each); the
+                rest may have any length (a prompt's one-token chunk takes the prefill kernel,
+                as its other chunks do). None: every leading request of query length 1, and no
+                later one of length 1.
+
+        Raises:
+            ValueError: the decodes are not the leading requests of query length 1.
         """
         slots: list[int] = []
         for q, s, table in zip(query_lens, seq_lens, block_tables):
             for pos in range(s - q, s):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
-        num_decodes = 0
-        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-            num_decodes += 1
-        if any(q == 1 for q in query_lens[num_decodes:]):
-            raise ValueError("decode requests (query length 1) must come first")
+        if num_decodes is None:
+            num_decodes = 0
+            while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+                num_decodes += 1
+            if any(q == 1 for q in query_lens[num_decodes:]):
+                raise ValueError("decode requests (query length 1) must come first")
+        elif not 0 <= num_decodes <= len(query_lens) or any(q != 1 for q in query_lens[:num_decodes]):
+            raise ValueError(f"num_decodes {num_decodes}: the leading requests must have query length 1")
 
         decode_tables = lens = None
         if num_decodes:

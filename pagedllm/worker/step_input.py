@@ -37,6 +37,8 @@ class StepInput(msgspec.Struct, array_like=True):
     Attributes:
         requests: the scheduled requests in forward order: decodes first, each kind ordered
             by LoRA adapter id (the base model's first), so each adapter's tokens form runs.
+        num_decodes: the leading requests that are decodes: one token past the prompt
+            (``is_decode``).
         block_updates: changes to the block tables of those requests, applied in order.
         finished_req_ids: requests whose tables are dropped, before the updates apply.
         logit_rows: rows of the step's hidden states the logits are computed for, in order.
@@ -48,6 +50,7 @@ class StepInput(msgspec.Struct, array_like=True):
     finished_req_ids: list[str] = []
     logit_rows: list[int] = []
     shutdown: bool = False
+    num_decodes: int = 0
 
 
 @dataclass
@@ -72,13 +75,22 @@ class SamplePlan:
     num_verify: int = 0
 
 
+def is_decode(s: ScheduledRequest) -> bool:
+    """Whether a scheduled request takes the decode attention kernel: one token past its prompt.
+    A prompt's tokens always take the prefill kernel, a one-token chunk too (the last token
+    after a prefix-cache hit, or a chunk cut at the budget), so that a prompt token's attention
+    is computed alike whatever the chunks: the decode kernel sums in another order, which
+    int8 activations can turn into a flipped near-tie (README, "Linear layers")."""
+    return s.num_new_tokens == 1 and s.num_computed_before >= s.request.num_prompt_tokens
+
+
 def build_step(sched: SchedulerOutput) -> tuple[StepInput, SamplePlan]:
     """The step every rank runs for ``sched``, and rank 0's plan for its logits. Advances each
     planned request's ``num_scored_prompt_tokens`` past the prompt positions the plan scores."""
     # Decodes first: the attention batches them in one call; then by adapter: one LoRA run each.
     def key(i: int) -> tuple[bool, int]:
         s = sched.scheduled[i]
-        return s.num_new_tokens != 1, 0 if s.request.lora_request is None else s.request.lora_request.id
+        return not is_decode(s), 0 if s.request.lora_request is None else s.request.lora_request.id
 
     order = sorted(range(len(sched.scheduled)), key=key)
     requests: list[RequestTokens] = []
@@ -114,7 +126,10 @@ def build_step(sched: SchedulerOutput) -> tuple[StepInput, SamplePlan]:
             sample_idx.append(num_tokens - 1)
             plan.sample.append((i, s))
     plan.num_sample, plan.num_verify = len(sample_idx), len(verify_idx)
-    step = StepInput(requests, updates, sched.finished_req_ids, sample_idx + verify_idx + prompt_idx)
+    num_decodes = sum(is_decode(s) for s in sched.scheduled)
+    step = StepInput(
+        requests, updates, sched.finished_req_ids, sample_idx + verify_idx + prompt_idx, num_decodes=num_decodes
+    )
     return step, plan
 
 
