@@ -122,9 +122,11 @@ inline void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const 
     I32x16 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = dot_init(kDotXSums ? xsum128 + r * G + g : nullptr);
     const int8_t* pg = panel + g * quads * 4 * NB;
-    __builtin_prefetch(pg + 4 * quads * 4 * NB);
     for (int64_t k = 0; k < quads; ++k) {
       const int8_t* w = pg + k * 4 * NB;
+      // Both lines of the quad 4 groups on: a batch-1 GEMV streams the panel from memory
+      // (asking for every other line left it 15-25% slower, docs/benchmarks.md, session 31).
+      __builtin_prefetch(pg + (k + 4 * quads) * 4 * NB);
       __builtin_prefetch(pg + (k + 4 * quads) * 4 * NB + 2 * NB);
       for (int r = 0; r < R; ++r) {
         const DotX a = dot_prepare(x + r * ldx + g * quads + k);
