@@ -123,3 +123,15 @@ def test_vllm_only_keywords_say_what_to_use_instead() -> None:
                        r"gpu_memory_utilization, no_such_setting; enforce_eager: nothing is captured .*"
                        r"; gpu_memory_utilization: the KV cache is sized in bytes here, by kv_cache_memory"):
         LLM(gpu_memory_utilization=0.9, enforce_eager=True, no_such_setting=1)
+
+
+def test_engine_config_keywords_are_taken_as_given() -> None:
+    """Every EngineConfig field is an LLM keyword: live_view (which trace also sets) was a
+    TypeError naming EngineConfig.__init__ ("multiple values"), and quantize_lm_head=False
+    under dtype auto was silently replaced by auto's True; both are now taken as given."""
+    llm = LLM(kv_cache_memory="64MiB", max_model_len=64, live_view=True, quantize_lm_head=False)
+    config = llm.engine.core.config
+    assert config.live_view and not config.quantize_lm_head
+    assert type(llm.engine.core.executor.runner.model.lm_head).__name__ not in ("Q8A8Linear", "KQuantLinear")
+    assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown()

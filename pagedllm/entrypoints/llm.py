@@ -56,7 +56,9 @@ class LLM:
         trace: a file path: record every engine step (the live view's records) and, after each
             ``generate``/``chat``, write them there as Chrome Trace Event JSON (Perfetto,
             chrome://tracing); the last ``live_view_steps`` steps (default 4096) are kept.
-        **kwargs: any other ``EngineConfig`` field (block_size, enable_prefix_caching, ...).
+        **kwargs: any other ``EngineConfig`` field (block_size, enable_prefix_caching, ...),
+            taken as given: one ``dtype`` also sets (``quantize_lm_head``, ``requantize_4bit``)
+            keeps the caller's value; ``live_view=True`` records the steps as ``trace`` does.
 
     Raises:
         ValueError: for an unknown model, an unsupported architecture or a bad setting.
@@ -87,8 +89,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_memory=parse_memory(kv_cache_memory),
             speculative_config=speculative_config,
-            live_view=trace is not None,
-            **(kwargs | settings),
+            live_view=kwargs.pop("live_view", False) or trace is not None,
+            **(settings | kwargs),  # a keyword given wins over what dtype implies
         )
         self.trace = trace
         self.engine = LLMEngine(config)
