@@ -112,6 +112,7 @@ class SamplingRequest(RequestModel):
     guided_grammar: str | None = None
     user: str | None = None  # a hint to OpenAI; ignored
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
 
     def check(self) -> None:
         super().check()

@@ -144,7 +144,8 @@ class OpenAIServing:
         generation_config.json default where it recommends one (``default_sampling``, as vLLM's
         ``--generation-config auto``), else SamplingParams' default.
 
-        ``max_tokens`` None means all the room the context leaves after the prompt; a
+        ``max_tokens`` None means all the room the context leaves after the prompt (its kept
+        tokens under vLLM's ``truncate_prompt_tokens``, checked by ``SamplingParams``); a
         ``max_new_tokens`` of generation_config.json caps it (vLLM's server-wide limit);
         ``fields`` as ``OpenAIError.bad_request``'s.
 
@@ -154,6 +155,9 @@ class OpenAIServing:
         if not 1 <= req.n <= MAX_N:
             raise OpenAIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         if max_tokens is None:
+            keep = req.truncate_prompt_tokens
+            if isinstance(keep, int) and keep >= 1:  # other values: SamplingParams says what is wrong
+                prompt_len = min(prompt_len, keep)
             max_tokens = max(self.engine.max_model_len - prompt_len, 1)
         if "max_tokens" in self.default_sampling:
             max_tokens = min(max_tokens, int(self.default_sampling["max_tokens"]))
@@ -180,6 +184,7 @@ class OpenAIServing:
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
                 structured_outputs=structured_outputs_params(req),
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
                 **kwargs,
             )
         except ValueError as e:
