@@ -37,12 +37,12 @@ class StepInput(msgspec.Struct, array_like=True):
     Attributes:
         requests: the scheduled requests in forward order: decodes first, each kind ordered
             by LoRA adapter id (the base model's first), so each adapter's tokens form runs.
-        num_decodes: the leading requests that are decodes: one token past the prompt
-            (``is_decode``).
         block_updates: changes to the block tables of those requests, applied in order.
         finished_req_ids: requests whose tables are dropped, before the updates apply.
         logit_rows: rows of the step's hidden states the logits are computed for, in order.
         shutdown: leave the step loop (every other field empty).
+        num_decodes: the leading requests that are decodes: one token past the prompt
+            (``is_decode``).
     """
 
     requests: list[RequestTokens] = []
