@@ -25,6 +25,12 @@ def gguf_values(qtype: Q, blocks: torch.Tensor, k: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype)).view(-1, k).double()
 
 
+def without_minus_128(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks [n, row bytes] as quantizers write them: each code of -128 made -127."""
+    b = blocks.view(blocks.shape[0], -1, 34)
+    return torch.cat([b[..., :2], b[..., 2:].masked_fill(b[..., 2:] == 0x80, 0x81)], -1).view(blocks.shape[0], -1)
+
+
 def quantized_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] quantized as the kernels do: codes [M, K / 32, 32] and scales [M, K / 32, 1],
     symmetric per group of 32 (max|x| / 127, rounded to nearest even), in float64."""
@@ -60,9 +66,7 @@ def test_gemm_is_exact_for_its_scheme(qtype: Q, native_isa: str) -> None:
     torch.manual_seed(0)
     cases = [(k, random_gguf_blocks(qtype, n, k, seed=k)) for k in SIZES[qtype]]
     if qtype == Q.Q8_0:
-        for k, b in list(cases):
-            codes = b.view(n, -1, 34)[..., 2:]
-            cases.append((k, torch.cat([b.view(n, -1, 34)[..., :2], codes.masked_fill(codes == 0x80, 0x81)], -1).view(n, -1)))
+        cases += [(k, without_minus_128(b)) for k, b in cases]
     for k, blocks in cases:
         w = gguf_values(qtype, blocks, k)
         weight = kquant.StoredWeight([(int(qtype), blocks)], k)
@@ -115,15 +119,18 @@ def test_parts_of_several_formats_stack_along_n(native_isa: str) -> None:
     v Q8_0) equals its parts' GEMMs side by side; adjacent parts of one format merge."""
     k = 640
     parts = [(Q.Q5_0, random_gguf_blocks(Q.Q5_0, 40, k, 1)), (Q.Q5_0, random_gguf_blocks(Q.Q5_0, 8, k, 2)),
-             (Q.Q8_0, random_gguf_blocks(Q.Q8_0, 17, k, 3))]
+             (Q.Q8_0, without_minus_128(random_gguf_blocks(Q.Q8_0, 17, k, 3)))]
     fused = kquant.StoredWeight([(int(t), b) for t, b in parts], k)
     assert [(t, b.shape[0]) for t, b in fused.parts] == [(int(Q.Q5_0), 48), (int(Q.Q8_0), 17)]
     for m in (6, 19):  # decode and prefill
         x = torch.randn(m, k)
         alone = [kquant.linear(x, kquant.StoredWeight([(int(t), b)], k)) for t, b in parts]
         assert torch.equal(kquant.linear(x, fused), torch.cat(alone, dim=1))
+        packed = kquant.panels(fused)
+        alone = [kquant.linear(x, kquant.panels(kquant.StoredWeight([(int(t), b)], k))) for t, b in parts]
+        assert torch.equal(kquant.linear(x, packed), torch.cat(alone, dim=1))
         layer = KQuantLinear(fused, bias=torch.arange(65.0))
-        assert torch.equal(layer(x), torch.cat(alone, dim=1) + torch.arange(65.0))
+        assert torch.equal(layer(x), kquant.linear(x, packed, torch.arange(65.0)))
 
 
 def test_prefill_of_mixed_k_quant_parts(native_isa: str) -> None:
@@ -142,6 +149,50 @@ def test_prefill_of_mixed_k_quant_parts(native_isa: str) -> None:
     ref = (xq * xs).view(23, k) @ w.T
     magnitude = (xq * xs).view(23, k).abs() @ w.abs().T
     assert ((y.double() - ref).abs() <= 1e-5 * magnitude + 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype", list(SIZES), ids=lambda q: q.name)
+def test_panels_are_the_prefill_panels_at_every_m(qtype: Q, native_isa: str) -> None:
+    """Repacked into panels (``kquant.panels``: the file's bytes rearranged, 32 rows rounded
+    up), a weight gives at every M, on every ISA, the bits the stored blocks' prefill panels
+    give (M >= 8: the same codes, scales and tile), each row the same alone as in any batch:
+    a request's logits do not move with the batch, a prefix hit or a chunk's length. Rows at
+    a stride, a bias, N not a multiple of 32."""
+    n = 45
+    for k in SIZES[qtype]:
+        blocks = random_gguf_blocks(qtype, n, k, seed=k + 1)
+        if qtype == Q.Q8_0:  # as quantizers write it: -128 has its own test
+            blocks = without_minus_128(blocks)
+        stored = kquant.StoredWeight([(int(qtype), blocks)], k)
+        packed = kquant.panels(stored)
+        assert packed is not None and packed.nbytes() == 64 * blocks.shape[1]  # 45 rows -> 2 panels of 32
+        bias = torch.randn(n)
+        x = (torch.randn(23, k + 3) * torch.linspace(0.1, 3, k + 3))[:, :k]
+        whole = kquant.linear(x, packed, bias)
+        assert torch.equal(whole, kquant.linear(x, stored, bias))  # 23 rows: the stored prefill panels
+        assert torch.equal(torch.cat([kquant.linear(x[i : i + 1], packed, bias) for i in range(23)]), whole)
+        for start, stop in ((0, 2), (3, 8), (5, 14)):
+            assert torch.equal(kquant.linear(x[start:stop], packed, bias), whole[start:stop])
+
+
+def test_panels_keep_minus_128_as_stored_where_the_dot_product_cannot(native_isa: str) -> None:
+    """A Q8_0 code of -128 (legal, never written by quantizers) packs where the ISA's dot
+    product takes it (VNNI), else ``panels`` declines and the layer keeps the blocks as stored
+    (the decode path's arithmetic takes it); the layer's result is the GEMM's either way."""
+    k, n = 128, 33
+    blocks = random_gguf_blocks(Q.Q8_0, n, k, seed=9).view(n, -1, 34)
+    blocks[3, 1, 2 + 5] = 0x80
+    blocks = blocks.view(n, -1)
+    stored = kquant.StoredWeight([(int(Q.Q8_0), blocks), (int(Q.Q5_0), random_gguf_blocks(Q.Q5_0, 7, k))], k)
+    packed = kquant.panels(stored)
+    assert (packed is not None) == (native_isa in ("avx512_bf16", "avx512_vnni"))
+    layer = KQuantLinear(stored)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))  # no code on a rounding tie of float64's
+    assert torch.equal(layer(x), kquant.linear(x, packed or stored))
+    w = torch.cat([gguf_values(Q.Q8_0, blocks, k), gguf_values(Q.Q5_0, stored.parts[1][1], k)])
+    xq, xs = quantized_x(x)
+    ref = (xq * xs).view(3, k) @ w.T
+    assert ((layer(x).double() - ref).abs() <= 1e-5 * ((xq * xs).view(3, k).abs() @ w.abs().T) + 1e-6).all()
 
 
 def test_refuses_what_it_does_not_take(native_isa: str) -> None:

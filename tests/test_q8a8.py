@@ -54,6 +54,7 @@ def test_gemm_is_exact_for_its_scheme(native_isa: str) -> None:
     stride, with a bias; the same values as the K-quant GEMM's on the same blocks (its prefill
     panels run this tile: without a bias, the same bits)."""
     n = 37
+    torch.manual_seed(0)  # x drawn away from float64's rounding ties of the reference's codes
     for k in (64, 640):
         blocks = quantizer_blocks(n, k, seed=k)
         w = gguf_values(Q8_0, blocks, k)

@@ -186,10 +186,11 @@ def many_properties(n: int) -> dict:
 
 def assert_holds_blocks(layer, parts) -> None:
     """``layer`` runs these GGUF blocks ([(ggml type, [rows, ...] uint8)], fused order) as
-    stored: a KQuantLinear holds them byte for byte, a Q8A8Linear (a weight all of Q8_0) their
-    packing (``kernels.linear.linear_pack_q8_0``)."""
+    stored: a KQuantLinear holds their panels byte for byte (``kernels.kquant.panels``), a
+    Q8A8Linear (a weight all of Q8_0) their packing (``kernels.linear.linear_pack_q8_0``)."""
     import gguf
 
+    from pagedllm.kernels import kquant
     from pagedllm.kernels.linear import linear_pack_q8_0
     from pagedllm.layers.quantization.linear import KQuantLinear, Q8A8Linear
 
@@ -200,8 +201,10 @@ def assert_holds_blocks(layer, parts) -> None:
         assert torch.equal(layer.packed, codes) and torch.equal(layer.d, d)
         return
     assert isinstance(layer, KQuantLinear)
-    assert [q for q, _ in layer.stored.parts] == [q for q, _ in parts]
-    assert all(torch.equal(b, want) for (_, b), (_, want) in zip(layer.stored.parts, parts, strict=True))
+    want = kquant.panels(kquant.StoredWeight(parts, layer.in_features))
+    assert isinstance(layer.stored, kquant.PanelWeight) and want is not None
+    assert [(q, rows) for q, _, rows in layer.stored.parts] == [(q, rows) for q, _, rows in want.parts]
+    assert all(torch.equal(got[1], w[1]) for got, w in zip(layer.stored.parts, want.parts, strict=True))
 
 
 def random_gguf_blocks(qtype, n: int, k: int, seed: int = 0, scale: float = 1.0):

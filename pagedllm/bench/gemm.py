@@ -7,8 +7,10 @@ shapes (q/k/v fused, o, gate/up fused, down; ``--shapes``), the time of:
   activations' quantization included;
 - ``q8a8``: GGUF Q8_0 blocks on w8a8's panels (``linear_q8a8``: the layer an all-Q8_0 weight
   takes, a tied lm_head);
-- ``q8_0``, ``q5_0``, ``q4_k``, ``q5_k``, ``q6_k``: the K-quant GEMM on GGUF blocks as stored
-  (``kquant.linear``), where the format takes K (the K-quants: K a multiple of 256);
+- ``q8_0``, ``q5_0``, ``q4_k``, ``q5_k``, ``q6_k``: the K-quant GEMM on GGUF blocks
+  (``kquant.linear``) repacked into panels as the layers run them (``--kquant-layout
+  panels``), or as the file stores them (``stored``), where the format takes K (the K-quants:
+  K a multiple of 256);
 - ``torch``: PyTorch's float32 matmul (oneDNN / MKL);
 - ``int_mm``: PyTorch's int8 x int8 -> int32 matmul (``torch._int_mm``, oneDNN on x86): no
   quantization, no scales, so a ceiling for what an int8 GEMM does with its multiply-adds.
@@ -54,11 +56,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument("--kquant-layout", choices=("panels", "stored"), default="panels",
+                        help="GGUF blocks repacked into panels (what the layers run) or as stored")
 
 
-def _kernels(kinds: list[str], n: int, k: int) -> dict[str, Callable[[object], object]]:
-    """kind -> fn(x) computing x @ w.T for a random [n, k] weight in that kind's format; kinds
-    whose format does not take k are left out."""
+def _kernels(kinds: list[str], n: int, k: int, panels: bool = True) -> dict[str, Callable[[object], object]]:
+    """kind -> fn(x) computing x @ w.T for a random [n, k] weight in that kind's format (GGUF
+    blocks in panels, or as stored); kinds whose format does not take k are left out."""
     import torch
 
     from pagedllm.kernels import kquant
@@ -92,7 +96,8 @@ def _kernels(kinds: list[str], n: int, k: int) -> dict[str, Callable[[object], o
                     packed_q8 = lin.linear_pack_q8_0(blocks, k)
                     fns[kind] = lambda x, p=packed_q8: lin.linear_q8a8(x, p, None, n)
                 else:
-                    weight = kquant.StoredWeight([(qtype, blocks)], k)
+                    stored = kquant.StoredWeight([(qtype, blocks)], k)
+                    weight = (kquant.panels(stored) if panels else None) or stored
                     fns[kind] = lambda x, wt=weight: kquant.linear(x, wt)
         elif kind == "torch":
             fns[kind] = lambda x, wt=w.T.contiguous(): torch.mm(x, wt)
@@ -137,7 +142,7 @@ def run(args: argparse.Namespace) -> None:
           f"best of {args.repeats}; outputs {'from the heap' if heap else 'as the allocator gives them'}")
     print("G(FL)OP/s, and (x f32): our float32 GEMM's time over the kind's")
     for model in args.shapes.split(","):
-        gemms = [(name, n, k, _kernels(kinds, n, k)) for name, n, k in layer_gemms(model)]
+        gemms = [(name, n, k, _kernels(kinds, n, k, args.kquant_layout == "panels")) for name, n, k in layer_gemms(model)]
         for m in args.rows:
             gen = torch.Generator().manual_seed(m)
             totals = dict.fromkeys(kinds, 0.0)

@@ -288,22 +288,24 @@ inline QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64
   return q;
 }
 
-// x, xscale: as tile_q4a8; codes: a panel of [kq][32][4] unsigned codes in [0, kMax], one per
-// byte (vec.h's dot_u8_load layout: per quad, columns 0-15's four codes, then 16-31's); each
-// group of QG k in P pieces of QG / P k, with per piece and column ws, off [G * P][32] (a
-// weight is ws q + off) and per row xsum [G * P] (stride G * P) = xscale * the piece's code
-// sum (quantize_rows' sum for P = 1, sum16 for P = 2).
+// x, xscale: as tile_q4a8; src: a panel of 32 columns of unsigned codes in [0, kMax] and their
+// scales, read through src.codes(quad) (a Q4W: the quad's codes of the 32 columns, vec.h's
+// dot_u8_load layout), src.scales(piece, ws, off) (ws and, where kShift is 0, off of the
+// piece's 32 columns, in two F32x16) and src.prefetch(quad) (a hint, once per quad in order);
+// each group of QG k in P pieces of QG / P k (a weight is ws q + off), with per row xsum
+// [G * P] (stride G * P) = xscale * the piece's code sum (quantize_rows' sum for P = 1, sum16
+// for P = 2).
 // y[r, n] = sum over pieces xscale[r, g] * ws[p, n] * (sum_k x q) + xsum[r, p] * off[p, n].
 // With kShift != 0 the offset is kShift * ws (Q5_0's -16 d, Q6_K's -32 ws): the code sums
 // xcsum (quantize_rows' csum or csum16) start the int32 sums at kShift * csum, off and xsum
 // are not read, and y[r, n] = sum over pieces xscale[r, g] * ws[p, n] * (sum_k x (q + kShift)):
-// one product per piece where the offset took two. Never inlined (as kquant.h's tile):
-// inlined into kquant.cpp's panel loop, AVX2's Q4_K tile ran slower (docs/benchmarks.md,
-// session 24).
-template <int R, int P, int kMax, int kShift>
+// one product per piece where the offset took two. The int32 sums are exact and their scaling
+// is the same instructions whatever the source, so two sources of the same codes and scales
+// give the same bits. Never inlined (as kquant.h's tile): inlined into kquant.cpp's panel
+// loop, AVX2's Q4_K tile ran slower (docs/benchmarks.md, session 24).
+template <int R, int P, int kMax, int kShift, class Src>
 [[gnu::noinline]] void tile_u8a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const int32_t* xcsum,
-                      const uint8_t* codes, const float* ws, const float* off, int64_t G, float* y, int64_t ldy,
-                      int64_t ncols) {
+                      const Src& src, int64_t G, float* y, int64_t ldy, int64_t ncols) {
   constexpr int quads = QG / 4, pq = quads / P;  // quads per piece
   constexpr int S = std::min(pq, q4sum_steps(kMax));  // quads per Q4Sum before it widens to int32
   static_assert(quads % P == 0 && pq % S == 0, "a piece is whole quads, in whole Q4Sums");
@@ -312,14 +314,14 @@ template <int R, int P, int kMax, int kShift>
   for (int64_t g = 0; g < G; ++g) {
     for (int p = 0; p < P; ++p) {
       const int64_t piece = g * P + p, q0 = g * quads + p * pq;
-      const uint8_t* pc = codes + q0 * 4 * NB;
       I32x16 acc[R][2];
       for (int s0 = 0; s0 < pq; s0 += S) {
         Q4Sum t[R][2];
         for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = q4sum_zero();
 #pragma GCC unroll 8
         for (int k = 0; k < S; ++k) {
-          const Q4W w = dot_u8_load(pc + (s0 + k) * 4 * NB);
+          src.prefetch(q0 + s0 + k);
+          const Q4W w = src.codes(q0 + s0 + k);
           for (int r = 0; r < R; ++r) dot_q4(t[r][0], t[r][1], dot_q4_prepare(x + r * ldx + q0 + s0 + k), w);
         }
         for (int r = 0; r < R; ++r) {
@@ -331,25 +333,38 @@ template <int R, int P, int kMax, int kShift>
           }
         }
       }
-      const F32x16 w0 = load(ws + piece * NB), w1 = load(ws + piece * NB + 16);
+      F32x16 ws[2], off[2];
+      src.scales(piece, ws, off);
       if constexpr (kShift != 0) {
         for (int r = 0; r < R; ++r) {
           const F32x16 s = set1(xscale[r * G + g]);
-          out[r][0] = fma(to_f32(acc[r][0]), mul(w0, s), out[r][0]);
-          out[r][1] = fma(to_f32(acc[r][1]), mul(w1, s), out[r][1]);
+          out[r][0] = fma(to_f32(acc[r][0]), mul(ws[0], s), out[r][0]);
+          out[r][1] = fma(to_f32(acc[r][1]), mul(ws[1], s), out[r][1]);
         }
       } else {
-        const F32x16 o0 = load(off + piece * NB), o1 = load(off + piece * NB + 16);
         for (int r = 0; r < R; ++r) {
           const F32x16 s = set1(xscale[r * G + g]), t = set1(xsum[r * G * P + piece]);
-          out[r][0] = fma(to_f32(acc[r][0]), mul(w0, s), fma(o0, t, out[r][0]));
-          out[r][1] = fma(to_f32(acc[r][1]), mul(w1, s), fma(o1, t, out[r][1]));
+          out[r][0] = fma(to_f32(acc[r][0]), mul(ws[0], s), fma(off[0], t, out[r][0]));
+          out[r][1] = fma(to_f32(acc[r][1]), mul(ws[1], s), fma(off[1], t, out[r][1]));
         }
       }
     }
   }
   store<R>(out, y, ldy, ncols);
 }
+
+// tile_u8a8's source of a panel unpacked to bytes: codes [kq][32][4] one per byte (vec.h's
+// dot_u8_load layout: per quad, columns 0-15's four codes, then 16-31's), ws and off [G * P][32].
+struct BytePanel {
+  const uint8_t* bytes;
+  const float *ws, *off;
+  Q4W codes(int64_t quad) const { return dot_u8_load(bytes + quad * 4 * NB); }
+  void scales(int64_t piece, F32x16 (&w)[2], F32x16 (&o)[2]) const {
+    w[0] = load(ws + piece * NB), w[1] = load(ws + piece * NB + 16);
+    o[0] = load(off + piece * NB), o[1] = load(off + piece * NB + 16);
+  }
+  void prefetch(int64_t) const {}
+};
 
 // Rows per chunk whose activations stay in L2 while every panel reads them: float32 x of K
 // (512 KiB), int8 codes of kq quads (1 MiB); a multiple of the micro-tile rows (of every

@@ -1,5 +1,7 @@
 // The K-quant GEMM of one layer and the blocks' dequantization (formats and arithmetic:
-// kquant.h). Two ways through a layer, by the rows of x:
+// kquant.h). A weight repacked into panels (kquant_panels.h: what the layers run) takes one
+// tile for every M, as the prefill panels below compute it. Blocks as stored (a weight with
+// Q8_0 codes of -128 off VNNI, which panels cannot hold) take one of two ways, by M:
 // - decode (M < PREFILL_ROWS): threads split the output rows (16-row spans, over the parts of
 //   a fused weight). Each row's decoded chunk is used by kGemmRowsKQ activation rows at once;
 //   x's codes are read in chunks of rows that fit in L2, so a batch-1 step reads each weight
@@ -19,6 +21,7 @@
 
 #include "gemm.h"
 #include "kquant.h"
+#include "kquant_panels.h"
 #include "pagedllm_abi.h"
 #include "parallel.h"
 
@@ -96,7 +99,7 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
             const int64_t row = (m0 + m) * G * F::kPieces;
             tile_u8a8<decltype(r)::value, F::kPieces, F::kCodeMax, F::kCodeShift>(
                 xu.codes.data() + (m0 + m) * kq, kq, xu.scale.data() + (m0 + m) * G, sums.data() + row,
-                csums.data() + row, codes.data(), ws.data(), off.data(), G, out + m * N, N, ncols);
+                csums.data() + row, BytePanel{codes.data(), ws.data(), off.data()}, G, out + m * N, N, ncols);
           });
         }
       });
@@ -115,16 +118,59 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
   return 0;
 }
 
+// linear_kquant on a weight of panels (kquant_panels.h): threads split the 32-row panels of all
+// parts, each running R rows at a time over K once (rows in chunks whose codes fit in L2). One
+// tile for every M: a row's bits do not depend on the batch.
+void panels(const float* x, int64_t ldx, const KQuantWeight& w, const float* bias, float* y, int64_t M, int64_t N,
+            int64_t K) {
+  const PanelActs a(x, ldx, M, K, {&w});
+  const std::vector<Span> spans = spans_of(w, PANEL);
+  const int64_t chunk = gemm::chunk_rows_i8(K / 4);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    par::parallel_for(static_cast<int64_t>(spans.size()), [&](int64_t i) {
+      panel_times_x(w.parts[spans[i].part], spans[i], K, a, m0, rows, bias, y, N);
+    });
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+int64_t kquant_panel_bytes(int64_t type, int64_t rows, int64_t K) {
+  return rows < 0 ? 0 : (rows + PANEL - 1) / PANEL * PANEL * row_bytes(type, K);
+}
+
+int kquant_pack_panels(int64_t type, const void* blocks, int64_t rows, int64_t K, void* out) {
+  const int64_t rb = row_bytes(type, K);
+  if (rb == 0 || rows < 0) return -1;
+  const uint8_t* in = static_cast<const uint8_t*>(blocks);
+  uint8_t* dst = static_cast<uint8_t*>(out);
+  const int64_t num_panels = (rows + PANEL - 1) / PANEL;
+  if (type == PAGEDLLM_GGML_Q8_0)
+    return linear_pack_q8_0(in, reinterpret_cast<int8_t*>(dst), reinterpret_cast<uint16_t*>(dst + num_panels * K * PANEL),
+                            rows, K);
+  with_format(type, [&](auto f) {
+    using F = decltype(f);
+    if constexpr (!F::kSigned) {
+      const int64_t bytes = K / PanelLayout<F>::kUnit * unit_bytes<F>;
+      par::parallel_for(num_panels, [&](int64_t p) {
+        pack_panel<F>(in + p * PANEL * rb, rb, std::min(PANEL, rows - p * PANEL), K, dst + p * bytes);
+      });
+    }
+  });
+  return 0;
+}
 
 int64_t kquant_row_bytes(int64_t type, int64_t K) { return row_bytes(type, K); }
 
 int linear_kquant(const float* x, int64_t ldx, const KQuantWeight* w, const float* bias, float* y, int64_t M, int64_t N,
                   int64_t K) {
-  if (!fits(*w, N, K)) return -1;
+  const bool as_stored = fits(*w, N, K);
+  if (!as_stored && !fits_panels(*w, N, K)) return -1;
   if (M <= 0 || N == 0) return 0;
+  if (!as_stored) return panels(x, ldx, *w, bias, y, M, N, K), 0;
   if (M >= PREFILL_ROWS) return prefill(x, ldx, *w, bias, y, M, N, K);
   const std::vector<Span> spans = spans_of(*w);
   const QuantizedX xq(x, ldx, M, K);

@@ -9,7 +9,7 @@
 // w_e * down_e(silu(gate_e x_t) * up_e x_t). Experts may mix the GEMM kinds: float32, w8a8,
 // w4a8 and q8a8 panels (linear.cpp's formats, the same micro-kernels, gemm.h) and GGUF blocks as stored
 // (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, a fused gate/up's parts each in its own format: kquant.cpp's
-// layers, the same tiles, kquant.h). An int8 expert quantizes its inputs per row and group of
+// layers, the same tiles, kquant.h), or repacked into panels (kquant_panels.h). An int8 expert quantizes its inputs per row and group of
 // 32 as its layer alone does, so an expert computes for a token exactly what its layer alone
 // would. A token's output depends only on that token (rows never mix, and its sum runs in
 // expert order): results are batch-invariant.
@@ -45,6 +45,7 @@
 
 #include "gemm.h"
 #include "kquant.h"
+#include "kquant_panels.h"
 #include "moe.h"
 #include "pagedllm_abi.h"
 #include "parallel.h"
@@ -55,16 +56,24 @@ namespace {
 
 constexpr int64_t kParallelRows = 64;  // fewer rows: their elementwise passes run on one thread
 
+// Whether a KQUANT layer's blocks are kquant_pack_panels' panels (else as stored).
+bool is_panels(const LinearDesc& l) {
+  return (static_cast<const KQuantWeight*>(l.w)->parts[0].type & PAGEDLLM_KQUANT_PANELS) != 0;
+}
+
 // R rows of K floats (stride ld) in every form the active experts' kinds read: the floats,
 // gemm.h's quantize_rows codes for tile_w8a8 (w8) and tile_q4a8 (q4), and kquant.h's for
-// GGUF blocks as stored (kqx), each empty where no active expert takes it.
+// GGUF blocks as stored (kqx) or in panels (kp: for the `panels` weights), each empty where
+// no active expert takes it.
 struct Acts {
   const float* f32;
   int64_t ld, K, G, kq;
   QuantizedRows w8, q4;
   kquant::QuantizedX kqx;
+  kquant::PanelActs kp;
 
-  Acts(const float* x, int64_t ld_, int64_t R, int64_t K_, bool need_w8, bool need_q4, bool need_kq)
+  Acts(const float* x, int64_t ld_, int64_t R, int64_t K_, bool need_w8, bool need_q4, bool need_kq,
+       const std::vector<const KQuantWeight*>& panels)
       : f32(x),
         ld(ld_),
         K(K_),
@@ -72,11 +81,13 @@ struct Acts {
         kq((K_ + QG - 1) / QG * QG / 4),
         w8(need_w8 ? quantize_rows<false>(x, ld_, R, K_) : QuantizedRows{}),
         q4(need_q4 ? quantize_rows<true>(x, ld_, R, K_) : QuantizedRows{}),
-        kqx(need_kq ? kquant::QuantizedX(x, ld_, R, K_) : kquant::QuantizedX{}) {}
+        kqx(need_kq ? kquant::QuantizedX(x, ld_, R, K_) : kquant::QuantizedX{}),
+        kp(panels.empty() ? kquant::PanelActs{} : kquant::PanelActs(x, ld_, R, K_, panels)) {}
 };
 
-// One work item: of expert `expert`'s layer, one 32-column panel `panel` (packed kinds) or
-// one span of up to 16 weight rows (GGUF blocks as stored), over its rows [row0, row0 + rows).
+// One work item: of expert `expert`'s layer, one 32-column panel `panel` (packed kinds), one
+// span of up to 16 weight rows (GGUF blocks as stored) or of a 32-row panel's rows (GGUF
+// blocks in panels), over its rows [row0, row0 + rows).
 struct Item {
   int64_t expert, row0, rows, panel;
   kquant::Span span;
@@ -86,7 +97,10 @@ struct Item {
 void run_item(const LinearDesc& l, const Acts& a, const Item& it, float* y, int64_t ldy) {
   if (l.kind == PAGEDLLM_LINEAR_KQUANT) {
     const KQuantPart& part = static_cast<const KQuantWeight*>(l.w)->parts[it.span.part];
-    kquant::rows_times_x(part, it.span.n0, it.span.n1, it.span.col, a.K, a.kqx, it.row0, it.rows, l.bias, y, ldy);
+    if (is_panels(l))
+      kquant::panel_times_x(part, it.span, a.K, a.kp, it.row0, it.rows, l.bias, y, ldy);
+    else
+      kquant::rows_times_x(part, it.span.n0, it.span.n1, it.span.col, a.K, a.kqx, it.row0, it.rows, l.bias, y, ldy);
     return;
   }
   const int64_t p = it.panel, ncols = std::min(NB, l.n - p * NB), G = a.G, kq = a.kq;
@@ -141,8 +155,10 @@ void grouped_gemm(const LinearDesc* layers, const std::vector<int64_t>& start, c
     if (count == 0) continue;
     const LinearDesc& l = layers[e];
     if (l.kind == PAGEDLLM_LINEAR_KQUANT) {
-      const std::vector<kquant::Span> spans = kquant::spans_of(*static_cast<const KQuantWeight*>(l.w));
-      const int64_t chunk = kquant::chunk_rows(a.kqx.kp);
+      const bool panels = is_panels(l);
+      const std::vector<kquant::Span> spans =
+          kquant::spans_of(*static_cast<const KQuantWeight*>(l.w), panels ? kquant::PANEL : kquant::SPAN);
+      const int64_t chunk = panels ? chunk_rows_i8(a.kq) : kquant::chunk_rows(a.kqx.kp);
       for (int64_t r0 = 0; r0 < count; r0 += chunk)
         for (const kquant::Span& span : spans) items.push_back({e, start[e] + r0, std::min(chunk, count - r0), 0, span});
       continue;
@@ -158,8 +174,18 @@ void grouped_gemm(const LinearDesc* layers, const std::vector<int64_t>& start, c
 
 bool any_kind(const LinearDesc* layers, const std::vector<int64_t>& start, int64_t kind) {
   for (size_t e = 0; e + 1 < start.size(); ++e)
-    if (start[e + 1] > start[e] && layers[e].kind == kind) return true;
+    if (start[e + 1] > start[e] && layers[e].kind == kind && (kind != PAGEDLLM_LINEAR_KQUANT || !is_panels(layers[e])))
+      return true;
   return false;
+}
+
+// The active experts' layers of GGUF blocks in panels.
+std::vector<const KQuantWeight*> active_panels(const LinearDesc* layers, const std::vector<int64_t>& start) {
+  std::vector<const KQuantWeight*> w;
+  for (size_t e = 0; e + 1 < start.size(); ++e)
+    if (start[e + 1] > start[e] && layers[e].kind == PAGEDLLM_LINEAR_KQUANT && is_panels(layers[e]))
+      w.push_back(static_cast<const KQuantWeight*>(layers[e].w));
+  return w;
 }
 
 }  // namespace
@@ -213,14 +239,16 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
   {
     const Acts a(xs.data(), H, R, H,
                  any_kind(m->gate_up, start, PAGEDLLM_LINEAR_W8A8) || any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q8A8),
-                 any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q4A8), any_kind(m->gate_up, start, PAGEDLLM_LINEAR_KQUANT));
+                 any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q4A8), any_kind(m->gate_up, start, PAGEDLLM_LINEAR_KQUANT),
+                 active_panels(m->gate_up, start));
     grouped_gemm(m->gate_up, start, a, h.data(), 2 * I);
   }
   silu_and_mul(h.data(), 2 * I, R, I);
   {
     const Acts a(h.data(), 2 * I, R, I,
                  any_kind(m->down, start, PAGEDLLM_LINEAR_W8A8) || any_kind(m->down, start, PAGEDLLM_LINEAR_Q8A8),
-                 any_kind(m->down, start, PAGEDLLM_LINEAR_Q4A8), any_kind(m->down, start, PAGEDLLM_LINEAR_KQUANT));
+                 any_kind(m->down, start, PAGEDLLM_LINEAR_Q4A8), any_kind(m->down, start, PAGEDLLM_LINEAR_KQUANT),
+                 active_panels(m->down, start));
     grouped_gemm(m->down, start, a, out.data(), H);
   }
 

@@ -50,6 +50,8 @@
 #define PAGEDLLM_KV_SCALE_BYTES 2
 /* Row blocks of other formats one K-quant weight may stack (a fused q/k/v). */
 #define PAGEDLLM_KQUANT_MAX_PARTS 4
+/* A KQuantPart type with this bit: its blocks are kquant_pack_panels' layout, not the file's. */
+#define PAGEDLLM_KQUANT_PANELS 256
 /* The largest summed LoRA rank of one projection's update (lora_sgmv). */
 #define PAGEDLLM_LORA_MAX_RANK 512
 /* Parts of one projection a LoRA update may have (a fused q/k/v: 3). */
@@ -74,7 +76,8 @@ typedef struct PagedllmLimits {
 } PagedllmLimits;
 
 /* `rows` consecutive rows of a weight, each kquant_row_bytes(type, K) bytes of GGUF blocks
- * exactly as the file stores them. */
+ * exactly as the file stores them; or, where type carries PAGEDLLM_KQUANT_PANELS, those rows
+ * repacked by kquant_pack_panels. */
 typedef struct KQuantPart {
   int64_t type;
   int64_t rows;
@@ -254,10 +257,18 @@ void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed, const uint16
  * the type or K (Q4_K, Q5_K, Q6_K: K a multiple of 256; Q8_0, Q5_0: of 64). */
 int64_t kquant_row_bytes(int64_t type, int64_t K);
 /* y [M, N] = x [M, K] (row stride ldx) w.T + bias (null or float32 [>= N]), x quantized to
- * int8 per row and group of 32 once per call. Returns -1 (nothing written) where a part's
- * type or K is not taken or the parts' rows do not add up to N. */
+ * int8 per row and group of 32 once per call; the parts all as stored or all in panels (then
+ * each row's bits do not depend on M). Returns -1 (nothing written) where a part's type or K
+ * is not taken, the parts mix the two layouts, or their rows do not add up to N. */
 int linear_kquant(const float* x, int64_t ldx, const KQuantWeight* w, const float* bias, float* y, int64_t M, int64_t N,
                   int64_t K);
+/* `rows` rows of GGUF blocks of type `type` (kquant_row_bytes(type, K) bytes each) -> the
+ * panels linear_kquant reads for every M where the part's type carries PAGEDLLM_KQUANT_PANELS
+ * (kquant_panels.h): kquant_panel_bytes(type, rows, K) bytes (the blocks of rows rounded up
+ * to 32). Returns -1 (nothing written) where that is 0, or a Q8_0 code is -128 and this
+ * library's int8 dot product cannot take it; else 0. */
+int64_t kquant_panel_bytes(int64_t type, int64_t rows, int64_t K);
+int kquant_pack_panels(int64_t type, const void* blocks, int64_t rows, int64_t K, void* out);
 /* out [R, K] float32 = the weights of rows[0..R) (null: rows 0..R-1) of a weight whose rows
  * are kquant_row_bytes(type, K) bytes of blocks; -1 (nothing written) where that is 0. */
 int kquant_dequantize(int64_t type, const void* blocks, const int64_t* rows, int64_t R, int64_t K, float* out);

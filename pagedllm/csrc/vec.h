@@ -45,6 +45,9 @@
 //           nibbles: a's 32 codes, then b's), shr_and(v, n, mask) (each byte (b >> n) & mask),
 //           shr_and_halves(v, lo, hi, mask) (bytes 0-31 shifted by lo, 32-63 by hi), shl_u8(v,
 //           n), or_u8, bits_to_bytes(bits, value) (byte i = value where bit i is set, else 0),
+//           dot_q4_bits(Q4W& w, lo, hi, value) (byte i of w's columns 0-15 gains value where bit
+//           i of lo is set, of 16-31 where bit i of hi is; those bytes have value's bits clear:
+//           the fifth and sixth bits of kquant_panels.h's codes),
 //           transpose_u32(v[16]) (16 x 16 32-bit words: word j of v[i] moves to word i of v[j]);
 //           shifts may move bits between the bytes of a 16-bit lane: a shr_and mask must be
 //           below 2^(8 - n), and shl_u8's bytes below 2^(8 - n). I32x16 dot_u8s8(acc, U8x64 w,

@@ -310,6 +310,11 @@ inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
           spread(_mm256_setr_epi64x(0x0404040404040404LL, 0x0505050505050505LL, 0x0606060606060606LL,
                                     0x0707070707070707LL))};
 }
+inline void dot_q4_bits(Q4W& w, uint64_t lo, uint64_t hi, uint8_t value) {
+  const U8x64 a = bits_to_bytes(lo, value), b = bits_to_bytes(hi, value);
+  w.lo0 = _mm256_or_si256(w.lo0, a.lo), w.lo1 = _mm256_or_si256(w.lo1, a.hi);
+  w.hi0 = _mm256_or_si256(w.hi0, b.lo), w.hi1 = _mm256_or_si256(w.hi1, b.hi);
+}
 inline F32x16 u8_f32(__m128i v) {  // 16 bytes widened to float
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
 }

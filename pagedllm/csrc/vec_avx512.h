@@ -200,6 +200,10 @@ inline U8x64 nibbles_2x16(const uint8_t* a, const uint8_t* b) {
   return {_mm512_and_si512(_mm512_srlv_epi16(xxyy, counts), _mm512_set1_epi8(0x0F))};
 }
 inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) { return {_mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(char(value)))}; }
+inline void dot_q4_bits(Q4W& w, uint64_t lo, uint64_t hi, uint8_t value) {
+  const __m512i v = _mm512_set1_epi8(char(value));
+  w.lo = _mm512_mask_add_epi8(w.lo, lo, w.lo, v), w.hi = _mm512_mask_add_epi8(w.hi, hi, w.hi, v);
+}
 inline void transpose_u32(U8x64 (&v)[16]) {
   __m512i t[16], s[16];
   for (int k = 0; k < 8; ++k) {  // per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3) of rows 2k, 2k + 1

@@ -282,6 +282,11 @@ inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
   }
   return r;
 }
+inline void dot_q4_bits(Q4W& w, uint64_t lo, uint64_t hi, uint8_t value) {
+  const U8x64 a = bits_to_bytes(lo, value), b = bits_to_bytes(hi, value);
+  for (int i = 0; i < 4; ++i)
+    w.lo[i] = vorrq_s8(w.lo[i], vreinterpretq_s8_u8(a.v[i])), w.hi[i] = vorrq_s8(w.hi[i], vreinterpretq_s8_u8(b.v[i]));
+}
 inline F32x16 u8_f32(uint8x16_t v) {  // 16 bytes widened to float
   const uint16x8_t lo = vmovl_u8(vget_low_u8(v)), hi = vmovl_high_u8(v);
   return {{vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))), vcvtq_f32_u32(vmovl_high_u16(lo)),

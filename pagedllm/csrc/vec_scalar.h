@@ -240,6 +240,9 @@ inline U8x64 bits_to_bytes(uint64_t bits, uint8_t value) {
   for (int i = 0; i < 64; ++i) r.b[i] = (bits >> i) & 1 ? value : 0;
   return r;
 }
+inline void dot_q4_bits(Q4W& w, uint64_t lo, uint64_t hi, uint8_t value) {
+  for (int i = 0; i < 64; ++i) w.lo[i] |= (lo >> i) & 1 ? value : 0, w.hi[i] |= (hi >> i) & 1 ? value : 0;
+}
 inline F32x16 load_u8_f32(const uint8_t* p) { return lanes([p](int i) { return float(p[i]); }); }
 inline F32x16 u8_f32(uint64_t lo, uint64_t hi) {
   return lanes([lo, hi](int i) { return float(((i < 8 ? lo : hi) >> (8 * (i % 8))) & 0xFF); });

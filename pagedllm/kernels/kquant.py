@@ -3,9 +3,10 @@ Q8_0 and Q5_0 blocks against float32 activations quantized to int8 on the fly.
 
 A ``StoredWeight`` is a weight [N, K] as one or more parts, each the file's blocks for some
 rows ([rows, row_bytes(qtype, K)] uint8), stacked along N: a fused q/k/v whose tensors the
-file stores in different formats stays one weight. ``linear`` is its GEMM (any M: a decode
-step reads each weight byte once; a fused MoE layer calls it per expert on that expert's
-tokens), ``linear_desc`` the same layer for the one-call decoder, ``dequantize`` rows of
+file stores in different formats stays one weight; ``panels`` repacks it into the GEMM's
+32-row panels (a ``PanelWeight``: the same bytes, rows batch-invariant). ``linear`` is the
+GEMM of either (any M: a decode step reads each weight byte once; a fused MoE layer calls
+it per expert on that expert's tokens, as stored), ``linear_desc`` the same layer for the one-call decoder, ``dequantize`` rows of
 one part's blocks as float32 (an embedding's lookup). Types are ggml's ids
 (``gguf.GGMLQuantizationType`` values).
 """
@@ -22,6 +23,7 @@ from pagedllm.kernels.library import native_library
 # The block formats the GEMM reads as stored, by ggml type id.
 TYPES = frozenset(abi.CONSTANTS[f"PAGEDLLM_GGML_{name}"] for name in ("Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 MAX_PARTS = abi.CONSTANTS["PAGEDLLM_KQUANT_MAX_PARTS"]
+PANELS = abi.CONSTANTS["PAGEDLLM_KQUANT_PANELS"]  # a part's type flag: its blocks repacked by ``panels``
 LINEAR_KQUANT = abi.CONSTANTS["PAGEDLLM_LINEAR_KQUANT"]
 _KQuantWeight, _LinearDesc = abi.STRUCTS["KQuantWeight"], abi.STRUCTS["LinearDesc"]
 
@@ -94,7 +96,52 @@ class StoredWeight:
         return torch.cat(out) if out else torch.empty(0, self.in_features)
 
 
-def linear(x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+class PanelWeight:
+    """A ``StoredWeight`` repacked into the GEMM's 32-row panels (``csrc/kquant_panels.h``):
+    the same bytes per weight, a row's result the same bits whatever the batch (every M runs
+    one tile), a decode step's few rows sharing each group's scaling. Build it with ``panels``.
+
+    Attributes:
+        parts: (ggml type id, packed uint8 [panel bytes], rows) triples; in_features,
+            out_features; ``desc`` the ``KQuantWeight`` the kernels read (types carrying
+            ``PANELS``), pointing into ``parts`` (kept alive here).
+    """
+
+    def __init__(self, parts: list[tuple[int, torch.Tensor, int]], in_features: int) -> None:
+        self.parts = parts
+        self.in_features = in_features
+        self.out_features = sum(rows for _, _, rows in parts)
+        self.desc = _KQuantWeight(num_parts=len(parts))
+        for slot, (qtype, packed, rows) in zip(self.desc.parts, parts):
+            slot.type, slot.rows, slot.blocks = qtype | PANELS, rows, packed.data_ptr()
+
+    def nbytes(self) -> int:
+        """Bytes of panels: what one pass over the weight reads."""
+        return sum(packed.nbytes for _, packed, _ in self.parts)
+
+
+def panels(weight: StoredWeight) -> PanelWeight | None:
+    """``weight`` repacked into panels, or None where this library's GEMM cannot take one of
+    its parts so (Q8_0 codes of -128 where its int8 dot product cannot negate them: kept as
+    stored). The blocks are copied; ``weight`` is unchanged.
+
+    Raises:
+        RuntimeError: no native library here.
+    """
+    lib = native_library()
+    if lib is None:
+        raise RuntimeError("no native kernels here (pagedllm/csrc did not build, or PAGEDLLM_DISABLE_NATIVE=1)")
+    parts = []
+    for qtype, blocks in weight.parts:
+        rows, k = blocks.shape[0], weight.in_features
+        packed = torch.empty(int(lib.kquant_panel_bytes(qtype, rows, k)), dtype=torch.uint8)
+        if lib.kquant_pack_panels(qtype, blocks.data_ptr(), rows, k, packed.data_ptr()) != 0:
+            return None
+        parts.append((qtype, packed, rows))
+    return PanelWeight(parts, weight.in_features)
+
+
+def linear(x: torch.Tensor, weight: StoredWeight | PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + bias``: x [M, in_features] float32 (rows at any stride) -> [M, out_features]
     float32, x quantized to int8 per row and group of 32 once per call.
 
@@ -118,11 +165,11 @@ def linear(x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = No
         x.data_ptr(), x.stride(0), ctypes.byref(weight.desc), _ptr_or_none(bias), y.data_ptr(), m, n, weight.in_features
     )
     if status != 0:
-        raise ValueError(f"the K-quant GEMM refused a weight of parts {[q for q, _ in weight.parts]}")
+        raise ValueError(f"the K-quant GEMM refused a weight of parts {[part[0] for part in weight.parts]}")
     return y
 
 
-def linear_desc(weight: StoredWeight, bias: torch.Tensor | None) -> ctypes.Structure:
+def linear_desc(weight: StoredWeight | PanelWeight, bias: torch.Tensor | None) -> ctypes.Structure:
     """The ``LinearDesc`` of a stored weight for the one-call decoder (``kernels.decoder.decode_layers``);
     the caller keeps ``weight`` and ``bias`` alive as long as it is used.
 

@@ -657,6 +657,19 @@ void test_kquant(int64_t M) {
     const int status = linear_kquant(x.data(), K, &kw, nullptr, y.data(), M, N, K);
     std::snprintf(name, sizeof name, "linear_kquant %s, %d rows", names[t], int(M));
     check(name, status == 0 ? max_error(y, ref) : 1e9f, 1e-4f);
+    // The same rows repacked into panels: within the same bound, and row by row (one at a time,
+    // the decode batch size) the bits of the stored blocks' prefill panels at 11 rows.
+    std::vector<uint8_t> panels(kquant_panel_bytes(type, N, K));
+    const int packed = kquant_pack_panels(type, w.data(), N, K, panels.data());
+    kw.parts[0].type = type | PAGEDLLM_KQUANT_PANELS, kw.parts[0].blocks = panels.data();
+    std::vector<float> yp(M * N);
+    for (int64_t m = 0; m < M; ++m) linear_kquant(x.data() + m * K, K, &kw, nullptr, yp.data() + m * N, 1, N, K);
+    std::snprintf(name, sizeof name, "linear_kquant %s panels, %d rows", names[t], int(M));
+    check(name, packed == 0 ? max_error(yp, ref) : 1e9f, 1e-4f);
+    if (M >= 8) {
+      std::snprintf(name, sizeof name, "linear_kquant %s panels = prefill panels", names[t]);
+      check(name, packed == 0 ? max_error(yp, y) : 1e9f, 0.f);
+    }
   }
 }
 
@@ -773,27 +786,43 @@ void test_moe_kquant() {
   }
   const MoeDesc m = {E, top, 0, H, I, {PAGEDLLM_LINEAR_F32, E, H, packed_router.data(), nullptr, nullptr},
                      gu_desc.data(), d_desc.data()};
-  std::vector<float> y(T * H), ref(T * H, 0.f), h(2 * I), out(H);
-  const int status = fused_moe(&m, x.data(), H, T, y.data());
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<double> logit(E), p(E);
-    double sum = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      for (int64_t k = 0; k < H; ++k) logit[e] += double(router[e * H + k]) * x[t * H + k];
+  // fused_moe against its experts one token at a time (the softmax in double).
+  auto check_experts = [&](const char* name) {
+    std::vector<float> y(T * H), ref(T * H, 0.f), h(2 * I), out(H);
+    const int status = fused_moe(&m, x.data(), H, T, y.data());
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> logit(E), p(E);
+      double sum = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        for (int64_t k = 0; k < H; ++k) logit[e] += double(router[e * H + k]) * x[t * H + k];
+      }
+      for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(logit[e]));
+      std::vector<int64_t> order = {0, 1, 2, 3};
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return logit[a] > logit[b]; });
+      std::sort(order.begin(), order.begin() + top);  // summed in ascending expert order
+      for (int64_t j = 0; j < top; ++j) {
+        const int64_t e = order[j];
+        linear_kquant(x.data() + t * H, H, &gu_w[e], nullptr, h.data(), 1, 2 * I, H);
+        silu_and_mul(h.data(), 2 * I, 1, I);
+        linear_kquant(h.data(), 2 * I, &d_w[e], nullptr, out.data(), 1, H, I);
+        for (int64_t n = 0; n < H; ++n) ref[t * H + n] += float(p[e] / sum) * out[n];
+      }
     }
-    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(logit[e]));
-    std::vector<int64_t> order = {0, 1, 2, 3};
-    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return logit[a] > logit[b]; });
-    std::sort(order.begin(), order.begin() + top);  // summed in ascending expert order
-    for (int64_t j = 0; j < top; ++j) {
-      const int64_t e = order[j];
-      linear_kquant(x.data() + t * H, H, &gu_w[e], nullptr, h.data(), 1, 2 * I, H);
-      silu_and_mul(h.data(), 2 * I, 1, I);
-      linear_kquant(h.data(), 2 * I, &d_w[e], nullptr, out.data(), 1, H, I);
-      for (int64_t n = 0; n < H; ++n) ref[t * H + n] += float(p[e] / sum) * out[n];
+    check(name, status == 0 ? max_error(y, ref) : 1e9f, 1e-4f);
+  };
+  check_experts("fused_moe GGUF-block experts");
+  // The same experts repacked into panels.
+  std::vector<std::vector<uint8_t>> packed;
+  auto repack = [&](KQuantWeight& w, int64_t K) {
+    for (int64_t p = 0; p < w.num_parts; ++p) {
+      KQuantPart& part = w.parts[p];
+      packed.emplace_back(kquant_panel_bytes(part.type, part.rows, K));
+      kquant_pack_panels(part.type, part.blocks, part.rows, K, packed.back().data());
+      part.type |= PAGEDLLM_KQUANT_PANELS, part.blocks = packed.back().data();
     }
-  }
-  check("fused_moe GGUF-block experts", status == 0 ? max_error(y, ref) : 1e9f, 1e-4f);
+  };
+  for (int64_t e = 0; e < E; ++e) repack(gu_w[e], H), repack(d_w[e], I);
+  check_experts("fused_moe GGUF-block experts in panels");
 }
 
 }  // namespace

@@ -200,12 +200,14 @@ def _require_native(mode: str) -> None:
 
 
 class KQuantLinear(QuantizedLinear):
-    """GGUF blocks as the file stores them (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0; the parts of a fused
-    layer each in its own format) against int8 activations: llama.cpp's Q4_K x Q8_K family on
-    our native kernel (``csrc/kquant.cpp``), reading exactly the file's bytes per weight.
-    Activations are quantized per row and group of 32 as W8A8Linear does. Buffers: each
-    part's blocks (``blocks0``, ...; uint8 [rows, row bytes]), the bias in float32, padded to
-    whole panels.
+    """GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0; the parts of a fused layer each in its own
+    format) against int8 activations: llama.cpp's Q4_K x Q8_K family on our native kernel
+    (``csrc/kquant.cpp``), reading exactly the file's bytes per weight. The blocks are
+    repacked at load into the GEMM's 32-row panels (``kernels.kquant.panels``: every M one
+    tile, so a row's logits do not depend on the batch), or kept as stored where this
+    library's int8 dot product cannot take them so (Q8_0 codes of -128 off VNNI). Activations
+    are quantized per row and group of 32 as W8A8Linear does. Buffers: each part's panels or
+    blocks (``blocks0``, ...; uint8), the bias in float32, padded to whole panels.
 
     Args:
         weight: the stored weight (``kernels.kquant.StoredWeight``).
@@ -218,9 +220,9 @@ class KQuantLinear(QuantizedLinear):
     def __init__(self, weight: kquant.StoredWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight.in_features, weight.out_features, None)
         _require_native("GGUF blocks as stored")
-        self.stored = weight
-        for i, (_, blocks) in enumerate(weight.parts):
-            self.register_buffer(f"blocks{i}", blocks)
+        self.stored = kquant.panels(weight) or weight
+        for i, part in enumerate(self.stored.parts):
+            self.register_buffer(f"blocks{i}", part[1])
         self.register_buffer("padded_bias", None if bias is None else pad_to_panels(bias.detach().float()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,8 +234,10 @@ class KQuantLinear(QuantizedLinear):
         return kquant.linear_desc(self.stored, self.padded_bias)
 
     def extra_repr(self) -> str:
-        types = ", ".join(f"{qtype}: {blocks.shape[0]} rows" for qtype, blocks in self.stored.parts)
-        return f"{super().extra_repr()}, ggml types {{{types}}}"
+        parts = self.stored.parts
+        types = ", ".join(f"{p[0]}: {p[2] if len(p) == 3 else p[1].shape[0]} rows" for p in parts)
+        layout = "panels" if isinstance(self.stored, kquant.PanelWeight) else "as stored"
+        return f"{super().extra_repr()}, ggml types {{{types}}} ({layout})"
 
 
 class Q8A8Linear(QuantizedLinear):
