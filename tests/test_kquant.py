@@ -157,7 +157,7 @@ def test_panels_are_the_prefill_panels_at_every_m(qtype: Q, native_isa: str) -> 
     up), a weight gives at every M, on every ISA, the bits the stored blocks' prefill panels
     give (M >= 8: the same codes, scales and tile), each row the same alone as in any batch:
     a request's logits do not move with the batch, a prefix hit or a chunk's length. Rows at
-    a stride, a bias, N not a multiple of 32."""
+    a stride, a bias, N not a multiple of 32, M on both sides of ``kExpandRows``."""
     n = 45
     for k in SIZES[qtype]:
         blocks = random_gguf_blocks(qtype, n, k, seed=k + 1)
@@ -167,11 +167,11 @@ def test_panels_are_the_prefill_panels_at_every_m(qtype: Q, native_isa: str) -> 
         packed = kquant.panels(stored)
         assert packed is not None and packed.nbytes() == 64 * blocks.shape[1]  # 45 rows -> 2 panels of 32
         bias = torch.randn(n)
-        x = (torch.randn(23, k + 3) * torch.linspace(0.1, 3, k + 3))[:, :k]
-        whole = kquant.linear(x, packed, bias)
-        assert torch.equal(whole, kquant.linear(x, stored, bias))  # 23 rows: the stored prefill panels
-        assert torch.equal(torch.cat([kquant.linear(x[i : i + 1], packed, bias) for i in range(23)]), whole)
-        for start, stop in ((0, 2), (3, 8), (5, 14)):
+        x = (torch.randn(61, k + 3) * torch.linspace(0.1, 3, k + 3))[:, :k]
+        whole = kquant.linear(x, packed, bias)  # 61 rows: bit planes decoded once, not per tile
+        assert torch.equal(whole, kquant.linear(x, stored, bias))  # the stored prefill panels
+        assert torch.equal(torch.cat([kquant.linear(x[i : i + 1], packed, bias) for i in range(61)]), whole)
+        for start, stop in ((0, 2), (3, 8), (5, 14), (7, 60)):
             assert torch.equal(kquant.linear(x[start:stop], packed, bias), whole[start:stop])
 
 

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> None:
     results: list[PerplexityResult] = []
     token_ids: list[int] = []
     for mode in modes:
-        lm_head = args.quantize_lm_head and mode != "none"
+        lm_head = bool(args.quantize_lm_head) and mode != "none"
         llm = LLM(**(kwargs | {"quantization": mode, "quantize_lm_head": lm_head}))
         if not token_ids:
             token_ids = llm.get_tokenizer().encode(text, add_special_tokens=False)

@@ -119,13 +119,13 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
 }
 
 // linear_kquant on a weight of panels (kquant_panels.h): threads split the 32-row panels of all
-// parts, each running R rows at a time over K once (rows in chunks whose codes fit in L2). One
+// parts, each running R rows at a time over K once (rows in chunks, panel_chunk_rows). One
 // tile for every M: a row's bits do not depend on the batch.
 void panels(const float* x, int64_t ldx, const KQuantWeight& w, const float* bias, float* y, int64_t M, int64_t N,
             int64_t K) {
   const PanelActs a(x, ldx, M, K, {&w});
   const std::vector<Span> spans = spans_of(w, PANEL);
-  const int64_t chunk = gemm::chunk_rows_i8(K / 4);
+  const int64_t chunk = panel_chunk_rows(M, K / 4);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
     par::parallel_for(static_cast<int64_t>(spans.size()), [&](int64_t i) {

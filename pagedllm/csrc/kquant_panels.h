@@ -187,6 +187,19 @@ struct PanelActs {
   }
 };
 
+// Rows of x from which a panel whose codes have bit planes is decoded to bytes once per call,
+// not in every tile (docs/benchmarks.md, session 32).
+inline constexpr int64_t kExpandRows = 48;
+
+// Rows per chunk of M (each panel runs over a chunk's rows before the next chunk): x's codes
+// in L2 (as linear_w8a8's), but at least 240 rows, over which a panel's decoding to bytes is
+// spread; M split into equal chunks, as many as the nearest whole number of those.
+inline int64_t panel_chunk_rows(int64_t M, int64_t kq) {
+  const int64_t target = std::max<int64_t>(gemm::chunk_rows_i8(kq), 240);
+  const int64_t chunks = std::max<int64_t>(1, (M + target / 2) / target);
+  return (M + chunks - 1) / chunks;
+}
+
 // y[(m0 + m) * ldy + sp.col + j] for m < rows, j < sp.n1 - sp.n0: rows [m0, m0 + rows) of a's x
 // times the panel of `part` (kquant_pack_panels' layout) holding rows [sp.n0, sp.n1), plus
 // bias[sp.col + j] where bias (added last, as rows_times_x adds it).
@@ -210,13 +223,30 @@ inline void panel_times_x(const KQuantPart& part, const Span& sp, int64_t K, con
     } else {
       const std::vector<float>& sums = F::kPieces == 2 ? a.xu.sum16 : a.xu.sum;
       const std::vector<int32_t>& csums = F::kPieces == 2 ? a.xu.csum16 : a.xu.csum;
-      const PackedPanel<F> src{blocks + panel * (K / PanelLayout<F>::kUnit) * unit_bytes<F>};
-      panel_rows<kGemmRowsQ4>(rows, [&](auto r, int64_t m) {
-        const int64_t row = (m0 + m) * G * F::kPieces;
-        tile_u8a8<decltype(r)::value, F::kPieces, F::kCodeMax, F::kCodeShift>(
-            a.xu.codes.data() + (m0 + m) * kq, kq, a.xu.scale.data() + (m0 + m) * G, sums.data() + row,
-            csums.data() + row, src, G, out + m * ldy, ldy, ncols);
-      });
+      const PackedPanel<F> packed{blocks + panel * (K / PanelLayout<F>::kUnit) * unit_bytes<F>};
+      auto run = [&](const auto& src) {
+        panel_rows<kGemmRowsQ4>(rows, [&](auto r, int64_t m) {
+          const int64_t row = (m0 + m) * G * F::kPieces;
+          tile_u8a8<decltype(r)::value, F::kPieces, F::kCodeMax, F::kCodeShift>(
+              a.xu.codes.data() + (m0 + m) * kq, kq, a.xu.scale.data() + (m0 + m) * G, sums.data() + row,
+              csums.data() + row, src, G, out + m * ldy, ldy, ncols);
+        });
+      };
+      if (PanelLayout<F>::kPlanes == 0 || rows < kExpandRows) return run(packed);
+      // Codes with bit planes, many rows: each tile would decode the planes again; decoded
+      // once into bytes and floats instead (the same codes and scales: the same bits).
+      thread_local std::vector<uint8_t> bytes;
+      thread_local std::vector<float> ws, off;
+      bytes.resize(static_cast<size_t>(K * PANEL));
+      ws.resize(static_cast<size_t>(G * F::kPieces * PANEL)), off.resize(ws.size());
+      for (int64_t q = 0; q < kq; ++q) store_q4w(bytes.data() + q * 4 * PANEL, packed.codes(q));
+      for (int64_t piece = 0; piece < G * F::kPieces; ++piece) {
+        F32x16 w[2], o[2] = {zero(), zero()};
+        packed.scales(piece, w, o);
+        for (int h = 0; h < 2; ++h)
+          store(ws.data() + piece * PANEL + 16 * h, w[h]), store(off.data() + piece * PANEL + 16 * h, o[h]);
+      }
+      run(BytePanel{bytes.data(), ws.data(), off.data()});
     }
   });
   if (bias)

@@ -158,7 +158,7 @@ void grouped_gemm(const LinearDesc* layers, const std::vector<int64_t>& start, c
       const bool panels = is_panels(l);
       const std::vector<kquant::Span> spans =
           kquant::spans_of(*static_cast<const KQuantWeight*>(l.w), panels ? kquant::PANEL : kquant::SPAN);
-      const int64_t chunk = panels ? chunk_rows_i8(a.kq) : kquant::chunk_rows(a.kqx.kp);
+      const int64_t chunk = panels ? kquant::panel_chunk_rows(count, a.kq) : kquant::chunk_rows(a.kqx.kp);
       for (int64_t r0 = 0; r0 < count; r0 += chunk)
         for (const kquant::Span& span : spans) items.push_back({e, start[e] + r0, std::min(chunk, count - r0), 0, span});
       continue;

@@ -38,7 +38,8 @@
 //           q4sum_add(acc, Q4Sum) (acc + the widened sums). Q4W dot_u8_load(128 bytes of codes
 //           in [0, 63], one per byte: byte i < 64 column i/4's code i%4, byte 64 + i column
 //           16 + i/4's) takes dot_q4 at most q4sum_steps(code max) times per Q4Sum (constexpr;
-//           >= 8 for codes <= 15)
+//           >= 8 for codes <= 15), store_q4w(128 bytes, Q4W) its inverse (a Q4W of such codes
+//           stored in that layout)
 //   GGUF    (the K-quant GEMM, kGemmRowsKQ rows per tile) U8x64, 64 bytes in order:
 //           load_u8x64, store_u8x64, load_2x32(a, b) (32 bytes of each), dup32(p) (the same 32
 //           bytes twice), nibbles_2x16(a, b) (16 bytes of each as their low then their high

@@ -227,6 +227,10 @@ inline Q4W dot_u8_load(const uint8_t* codes128) {
   auto at = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes128 + 32 * i)); };
   return {at(0), at(1), at(2), at(3)};
 }
+inline void store_q4w(uint8_t* codes128, const Q4W& w) {
+  const __m256i v[4] = {w.lo0, w.lo1, w.hi0, w.hi1};
+  for (int i = 0; i < 4; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes128 + 32 * i), v[i]);
+}
 struct DotQ4X { __m256i x; };  // the 4 s8 codes, in every lane
 inline DotQ4X dot_q4_prepare(const int32_t* quad) { return {_mm256_set1_epi32(*quad)}; }
 // A group's sums as int16 pairs (columns 0-7, 8-15): each vpmaddubsw pair of a code in

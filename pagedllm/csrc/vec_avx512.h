@@ -148,6 +148,7 @@ inline Q4W dot_q4_load(const uint8_t* nibbles64) {
   return {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
 }
 inline Q4W dot_u8_load(const uint8_t* codes128) { return {_mm512_loadu_si512(codes128), _mm512_loadu_si512(codes128 + 64)}; }
+inline void store_q4w(uint8_t* codes128, const Q4W& w) { _mm512_storeu_si512(codes128, w.lo), _mm512_storeu_si512(codes128 + 64, w.hi); }
 struct DotQ4X { __m512i x; };  // the 4 s8 codes, in every lane
 inline DotQ4X dot_q4_prepare(const int32_t* quad) { return {_mm512_set1_epi32(*quad)}; }
 #ifdef __AVX512VNNI__

@@ -219,6 +219,10 @@ inline Q4W dot_u8_load(const uint8_t* codes128) {  // codes <= 127 are valid s8
                               w.hi[i] = vld1q_s8(reinterpret_cast<const int8_t*>(codes128) + 64 + 16 * i);
   return w;
 }
+inline void store_q4w(uint8_t* codes128, const Q4W& w) {
+  for (int i = 0; i < 4; ++i) vst1q_s8(reinterpret_cast<int8_t*>(codes128) + 16 * i, w.lo[i]),
+                              vst1q_s8(reinterpret_cast<int8_t*>(codes128) + 64 + 16 * i, w.hi[i]);
+}
 using DotQ4X = DotX;
 inline DotQ4X dot_q4_prepare(const int32_t* quad) { return dot_prepare(quad); }
 using Q4Sum = I32x16;  // sdot (or the widening multiplies) sums into int32 directly

@@ -182,6 +182,7 @@ inline Q4W dot_u8_load(const uint8_t* codes128) {
   std::memcpy(w.lo, codes128, 64), std::memcpy(w.hi, codes128 + 64, 64);
   return w;
 }
+inline void store_q4w(uint8_t* codes128, const Q4W& w) { std::memcpy(codes128, w.lo, 64), std::memcpy(codes128 + 64, w.hi, 64); }
 using DotQ4X = DotX;
 inline DotQ4X dot_q4_prepare(const int32_t* quad) { return dot_prepare(quad); }
 using Q4Sum = I32x16;

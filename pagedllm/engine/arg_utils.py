@@ -174,8 +174,10 @@ class EngineArgs:
         "int8 activations in groups of 32, the lm_head w8a8) (default: as --dtype decides)",
     )
     quantization_group_size: int = _flag(32, "int4 group size for weights requantized from float: 32 | 64 | 128", type=int)
-    quantize_lm_head: bool = _flag(False, "quantize the lm_head too (tied embeddings: the lookup stays float)",
-                                   action="store_true")
+    quantize_lm_head: bool | None = _flag(
+        None, "quantize the lm_head too (tied embeddings: the lookup stays float) (default: as --dtype decides: "
+        "auto quantizes it)", action="store_true",
+    )
     tensor_parallel_size: int = _flag(
         1, "ranks splitting the model (Megatron-LM style, torch.distributed gloo); each pins its share of the cores",
         type=positive_int, short="-tp",
@@ -233,5 +235,9 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)})
 
     def kwargs(self) -> dict[str, Any]:
-        """``LLM(**kwargs)``."""
-        return dataclasses.asdict(self)
+        """``LLM(**kwargs)``: every field, but ``quantize_lm_head`` only where the flag was given
+        (a keyword given to ``LLM`` wins over what the dtype implies)."""
+        kwargs = dataclasses.asdict(self)
+        if kwargs["quantize_lm_head"] is None:
+            del kwargs["quantize_lm_head"]
+        return kwargs
