@@ -42,6 +42,11 @@ class ModelConfig:
     # original length set by the loaders), the base being ``rope_theta``; or a GGUF's
     # llama.cpp frequency factors (rope_type "freq_factors", layers/rotary.py). Empty: none.
     rope_scaling: dict[str, Any] = field(default_factory=dict)
+    # The leading dims of each q/k head RoPE rotates (partial rotary embeddings: HF's
+    # int(head_dim * partial_rotary_factor), Phi-4-mini's 96 of 128; a GGUF's
+    # rope.dimension_count), paired by rotate_half among themselves; the rest pass through
+    # unrotated. None: the whole head (``__post_init__`` sets head_dim).
+    rotary_dim: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
@@ -69,6 +74,17 @@ class ModelConfig:
     # max_new_tokens as max_tokens), applied as vLLM's ``--generation-config auto`` does: to the
     # fields a request leaves unset (max_tokens: a cap on every server request's output).
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Resolve ``rotary_dim``.
+
+        Raises:
+            ValueError: a rotary_dim that is odd, not positive or beyond head_dim.
+        """
+        if self.rotary_dim is None:
+            self.rotary_dim = self.head_dim
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"RoPE over {self.rotary_dim} dims of a {self.head_dim}-dim head: need an even count up to it")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether a layer's MLP is a mixture of experts."""

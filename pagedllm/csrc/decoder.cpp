@@ -70,6 +70,7 @@ constexpr int64_t kMlpRows = 256;
 bool supported(const DecoderDesc* m, int64_t P) {
   const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
   if (!head_dims::supported(D) || Hkv <= 0 || Hq % Hkv || Hq / Hkv > PAGEDLLM_MAX_GROUP) return false;
+  if (m->rotary_dim <= 0 || m->rotary_dim > D || m->rotary_dim % 2) return false;
   if (P > 0 && m->block_size > PAGEDLLM_MAX_PREFILL_BLOCK) return false;
   if (m->cache_kind < PAGEDLLM_CACHE_F32 || m->cache_kind > PAGEDLLM_CACHE_FP8) return false;
   for (int64_t i = 0; i < m->num_layers; ++i) {
@@ -123,7 +124,7 @@ inline void timed(const DecoderDesc* m, Part part, F f) {
 extern "C" {
 
 // The contract is pagedllm_abi.h's. Returns 0, or -1 with nothing written (an unknown
-// linear kind, group or table, an attention shape or block size the kernels lack).
+// linear kind, group or table, an attention shape, a rotary_dim or block size the kernels lack).
 int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_sin, const StepGroup* groups,
                   const int64_t* seq_lens, const int64_t* spans, int64_t T, int64_t B, int64_t P, float* out) {
   if (!supported(m, P)) return -1;
@@ -155,7 +156,9 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
       if (l.q_norm) norm_heads(qkv.data(), qkv_width, T, Hq, D, l.q_norm, m->eps);
       if (l.k_norm) norm_heads(qkv.data() + q_width, qkv_width, T, Hkv, D, l.k_norm, m->eps);
     });
-    timed(m, kRope, [&] { rotary_inplace(qkv.data(), qkv_width, cos_sin[l.rope], T, Hq + Hkv, D, l.qk_scale); });
+    timed(m, kRope, [&] {
+      rotary_inplace(qkv.data(), qkv_width, cos_sin[l.rope], T, Hq + Hkv, D, m->rotary_dim, l.qk_scale);
+    });
     timed(m, kKvWrite, [&] {
       write_kv_cache(int(m->cache_kind), qkv.data() + q_width, qkv.data() + q_width + kv_width, qkv_width,
                      l.k_cache, l.v_cache, g.slots, T, Hkv, D);

@@ -109,17 +109,19 @@ void add_rms_norm(const float* x, float* residual, const float* weight, float* o
 }
 
 // RoPE in place, GPT-NeoX / HF rotate_half layout (Su et al. 2021, "RoFormer", §3.4): x has
-// T rows (stride ldx) of `heads` heads of D floats; cos_sin: [T, 2, D], each token's cos and
-// sin with rotate_half's sign folded in (negated in the first half).
-// x1' = x1 cos + x2 sin_signed, x2' = x2 cos + x1 sin_signed, for the halves x1, x2 of a head;
-// then, with `scale` ([heads, D], or null: none), each head's values times its row of scale
-// (an int8 cache's query and key channel scales, layers/key_scales.py), as a second multiply.
-void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int64_t heads, int64_t D,
+// T rows (stride ldx) of `heads` heads of D floats, of which the leading R (even, at most D;
+// fewer with partial rotary embeddings) are rotated; cos_sin: [T, 2, R], each token's cos
+// and sin with rotate_half's sign folded in (negated in the first half).
+// x1' = x1 cos + x2 sin_signed, x2' = x2 cos + x1 sin_signed, for the halves x1, x2 of a
+// head's R rotated dims; its D - R others unchanged. Then, with `scale` ([heads, D], or null:
+// none), each head's values, all D, times its row of scale (an int8 cache's query and key
+// channel scales, layers/key_scales.py), as a second multiply.
+void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int64_t heads, int64_t D, int64_t R,
                     const float* scale) {
-  const int64_t half = D / 2;
+  const int64_t half = R / 2;
   par::parallel_for(T, [&](int64_t t) {
-    const float* c = cos_sin + t * 2 * D;
-    const float* s = c + D;
+    const float* c = cos_sin + t * 2 * R;
+    const float* s = c + R;
     for (int64_t h = 0; h < heads; ++h) {
       float* x1 = x + t * ldx + h * D;
       float* x2 = x1 + half;
@@ -135,6 +137,9 @@ void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int6
         store_first(x1 + i, y1, n);
         store_first(x2 + i, y2, n);
       }
+      if (scale)  // the unrotated dims: the multiply alone
+        for (int64_t i = R; i < D; i += 16)
+          store_first(x1 + i, mul(load_first(x1 + i, D - i), load_first(scale + h * D + i, D - i)), D - i);
     }
   }, kParallelRows);
 }

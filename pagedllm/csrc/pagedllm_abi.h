@@ -172,6 +172,7 @@ typedef struct DecoderDesc {
   int64_t num_heads;
   int64_t num_kv_heads;
   int64_t head_dim;
+  int64_t rotary_dim; /* RoPE's leading dims of each q/k head (cos_sin's width): even, at most head_dim */
   int64_t intermediate;
   int64_t block_size;
   int64_t cache_kind; /* PAGEDLLM_CACHE_* */
@@ -277,9 +278,10 @@ int kquant_dequantize(int64_t type, const void* blocks, const int64_t* rows, int
 
 /* residual [T, H] += x (x may be null); out = RMSNorm(residual) * weight. */
 void add_rms_norm(const float* x, float* residual, const float* weight, float* out, int64_t T, int64_t H, float eps);
-/* RoPE in place on T rows (stride ldx) of `heads` heads of D; cos_sin [T, 2, D]; then each
- * head times its row of scale [heads, D] (null: none). */
-void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int64_t heads, int64_t D,
+/* RoPE in place on the leading R dims (R even, at most D) of T rows (stride ldx) of `heads`
+ * heads of D, the rest unchanged; cos_sin [T, 2, R]; then each head times its row of scale
+ * [heads, D] (null: none). */
+void rotary_inplace(float* x, int64_t ldx, const float* cos_sin, int64_t T, int64_t heads, int64_t D, int64_t R,
                     const float* scale);
 /* gate_up: T rows (stride ld) of [gate I, up I]; gate <- act(gate) * up in place. */
 void silu_and_mul(float* gate_up, int64_t ld, int64_t T, int64_t I);
@@ -352,7 +354,7 @@ int lora_sgmv(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, con
 
 /* A step of T tokens: B decodes (one token each) first, then P requests of several tokens
  * (prefill chunks, speculative verification). stream [T, hidden]: embeddings in, residual
- * stream out; cos_sin: two [T, 2, D] tables (global, local); groups: one per KV cache group;
+ * stream out; cos_sin: two [T, 2, rotary_dim] tables (global, local); groups: one per KV cache group;
  * seq_lens [B]: the decodes' keys; spans [3, P]: per multi-token request its first row, its
  * row count and its keys after the step (null when P is 0); out [T, hidden]: the final norm's
  * output. */

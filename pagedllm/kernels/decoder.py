@@ -37,7 +37,7 @@ def decode_layers(
             where set, the step's LoRA updates (runs within the T tokens).
         stream: [T, hidden] float32, contiguous: the tokens' (scaled) embeddings; on return
             the residual stream (as the modules leave it).
-        cos_sin: the global and the local RoPE table's rows, each [T, 2, 1, head_dim] float32,
+        cos_sin: the global and the local RoPE table's rows, each [T, 2, 1, rotary_dim] float32,
             contiguous (``RotaryEmbedding.cos_sin[positions]``; the same tensor twice without
             sliding-window layers).
         slot_mappings: per KV cache group (``decoder.num_groups``), [T] int64.
@@ -56,13 +56,13 @@ def decode_layers(
     """
     lib = require()
     check_cpu(stream, *cos_sin)
-    t, h, d = stream.shape[0], decoder.hidden, decoder.head_dim
+    t, h, r = stream.shape[0], decoder.hidden, decoder.rotary_dim
     if stream.shape != (t, h) or stream.dtype != torch.float32 or not stream.is_contiguous():
         raise ValueError(f"stream: need contiguous float32 [T, {h}], got {stream.dtype} {list(stream.shape)}")
     for table in cos_sin:
-        if table.shape != (t, 2, 1, d) or table.dtype != torch.float32 or not table.is_contiguous():
+        if table.shape != (t, 2, 1, r) or table.dtype != torch.float32 or not table.is_contiguous():
             got = f"{table.dtype} {list(table.shape)}"
-            raise ValueError(f"cos_sin: need contiguous float32 [{t}, 2, 1, {d}], got {got}")
+            raise ValueError(f"cos_sin: need contiguous float32 [{t}, 2, 1, {r}], got {got}")
     b = 0 if seq_lens is None else seq_lens.shape[0]
     p = 0 if spans is None else spans.shape[-1]
     if b:
@@ -95,5 +95,7 @@ def decode_layers(
         t, b, p, ptr(out),
     )
     if status != 0:
-        raise ValueError("decode_layers refused the decoder (a linear kind, group, head shape or block size it lacks)")
+        raise ValueError(
+            "decode_layers refused the decoder (a linear kind, group, head shape, rotary_dim or block size it lacks)"
+        )
     return out

@@ -36,13 +36,14 @@ def add_rms_norm(x: torch.Tensor | None, stream: torch.Tensor, weight: torch.Ten
 
 
 def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-    """Rotate ``x`` in place by cos and signed sin (``RotaryEmbedding.forward``'s layout), then
-    multiply each head by its row of ``scale``.
+    """Rotate the leading R dims of each head of ``x`` in place by cos and signed sin
+    (``RotaryEmbedding.forward``'s layout; the other D - R dims unchanged), then multiply each
+    head by its row of ``scale``.
 
     Args:
         x: [T, heads, D] float32, heads contiguous (rows at any stride).
-        cos, sin: [T, 1, D] float32, the two halves of one [T, 2, D] buffer's rows (sin right
-            after cos).
+        cos, sin: [T, 1, R] float32, R even and at most D, the two halves of one [T, 2, R]
+            buffer's rows (sin right after cos).
         scale: [heads, D] float32, contiguous, or None (no multiply).
 
     Raises:
@@ -53,11 +54,12 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale:
     check_cpu(x, cos, sin)
     check_float32("rotary", x, cos, sin)
     t, heads, d = x.shape
+    r = cos.shape[-1]
     if x.stride(2) != 1 or x.stride(1) != d:
         raise ValueError(f"rotary: x's heads must be contiguous, got strides {x.stride()}")
     if (
-        cos.shape != (t, 1, d) or sin.shape != cos.shape or cos.stride(0) != 2 * d or cos.stride(-1) != 1
-        or sin.data_ptr() != cos.data_ptr() + d * cos.element_size()
+        r % 2 or r > d or cos.shape != (t, 1, r) or sin.shape != cos.shape or cos.stride(0) != 2 * r
+        or cos.stride(-1) != 1 or sin.data_ptr() != cos.data_ptr() + r * cos.element_size()
     ):
         raise ValueError(f"rotary: cos/sin {list(cos.shape)}, {list(sin.shape)} are not RotaryEmbedding's rows for x {list(x.shape)}")
     if scale is not None:
@@ -65,7 +67,7 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale:
         check_float32("rotary", scale, contiguous=True)
         if scale.shape != (heads, d):
             raise ValueError(f"rotary: scale must be [{heads}, {d}], got {list(scale.shape)}")
-    lib.rotary_inplace(ptr(x), x.stride(0), ptr(cos), t, heads, d, None if scale is None else ptr(scale))
+    lib.rotary_inplace(ptr(x), x.stride(0), ptr(cos), t, heads, d, r, None if scale is None else ptr(scale))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> None:

@@ -14,9 +14,11 @@ brings (prefix-cache hits and tensor-parallel ranks agree): for key channel c of
 whose attention input is ``RMSNorm(x) * g``,
 ``m_c^2 = (sum_j (W_k[c, j] g_j)^2 + b_c^2) * n_c^2``, the channel's expected square for
 unit-variance normalized inputs, with ``n`` the k_norm weight of layers that normalize each
-key head (Qwen3, Gemma 3; 1 without). RoPE rotates channel c with c + D/2, so both take their
-pair's ``sqrt(m_c^2 + m_{c+D/2}^2)``, and the factors commute with the rotation; then
-``s_c = pair_c ** ALPHA``, divided by the head's geometric mean so that they sit around 1.
+key head (Qwen3, Gemma 3; 1 without). RoPE over a head's leading R dims (R = D, or fewer with
+partial rotary embeddings) rotates channel c < R/2 with c + R/2, so both take their pair's
+``sqrt(m_c^2 + m_{c+R/2}^2)``, and the factors commute with the rotation; a channel past R
+keeps its own ``m_c``. Then ``s_c = (that size) ** ALPHA``, divided by the head's geometric
+mean of those sizes' powers (one per pair, one per unrotated channel) so that they sit around 1.
 A head's factors depend on its own rows only: a rank's heads get the whole model's.
 
 Applied to the int8 cache alone (``applies``): e4m3 codes carry a relative error of their
@@ -45,16 +47,19 @@ def key_scales(
     norm_weight: torch.Tensor,
     num_kv_heads: int,
     k_norm_weight: torch.Tensor | None = None,
+    rotary_dim: int | None = None,
 ) -> torch.Tensor:
     """The factors s [num_kv_heads, head_dim] float32 the keys are divided by (the module docstring's).
 
     Args:
         k_weight: [num_kv_heads * head_dim, hidden], the key rows of the projection (rows in
-            HF order: RoPE's halves are each head's first and second half of channels).
+            HF order: RoPE's halves are the first and second half of each head's leading
+            ``rotary_dim`` channels).
         k_bias: [num_kv_heads * head_dim] or None.
         norm_weight: [hidden], the RMSNorm weight the projection's input is scaled by.
         k_norm_weight: [head_dim], the per-head key RMSNorm's weight (as the model multiplies
             by it), or None.
+        rotary_dim: the channels RoPE rotates (``ModelConfig.rotary_dim``); None: the whole head.
     """
     w = k_weight.float() * norm_weight.float()
     m2 = w.square().sum(1)
@@ -63,11 +68,14 @@ def key_scales(
     m2 = m2.view(num_kv_heads, -1)
     if k_norm_weight is not None:
         m2 = m2 * k_norm_weight.float().square()
-    m2 = m2.view(num_kv_heads, 2, -1)
-    pair = (m2[:, 0] + m2[:, 1]).sqrt().clamp_min(torch.finfo(torch.float32).tiny)  # [Hkv, D / 2]
-    s = pair.pow(ALPHA)
+    r = rotary_dim or m2.shape[1]
+    rotated = m2[:, :r].reshape(num_kv_heads, 2, -1)
+    # [Hkv, R / 2 + D - R]: a squared size per rotated pair, then per unrotated channel.
+    sizes = torch.cat([rotated[:, 0] + rotated[:, 1], m2[:, r:]], 1)
+    s = sizes.sqrt().clamp_min(torch.finfo(torch.float32).tiny).pow(ALPHA)
     s = s / s.log().mean(1, keepdim=True).exp()
-    return torch.cat([s, s], 1).contiguous()
+    pairs = s[:, : r // 2]
+    return torch.cat([pairs, pairs, s[:, r // 2 :]], 1).contiguous()
 
 
 def qk_factors(scales: torch.Tensor, num_heads: int) -> torch.Tensor:

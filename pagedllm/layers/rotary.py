@@ -1,7 +1,9 @@
 """Rotary position embedding (Su et al. 2021) in the GPT-NeoX / HF ``rotate_half`` layout.
 
-The first and second halves of each head are the two coordinates of each rotated pair:
-``out = x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``.
+RoPE rotates the leading R dims of each head (``ModelConfig.rotary_dim``: the whole head, or
+fewer with partial rotary embeddings, as transformers' Phi-3), the first and second halves
+of those R the two coordinates of each rotated pair: ``out = x * cos + rotate_half(x) * sin``
+with ``rotate_half(x) = cat(-x2, x1)``; the head's dims past R pass through unchanged.
 """
 
 from __future__ import annotations
@@ -68,11 +70,13 @@ def scaled_context(max_position: int, scaling: dict[str, Any], architecture: str
 
 class _RopeConfig:
     """What transformers' ``ROPE_INIT_FUNCTIONS`` read of a model config (rope parameters
-    already standardized: ``rope_type``, ``rope_theta``, ``original_max_position_embeddings``)."""
+    already standardized: ``rope_type``, ``rope_theta``, ``original_max_position_embeddings``).
+    Its head is the rotated dims alone, without a ``partial_rotary_factor``: transformers'
+    ``int(head_dim * partial_rotary_factor)``, the dim every type computes from."""
 
-    def __init__(self, parameters: dict[str, Any], head_dim: int, max_position: int) -> None:
+    def __init__(self, parameters: dict[str, Any], rotary_dim: int, max_position: int) -> None:
         self.rope_parameters = parameters
-        self.head_dim, self.hidden_size, self.num_attention_heads = head_dim, head_dim, 1
+        self.head_dim, self.hidden_size, self.num_attention_heads = rotary_dim, rotary_dim, 1
         self.max_position_embeddings = max_position
 
     def standardize_rope_params(self) -> None:
@@ -80,11 +84,13 @@ class _RopeConfig:
 
 
 def rope_frequencies(
-    head_dim: int, base: float, max_position: int, scaling: dict[str, Any] | None = None,
+    rotary_dim: int, base: float, max_position: int, scaling: dict[str, Any] | None = None,
     max_model_len: int | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """RoPE's inverse frequencies [head_dim / 2] float32 and the factor cos and sin are
-    multiplied by (YaRN's and LongRoPE's attention factor; 1.0 otherwise).
+    """RoPE's inverse frequencies [rotary_dim / 2] float32 and the factor cos and sin are
+    multiplied by (YaRN's and LongRoPE's attention factor; 1.0 otherwise), for RoPE over
+    ``rotary_dim`` dims of each head (``ModelConfig.rotary_dim``: every type computes from
+    it as transformers does from ``int(head_dim * partial_rotary_factor)``).
 
     ``scaling``: transformers' rope parameters of a scaled RoPE (``rope_type`` one of
     ``ROPE_SCALING_TYPES``, its ``factor`` etc.; ``ModelConfig.rope_scaling``), computed by
@@ -112,7 +118,7 @@ def rope_frequencies(
         ValueError: a type not in ``ROPE_SCALING_TYPES``, one missing its keys, or longrope
             factors not one per rotated pair.
     """
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, device="cpu").float() / rotary_dim)
     if not scaling:
         return inv_freq, 1.0
     if scaling["rope_type"] == FREQ_FACTORS:
@@ -123,11 +129,11 @@ def rope_frequencies(
     rope_type, seq_len = scaling["rope_type"], None
     if rope_type == "longrope":
         seq_len = max_model_len or max_position
-        if any(len(scaling[key]) != head_dim // 2 for key in ("short_factor", "long_factor")):
-            raise ValueError(f"longrope needs one short_factor and one long_factor per rotated pair ({head_dim // 2})")
+        if any(len(scaling[key]) != rotary_dim // 2 for key in ("short_factor", "long_factor")):
+            raise ValueError(f"longrope needs one short_factor and one long_factor per rotated pair ({rotary_dim // 2})")
     elif rope_type == "dynamic":  # transformers' dynamic reads the original length here
         seq_len, max_position = max_position, scaling["original_max_position_embeddings"]
-    config = _RopeConfig({**scaling, "rope_theta": base}, head_dim, max_position)
+    config = _RopeConfig({**scaling, "rope_theta": base}, rotary_dim, max_position)
     with torch.device("cpu"):  # real values under the loader's torch.device("meta") too
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), seq_len=seq_len)
     return inv_freq.float(), float(attention_factor)
@@ -137,7 +143,7 @@ class RotaryEmbedding(nn.Module):
     """cos/sin for every position up to ``max_position``, computed once, looked up per step.
 
     Args:
-        head_dim: rotated dimension (the whole head).
+        rotary_dim: the rotated dims of each head (``ModelConfig.rotary_dim``).
         max_position: number of positions to precompute.
         base: RoPE theta.
         dtype: dtype of the cache (the model's dtype, as HF casts cos/sin to it).
@@ -147,23 +153,23 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(
-        self, head_dim: int, max_position: int, base: float, dtype: torch.dtype, scaling: dict[str, Any] | None = None,
+        self, rotary_dim: int, max_position: int, base: float, dtype: torch.dtype, scaling: dict[str, Any] | None = None,
         max_model_len: int | None = None,
     ) -> None:
         super().__init__()
         # Explicit CPU device: the loader builds the model under torch.device("meta"), and
         # this buffer is not in any checkpoint, so it must hold real values from the start.
-        inv_freq, attention_factor = rope_frequencies(head_dim, base, max_position, scaling, max_model_len)
-        freqs = torch.outer(torch.arange(max_position, device="cpu").float(), inv_freq).repeat(1, 2)  # [P, D]
-        cache = torch.stack([freqs.cos(), freqs.sin()], 1)  # [P, 2, D]
+        inv_freq, attention_factor = rope_frequencies(rotary_dim, base, max_position, scaling, max_model_len)
+        freqs = torch.outer(torch.arange(max_position, device="cpu").float(), inv_freq).repeat(1, 2)  # [P, R]
+        cache = torch.stack([freqs.cos(), freqs.sin()], 1)  # [P, 2, R]
         if attention_factor != 1.0:  # YaRN, LongRoPE: cos and sin scaled (transformers' attention_scaling)
             cache.mul_(attention_factor)
-        # Sign of rotate_half folded into sin: rotate_half(x) * sin == roll(x, D/2) * signed_sin.
-        cache[:, 1, : head_dim // 2].neg_()
-        self.register_buffer("cos_sin", cache.unsqueeze(2).to(dtype), persistent=False)  # [P, 2, 1, D]
+        # Sign of rotate_half folded into sin: rotate_half(x) * sin == roll(x, R/2) * signed_sin.
+        cache[:, 1, : rotary_dim // 2].neg_()
+        self.register_buffer("cos_sin", cache.unsqueeze(2).to(dtype), persistent=False)  # [P, 2, 1, R]
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin of each token's position: two [T, 1, head_dim] tensors.
+        """cos and signed sin of each token's position: two [T, 1, rotary_dim] tensors.
 
         Looked up once per step and shared by all layers.
         """
@@ -175,16 +181,21 @@ class ApplyRotary(CustomOp):
     """Rotate heads by the cos and signed sin of :meth:`RotaryEmbedding.forward`.
 
     Call: ``rotate(x, cos, sin, scale=None)`` for x [T, num_heads, head_dim] (q and k heads
-    together, heads contiguous, rows at any stride), cos, sin [T, 1, head_dim] and ``scale``
-    [num_heads, head_dim] float32 or None: each rotated head times its row (a second multiply;
-    an int8 cache's channel scales, ``layers/key_scales.py``). The native kernel rotates
-    float32 heads in place and returns x; PyTorch returns a new tensor.
+    together, heads contiguous, rows at any stride), cos, sin [T, 1, R] (R even, at most
+    head_dim: each head's leading R dims rotated, the rest passed through) and ``scale``
+    [num_heads, head_dim] float32 or None: each rotated head times its row, all head_dim of it
+    (a second multiply; an int8 cache's channel scales, ``layers/key_scales.py``). The native
+    kernel rotates float32 heads in place and returns x; PyTorch returns a new tensor.
     """
 
     def forward_native(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor | None = None
     ) -> torch.Tensor:
-        y = torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+        r = cos.shape[-1]
+        rotated = x[..., :r]
+        y = torch.addcmul(rotated * cos, rotated.roll(r // 2, -1), sin)
+        if r < x.shape[-1]:
+            y = torch.cat([y, x[..., r:]], -1)
         return y if scale is None else y.mul_(scale)
 
     def forward_cpu(

@@ -124,13 +124,13 @@ class Gemma3ForCausalLM(CausalLM):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None  # tied: quantize_model and the spec-decode code look for it
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, config.rope_scaling,
+            config.rotary_dim, config.max_position_embeddings, config.rope_theta, dtype, config.rope_scaling,
             max_model_len,
         )
         if any(layer.is_sliding for layer in self.layers):
             local_base = config.rope_local_theta or config.rope_theta
             self.rotary_emb_local = RotaryEmbedding(
-                config.head_dim, config.max_position_embeddings, local_base, dtype
+                config.rotary_dim, config.max_position_embeddings, local_base, dtype
             )
         self.requires_grad_(False)
 

@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
         self.tp = tp
         self.num_heads = shard.num_heads
         self.num_kv_heads = shard.num_kv_heads
-        self.head_dim = config.head_dim
+        self.head_dim, self.rotary_dim = config.head_dim, config.rotary_dim
         self.q_size = shard.num_heads * config.head_dim
         self.qk_size = self.q_size + shard.num_kv_heads * config.head_dim
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
@@ -84,7 +84,7 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """x: [T, hidden]; cos, sin: [T, 1, head_dim] (this layer's RoPE base). Returns [T, hidden]."""
+        """x: [T, hidden]; cos, sin: [T, 1, rotary_dim] (this layer's RoPE base). Returns [T, hidden]."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.q_norm is None:
@@ -108,7 +108,7 @@ class LlamaAttention(nn.Module):
         bias = self.qkv_proj.bias
         k_bias = None if bias is None else bias[self.q_size : self.qk_size]
         k_norm = None if self.k_norm is None else self.k_norm.weight
-        scales = key_scales(k_weight, k_bias, norm_weight, self.num_kv_heads, k_norm)
+        scales = key_scales(k_weight, k_bias, norm_weight, self.num_kv_heads, k_norm, self.rotary_dim)
         self.qk_scale = qk_factors(scales, self.num_heads)
 
     def qk_scale_for(self, cache_dtype: torch.dtype) -> torch.Tensor | None:
@@ -198,7 +198,7 @@ class LlamaForCausalLM(CausalLM):
             else nn.Linear(config.hidden_size, shard.vocab_rows, bias=False, dtype=dtype)
         )
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, config.rope_scaling,
+            config.rotary_dim, config.max_position_embeddings, config.rope_theta, dtype, config.rope_scaling,
             max_model_len,
         )
         self.requires_grad_(False)  # inference only: no autograd bookkeeping even outside inference_mode

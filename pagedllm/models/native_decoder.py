@@ -79,6 +79,7 @@ class NativeDecoder:
             num_heads=shard.num_heads,
             num_kv_heads=shard.num_kv_heads,
             head_dim=config.head_dim,
+            rotary_dim=config.rotary_dim,
             intermediate=shard.intermediate_size,
             gelu=int(type(model).NATIVE_GELU),
             eps=config.rms_norm_eps,
@@ -120,7 +121,7 @@ class NativeDecoder:
     ) -> torch.Tensor | None:
         """The model's forward for a step: ``stream`` [T, hidden] its (scaled) embeddings,
         ``cos_sin`` the global and local RoPE tables' rows for its positions ([T, 2, 1,
-        head_dim] each), ``lora`` the step's adapter runs (the model's LoRA layers'); the final
+        rotary_dim] each), ``lora`` the step's adapter runs (the model's LoRA layers'); the final
         hidden states, or None, with nothing computed, for a step the kernels cannot take
         (multi-token requests with blocks larger than ``kernels.attention.MAX_PREFILL_BLOCK``,
         caches they cannot read)."""

@@ -253,24 +253,31 @@ void test_elementwise() {
     add_rms_norm(x.data(), residual.data(), w.data(), out.data(), T, H, 1e-6f);
     check("add_rms_norm", std::fmax(max_error(out, ref), max_error(residual, r0)), 1e-5f);
   }
-  for (const bool scaled : {false, true}) {  // RoPE: 2 heads of D, rows of stride 2 D + 5; then a scale per channel
-    const int64_t heads = 2, ld = heads * D + 5;
-    auto x = rng.normals(T * ld);
-    const auto cs = rng.normals(T * 2 * D);
-    const auto scale = rng.normals(heads * D);
-    auto ref = x;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t i = 0; i < D / 2; ++i) {
-          const float* c = cs.data() + t * 2 * D;
-          const float a = x[t * ld + h * D + i], b = x[t * ld + h * D + D / 2 + i];
-          const float s1 = scaled ? scale[h * D + i] : 1.f, s2 = scaled ? scale[h * D + D / 2 + i] : 1.f;
-          ref[t * ld + h * D + i] = (a * c[i] + b * c[D + i]) * s1;
-          ref[t * ld + h * D + D / 2 + i] = (b * c[D / 2 + i] + a * c[D + D / 2 + i]) * s2;
+  // RoPE: 2 heads of D, rows of stride 2 D + 5, over all D or the leading R = 3 D / 4 (partial
+  // rotary: the other D - R unchanged); then a scale per channel, all D.
+  for (const int64_t R : {D, 3 * D / 4})
+    for (const bool scaled : {false, true}) {
+      const int64_t heads = 2, ld = heads * D + 5;
+      auto x = rng.normals(T * ld);
+      const auto cs = rng.normals(T * 2 * R);
+      const auto scale = rng.normals(heads * D);
+      auto ref = x;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          float* r = ref.data() + t * ld + h * D;
+          const float* c = cs.data() + t * 2 * R;
+          for (int64_t i = 0; i < R / 2; ++i) {
+            const float a = x[t * ld + h * D + i], b = x[t * ld + h * D + R / 2 + i];
+            r[i] = a * c[i] + b * c[R + i];
+            r[R / 2 + i] = b * c[R / 2 + i] + a * c[R + R / 2 + i];
+          }
+          for (int64_t i = 0; i < D && scaled; ++i) r[i] *= scale[h * D + i];
         }
-    rotary_inplace(x.data(), ld, cs.data(), T, heads, D, scaled ? scale.data() : nullptr);
-    check(scaled ? "rotary_inplace, scaled" : "rotary_inplace", max_error(x, ref), 1e-5f);
-  }
+      rotary_inplace(x.data(), ld, cs.data(), T, heads, D, R, scaled ? scale.data() : nullptr);
+      const char* names[2][2] = {{"rotary_inplace", "rotary_inplace, scaled"},
+                                 {"rotary_inplace, partial", "rotary_inplace, partial, scaled"}};
+      check(names[R < D][scaled], max_error(x, ref), 1e-5f);
+    }
   {  // SiLU-and-mul over rows of [gate (I), up (I)], I = 37
     const int64_t I = 37;
     auto g = rng.normals(T * 2 * I);
