@@ -256,8 +256,10 @@ def write_gguf(
     if head_dim != c.hidden_size // c.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if c.model_type == "phi3" and c.sliding_window:
-        writer.add_sliding_window(c.sliding_window)
+    if c.model_type == "phi3":  # its converter writes the rotated dims (partial rotary embeddings)
+        writer.add_rope_dimension_count(int(head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0)))
+        if c.sliding_window:
+            writer.add_sliding_window(c.sliding_window)
     if tokens:
         writer.add_token_list(tokens)
     _write_rope_scaling(writer, c.rope_parameters, head_dim, c.max_position_embeddings)

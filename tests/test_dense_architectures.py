@@ -98,20 +98,6 @@ def test_greedy_matches_transformers_with_chunks_and_prefix_hits(tiny) -> None:
     llm.shutdown()
 
 
-@pytest.mark.parametrize(
-    ("changes", "message"),
-    [
-        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
-         "partial rotary"),
-    ],
-)
-def test_phi3_features_it_does_not_compute_are_refused(changes, message, tmp_path, tokenizer_dir) -> None:
-    _checkpoint("phi3", tmp_path, tokenizer_dir)
-    edit_config(tmp_path, **changes)
-    with pytest.raises(ValueError, match=message):
-        load_config(resolve_model(str(tmp_path)))
-
-
 @pytest.mark.parametrize("act", ["gelu", "relu"])
 def test_activation_other_than_silu_is_refused(act: str, tmp_path: Path, tokenizer_dir: Path) -> None:
     """The model classes compute SiLU: another ``hidden_act`` is refused, not run as SiLU."""

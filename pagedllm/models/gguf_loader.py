@@ -95,9 +95,11 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
     """ModelConfig from the ``{arch}.*`` and ``tokenizer.ggml.*`` metadata.
 
     Raises:
-        ValueError: unsupported architecture, partial rotary, or RoPE scaling other than
-            linear, yarn, llama.cpp's frequency factors and Phi-3's LongRoPE factors
-            (``_rope_scaling``).
+        ValueError: unsupported architecture, partial rotary embeddings on an architecture
+            whose q/k rows llama.cpp permutes (``_PERMUTED_QK``; rope.dimension_count otherwise
+            is ``ModelConfig.rotary_dim``, llama.cpp's NEOX RoPE over the leading dims), or
+            RoPE scaling other than linear, yarn, llama.cpp's frequency factors and Phi-3's
+            LongRoPE factors (``_rope_scaling``).
     """
     md = f.metadata
     file_arch = md.get("general.architecture", "<missing>")
@@ -110,9 +112,13 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
 
     hidden, num_heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // num_heads))
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
-    rope_scaling = _rope_scaling(f, get, head_dim)
+    rotary_dim = int(get("rope.dimension_count", head_dim))
+    if rotary_dim != head_dim and arch in _PERMUTED_QK:
+        raise ValueError(
+            f"partial rotary embeddings (rope.dimension_count < head_dim) on {file_arch} files are not supported "
+            "(llama.cpp rotates their permuted q/k rows in pairs other than transformers')"
+        )
+    rope_scaling = _rope_scaling(f, get, rotary_dim)
     context = int(get("context_length"))
     eos = [int(md[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
     extra = _EXTRA_EOS.get(arch)
@@ -151,6 +157,7 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
+        rotary_dim=rotary_dim,
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
@@ -165,7 +172,7 @@ def gguf_config(f: GGUFFile, name: str = "") -> ModelConfig:
     )
 
 
-def _rope_scaling(f: GGUFFile, get: Callable[..., Any], head_dim: int) -> dict[str, Any]:
+def _rope_scaling(f: GGUFFile, get: Callable[..., Any], rotary_dim: int) -> dict[str, Any]:
     """``ModelConfig.rope_scaling`` of a GGUF, as llama.cpp reads it: a ``rope_freqs.weight``
     tensor (its converter's Llama 3.1 RoPE: each inverse frequency divided by its factor);
     ``rope_factors_long.weight`` and ``rope_factors_short.weight`` (Phi-3's longrope,
@@ -194,7 +201,7 @@ def _rope_scaling(f: GGUFFile, get: Callable[..., Any], head_dim: int) -> dict[s
     if tensors:
         if kind == "yarn" or factor != 1.0:
             raise ValueError(f"RoPE factors ({', '.join(tensors)}) with rope.scaling.{kind} are not supported")
-        return _rope_factors(f, get, head_dim, tensors)
+        return _rope_factors(f, get, rotary_dim, tensors)
     if kind != "yarn":
         return {} if factor == 1.0 else {"rope_type": "linear", "factor": factor}
     for key, values in _YARN_DEFAULTS.items():
@@ -212,7 +219,7 @@ def _rope_scaling(f: GGUFFile, get: Callable[..., Any], head_dim: int) -> dict[s
     return scaling
 
 
-def _rope_factors(f: GGUFFile, get: Callable[..., Any], head_dim: int, tensors: list[str]) -> dict[str, Any]:
+def _rope_factors(f: GGUFFile, get: Callable[..., Any], rotary_dim: int, tensors: list[str]) -> dict[str, Any]:
     """``_rope_scaling`` of a file with RoPE factor tensors (``tensors``, those it has):
     llama.cpp's frequency factors, or Phi-3's long and short LongRoPE factors with
     ``rope.scaling.original_context_length`` (default the context length) and
@@ -241,8 +248,8 @@ def _rope_factors(f: GGUFFile, get: Callable[..., Any], head_dim: int, tensors: 
         names = _LONGROPE
     for key, name in names.items():
         factors = f.dequantize(name, torch.float32).flatten()
-        if factors.numel() != head_dim // 2:
-            raise ValueError(f"{name} has {factors.numel()} factors, not one per rotated pair ({head_dim // 2})")
+        if factors.numel() != rotary_dim // 2:
+            raise ValueError(f"{name} has {factors.numel()} factors, not one per rotated pair ({rotary_dim // 2})")
         scaling[key] = factors.tolist()
     return scaling
 

@@ -28,6 +28,10 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 # (transformers' Mistral, Mixtral and Phi-3, llama.cpp's Phi-3; Qwen2/Qwen3 switch theirs on
 # with ``use_sliding_window``, which the loaders refuse).
 WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3"})
+# Architectures whose transformers model rotates only the leading partial_rotary_factor of
+# each head (Phi-3's apply_rotary_pos_emb; ``ModelConfig.rotary_dim``); the others' rotate the
+# whole head, and fail on a factor below 1: the HF loader refuses one for them.
+PARTIAL_ROTARY = frozenset({"phi3"})
 # Architectures with q/k head norms (``ModelConfig.qk_norm``).
 QK_NORM = frozenset({"qwen3", "qwen3_moe"})
 # Architectures whose ``attention_bias`` puts a bias on o_proj as well as on q/k/v (transformers'

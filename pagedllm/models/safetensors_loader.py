@@ -15,7 +15,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.errors import InvalidParamError
 from pagedllm.layers.rotary import check_rope_scaling, scaled_context
 from pagedllm.models.registry import (
-    O_PROJ_BIAS, QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture, gemma3_layer_types, mlp_activation,
+    O_PROJ_BIAS, PARTIAL_ROTARY, QK_NORM, WINDOW_ON_EVERY_LAYER, check_architecture, gemma3_layer_types, mlp_activation,
 )
 from pagedllm.sampling_params import SamplingParams
 
@@ -35,7 +35,8 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
     Raises:
         ValueError: unsupported architecture, RoPE scaling other than linear, llama3, yarn,
             longrope and dynamic (``layers.rotary.ROPE_SCALING_TYPES``; any on Gemma 3's
-            sliding layers), partial rotary embeddings, Qwen's ``use_sliding_window``, an MLP
+            sliding layers), partial rotary embeddings other than Phi-3's (``PARTIAL_ROTARY``;
+            an odd rotated count: ``ModelConfig``), Qwen's ``use_sliding_window``, an MLP
             bias, an o_proj bias (``attention_bias`` beyond Qwen2's q/k/v, ``O_PROJ_BIAS``), or
             an MLP activation other than the architecture's (``hidden_act``, Gemma 3's
             ``hidden_activation``).
@@ -56,9 +57,16 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
     if cfg.get("rope_scaling"):
         old = cfg["rope_scaling"]
         kinds["full_attention"] = kinds["full_attention"] | old if arch == "gemma3" else old
-    for kind in kinds.values():
-        if float(kind.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0) != 1.0:
-            raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+
+    def rotated(params: dict[str, Any]) -> float:
+        """A kind's partial_rotary_factor as transformers reads it: its parameters', else the top level's."""
+        return float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+
+    if arch not in PARTIAL_ROTARY and any(rotated(kind) != 1.0 for kind in kinds.values()):
+        raise ValueError(
+            f"partial rotary embeddings (partial_rotary_factor < 1) on {arch} are not supported "
+            f"(transformers' {arch} rotates the whole head; supported on {', '.join(sorted(PARTIAL_ROTARY))})"
+        )
     rope_scaling = _rope_scaling(kinds["full_attention"], cfg)
     if _rope_scaling(kinds.get("sliding_attention", {}), cfg):
         raise ValueError("RoPE scaling of the sliding-window layers is not supported")
@@ -74,6 +82,7 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
     generation = json.loads(gen_path.read_text()) if gen_path.exists() else {}
     eos = _ids(generation.get("eos_token_id")) or eos
     hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // num_heads
     full = kinds["full_attention"]
     extra: dict[str, Any] = {}
     if arch in WINDOW_ON_EVERY_LAYER and cfg.get("sliding_window"):
@@ -103,7 +112,8 @@ def hf_config(model_dir: Path, name: str = "") -> ModelConfig:
         num_layers=cfg["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or hidden // num_heads,
+        head_dim=head_dim,
+        rotary_dim=int(head_dim * rotated(full)),
         # transformers' defaults where neither is set: Gemma 3's global layers 1e6, else 1e4.
         rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1e6 if arch == "gemma3" else 10000.0))),
         rope_scaling=rope_scaling,
