@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -21,6 +22,17 @@ def native_isa(request: pytest.FixtureRequest) -> Iterator[str]:
     (skipped, quoting the compiler, where it does not build)."""
     with on_isa(request.param):
         yield request.param
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's tokenizer saved as a folder: the tokenizer of the tiny random-weight
+    checkpoints the model tests write beside it."""
+    from pagedllm.models.loader import load_tokenizer, resolve_model
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(resolve_model("smollm2")).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
+from pagedllm.models.loader import load_config, load_model, resolve_model
 from tests.models_util import (
     DENSE_COMMON, assert_greedy_matches, edit_config, prefill_logits, randomize_vectors, save_checkpoint,
     shared_prefix_prompts, write_gguf, write_q4_gguf,
@@ -41,12 +41,6 @@ HF_CLASSES = {
     "phi3": transformers.Phi3ForCausalLM,
 }
 
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(resolve_model("smollm2")).save_pretrained(path)
-    return path
 
 
 def _checkpoint(arch: str, path: Path, tokenizer_dir: Path, config=None) -> transformers.PreTrainedModel:

@@ -28,7 +28,7 @@ from pagedllm.layers.fused_moe import FusedMoE, route
 from pagedllm.layers.linear import PackedLinear
 from pagedllm.layers.quantization.linear import KQuantLinear, Q8A8Linear, W4A8Linear, W8A8Linear
 from pagedllm.layers.quantization.weights import quantize_q4a8
-from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
+from pagedllm.models.loader import load_config, load_model, resolve_model
 from pagedllm.models import gguf_file, gguf_loader, native_decoder
 from pagedllm.models.gguf_linears import gguf_linears
 from pagedllm.models.moe import MoEForCausalLM
@@ -66,12 +66,6 @@ CONFIG_CLASSES = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transform
 CONFIGS = {arch: lambda arch=arch, **changes: CONFIG_CLASSES[arch](**(COMMON | CONFIG_ARGS[arch] | changes)) for arch in CONFIG_ARGS}
 HF_CLASSES = {"qwen3_moe": transformers.Qwen3MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM}
 
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(resolve_model("smollm2")).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -21,7 +21,7 @@ from pagedllm.layers.key_scales import key_scales, qk_factors
 from pagedllm.layers.rotary import ApplyRotary, RotaryEmbedding
 from pagedllm.models.gguf_loader import gguf_config
 from pagedllm.models import native_decoder
-from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
+from pagedllm.models.loader import load_config, load_model, resolve_model
 from pagedllm.models.native_decoder import NativeDecoder
 from tests.models_util import (
     DENSE_COMMON, assert_greedy_matches, edit_config, prefill_logits, randomize_vectors, save_checkpoint,
@@ -62,12 +62,6 @@ def _whole_head(hf: transformers.Phi3ForCausalLM) -> transformers.Phi3ForCausalL
     whole.load_state_dict(hf.state_dict())
     return whole
 
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(resolve_model("smollm2")).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

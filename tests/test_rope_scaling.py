@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.models.loader import load_config, load_model, load_tokenizer, resolve_model
+from pagedllm.models.loader import load_config, load_model, resolve_model
 from tests.models_util import (
     DENSE_COMMON, assert_greedy_matches, edit_config, prefill_logits, randomize_vectors, save_checkpoint,
     shared_prefix_prompts, write_gguf,
@@ -20,12 +20,6 @@ from tests.models_util import (
 
 MAX_TOKENS = 16
 
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(resolve_model("smollm2")).save_pretrained(path)
-    return path
 
 
 @pytest.fixture
