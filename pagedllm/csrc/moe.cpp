@@ -18,7 +18,8 @@
 // expert's rows consecutive, in token order). The gate/up GEMM is then ONE parallel loop over
 // work items, each item one slice of one active expert's weight over a chunk of that expert's
 // rows (chunks sized so the rows' activations stay in L2): a 32-column panel for the packed
-// kinds, a span of 16 weight rows for GGUF blocks (kquant.h's unit). Items are claimed one at
+// kinds and GGUF blocks in panels (what the layers hold, kquant_panels.h), a span of 16 weight
+// rows for GGUF blocks as stored (kquant.h's unit). Items are claimed one at
 // a time by the thread team (parallel.h), so no thread owns an expert. The down GEMM is a
 // second such loop.
 //
@@ -26,11 +27,11 @@
 // intermediate I = 768, top-8 of 128) thus runs:
 //   1. the router GEMV [128, 2048] (float32, split over its 4 panels) and the top-8 choice;
 //   2. the token's row copied 8 times (one row per expert), each copy quantized per kind in use;
-//   3. one loop over 8 * 2I / 16 = 768 gate/up items of Q4_K (8 * 2I / 32 = 384 for packed
-//      kinds), each 16 rows x 2048 weights = 18 KiB of blocks;
+//   3. one loop over 8 * 2I / 32 = 384 gate/up items of Q4_K panels, each 32 rows x 2048
+//      weights = 36 KiB of blocks (768 items of 16 rows for blocks as stored);
 //   4. SiLU-and-mul on the 8 rows (one thread: under 64 rows), their quantization;
-//   5. one loop over 8 * H / 16 = 1024 down items (512 packed), each 16 rows x 768 weights
-//      (Q6_K: 9.8 KiB);
+//   5. one loop over 8 * H / 32 = 512 down items (1024 as stored), each 32 rows x 768 weights
+//      (Q6_K: 19.7 KiB);
 //   6. the weighted sum of the 8 rows into y.
 // With 16 threads each thread streams about 1/16 of the 8 experts' weights, each weight byte
 // read once, and the step waits on 2 parallel loops for the experts (plus the router's), not
