@@ -401,6 +401,27 @@ def test_commands_without_the_flag_keep_autos_quantized_lm_head() -> None:
             llm.shutdown()
 
 
+def test_bench_quant_and_perplexity_auto_runs_keep_autos_quantized_lm_head() -> None:
+    """``pagedllm bench quant``'s ``auto`` mode passed ``quantize_lm_head=False`` and ``bench
+    perplexity`` without ``--quantize-lm-head`` passed False too: both ran auto's lm_head in
+    float32, not as ``LLM(model)`` runs it. Where the dtype decides, the keyword is left out;
+    given, it is passed (never with mode none)."""
+    from pagedllm.bench import perplexity as perplexity_bench
+    from pagedllm.bench import quant as quant_bench
+    from pagedllm.platforms.cpu import dtype_settings
+
+    auto = quant_bench.mode_kwargs("auto")
+    assert "quantize_lm_head" not in auto and "quantize_lm_head" not in perplexity_bench.mode_kwargs(None, None)
+    assert quant_bench.mode_kwargs("w8a8+lm_head")["quantize_lm_head"] is True
+    assert quant_bench.mode_kwargs("w8a8")["quantize_lm_head"] is False
+    assert perplexity_bench.mode_kwargs("int8", True)["quantize_lm_head"] is True
+    assert perplexity_bench.mode_kwargs("none", True)["quantize_lm_head"] is False
+    if library.available():
+        settings = dtype_settings("auto", "auto", None)
+        assert (settings | auto)["quantize_lm_head"] is True  # as LLM merges them
+        assert (settings | perplexity_bench.mode_kwargs(None, None))["quantize_lm_head"] is True
+
+
 # --- perplexity -------------------------------------------------------------------------------
 
 

@@ -109,6 +109,16 @@ def quantization_modes(text: str) -> list[str]:
     return modes
 
 
+def mode_kwargs(mode: str | None, quantize_lm_head: bool | None) -> dict[str, object]:
+    """The ``LLM`` keywords of one run: quantization ``mode`` (None: as the dtype decides) with
+    the lm_head quantized where ``--quantize-lm-head`` was given and the mode quantizes; the
+    flag absent, ``quantize_lm_head`` is left out, so the dtype decides it (auto: quantized,
+    as ``LLM(model)`` runs it; a keyword given would win over the dtype)."""
+    if quantize_lm_head is None:
+        return {"quantization": mode}
+    return {"quantization": mode, "quantize_lm_head": quantize_lm_head and mode != "none"}
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--file", type=input_file, default=DEFAULT_TEXT, help="UTF-8 text (default: a shipped public-domain text)"
@@ -134,8 +144,7 @@ def run(args: argparse.Namespace) -> None:
     results: list[PerplexityResult] = []
     token_ids: list[int] = []
     for mode in modes:
-        lm_head = bool(args.quantize_lm_head) and mode != "none"
-        llm = LLM(**(kwargs | {"quantization": mode, "quantize_lm_head": lm_head}))
+        llm = LLM(**(kwargs | mode_kwargs(mode, args.quantize_lm_head)))
         if not token_ids:
             token_ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
         quant = llm.engine.core.config.quantization_config()  # what the engine resolved (dtype auto: w8a8)

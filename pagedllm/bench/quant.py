@@ -22,9 +22,9 @@ from pagedllm.engine.arg_utils import output_file, positive_int
 if TYPE_CHECKING:  # torch is imported where used: building the CLI parser stays light
     from torch import nn
 
-# Mode name -> (dtype, quantization, quantize_lm_head).
-MODES = {
-    "auto": ("auto", None, False),  # the default: float32 around w4a8 / w8a8 layers (lm_head too), bf16 K/V
+# Mode name -> (dtype, quantization, quantize_lm_head; None: as the dtype decides).
+MODES: dict[str, tuple[str, str | None, bool | None]] = {
+    "auto": ("auto", None, None),  # the default: float32 around w4a8 / w8a8 layers (lm_head too), bf16 K/V
     "fp32": ("float32", "none", False),
     "bf16": ("bfloat16", "none", False),
     "int8": ("bfloat16", "int8", False),
@@ -151,6 +151,14 @@ def _reference(results: list[QuantBenchResult]) -> QuantBenchResult | None:
     return next((r for r in results if r.label == "bf16"), None)
 
 
+def mode_kwargs(mode: str) -> dict[str, object]:
+    """The ``LLM`` keywords of a mode of ``MODES``: ``quantize_lm_head`` left out where the
+    dtype decides it (auto: a keyword given wins over the dtype, so False would run auto's
+    lm_head in float32, not as ``LLM(model)`` runs it)."""
+    dtype, quantization, lm_head = MODES[mode]
+    return {"dtype": dtype, "quantization": quantization} | ({} if lm_head is None else {"quantize_lm_head": lm_head})
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="auto,fp32,bf16,int8,int4,int4+lm_head,w8a8", help=f"comma list of {', '.join(MODES)}")
     parser.add_argument("--prompt-len", type=positive_int, default=64)
@@ -179,13 +187,13 @@ def run(args: argparse.Namespace) -> None:
     results: list[QuantBenchResult] = []
     prompts: list[list[int]] = []
     for mode in modes:
-        dtype, quantization, lm_head = MODES[mode]
-        llm = LLM(**(kwargs | {"dtype": dtype, "quantization": quantization, "quantize_lm_head": lm_head}))
+        _, quantization, lm_head = MODES[mode]
+        llm = LLM(**(kwargs | mode_kwargs(mode)))
         if not prompts:  # random tokens, the same for every mode
             vocab = llm.engine.core.model_config.vocab_size
             ids = torch.randint(0, vocab, (args.batch_size, args.prompt_len), generator=gen)
             prompts = ids.tolist()
-        quant = QuantizationConfig.parse(quantization, args.quantization_group_size, lm_head)
+        quant = QuantizationConfig.parse(quantization, args.quantization_group_size, bool(lm_head))
         label = mode if quant is None else quant.describe()
         results.append(bench_pagedllm(llm, label, prompts, args.output_len, args.repeats))
         print(results[-1].report(_reference(results)), flush=True)
