@@ -20,7 +20,6 @@
 #include <vector>
 
 #include "head_dims.h"
-#include "kquant_panels.h"
 #include "moe.h"
 #include "pagedllm_abi.h"
 
@@ -80,8 +79,8 @@ bool supported(const DecoderDesc* m, int64_t P) {
     for (const LinearDesc* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
       if (layer.moe && (l == &layer.gate_up || l == &layer.down)) continue;
       if (l->kind < PAGEDLLM_LINEAR_F32 || l->kind > PAGEDLLM_LINEAR_Q8A8) return false;
-      if (l->kind == PAGEDLLM_LINEAR_KQUANT && !kquant::fits(*static_cast<const KQuantWeight*>(l->w), l->n, l->k) &&
-          !kquant::fits_panels(*static_cast<const KQuantWeight*>(l->w), l->n, l->k))
+      const KQuantWeight* w = static_cast<const KQuantWeight*>(l->w);
+      if (l->kind == PAGEDLLM_LINEAR_KQUANT && !kquant::fits(*w, l->n, l->k) && !kquant::fits(*w, l->n, l->k, true))
         return false;
     }
   }

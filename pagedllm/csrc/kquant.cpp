@@ -168,7 +168,7 @@ int64_t kquant_row_bytes(int64_t type, int64_t K) { return row_bytes(type, K); }
 int linear_kquant(const float* x, int64_t ldx, const KQuantWeight* w, const float* bias, float* y, int64_t M, int64_t N,
                   int64_t K) {
   const bool as_stored = fits(*w, N, K);
-  if (!as_stored && !fits_panels(*w, N, K)) return -1;
+  if (!as_stored && !fits(*w, N, K, true)) return -1;
   if (M <= 0 || N == 0) return 0;
   if (!as_stored) return panels(x, ldx, *w, bias, y, M, N, K), 0;
   if (M >= PREFILL_ROWS) return prefill(x, ldx, *w, bias, y, M, N, K);

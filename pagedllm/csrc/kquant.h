@@ -269,13 +269,16 @@ template <class F, int R>
 }
 
 // Whether w is a weight [N, K] the GEMM takes: 1 to PAGEDLLM_KQUANT_MAX_PARTS parts, each of a
-// type it reads at this K, their rows adding up to N.
-inline bool fits(const KQuantWeight& w, int64_t N, int64_t K) {
+// type it reads at this K, all as stored or (`panels`) all carrying PAGEDLLM_KQUANT_PANELS
+// (kquant_panels.h's layout), their rows adding up to N.
+inline bool fits(const KQuantWeight& w, int64_t N, int64_t K, bool panels = false) {
   if (w.num_parts < 1 || w.num_parts > PAGEDLLM_KQUANT_MAX_PARTS) return false;
   int64_t rows = 0;
   for (int64_t p = 0; p < w.num_parts; ++p) {
     const KQuantPart& part = w.parts[p];
-    if (row_bytes(part.type, K) == 0 || part.rows < 0 || (part.rows > 0 && !part.blocks)) return false;
+    if ((part.type & PAGEDLLM_KQUANT_PANELS) != (panels ? PAGEDLLM_KQUANT_PANELS : 0) ||
+        row_bytes(part.type & ~PAGEDLLM_KQUANT_PANELS, K) == 0 || part.rows < 0 || (part.rows > 0 && !part.blocks))
+      return false;
     rows += part.rows;
   }
   return rows == N;

@@ -149,22 +149,6 @@ inline void pack_panel(const uint8_t* rows, int64_t rb, int64_t nrows, int64_t K
   }
 }
 
-// Whether every part of w carries PAGEDLLM_KQUANT_PANELS over a type and K the GEMM takes,
-// their rows adding up to N.
-inline bool fits_panels(const KQuantWeight& w, int64_t N, int64_t K) {
-  if (w.num_parts < 1 || w.num_parts > PAGEDLLM_KQUANT_MAX_PARTS) return false;
-  int64_t rows = 0;
-  for (int64_t p = 0; p < w.num_parts; ++p) {
-    const KQuantPart& part = w.parts[p];
-    if (!(part.type & PAGEDLLM_KQUANT_PANELS) || row_bytes(part.type & ~PAGEDLLM_KQUANT_PANELS, K) == 0 ||
-        part.rows < 0 || (part.rows > 0 && !part.blocks))
-      return false;
-    rows += part.rows;
-  }
-  return rows == N;
-}
-
-
 // Rows of x quantized for weights of panels: s8 codes (tile_w8a8's) where a part is Q8_0, codes
 // with their sums (tile_u8a8's; per half group too where a part has 16-weight pieces) where
 // another is; each empty where no part needs it.

@@ -5,19 +5,17 @@
 #include <stdint.h>
 
 #include "kquant.h"
-#include "kquant_panels.h"
 #include "pagedllm_abi.h"
 
 // Whether `m` is a block fused_moe runs: top_k in [1, num_experts], a float32 router of
 // [num_experts, hidden], and every expert's layers of a known kind and of their shapes (GGUF
-// blocks: of types and sizes the K-quant GEMM takes, as stored or in panels, kquant::fits
-// and kquant::fits_panels).
+// blocks: of types and sizes the K-quant GEMM takes, as stored or in panels, kquant::fits).
 inline bool moe_supported(const MoeDesc& m) {
   auto fits = [](const LinearDesc& l, int64_t n, int64_t k) {
     if (l.kind < PAGEDLLM_LINEAR_F32 || l.kind > PAGEDLLM_LINEAR_Q8A8 || l.n != n || l.k != k || !l.w) return false;
     if (l.kind != PAGEDLLM_LINEAR_KQUANT) return true;
     const KQuantWeight& w = *static_cast<const KQuantWeight*>(l.w);
-    return kquant::fits(w, n, k) || kquant::fits_panels(w, n, k);
+    return kquant::fits(w, n, k) || kquant::fits(w, n, k, true);
   };
   if (m.num_experts < 1 || m.top_k < 1 || m.top_k > m.num_experts || m.hidden < 1 || m.intermediate < 1) return false;
   if (m.router.kind != PAGEDLLM_LINEAR_F32 || !fits(m.router, m.num_experts, m.hidden)) return false;
