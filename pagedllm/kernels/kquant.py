@@ -5,10 +5,9 @@ A ``StoredWeight`` is a weight [N, K] as one or more parts, each the file's bloc
 rows ([rows, row_bytes(qtype, K)] uint8), stacked along N: a fused q/k/v whose tensors the
 file stores in different formats stays one weight; ``panels`` repacks it into the GEMM's
 32-row panels (a ``PanelWeight``: the same bytes, rows batch-invariant). ``linear`` is the
-GEMM of either (any M: a decode step reads each weight byte once; a fused MoE layer calls
-it per expert on that expert's tokens, as stored), ``linear_desc`` the same layer for the one-call decoder, ``dequantize`` rows of
-one part's blocks as float32 (an embedding's lookup). Types are ggml's ids
-(``gguf.GGMLQuantizationType`` values).
+GEMM of either (any M: a decode step reads each weight byte once), ``linear_desc`` the same
+layer for the one-call decoder, ``dequantize`` rows of one part's blocks as float32 (an
+embedding's lookup). Types are ggml's ids (``gguf.GGMLQuantizationType`` values).
 """
 
 from __future__ import annotations
@@ -170,7 +169,7 @@ def linear(x: torch.Tensor, weight: StoredWeight | PanelWeight, bias: torch.Tens
 
 
 def linear_desc(weight: StoredWeight | PanelWeight, bias: torch.Tensor | None) -> ctypes.Structure:
-    """The ``LinearDesc`` of a stored weight for the one-call decoder (``kernels.decoder.decode_layers``);
+    """The ``LinearDesc`` of a stored or panel weight for the one-call decoder (``kernels.decoder.decode_layers``);
     the caller keeps ``weight`` and ``bias`` alive as long as it is used.
 
     Raises:
