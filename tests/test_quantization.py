@@ -756,7 +756,7 @@ def test_auto_keeps_k_quants_as_stored(tiny_kquant_gguf, monkeypatch, caplog) ->
             # One-hot rows of x are quantized exactly (code 127): the GEMM gives each weight to a
             # few ulp of its terms (ws q and off, rounded apart).
             got = kquant.linear(torch.eye(stored.in_features), stored).T
-            expected = torch.cat([hf.model.layers[i].get_submodule(f"{fused.split('.')[0]}.{p}").weight for p in parts])
+            expected = torch.cat([hf.model.layers[i].get_submodule(f"{fused.split('.')[0]}.{p}").weight for p in parts]).detach()
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
     ids = list(range(1, 40))
     with torch.inference_mode():
