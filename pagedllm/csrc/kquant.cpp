@@ -30,32 +30,17 @@ using namespace kquant;
 namespace {
 
 // Rows of x from which the panel GEMM is the faster way (docs/benchmarks.md, int8 GEMMs).
-constexpr int64_t PREFILL_ROWS = 8, PREFILL_CHUNK = 240;
+constexpr int64_t PREFILL_ROWS = 8;
 
 int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bias, float* y, int64_t M, int64_t N,
             int64_t K) {
   using namespace gemm;
   static_assert(PANEL == NB, "a decoded panel is a packed GEMM panel");
-  bool signed_codes = false, unsigned_codes = false, halves = false;
-  for (int64_t p = 0; p < w.num_parts; ++p) {
-    if (w.parts[p].rows == 0) continue;
-    with_format(w.parts[p].type, [&](auto f) {
-      using F = decltype(f);
-      (F::kSigned ? signed_codes : unsigned_codes) = true;
-      halves |= F::kPieces == 2;
-    });
-  }
   const int64_t G = K / QG, kq = K / 4;
-  const QuantizedRows xs = signed_codes ? quantize_rows<false>(x, ldx, M, K) : QuantizedRows{};
-  const QuantizedRows xu = !unsigned_codes ? QuantizedRows{}
-                           : halves        ? quantize_rows<true, true>(x, ldx, M, K)
-                                           : quantize_rows<true>(x, ldx, M, K);
+  const PanelActs acts(x, ldx, M, K, {&w});
+  const QuantizedRows &xs = acts.xs, &xu = acts.xu;
   const std::vector<Span> panels = spans_of(w, PANEL);
-  // Rows per chunk: x's codes in L2 (as linear_w8a8), but at least PREFILL_CHUNK rows, over
-  // which each panel's unpacking is spread; M split into equal chunks, as many as the nearest
-  // whole number of those (a remainder of a few rows would pay a whole unpacking).
-  const int64_t target = std::max(chunk_rows_i8(kq), PREFILL_CHUNK);
-  const int64_t num_chunks = std::max<int64_t>(1, (M + target / 2) / target), chunk = (M + num_chunks - 1) / num_chunks;
+  const int64_t chunk = panel_chunk_rows(M, kq);  // each panel's unpacking spread over >= 240 rows
   const int64_t num_panels = static_cast<int64_t>(panels.size());
   // Panels with a Q8_0 code of -128, which the sign trick of the w8a8 dot product (AVX2,
   // AVX-512 without VNNI) cannot negate, where the codes are s8 (not kDotXSums): the decode

@@ -149,23 +149,25 @@ inline void pack_panel(const uint8_t* rows, int64_t rb, int64_t nrows, int64_t K
   }
 }
 
-// Rows of x quantized for weights of panels: s8 codes (tile_w8a8's) where a part is Q8_0, codes
+// Rows of x quantized for the panel tiles (weights in panels, and kquant.cpp's stored blocks
+// unpacked to panels): s8 codes (tile_w8a8's) where a part is Q8_0, codes
 // with their sums (tile_u8a8's; per half group too where a part has 16-weight pieces) where
 // another is; each empty where no part needs it.
 struct PanelActs {
   gemm::QuantizedRows xs, xu;
 
   PanelActs() = default;
-  // For the parts of the weights (their types carrying PAGEDLLM_KQUANT_PANELS).
+  // For the parts of the weights (as stored, or carrying PAGEDLLM_KQUANT_PANELS).
   PanelActs(const float* x, int64_t ldx, int64_t M, int64_t K, const std::vector<const KQuantWeight*>& weights) {
     bool signed_codes = false, unsigned_codes = false, halves = false;
     for (const KQuantWeight* w : weights)
       for (int64_t p = 0; p < w->num_parts; ++p)
-        with_format(w->parts[p].type & ~PAGEDLLM_KQUANT_PANELS, [&](auto f) {
-          using F = decltype(f);
-          (F::kSigned ? signed_codes : unsigned_codes) = true;
-          halves |= F::kPieces == 2;
-        });
+        if (w->parts[p].rows > 0)
+          with_format(w->parts[p].type & ~PAGEDLLM_KQUANT_PANELS, [&](auto f) {
+            using F = decltype(f);
+            (F::kSigned ? signed_codes : unsigned_codes) = true;
+            halves |= F::kPieces == 2;
+          });
     if (signed_codes) xs = gemm::quantize_rows<false>(x, ldx, M, K);
     if (unsigned_codes) xu = halves ? gemm::quantize_rows<true, true>(x, ldx, M, K) : gemm::quantize_rows<true>(x, ldx, M, K);
   }
