@@ -90,6 +90,25 @@ inline vec::F32x16 load16_scaled(const T* p, float s) {
   else return load16(p);
 }
 
+// Scores over an int8 cache are integer dot products of key codes with query codes: each
+// query head's D values times the softmax scale (x = q * scale) become D codes in [-127, 127],
+// code = x * (127 / max|x|) rounded to nearest even, and the returned code scale max|x| / 127
+// (0, with 0 codes, for a zero row); a score is then (codes . key codes) * code scale * the
+// key row's scale. D: a multiple of 16.
+template <int D>
+inline float quantize_query(const float* q, float scale, int8_t* codes) {
+  using namespace vec;
+  F32x16 x[D / 16], a = zero();
+  for (int c = 0; c < D / 16; ++c) {
+    x[c] = mul(load(q + 16 * c), set1(scale));
+    a = max(a, abs(x[c]));
+  }
+  const float amax = reduce_max(a);
+  const F32x16 inv = set1(amax > 0.f ? 127.f / amax : 0.f);
+  for (int c = 0; c < D / 16; ++c) store_i8(codes + 16 * c, round_i32(mul(x[c], inv)));
+  return amax / 127.f;
+}
+
 // fn(static_cast<T*>(nullptr)) with T the element type of `cache_kind`'s rows
 // (PAGEDLLM_CACHE_*: float, bfloat16 bits, int8, E4M3); -1 for any other kind.
 template <typename Fn>

@@ -80,6 +80,17 @@ def attention_in_bfloat16_pairs(cache_dtype: torch.dtype, block_size: int, decod
 
 
 @functools.cache
+def int8_cache_queries(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """The queries an int8 cache's scores take (csrc/kv_rows.h's ``quantize_query``), as
+    float32 values of q's shape [..., head_dim]: per head, x = q * scale as codes
+    x * (127 / max|x|) rounded to nearest even, times max|x| / 127, divided by scale again
+    (so that a caller scores them at ``scale`` as it would q)."""
+    x = q.float() * scale
+    amax = x.abs().amax(-1, keepdim=True)
+    codes = torch.where(amax > 0, x * torch.where(amax > 0, 127.0 / amax, 0.0), 0.0).round()
+    return codes * (amax / 127.0) / scale
+
+
 def _head_dims(lib: ctypes.CDLL) -> tuple[int, ...]:
     """The head sizes ``lib``'s attention kernels take (its ``pagedllm_limits()``)."""
     limits = lib.pagedllm_limits().contents
