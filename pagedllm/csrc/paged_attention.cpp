@@ -21,13 +21,20 @@
 //   softmax then works in place.
 // Scores and accumulators are float32 whatever the storage dtype (bfloat16 rows are widened
 // 16 values at a time; 8-bit codes too, unscaled: a key's scale multiplies its score once, a
-// value's its softmax weight, a tile's 16 scales as one vector), but for a bfloat16 cache on an
-// ISA that multiplies bfloat16 pairs (vec.h's kBf16Dot): there q.K takes the rows' consecutive
-// elements as stored against the queries rounded to bfloat16, and p.V two keys' elements
-// against their weights rounded (kPairs), with float32 sums. Written on the vector layer
-// (vec.h): one source for every ISA.
+// value's its softmax weight, a tile's 16 scales as one vector), with two exceptions:
+// - a bfloat16 cache on an ISA that multiplies bfloat16 pairs (vec.h's kBf16Dot): q.K takes
+//   the rows' consecutive elements as stored against the queries rounded to bfloat16, and p.V
+//   two keys' elements against their weights rounded (kPairs), with float32 sums;
+// - an int8 cache, on every ISA (kIntCodes): q.K is an integer dot product of the key's codes
+//   as stored with each query head's codes (kv::quantize_query), exact in int32, then times
+//   the query's code scale and the key's row scale; p.V too: per query head and tile, the
+//   weights times their value rows' scales become codes in [0, 127] (w * 127 / the tile's
+//   largest, rounded to nearest even) whose integer sums with the value codes, four keys per
+//   instruction, are added to the float32 accumulators times the tile's code scale.
+// Written on the vector layer (vec.h): one source for every ISA.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -62,41 +69,75 @@ inline void prefetch_row(const T* p) {
 template <typename T>
 inline constexpr bool kPairs = kBf16Dot && std::is_same_v<T, uint16_t>;
 
+// Whether q.K and p.V are integer dot products of codes (an int8 cache, every ISA): the key
+// row's D codes against the query head's (HeadState::q8), 64 at a time (vec.h's dot_s8); four
+// value rows' codes against their weights' (dot_u8s8). The accumulators then hold element
+// 64 k + 16 q + 4 m + i of a row in vector 4 k + m, lane 4 q + i (interleave_rows4's order):
+// store_values puts them back in order.
+template <typename T>
+inline constexpr bool kIntCodes = std::is_same_v<T, int8_t>;
+
+// One (request, KV head)'s attention state over keys [first, end) of its block table: the
+// G query heads (scaled), their running max (m, the same in every lane), lane-wise sums of
+// weights (l) and unnormalized weighted values (acc). G and D are compile-time constants, so
+// a KV head's queries and accumulators are fixed arrays of G x D/16 vectors: in registers
+// where they fit (AVX-512) and the state is a local, else the accumulators in register
+// blocks per tile (ValueBlocks).
+template <typename T, int D, int G>
+struct HeadState {
+  static constexpr int kI = kIntCodes<T> ? G : 1;  // room for int8 queries, where they are used
+  F32x16 q[G][D / 16], acc[G][D / 16], m[G], l[G];
+  BF16x32 qp[G][D / 32];  // q rounded to bfloat16 pairs, where kBf16Dot
+  alignas(64) int8_t q8[kI][D];  // kIntCodes: each query head's codes,
+  alignas(64) int32_t qsum[kI][D / 4];  // -128 times each quad of them summed (vec.h's kDotXSums),
+  float qs[kI];  // and their code scale
+};
+
 // scores[g] = q[g] . k for the N keys whose rows are at offsets rows[S0 .. S0 + N) in cache,
-// in the tree's layout for N (for N = 16: key s in lane s); q in float32, or qp in bfloat16
-// pairs where kPairs<T>. Depth first, so that only a few partial vectors are live at
-// once. With `ahead` (a later tile's row offsets, or null), each key's turn also asks for the
-// K and V rows of the key in its lane of that tile.
+// in the tree's layout for N (for N = 16: key s in lane s): st's q in float32, qp in bfloat16
+// pairs where kPairs<T>, the codes q8 where kIntCodes<T> (then the integer sums, unscaled,
+// exact in float32: |sum| <= D * 127 * 127 < 2^24). Depth first, so that only a few partial
+// vectors are live at once. With `ahead` (a later tile's row offsets, or null), each key's
+// turn also asks for the K and V rows of the key in its lane of that tile.
 template <int D, int G, int N, int S0 = 0, typename T>
-inline void tile_scores(const F32x16 (&q)[G][D / 16], const BF16x32 (&qp)[G][D / 32], const T* cache,
-                        const T* v_cache, const int64_t* rows, const int64_t* ahead, F32x16 (&scores)[G]) {
+inline void tile_scores(const HeadState<T, D, G>& st, const T* cache, const T* v_cache, const int64_t* rows,
+                        const int64_t* ahead, F32x16 (&scores)[G]) {
   if constexpr (N == 1) {
     if (ahead) {
       prefetch_row<D>(cache + ahead[S0]);
       prefetch_row<D>(v_cache + ahead[S0]);
     }
-    if constexpr (kPairs<T>) {
+    if constexpr (kIntCodes<T>) {
+      const uint8_t* row = reinterpret_cast<const uint8_t*>(cache + rows[S0]);
+      S8W k[D / 64];
+      for (int c = 0; c < D / 64; ++c) k[c] = prepare_s8(load_u8x64(row + 64 * c));
+      for (int g = 0; g < G; ++g) {
+        F32x16 d = to_f32(dot_s8(k[0], st.q8[g], st.qsum[g]));
+        for (int c = 1; c < D / 64; ++c) d = add(d, to_f32(dot_s8(k[c], st.q8[g] + 64 * c, st.qsum[g] + 16 * c)));
+        scores[g] = d;
+      }
+    } else if constexpr (kPairs<T>) {
       const uint32_t* row = reinterpret_cast<const uint32_t*>(cache + rows[S0]);
       BF16x32 k[D / 32];
       for (int c = 0; c < D / 32; ++c) k[c] = load_pairs(row + 16 * c);
       for (int g = 0; g < G; ++g) {
-        F32x16 d = dot_pairs(zero(), qp[g][0], k[0]);
-        for (int c = 1; c < D / 32; ++c) d = dot_pairs(d, qp[g][c], k[c]);
+        F32x16 d = dot_pairs(zero(), st.qp[g][0], k[0]);
+        for (int c = 1; c < D / 32; ++c) d = dot_pairs(d, st.qp[g][c], k[c]);
         scores[g] = d;
       }
     } else {
       F32x16 k[D / 16];
       load_row<D>(cache + rows[S0], k);
       for (int g = 0; g < G; ++g) {
-        F32x16 d = mul(q[g][0], k[0]);
-        for (int c = 1; c < D / 16; ++c) d = fma(q[g][c], k[c], d);
+        F32x16 d = mul(st.q[g][0], k[0]);
+        for (int c = 1; c < D / 16; ++c) d = fma(st.q[g][c], k[c], d);
         scores[g] = d;
       }
     }
   } else {
     F32x16 a[G], b[G];
-    tile_scores<D, G, N / 2, S0>(q, qp, cache, v_cache, rows, ahead, a);
-    tile_scores<D, G, N / 2, S0 + N / 2>(q, qp, cache, v_cache, rows, ahead, b);
+    tile_scores<D, G, N / 2, S0>(st, cache, v_cache, rows, ahead, a);
+    tile_scores<D, G, N / 2, S0 + N / 2>(st, cache, v_cache, rows, ahead, b);
     for (int g = 0; g < G; ++g) scores[g] = merge<N / 2>(a[g], b[g]);
   }
 }
@@ -129,6 +170,44 @@ template <int D, int G, typename T>
 inline void add_weighted_values(const T* v_cache, const int64_t* rows, int lo, int hi, const float (&p)[G][kTile],
                                 F32x16 (&acc)[G][D / 16]) {
   using B = ValueBlocks<D, G>;
+  if constexpr (kIntCodes<T>) {
+    // The tile's value rows, four keys at a time, in 64-element chunks (vt[quad][chunk]), and
+    // each head's weights as codes with one scale.
+    alignas(64) int8_t vt[kTile / 4][D / 64][4 * 64];
+    for (int qd = 0; qd < kTile / 4; ++qd)
+      for (int k = 0; k < D / 64; ++k) {
+        const int8_t* r[4];
+        for (int j = 0; j < 4; ++j) r[j] = v_cache + rows[4 * qd + j] + 64 * k;
+        interleave_rows4(r, vt[qd][k]);
+      }
+    alignas(64) int8_t pc[G][kTile];
+    float ps[G];
+    for (int g = 0; g < G; ++g) {
+      const F32x16 w = load(p[g]);
+      const float mx = reduce_max(w);
+      store_i8(pc[g], round_i32(mul(w, set1(mx > 0.f ? 127.f / mx : 0.f))));
+      ps[g] = mx / 127.f;
+    }
+    for (int c0 = 0; c0 < D / 16; c0 += B::kCols)
+      for (int g0 = 0; g0 < G; g0 += B::kHeads) {
+        constexpr int kH = B::kHeads, kC = B::kCols;
+        I32x16 a[kH][kC];
+        for (int g = 0; g < kH; ++g)
+          for (int c = 0; c < kC; ++c) a[g][c] = zero_i32();
+        for (int qd = 0; qd < kTile / 4; ++qd)
+          for (int g = 0; g < kH; ++g) {
+            if (g0 + g >= G) break;
+            uint32_t quad;
+            std::memcpy(&quad, pc[g0 + g] + 4 * qd, sizeof(quad));
+            const U8x64 w = splat_u32(quad);
+            for (int c = 0; c < kC; ++c) a[g][c] = dot_u8s8(a[g][c], w, vt[qd][(c0 + c) / 4] + 64 * ((c0 + c) % 4));
+          }
+        for (int g = 0; g < kH; ++g)
+          for (int c = 0; c < kC; ++c)
+            if (g0 + g < G) acc[g0 + g][c0 + c] = fma(to_f32(a[g][c]), set1(ps[g0 + g]), acc[g0 + g][c0 + c]);
+      }
+    return;
+  }
   [[maybe_unused]] alignas(64) uint32_t wp[kPairs<T> ? G : 1][kTile / 2];  // (p[g][2i], p[g][2i + 1]) rounded
   if constexpr (kPairs<T>)
     for (int g = 0; g < G; ++g) store_bf16_first(reinterpret_cast<uint16_t*>(wp[g]), load(p[g]), kTile);
@@ -174,21 +253,16 @@ inline void add_weighted_values(const T* v_cache, const int64_t* rows, int lo, i
 // batch or the team, so a request's output does not depend on what it is batched with.
 constexpr int64_t kPiece = 1024;
 
-// One (request, KV head)'s attention state over keys [first, end) of its block table: the
-// G query heads (scaled), their running max (m, the same in every lane), lane-wise sums of
-// weights (l) and unnormalized weighted values (acc). G and D are compile-time constants, so
-// a KV head's queries and accumulators are fixed arrays of G x D/16 vectors: in registers
-// where they fit (AVX-512) and the state is a local, else the accumulators in register
-// blocks per tile (ValueBlocks).
-template <int D, int G>
-struct HeadState {
-  F32x16 q[G][D / 16], acc[G][D / 16], m[G], l[G];
-  BF16x32 qp[G][D / 32];  // q rounded to bfloat16 pairs, where kBf16Dot
-};
-
-template <int D, int G>
-inline void start_head(const float* q, float scale, HeadState<D, G>& st) {
+template <typename T, int D, int G>
+inline void start_head(const float* q, float scale, HeadState<T, D, G>& st) {
   for (int g = 0; g < G; ++g) {
+    if constexpr (kIntCodes<T>) {
+      st.qs[g] = kv::quantize_query<D>(q + g * D, scale, st.q8[g]);
+      for (int i = 0; i < D / 4; ++i) {
+        const int8_t* quad = st.q8[g] + 4 * i;
+        st.qsum[g][i] = kDotXSums ? -128 * (quad[0] + quad[1] + quad[2] + quad[3]) : 0;
+      }
+    }
     load_row<D>(q + g * D, st.q[g]);
     for (int c = 0; c < D / 16; ++c) {
       st.q[g][c] = mul(st.q[g][c], set1(scale));
@@ -206,10 +280,10 @@ inline void start_head(const float* q, float scale, HeadState<D, G>& st) {
 // [first, end) get weight 0; ahead: a later tile's row offsets to prefetch, or null.
 template <typename T, int D, int G>
 inline void attend_tile(const T* k_cache, const T* v_cache, const int64_t* rows, const int64_t* ahead, int64_t t0,
-                        int64_t first, int64_t end, HeadState<D, G>& st) {
+                        int64_t first, int64_t end, HeadState<T, D, G>& st) {
   constexpr int ND = D / 16;
   F32x16 scores[G];
-  tile_scores<D, G, kTile>(st.q, st.qp, k_cache, v_cache, rows, ahead, scores);
+  tile_scores<D, G, kTile>(st, k_cache, v_cache, rows, ahead, scores);
   // 8-bit rows: the tile's 16 key scales multiply its scores (lane s: key s) and its 16
   // value scales the softmax weights, one vector multiply per query head each.
   F32x16 k_scales = set1(1.f), v_scales = set1(1.f);
@@ -223,7 +297,8 @@ inline void attend_tile(const T* k_cache, const T* v_cache, const int64_t* rows,
   const M16 valid = mask_range(lo, hi);
   alignas(64) float p[G][kTile];
   for (int g = 0; g < G; ++g) {
-    if constexpr (kv::kQuantized<T>) scores[g] = mul(scores[g], k_scales);
+    if constexpr (kIntCodes<T>) scores[g] = mul(scores[g], opaque(mul(k_scales, set1(st.qs[g]))));
+    else if constexpr (kv::kQuantized<T>) scores[g] = mul(scores[g], k_scales);
     // m holds the same value in every lane; the tile's max is taken only where it exceeds m.
     const F32x16 in_range = select(valid, scores[g], st.m[g]);
     if (any(gt(in_range, st.m[g]))) {  // a new running max: rescale the sums so far
@@ -285,10 +360,10 @@ inline void for_tiles(const int64_t* table, int64_t BS, int64_t stride, int64_t 
 // KV head h's attention over keys [first, end): its rows are h * RW into each slot.
 template <typename T, int D, int G>
 inline void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t BS,
-                   int64_t stride, int64_t h, float scale, int64_t first, int64_t end, HeadState<D, G>& r) {
+                   int64_t stride, int64_t h, float scale, int64_t first, int64_t end, HeadState<T, D, G>& r) {
   constexpr int64_t RW = kv::row_width<T>(D);  // elements of a head's row
-  HeadState<D, G> st;  // local, so that it stays in registers where it fits
-  start_head<D, G>(q, scale, st);
+  HeadState<T, D, G> st;  // local, so that it stays in registers where it fits
+  start_head<T, D, G>(q, scale, st);
   const T *kc = k_cache + h * RW, *vc = v_cache + h * RW;
   for_tiles(table, BS, stride, first, end, [&](int64_t t0, const int64_t* rows, const int64_t* ahead) {
     attend_tile<T, D, G>(kc, vc, rows, ahead, t0, first, end, st);
@@ -302,13 +377,29 @@ inline void attend(const float* q, const T* k_cache, const T* v_cache, const int
 // as in attend, so the results are the same bit for bit.
 template <typename T, int D, int G>
 inline void attend_heads(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t BS,
-                         int64_t Hkv, float scale, int64_t first, int64_t end, HeadState<D, G>* r) {
+                         int64_t Hkv, float scale, int64_t first, int64_t end, HeadState<T, D, G>* r) {
   constexpr int64_t RW = kv::row_width<T>(D);
-  for (int64_t h = 0; h < Hkv; ++h) start_head<D, G>(q + h * G * D, scale, r[h]);
+  for (int64_t h = 0; h < Hkv; ++h) start_head<T, D, G>(q + h * G * D, scale, r[h]);
   for_tiles(table, BS, Hkv * RW, first, end, [&](int64_t t0, const int64_t* rows, const int64_t* ahead) {
     for (int64_t h = 0; h < Hkv; ++h)
       attend_tile<T, D, G>(k_cache + h * RW, v_cache + h * RW, rows, ahead, t0, first, end, r[h]);
   });
+}
+
+// dst[0 .. D) = a row's accumulators times scale, in element order (kIntCodes' accumulators
+// keep them in interleave_rows4's order).
+template <typename T, int D>
+inline void store_values(float* dst, const F32x16 (&acc)[D / 16], F32x16 scale) {
+  if constexpr (kIntCodes<T>) {
+    alignas(64) float v[D];
+    for (int c = 0; c < D / 16; ++c) store(v + 16 * c, mul(acc[c], scale));
+    for (int k = 0; k < D / 64; ++k)
+      for (int m = 0; m < 4; ++m)
+        for (int q = 0; q < 4; ++q)
+          for (int i = 0; i < 4; ++i) dst[64 * k + 16 * q + 4 * m + i] = v[16 * (4 * k + m) + 4 * q + i];
+  } else {
+    for (int c = 0; c < D / 16; ++c) store(dst + 16 * c, mul(acc[c], scale));
+  }
 }
 
 template <typename T, int D, int G>
@@ -348,12 +439,10 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
   const int64_t* starts = item_start.data();
   float* slots = partials.data();
   // Head h of item's (request, piece), its state done: the output, or the piece's partial.
-  auto finish = [&](int64_t item, int64_t b, int64_t n, int64_t h, const HeadState<D, G>& r) {
+  auto finish = [&](int64_t item, int64_t b, int64_t n, int64_t h, const HeadState<T, D, G>& r) {
     if (n == 1) {
       for (int g = 0; g < G; ++g) {
-        const F32x16 inv = set1(1.f / reduce_add(r.l[g]));
-        float* dst = out + (b * Hq + h * G + g) * D;
-        for (int c = 0; c < ND; ++c) store(dst + 16 * c, mul(r.acc[g][c], inv));
+        store_values<T, D>(out + (b * Hq + h * G + g) * D, r.acc[g], set1(1.f / reduce_add(r.l[g])));
       }
       return;
     }
@@ -374,13 +463,13 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
     const int64_t lo = n == 1 ? f : i == 0 ? f : (piece0 + i) * kPiece;
     const int64_t hi = n == 1 ? S : i == n - 1 ? S : (piece0 + i + 1) * kPiece;
     if (fused) {
-      static thread_local std::vector<HeadState<D, G>> states;
+      static thread_local std::vector<HeadState<T, D, G>> states;
       states.resize(Hkv);
       attend_heads<T, D, G>(q + b * Hq * D, k_cache, v_cache, block_tables + b * max_blocks, BS, Hkv, scale, lo, hi,
                             states.data());
       for (int64_t k = 0; k < Hkv; ++k) finish(item + k, b, n, k, states[k]);
     } else {
-      HeadState<D, G> r;
+      HeadState<T, D, G> r;
       attend<T, D, G>(q + (b * Hq + h * G) * D, k_cache, v_cache, block_tables + b * max_blocks, BS, stride, h,
                       scale, lo, hi, r);
       finish(item, b, n, h, r);
@@ -404,9 +493,7 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
         l = fma(w, set1(slot[1]), l);
         for (int c = 0; c < ND; ++c) acc[c] = fma(w, load(slot + 2 + 16 * c), acc[c]);
       }
-      const F32x16 inv = div(set1(1.f), l);
-      float* dst = out + (b * Hq + h * G + g) * D;
-      for (int c = 0; c < ND; ++c) store(dst + 16 * c, mul(acc[c], inv));
+      store_values<T, D>(out + (b * Hq + h * G + g) * D, acc, div(set1(1.f), l));
     }
   }, 2, 1);
 }

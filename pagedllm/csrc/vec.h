@@ -57,6 +57,10 @@
 //           -128 included), then for each row of x (in [-127, 127]) I32x16 dot_s8(S8W, 64 s8 x,
 //           xsum128): lane l = sum_j w[4 l + j] x[4 l + j]; where kDotXSums, xsum128[l] = -128 *
 //           sum_j x[4 l + j] (kquant's quantize_rows computes it; the other ISAs ignore it).
+//           splat_u32(v) (v's 4 bytes in every 32-bit lane), interleave_rows4(r[4], out) (64
+//           bytes of each of 4 rows into 4 x 64 bytes: out[64 m + 16 q + 4 i + j] = r[j][16 q +
+//           4 m + i], the order x86's unpacks give per 16-byte quarter q; with dot_u8s8 over
+//           out + 64 m, lane 4 q + i of the sums takes element 16 q + 4 m + i of the rows),
 //           load_u8_f32 / load_s8_f32 (16 bytes widened to float), u8_f32(lo, hi) (the same
 //           from registers: the 8 bytes of uint64 lo, little-endian, then hi's), f16_pairs(p, stride, n)
 //           (lanes 2i and 2i + 1: the float16 at p + i * stride for i < n <= 8, 0 past n;
@@ -106,6 +110,15 @@ BF16x32 round_pairs(F32x16 lo, F32x16 hi);
 BF16x32 zip_bf16(const uint16_t* a, const uint16_t* b);
 F32x16 dot_pairs(F32x16 acc, BF16x32 a, BF16x32 b);
 #endif
+
+// v, as a value the compiler must take as it is: under -ffast-math it may regroup a chain of
+// products (a * b * c) differently where the same code is inlined twice, so that the same
+// inputs round differently; a product pinned by opaque is computed once, as written.
+template <typename V>
+inline V opaque(V v) {
+  __asm__("" : "+m"(v));
+  return v;
+}
 
 // exp(x) for x <= 0: 2^(x log2 e), the fraction by a degree-6 polynomial (relative error
 // < 2e-7); very negative x flush to 0 (2^-126 and below are never produced).

@@ -266,6 +266,21 @@ inline U8x64 dup32(const uint8_t* p) {
   const __m256i v = load256(p);
   return {v, v};
 }
+inline U8x64 splat_u32(uint32_t v) {
+  const __m256i x = _mm256_set1_epi32(int(v));
+  return {x, x};
+}
+inline void interleave_rows4(const int8_t* const r[4], int8_t* out) {
+  for (int h = 0; h < 2; ++h) {  // bytes 0-31, then 32-63: the same per 16-byte quarter
+    const auto at = [&](int j) { return load256(reinterpret_cast<const uint8_t*>(r[j]) + 32 * h); };
+    const __m256i a = at(0), b = at(1), c = at(2), d = at(3);
+    const __m256i ab_lo = _mm256_unpacklo_epi8(a, b), ab_hi = _mm256_unpackhi_epi8(a, b);
+    const __m256i cd_lo = _mm256_unpacklo_epi8(c, d), cd_hi = _mm256_unpackhi_epi8(c, d);
+    const __m256i parts[4] = {_mm256_unpacklo_epi16(ab_lo, cd_lo), _mm256_unpackhi_epi16(ab_lo, cd_lo),
+                              _mm256_unpacklo_epi16(ab_hi, cd_hi), _mm256_unpackhi_epi16(ab_hi, cd_hi)};
+    for (int m = 0; m < 4; ++m) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * m + 32 * h), parts[m]);
+  }
+}
 inline __m256i shr_and8(__m256i v, int n, uint8_t mask) {
   return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(char(mask)));
 }

@@ -184,6 +184,17 @@ inline U8x64 load_2x32(const uint8_t* a, const uint8_t* b) {
                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1)};
 }
 inline U8x64 dup32(const uint8_t* p) { return {_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+inline U8x64 splat_u32(uint32_t v) { return {_mm512_set1_epi32(int(v))}; }
+inline void interleave_rows4(const int8_t* const r[4], int8_t* out) {
+  const __m512i a = _mm512_loadu_si512(r[0]), b = _mm512_loadu_si512(r[1]);
+  const __m512i c = _mm512_loadu_si512(r[2]), d = _mm512_loadu_si512(r[3]);
+  const __m512i ab_lo = _mm512_unpacklo_epi8(a, b), ab_hi = _mm512_unpackhi_epi8(a, b);
+  const __m512i cd_lo = _mm512_unpacklo_epi8(c, d), cd_hi = _mm512_unpackhi_epi8(c, d);
+  _mm512_storeu_si512(out, _mm512_unpacklo_epi16(ab_lo, cd_lo));
+  _mm512_storeu_si512(out + 64, _mm512_unpackhi_epi16(ab_lo, cd_lo));
+  _mm512_storeu_si512(out + 128, _mm512_unpacklo_epi16(ab_hi, cd_hi));
+  _mm512_storeu_si512(out + 192, _mm512_unpackhi_epi16(ab_hi, cd_hi));
+}
 inline U8x64 shr_and_halves(U8x64 a, int lo, int hi, uint8_t mask) {
   const __m512i counts = _mm512_inserti64x4(_mm512_set1_epi16(short(lo)), _mm256_set1_epi16(short(hi)), 1);
   return {_mm512_and_si512(_mm512_srlv_epi16(a.v, counts), _mm512_set1_epi8(char(mask)))};

@@ -245,6 +245,21 @@ inline void store_u8x64(uint8_t* p, U8x64 a) {
 }
 inline U8x64 load_2x32(const uint8_t* a, const uint8_t* b) { return {{vld1q_u8(a), vld1q_u8(a + 16), vld1q_u8(b), vld1q_u8(b + 16)}}; }
 inline U8x64 dup32(const uint8_t* p) { return load_2x32(p, p); }
+inline U8x64 splat_u32(uint32_t v) {
+  const uint8x16_t x = vreinterpretq_u8_u32(vdupq_n_u32(v));
+  return {{x, x, x, x}};
+}
+inline void interleave_rows4(const int8_t* const r[4], int8_t* out) {
+  for (int q = 0; q < 4; ++q) {  // each 16-byte quarter, as x86's unpacks per 128-bit lane
+    const int8x16_t a = vld1q_s8(r[0] + 16 * q), b = vld1q_s8(r[1] + 16 * q);
+    const int8x16_t c = vld1q_s8(r[2] + 16 * q), d = vld1q_s8(r[3] + 16 * q);
+    const int16x8_t ab_lo = vreinterpretq_s16_s8(vzip1q_s8(a, b)), ab_hi = vreinterpretq_s16_s8(vzip2q_s8(a, b));
+    const int16x8_t cd_lo = vreinterpretq_s16_s8(vzip1q_s8(c, d)), cd_hi = vreinterpretq_s16_s8(vzip2q_s8(c, d));
+    const int16x8_t parts[4] = {vzip1q_s16(ab_lo, cd_lo), vzip2q_s16(ab_lo, cd_lo), vzip1q_s16(ab_hi, cd_hi),
+                                vzip2q_s16(ab_hi, cd_hi)};
+    for (int m = 0; m < 4; ++m) vst1q_s8(out + 64 * m + 16 * q, vreinterpretq_s8_s16(parts[m]));
+  }
+}
 inline U8x64 shr_and_halves(U8x64 a, int lo, int hi, uint8_t mask) {
   const int8x16_t slo = vdupq_n_s8(int8_t(-lo)), shi = vdupq_n_s8(int8_t(-hi));
   const uint8x16_t m = vdupq_n_u8(mask);

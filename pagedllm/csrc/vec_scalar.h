@@ -262,6 +262,17 @@ inline I32x16 dot_u8s8(I32x16 acc, const U8x64& w, const int8_t* x) {
     for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(w.b[4 * l + j]) * x[4 * l + j];
   return acc;
 }
+inline U8x64 splat_u32(uint32_t v) {
+  U8x64 r;
+  for (int i = 0; i < 64; ++i) r.b[i] = uint8_t(v >> (8 * (i % 4)));
+  return r;
+}
+inline void interleave_rows4(const int8_t* const r[4], int8_t* out) {
+  for (int m = 0; m < 4; ++m)
+    for (int q = 0; q < 4; ++q)
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) out[64 * m + 16 * q + 4 * i + j] = r[j][16 * q + 4 * m + i];
+}
 inline constexpr bool kDotXSums = false;
 using S8W = U8x64;
 inline S8W prepare_s8(const U8x64& w) { return w; }

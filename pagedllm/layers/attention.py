@@ -16,7 +16,8 @@ place through the block tables (``csrc/``) or PyTorch (``PagedAttention`` picks 
 An 8-bit cache (int8, float8_e4m3fn; rows of codes and a scale, ``core/kv_cache_config.py``)
 is quantized once, when this step's K/V are written, and read as stored on both paths: the
 PyTorch one dequantizes the rows it gathers (and reads a first chunk's K/V from the cache,
-as the kernels do, rather than the step's unquantized ones).
+as the kernels do, rather than the step's unquantized ones). Over an int8 cache the scores
+take the queries as int8 codes on both paths (``kernels.int8_cache_queries``).
 """
 
 from __future__ import annotations
@@ -331,6 +332,8 @@ def _decode_attention_torch(
     # [b, L, Hkv, D] -> [b, Hkv, L, D]; the G query heads of a KV head ride the query axis.
     keys = _cache_values(k_cache[tables].flatten(1, 2).transpose(1, 2), head_dim, q.dtype)
     values = _cache_values(v_cache[tables].flatten(1, 2).transpose(1, 2), head_dim, q.dtype)
+    if k_cache.dtype == torch.int8:  # scores of codes, as the kernels' (kernels.int8_cache_queries)
+        q = kernels.int8_cache_queries(q, scale).to(q.dtype)
     query = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # The padding mask (keys past each request's length), built on first use by this fallback only.
     mask = meta.window_masks.get((-1, window))
