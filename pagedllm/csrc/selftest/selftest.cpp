@@ -484,6 +484,42 @@ float from_row8(int kind, const int8_t* row, int64_t D, int64_t d) {
   return (kind == PAGEDLLM_CACHE_INT8 ? float(row[d]) : from_e4m3(uint8_t(row[d]))) * row8_scale(row, D);
 }
 
+// Decode (one query at position S - 1) over an int8 cache as the kernels compute it
+// (paged_attention.cpp's kIntCodes): each query head's x = q * scale scored as codes
+// round(x * 127 / max|x|) times max|x| / 127; per tile of 16 positions from a multiple of 16,
+// the weights times the value rows' scales (vs, [S, Hkv]) as codes in [0, 127] (w * 127 / the
+// tile's largest, rounded) against the value codes (vq, [S, Hkv, D]), times the largest / 127.
+void decode_reference_int8(const float* q, const std::vector<float>& k, const std::vector<float>& vq,
+                           const std::vector<float>& vs, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                           int64_t window, float* out) {
+  const int64_t first = window > 0 && S > window ? S - window : 0;
+  for (int64_t h = 0; h < Hq; ++h) {
+    const int64_t kh = h / (Hq / Hkv);
+    std::vector<float> x(D);
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) x[d] = q[h * D + d] * scale, amax = std::fmax(amax, std::fabs(x[d]));
+    for (int64_t d = 0; d < D; ++d) x[d] = amax > 0.f ? std::nearbyint(x[d] * (127.f / amax)) * (amax / 127.f) : 0.f;
+    std::vector<double> e(S, 0.0);
+    double mx = -1e300, sum = 0;
+    for (int64_t j = first; j < S; ++j) {
+      double s = 0;
+      for (int64_t d = 0; d < D; ++d) s += double(x[d]) * k[(j * Hkv + kh) * D + d];
+      e[j] = s, mx = std::fmax(mx, s);
+    }
+    for (int64_t j = first; j < S; ++j) e[j] = std::exp(e[j] - mx), sum += e[j];
+    std::vector<double> o(D, 0.0);
+    for (int64_t t0 = first - first % 16; t0 < S; t0 += 16) {
+      double top = 0;
+      for (int64_t j = std::max(t0, first); j < std::min(t0 + 16, S); ++j) top = std::fmax(top, e[j] * vs[j * Hkv + kh]);
+      for (int64_t j = std::max(t0, first); j < std::min(t0 + 16, S); ++j) {
+        const double w = top > 0 ? std::nearbyint(e[j] * vs[j * Hkv + kh] * 127.0 / top) * top / 127.0 : 0.0;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * vq[(j * Hkv + kh) * D + d];
+      }
+    }
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = float(o[d] / sum);
+  }
+}
+
 // 8-bit caches: K/V written by write_kv_cache (checked against the inputs at the code's
 // rounding), then the decode and prefill attention against the reference over the K/V as
 // stored; and every e4m3 code read back through a one-key prefill (its output is V's row).
@@ -534,7 +570,18 @@ void test_attention_8bit(int kind, int64_t window) {
     const int64_t bt[3] = {table[0][0], table[0][1], table[0][2]}, sl[1] = {S[0]};
     const int status = (kind == PAGEDLLM_CACHE_INT8 ? paged_decode_attention_int8 : paged_decode_attention_fp8)(
         q.data(), kc.data(), vc.data(), bt, 3, sl, out.data(), 1, Hq, Hkv, D, BS, scale, window);
-    attention_reference(q.data(), kd[0], vd[0], 1, S[0], Hq, Hkv, D, scale, window, ref.data());
+    if (kind == PAGEDLLM_CACHE_INT8) {
+      std::vector<float> vq(vd[0].size()), vs(S[0] * Hkv);
+      for (int64_t j = 0; j < S[0]; ++j)
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const int8_t* vrow = vc.data() + ((table[0][j / BS] * BS + j % BS) * Hkv + h) * RW;
+          vs[j * Hkv + h] = row8_scale(vrow, D);
+          for (int64_t d = 0; d < D; ++d) vq[(j * Hkv + h) * D + d] = float(vrow[d]);
+        }
+      decode_reference_int8(q.data(), kd[0], vq, vs, S[0], Hq, Hkv, D, scale, window, ref.data());
+    } else {
+      attention_reference(q.data(), kd[0], vd[0], 1, S[0], Hq, Hkv, D, scale, window, ref.data());
+    }
     std::snprintf(name, sizeof(name), "decode attention %s window %lld", kname, (long long)window);
     check(name, status == 0 ? max_error(out, ref) : 1e9f, 1e-4f);
   }
