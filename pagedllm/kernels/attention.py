@@ -79,7 +79,6 @@ def attention_in_bfloat16_pairs(cache_dtype: torch.dtype, block_size: int, decod
     return cache_dtype == torch.bfloat16 if decode else cache_dtype != torch.float32 and block_size % 2 == 0
 
 
-@functools.cache
 def int8_cache_queries(q: torch.Tensor, scale: float) -> torch.Tensor:
     """The queries an int8 cache's scores take (csrc/kv_rows.h's ``quantize_query``), as
     float32 values of q's shape [..., head_dim]: per head, x = q * scale as codes
@@ -91,6 +90,7 @@ def int8_cache_queries(q: torch.Tensor, scale: float) -> torch.Tensor:
     return codes * (amax / 127.0) / scale
 
 
+@functools.cache
 def _head_dims(lib: ctypes.CDLL) -> tuple[int, ...]:
     """The head sizes ``lib``'s attention kernels take (its ``pagedllm_limits()``)."""
     limits = lib.pagedllm_limits().contents
