@@ -150,7 +150,8 @@ def _dense(q, k, v, scale, window):
 @pytest.mark.parametrize("backend", [*ISAS, "torch"])
 def test_attention_reads_the_cache_as_stored(backend: str, dtype: torch.dtype, window: int) -> None:
     """Decode and (chunked) prefill attention over an 8-bit cache equal the float32 reference
-    over the dequantized rows (float32 rounding only). Holes in the tables are never read by
+    over the dequantized rows (float32 rounding only; prefill over int8 on the queries it
+    scores, ``kernels.int8_cache_queries``). Holes in the tables are never read by
     the kernels (NaN there would show), never attended by PyTorch (which gathers them: 1e4)."""
     poison = 1e4 if backend == "torch" else float("nan")
     reqs, tables, meta, q, k, v, k_cache, v_cache, (h, hkv, d, block_size) = _random_step(dtype, window, poison)
@@ -173,9 +174,12 @@ def test_attention_reads_the_cache_as_stored(backend: str, dtype: torch.dtype, w
         keys, values = _dequantize(rows_k, d), _dequantize(rows_v, d)
         keys[:first_key] = 0  # holes: never attended (the window masks them), here zeros, not NaN
         values[:first_key] = 0
-        ref = _dense(q[start : start + new], keys, values, d**-0.5, window)
+        queries = q[start : start + new]
+        if dtype == torch.int8 and new > 1:  # prefill scores an int8 cache on the quantized queries
+            queries = kernels.int8_cache_queries(queries, d**-0.5)
+        ref = _dense(queries, keys, values, d**-0.5, window)
         if pairs and new > 1:
-            bound = bfloat16_pair_bound(q[start : start + new], keys, values, d**-0.5)
+            bound = bfloat16_pair_bound(queries, keys, values, d**-0.5, scores_in_pairs=dtype != torch.int8)
             assert ((out[start : start + new] - ref).abs() <= bound + 1e-4).all()
         else:
             torch.testing.assert_close(out[start : start + new], ref, atol=1e-4, rtol=1e-4)

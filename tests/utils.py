@@ -233,15 +233,21 @@ def random_gguf_blocks(qtype, n: int, k: int, seed: int = 0, scale: float = 1.0)
     return blocks.view(n, -1)
 
 
-def bfloat16_pair_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def bfloat16_pair_bound(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, scores_in_pairs: bool = True
+) -> torch.Tensor:
     """Twice the largest error of attention in bfloat16 pairs (``kernels.attention.
     attention_in_bfloat16_pairs``) against float32 over the same K/V, per output element
     ([n, H * D]) of queries q [n, H, D] over keys and values [L, Hkv, D]: each score's q and k
     rounded to bfloat16 (relative 2^-9 each) move it by at most delta = 2^-8 scale sum_d
     |q_d k_d|, which moves the normalized weights by a factor within e^(+-2 delta); the weights
-    and the values rounded (2^-9 each) move the output by at most 2^-8 max |v| more."""
+    and the values rounded (2^-9 each) move the output by at most 2^-8 max |v| more.
+    scores_in_pairs False: the scores are exact (prefill over an int8 cache, on its quantized
+    queries), delta = 0."""
     group = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(group, dim=1).abs(), v.repeat_interleave(group, dim=1).abs()
     delta = 2**-8 * scale * torch.einsum("qhd,khd->qhk", q.abs(), kk).amax(-1, keepdim=True)  # [n, H, 1]
+    if not scores_in_pairs:
+        delta = torch.zeros_like(delta)
     vmax = vv.amax(0)[None]  # [1, H, D]
     return (2 * (torch.exp(2 * delta) - 1 + 2**-8) * vmax).reshape(q.shape[0], -1)

@@ -5,24 +5,31 @@
 // FlashAttention-2's loop order (Dao 2023, "FlashAttention-2", §3.1) on the vector layer
 // (vec.h): a tile is 16 query vectors, one per F32x16 lane, that share a KV head (the G query
 // heads of a row are consecutive lanes, so grouped-query K/V are read once for all of them).
-// Per block of keys, each key's scores for the 16 lanes come from D FMAs of the transposed
-// queries with the key's broadcast elements; an online softmax per lane (running max and sum in
-// registers) rescales the output, kept transposed ([D][16 lanes]) in L1. Work items are
-// (request, KV head, up to kTiles consecutive tiles): the item's tiles share each widening of
-// a block and each broadcast element, every tile doing the same arithmetic in the same order as
-// it would alone (a row's result does not depend on its neighbours). Masked scores are dropped
-// by lane masks, so a lane whose keys all lie in later blocks gets weight 0, not exp(0). A
-// block's K/V rows are widened (8-bit codes times their row's scale, kv_rows.h) into L1 once
-// per item.
+// Per block of keys, each key's scores for the 16 lanes come from the transposed queries
+// multiplied with the key's broadcast elements; an online softmax per lane (running max and
+// sum in registers) rescales the output, kept transposed ([D][16 lanes]) in L1. Work items are
+// (request, KV head, up to kTiles consecutive tiles): the item's tiles share each preparation
+// of a block and each broadcast element, every tile doing the same arithmetic in the same order
+// as it would alone (a row's result does not depend on its neighbours). Masked scores are
+// dropped by lane masks, so a lane whose keys all lie in later blocks gets weight 0, not exp(0).
+// A block's K/V rows are prepared (below) into L1 once per item.
 //
-// The arithmetic is float32, but for pair mode: on an ISA that multiplies bfloat16 pairs
-// (vec.h's kBf16Dot), with a bfloat16 or 8-bit cache and an even block size, both products
-// take pairs, twice the multiply-adds per instruction: q.K pairs a key's consecutive elements,
-// p.V consecutive keys. The queries (pre-scaled) and the softmax weights are rounded to
-// bfloat16, as the bfloat16 K/V are stored (8-bit rows: code times scale, rounded); the running
-// max, sums and output stay float32. Pairs of keys are absolute (2m, 2m + 1), so a row's result
-// still does not depend on its neighbours, the step's chunking or the tile's first key. A
-// float32 cache keeps float32 arithmetic.
+// What each cache kind computes:
+// - float32: float32 throughout; q.K and p.V are FMAs of rows widened as stored.
+// - bfloat16, fp8: float32, but for pair mode: on an ISA that multiplies bfloat16 pairs
+//   (vec.h's kBf16Dot) and an even block size, both products take pairs, twice the
+//   multiply-adds per instruction: q.K pairs a key's consecutive elements, p.V consecutive
+//   keys. The queries (pre-scaled) and the softmax weights are rounded to bfloat16, as the
+//   bfloat16 K/V are stored (fp8 rows: code times scale, rounded).
+// - int8: a score is an integer dot product. Each query vector is quantized once
+//   (kv::quantize_query: D codes of q * scale and one code scale per lane), and
+//   score = float(query codes . key codes) * (key row scale * the lane's code scale), the dot
+//   product exact in int32 (vec.h's w8a8 primitives: the key's quads broadcast as x, the
+//   tile's codes as the weights), so the same on every ISA. p.V is as for fp8: bfloat16 pairs
+//   in pair mode, else float32 over the rows widened.
+// The running max, sums and output stay float32. Pairs of keys are absolute (2m, 2m + 1), so a
+// row's result still does not depend on its neighbours, the step's chunking or the tile's
+// first key.
 #include <stdint.h>
 
 #include <algorithm>
@@ -30,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gemm.h"
 #include "head_dims.h"
 #include "kv_rows.h"
 #include "pagedllm_abi.h"
@@ -42,7 +50,7 @@ namespace {
 
 constexpr int kLanes = 16;
 constexpr int kMaxBlock = PAGEDLLM_MAX_PREFILL_BLOCK;
-// Query tiles that share each widened block of keys, and independent FMA chains per tile
+// Query tiles that share each prepared block of keys, and independent FMA chains per tile
 // (together they hide the FMA latency, 4 cycles at 2 per cycle): a key element broadcast
 // once feeds every tile's chain. Sized so that tiles x chains accumulators fit in registers.
 constexpr int kTiles = kF32Regs >= 32 ? 3 : 1;
@@ -56,59 +64,80 @@ inline void load_row(float* dst, const T* src, int64_t D) {
 }
 
 // A tile of 16 query vectors, one per lane, and its online softmax: queries transposed and
-// pre-scaled (float32 [D][16 lanes], or in pair mode P bfloat16 pairs of elements [D / 2][16]),
-// the output transposed ([D][16 lanes], in L1), each lane's running max and sum.
-template <int D, bool P>
+// pre-scaled (float32 [D][16 lanes]; in pair mode P bfloat16 pairs of elements [D / 2][16];
+// with integer scores I, quads of codes [D / 4][16 lanes][4] stored as w8a8 weights are,
+// gemm::stored_code, and each lane's code scale qs), the output transposed ([D][16 lanes], in
+// L1), each lane's running max and sum.
+template <int D, bool P, bool I>
 struct Tile {
-  alignas(64) std::conditional_t<P, uint32_t[D / 2][kLanes], float[D][kLanes]> qt;
+  alignas(64) std::conditional_t<I, int8_t[D / 4][4 * kLanes],
+                                 std::conditional_t<P, uint32_t[D / 2][kLanes], float[D][kLanes]>> qt;
   alignas(64) float ot[D][kLanes];
-  F32x16 pos, m, l;
+  F32x16 qs, pos, m, l;  // qs: I only
   int64_t lo_key, hi_key;  // keys [lo_key, hi_key) hold every key some lane sees
   int64_t all_lo, all_hi;  // keys [all_lo, all_hi) are seen by every lane (none when all_lo >= all_hi)
 };
 
 // Keys k0 .. k0 + nk - 1 of one block as the products read them, rows from nk up to the next
 // multiple of kChains zero: float32 rows; in pair mode K rows of bfloat16 pairs of elements
-// ([key][D / 2]) and V's pairs of keys ([key / 2][D]: element d of keys 2i and 2i + 1).
-template <int D, bool P>
+// ([key][D / 2]) and V's pairs of keys ([key / 2][D]: element d of keys 2i and 2i + 1). With
+// integer scores I, K is the rows' codes as stored, in quads ([key][D / 4]), with each key's
+// -128 x code sum (dot_init's, read where kDotXSums) and row scale (0 for the zero rows).
+template <int D, bool P, bool I>
 struct Block {
-  alignas(64) std::conditional_t<P, uint32_t[kMaxBlock][D / 2], float[kMaxBlock][D]> k;
+  alignas(64) std::conditional_t<I, int32_t[kMaxBlock][D / 4],
+                                 std::conditional_t<P, uint32_t[kMaxBlock][D / 2], float[kMaxBlock][D]>> k;
   alignas(64) std::conditional_t<P, uint32_t[kMaxBlock / 2][D], float[kMaxBlock][D]> v;
+  int32_t ksum128[I ? kMaxBlock : 1];
+  float kscale[I ? kMaxBlock : 1];
 };
 
 // Tiles t[0..NT) attend to the nk keys of b from key k0 on. Keys a lane may not see are
 // dropped by its masks (causal: key <= pos; window: key > pos - window), so a tile given more
 // keys than its own range computes exactly what it would on its own range: a dropped key adds
 // 0 to the sum and to every output element.
-template <int NT, int D, bool P>
-void attend(Tile<D, P>* const* t, const Block<D, P>& b, int64_t k0, int64_t nk, F32x16 win_v) {
+template <int NT, int D, bool P, bool I>
+void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_t nk, F32x16 win_v) {
   const int64_t nkc = (nk + kChains - 1) / kChains * kChains;
   F32x16 s[NT][kMaxBlock];
   for (int64_t i = 0; i < nkc; i += kChains) {
-    F32x16 a[NT][kChains];
-    for (int u = 0; u < NT; ++u)
-      for (int j = 0; j < kChains; ++j) a[u][j] = zero();
-    if constexpr (P) {
-      for (int d = 0; d < D / 2; ++d) {
-        BF16x32 qd[NT];
-        for (int u = 0; u < NT; ++u) qd[u] = load_pairs(t[u]->qt[d]);
+    if constexpr (I) {  // int32 sums of the key's quads (broadcast) times the lanes' quads
+      I32x16 a[NT][kChains];
+      for (int u = 0; u < NT; ++u)
+        for (int j = 0; j < kChains; ++j) a[u][j] = dot_init(&b.ksum128[i + j]);
+      for (int d = 0; d < D / 4; ++d)
         for (int j = 0; j < kChains; ++j) {
-          const BF16x32 kd = set1_pair(b.k[i + j][d]);
-          for (int u = 0; u < NT; ++u) a[u][j] = dot_pairs(a[u][j], qd[u], kd);
+          const DotX kd = dot_prepare(&b.k[i + j][d]);
+          for (int u = 0; u < NT; ++u) a[u][j] = dot(a[u][j], kd, t[u]->qt[d]);
         }
-      }
+      for (int u = 0; u < NT; ++u)
+        for (int j = 0; j < kChains; ++j) s[u][i + j] = to_f32(a[u][j]);  // exact; scaled below
     } else {
-      for (int d = 0; d < D; ++d) {
-        F32x16 qd[NT];
-        for (int u = 0; u < NT; ++u) qd[u] = load(t[u]->qt[d]);
-        for (int j = 0; j < kChains; ++j) {
-          const F32x16 kd = set1(b.k[i + j][d]);
-          for (int u = 0; u < NT; ++u) a[u][j] = fma(qd[u], kd, a[u][j]);
+      F32x16 a[NT][kChains];
+      for (int u = 0; u < NT; ++u)
+        for (int j = 0; j < kChains; ++j) a[u][j] = zero();
+      if constexpr (P) {
+        for (int d = 0; d < D / 2; ++d) {
+          BF16x32 qd[NT];
+          for (int u = 0; u < NT; ++u) qd[u] = load_pairs(t[u]->qt[d]);
+          for (int j = 0; j < kChains; ++j) {
+            const BF16x32 kd = set1_pair(b.k[i + j][d]);
+            for (int u = 0; u < NT; ++u) a[u][j] = dot_pairs(a[u][j], qd[u], kd);
+          }
+        }
+      } else {
+        for (int d = 0; d < D; ++d) {
+          F32x16 qd[NT];
+          for (int u = 0; u < NT; ++u) qd[u] = load(t[u]->qt[d]);
+          for (int j = 0; j < kChains; ++j) {
+            const F32x16 kd = set1(b.k[i + j][d]);
+            for (int u = 0; u < NT; ++u) a[u][j] = fma(qd[u], kd, a[u][j]);
+          }
         }
       }
+      for (int u = 0; u < NT; ++u)
+        for (int j = 0; j < kChains; ++j) s[u][i + j] = a[u][j];
     }
-    for (int u = 0; u < NT; ++u)
-      for (int j = 0; j < kChains; ++j) s[u][i + j] = a[u][j];
   }
   F32x16 corr[NT];
   for (int u = 0; u < NT; ++u) {
@@ -118,6 +147,10 @@ void attend(Tile<D, P>* const* t, const Block<D, P>& b, int64_t k0, int64_t nk, 
     M16 valid[kMaxBlock];
     F32x16 mx = t[u]->m;
     for (int64_t i = 0; i < nkc; ++i) {
+      // Integer scores: the exact sum times (key scale x code scale), one rounding, by an FMA
+      // that -ffast-math cannot regroup as it may two multiplies (not alike in every
+      // instantiation, so not alike for every neighbour).
+      if constexpr (I) s[u][i] = fma(s[u][i], mul(set1(b.kscale[i]), t[u]->qs), zero());
       if (all) {
         if (i < nk) mx = max(mx, s[u][i]);
         continue;
@@ -169,30 +202,48 @@ void attend(Tile<D, P>* const* t, const Block<D, P>& b, int64_t k0, int64_t nk, 
 }
 
 // attend<n> for a count n in [1, kTiles] known only at run time.
-template <int D, bool P, int N = kTiles>
-void attend_n(int n, Tile<D, P>* const* t, const Block<D, P>& b, int64_t k0, int64_t nk, F32x16 win_v) {
+template <int D, bool P, bool I, int N = kTiles>
+void attend_n(int n, Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_t nk, F32x16 win_v) {
   if constexpr (N > 1) {
-    if (n < N) return attend_n<D, P, N - 1>(n, t, b, k0, nk, win_v);
+    if (n < N) return attend_n<D, P, I, N - 1>(n, t, b, k0, nk, win_v);
   }
-  attend<N, D, P>(t, b, k0, nk, win_v);
+  attend<N, D, P, I>(t, b, k0, nk, win_v);
 }
 
 // Rows k0 .. k0 + nk - 1 of a block (k, v: the first key's row of the head; stride: elements
 // from one key's row to the next) into b, zeros up to nkc rows.
-template <typename T, int D, bool P>
-void widen(Block<D, P>& b, const T* k, const T* v, int64_t stride, int64_t nk, int64_t nkc) {
-  if constexpr (P) {
-    for (int64_t i = 0; i < nkc; ++i) {
+template <typename T, int D, bool P, bool I>
+void prepare(Block<D, P, I>& b, const T* k, const T* v, int64_t stride, int64_t nk, int64_t nkc) {
+  for (int64_t i = 0; i < nkc; ++i) {
+    const T* row = k + i * stride;
+    if constexpr (I) {
+      int8_t* dst = reinterpret_cast<int8_t*>(b.k[i]);
+      int32_t sum = 0;
+      if (i < nk) {
+        std::memcpy(dst, row, D);
+        if constexpr (kDotXSums)
+          for (int d = 0; d < D; ++d) sum += dst[d];
+      } else {
+        std::fill_n(dst, D, int8_t(0));
+      }
+      b.ksum128[i] = -128 * sum;
+      b.kscale[i] = i < nk ? kv::row_scale(row, D) : 0.f;
+    } else if constexpr (P) {
       uint16_t* dst = reinterpret_cast<uint16_t*>(b.k[i]);
       if (i >= nk) {
         std::fill_n(dst, D, uint16_t(0));
       } else if constexpr (std::is_same_v<T, uint16_t>) {
-        std::memcpy(dst, k + i * stride, D * sizeof(uint16_t));
+        std::memcpy(dst, row, D * sizeof(uint16_t));
       } else {
-        const float sc = kv::row_scale(k + i * stride, D);
-        for (int64_t d = 0; d < D; d += 16) store_bf16_first(dst + d, kv::load16_scaled(k + i * stride + d, sc), 16);
+        const float sc = kv::row_scale(row, D);
+        for (int64_t d = 0; d < D; d += 16) store_bf16_first(dst + d, kv::load16_scaled(row + d, sc), 16);
       }
+    } else {
+      if (i < nk) load_row(b.k[i], row, D);
+      else std::fill_n(b.k[i], D, 0.f);
     }
+  }
+  if constexpr (P) {
     for (int64_t i = 0; i < nkc; i += 2) {
       const float s0 = i < nk ? kv::row_scale(v + i * stride, D) : 0.f;
       const float s1 = i + 1 < nk ? kv::row_scale(v + (i + 1) * stride, D) : 0.f;
@@ -204,17 +255,13 @@ void widen(Block<D, P>& b, const T* k, const T* v, int64_t stride, int64_t nk, i
     }
   } else {
     for (int64_t i = 0; i < nkc; ++i) {
-      if (i < nk) {
-        load_row(b.k[i], k + i * stride, D);
-        load_row(b.v[i], v + i * stride, D);
-      } else {
-        std::fill_n(b.k[i], D, 0.f), std::fill_n(b.v[i], D, 0.f);
-      }
+      if (i < nk) load_row(b.v[i], v + i * stride, D);
+      else std::fill_n(b.v[i], D, 0.f);
     }
   }
 }
 
-template <typename T, int D, bool P>
+template <typename T, int D, bool P, bool I>
 void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                        int64_t max_blocks, const int64_t* query_starts, const int64_t* query_lens,
                        const int64_t* seq_lens, float* out, int64_t R, int64_t Hq, int64_t Hkv, int64_t BS,
@@ -234,15 +281,21 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
     const int nt = static_cast<int>(std::min<int64_t>(kTiles, tiles_of(r) - group * kTiles));
 
     // Tile u's lanes: vector j = (group * kTiles + u) * 16 + lane is query row j / G, head h * G + j % G.
-    Tile<D, P> tiles[kTiles];
+    Tile<D, P, I> tiles[kTiles];
     int64_t lo_key = S, hi_key = 0;
     for (int u = 0; u < nt; ++u) {
-      Tile<D, P>& t = tiles[u];
+      Tile<D, P, I>& t = tiles[u];
       alignas(64) float qpos[kLanes];
-      [[maybe_unused]] alignas(64) float qtmp[P ? D : 1][kLanes];  // pair mode: the queries before rounding
-      float (*qf)[kLanes];
-      if constexpr (P) qf = qtmp;
-      else qf = t.qt;
+      [[maybe_unused]] alignas(64) float qsc[kLanes];  // I: the lanes' code scales
+      [[maybe_unused]] alignas(64) int8_t codes[I ? D : 1];  // I: one lane's codes
+      [[maybe_unused]] alignas(64) float qtmp[P && !I ? D : 1][kLanes];  // pair mode: the queries before rounding
+      [[maybe_unused]] float (*qf)[kLanes] = nullptr;  // the float32 queries (not I)
+      if constexpr (P && !I) qf = qtmp;
+      else if constexpr (!I) qf = t.qt;
+      // I: lane's codes into the tile's quads as the dot product reads them.
+      [[maybe_unused]] const auto put_codes = [&](int lane) {
+        for (int d = 0; d < D; ++d) t.qt[d / 4][4 * lane + d % 4] = gemm::stored_code(codes[d]);
+      };
       t.lo_key = S, t.hi_key = 0, t.all_lo = 0, t.all_hi = S;
       for (int lane = 0; lane < kLanes; ++lane) {
         const int64_t j = (group * kTiles + u) * kLanes + lane, row = j / G;
@@ -250,7 +303,13 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
         if (row >= n) {
           qpos[lane] = -1.f;  // no keys: every score masked
           t.all_hi = 0;
-          for (int d = 0; d < D; ++d) qf[d][lane] = 0.f;
+          if constexpr (I) {
+            qsc[lane] = 0.f;
+            std::fill_n(codes, D, int8_t(0));
+            put_codes(lane);
+          } else {
+            for (int d = 0; d < D; ++d) qf[d][lane] = 0.f;
+          }
           continue;
         }
         const int64_t pos = first_pos + row;
@@ -259,9 +318,16 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
         t.hi_key = std::max(t.hi_key, pos + 1);
         t.all_lo = std::max(t.all_lo, window > 0 ? pos - window + 1 : 0), t.all_hi = std::min(t.all_hi, pos + 1);
         const float* src = q + (query_starts[r] + row) * ldq + (h * G + j % G) * D;
-        for (int d = 0; d < D; ++d) qf[d][lane] = src[d] * scale;
+        if constexpr (I) {
+          qsc[lane] = kv::quantize_query<D>(src, scale, codes);
+          put_codes(lane);
+        } else {
+          for (int d = 0; d < D; ++d) qf[d][lane] = src[d] * scale;
+        }
       }
-      if constexpr (P) {
+      if constexpr (I) {
+        t.qs = load(qsc);
+      } else if constexpr (P) {
         for (int d = 0; d < D; d += 2) store_pairs(t.qt[d / 2], pack_pairs(load(qf[d]), load(qf[d + 1])));
       }
       t.pos = load(qpos);
@@ -269,29 +335,29 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
       lo_key = std::min(lo_key, t.lo_key), hi_key = std::max(hi_key, t.hi_key);
     }
     const F32x16 win_v = set1(window > 0 ? static_cast<float>(window) : 1e30f);
-    Block<D, P> b;
+    Block<D, P, I> b;
 
     // Per block of keys, the tiles whose own range reaches into it (every tile sees the same
-    // blocks it would alone), all fed from one widening of the block's rows.
+    // blocks it would alone), all fed from one preparation of the block's rows.
     for (int64_t blk = lo_key / BS; blk * BS < hi_key; ++blk) {
-      Tile<D, P>* active[kTiles];
+      Tile<D, P, I>* active[kTiles];
       int na = 0;
       int64_t k0 = (blk + 1) * BS, k1 = blk * BS;
       for (int u = 0; u < nt; ++u) {
-        Tile<D, P>& t = tiles[u];
+        Tile<D, P, I>& t = tiles[u];
         if (t.lo_key / BS > blk || blk * BS >= t.hi_key) continue;
         active[na++] = &t;
         k0 = std::min(k0, std::max(blk * BS, t.lo_key)), k1 = std::max(k1, std::min((blk + 1) * BS, t.hi_key));
       }
       if (na == 0) continue;
-      if constexpr (P) k0 &= ~int64_t(1);  // absolute pairs of keys (BS is even: still in the block)
+      if constexpr (P) k0 &= ~int64_t(1);  // absolute pairs of keys for p.V (BS is even: still in the block)
       const int64_t nk = k1 - k0, nkc = (nk + kChains - 1) / kChains * kChains;
       const int64_t first = table[blk] * BS * stride + h * RW + (k0 - blk * BS) * stride;
-      widen(b, k_cache + first, v_cache + first, stride, nk, nkc);
-      attend_n<D, P>(na, active, b, k0, nk, win_v);
+      prepare(b, k_cache + first, v_cache + first, stride, nk, nkc);
+      attend_n<D, P, I>(na, active, b, k0, nk, win_v);
     }
     for (int u = 0; u < nt; ++u) {
-      const Tile<D, P>& t = tiles[u];
+      const Tile<D, P, I>& t = tiles[u];
       alignas(64) float inv[kLanes];
       store(inv, div(set1(1.f), t.l));
       for (int64_t lane = 0; lane < kLanes; ++lane) {
@@ -313,13 +379,14 @@ int dispatch(const float* q, int64_t ldq, const void* kc, const void* vc, const 
   const T* v = static_cast<const T*>(vc);
   return head_dims::with(D, [&](auto d) {
     constexpr int kD = decltype(d)::value;
+    constexpr bool kInt = std::is_same_v<T, int8_t>;  // integer scores
     if constexpr (kBf16Dot && !std::is_same_v<T, float>) {
       if (BS % 2 == 0) {
-        prefill_attention<T, kD, true>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
+        prefill_attention<T, kD, true, kInt>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
         return 0;
       }
     }
-    prefill_attention<T, kD, false>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
+    prefill_attention<T, kD, false, kInt>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
     return 0;
   });
 }

@@ -71,8 +71,9 @@ def attention_in_bfloat16_pairs(cache_dtype: torch.dtype, block_size: int, decod
     """Whether the library in use multiplies bfloat16 pairs in attention over such a cache
     (csrc's pair modes: the queries and softmax weights rounded to bfloat16, 8-bit K/V rows as
     code x scale rounded; sums float32): on a library built with AVX-512 BF16, decode over a
-    bfloat16 cache, prefill over a bfloat16 or 8-bit cache of an even block size. False without
-    a library."""
+    bfloat16 cache, prefill over a bfloat16 or 8-bit cache of an even block size. Prefill over
+    an int8 cache takes pairs for p.V only: its scores are integer dot products, exact, of the
+    ``int8_cache_queries`` with the key codes. False without a library."""
     lib = native_library()
     if lib is None or "avx512_bf16" not in lib.pagedllm_requires().decode().split():
         return False

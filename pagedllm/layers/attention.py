@@ -265,7 +265,8 @@ def _prefill_torch(
     window: int,
     out: torch.Tensor,
 ) -> None:
-    """Each prefill request's rows of ``out``: one SDPA call per request."""
+    """Each prefill request's rows of ``out``: one SDPA call per request (over an int8 cache, on
+    the queries its scores take, ``kernels.int8_cache_queries``, as the kernel's are)."""
     k_cache, v_cache = kv_cache
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k.shape[1]
@@ -273,7 +274,10 @@ def _prefill_torch(
     as_stored = k_cache.dtype in QUANTIZED_KV_DTYPES  # a first chunk reads its K/V from the cache too
     for i, p in enumerate(meta.prefills):
         rows = slice(p.query_start, p.query_start + p.query_len)
-        query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        query = q[rows]
+        if k_cache.dtype == torch.int8:
+            query = kernels.int8_cache_queries(query, scale).to(q.dtype)
+        query = query.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         first_query = p.seq_len - p.query_len
         chunked = first_query > 0  # a later chunk or a cache hit: causal with an offset
         gather = chunked or as_stored
