@@ -55,6 +55,10 @@ constexpr int kMaxBlock = PAGEDLLM_MAX_PREFILL_BLOCK;
 // once feeds every tile's chain. Sized so that tiles x chains accumulators fit in registers.
 constexpr int kTiles = kF32Regs >= 32 ? 3 : 1;
 constexpr int kChains = kF32Regs >= 32 ? 8 : 4;
+// Integer scores take the kChains keys in halves: on AVX-512 GCC carries each int32 sum through
+// the loop with a copy (I32x16 holds int64 lanes, the dot product's builtin takes int32 lanes),
+// so a sum takes two registers, and kTiles x kChains of them spilled on every step.
+constexpr int kIntChains = kChains / 2;
 
 // One head's row as D float32 values.
 template <typename T>
@@ -102,16 +106,18 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
   F32x16 s[NT][kMaxBlock];
   for (int64_t i = 0; i < nkc; i += kChains) {
     if constexpr (I) {  // int32 sums of the key's quads (broadcast) times the lanes' quads
-      I32x16 a[NT][kChains];
-      for (int u = 0; u < NT; ++u)
-        for (int j = 0; j < kChains; ++j) a[u][j] = dot_init(&b.ksum128[i + j]);
-      for (int d = 0; d < D / 4; ++d)
-        for (int j = 0; j < kChains; ++j) {
-          const DotX kd = dot_prepare(&b.k[i + j][d]);
-          for (int u = 0; u < NT; ++u) a[u][j] = dot(a[u][j], kd, t[u]->qt[d]);
-        }
-      for (int u = 0; u < NT; ++u)
-        for (int j = 0; j < kChains; ++j) s[u][i + j] = to_f32(a[u][j]);  // exact; scaled below
+      for (int h = 0; h < kChains; h += kIntChains) {
+        I32x16 a[NT][kIntChains];
+        for (int u = 0; u < NT; ++u)
+          for (int j = 0; j < kIntChains; ++j) a[u][j] = dot_init(&b.ksum128[i + h + j]);
+        for (int d = 0; d < D / 4; ++d)
+          for (int j = 0; j < kIntChains; ++j) {
+            const DotX kd = dot_prepare(&b.k[i + h + j][d]);
+            for (int u = 0; u < NT; ++u) a[u][j] = dot(a[u][j], kd, t[u]->qt[d]);
+          }
+        for (int u = 0; u < NT; ++u)
+          for (int j = 0; j < kIntChains; ++j) s[u][i + h + j] = to_f32(a[u][j]);  // exact; scaled below
+      }
     } else {
       F32x16 a[NT][kChains];
       for (int u = 0; u < NT; ++u)
@@ -147,9 +153,9 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
     M16 valid[kMaxBlock];
     F32x16 mx = t[u]->m;
     for (int64_t i = 0; i < nkc; ++i) {
-      // Integer scores: the exact sum times (key scale x code scale), one rounding, by an FMA
-      // that -ffast-math cannot regroup as it may two multiplies (not alike in every
-      // instantiation, so not alike for every neighbour).
+      // Integer scores: the exact sum times (key scale x code scale), rounded once. An FMA (with
+      // 0): -ffast-math may regroup two multiplies, and not alike in every instantiation
+      // (attend<1> and attend<3> gave a row different bits).
       if constexpr (I) s[u][i] = fma(s[u][i], mul(set1(b.kscale[i]), t[u]->qs), zero());
       if (all) {
         if (i < nk) mx = max(mx, s[u][i]);

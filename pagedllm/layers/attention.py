@@ -265,8 +265,8 @@ def _prefill_torch(
     window: int,
     out: torch.Tensor,
 ) -> None:
-    """Each prefill request's rows of ``out``: one SDPA call per request (over an int8 cache, on
-    the queries its scores take, ``kernels.int8_cache_queries``, as the kernel's are)."""
+    """Each prefill request's rows of ``out``: one SDPA call per request; over an int8 cache it
+    scores the quantized queries (``kernels.int8_cache_queries``), as the kernel does."""
     k_cache, v_cache = kv_cache
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k.shape[1]

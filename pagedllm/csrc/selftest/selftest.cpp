@@ -484,27 +484,39 @@ float from_row8(int kind, const int8_t* row, int64_t D, int64_t d) {
   return (kind == PAGEDLLM_CACHE_INT8 ? float(row[d]) : from_e4m3(uint8_t(row[d]))) * row8_scale(row, D);
 }
 
+// The queries that prefill over an int8 cache scores (kv_rows.h's quantize_query), as values
+// to score at `scale`: per head of D, x = q * scale in codes round(x * 127 / max|x|) (nearest
+// even), times max|x| / 127 / scale.
+std::vector<float> int8_cache_queries(const float* q, int64_t heads, int64_t D, float scale) {
+  std::vector<float> out(heads * D, 0.f);
+  for (int64_t h = 0; h < heads; ++h) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::fmax(amax, std::fabs(q[h * D + d] * scale));
+    if (amax == 0.f) continue;
+    for (int64_t d = 0; d < D; ++d)
+      out[h * D + d] = std::nearbyint(q[h * D + d] * scale * (127.f / amax)) * (amax / 127.f) / scale;
+  }
+  return out;
+}
+
 // Decode (one query at position S - 1) over an int8 cache as the kernels compute it
-// (paged_attention.cpp's kIntCodes): each query head's x = q * scale scored as codes
-// round(x * 127 / max|x|) times max|x| / 127; per tile of 16 positions from a multiple of 16,
-// the weights times the value rows' scales (vs, [S, Hkv]) as codes in [0, 127] (w * 127 / the
-// tile's largest, rounded) against the value codes (vq, [S, Hkv, D]), times the largest / 127.
+// (paged_attention.cpp's kIntCodes): each query head scored as int8_cache_queries; per tile
+// of 16 positions from a multiple of 16, the weights times the value rows' scales (vs,
+// [S, Hkv]) as codes in [0, 127] (w * 127 / the tile's largest, rounded) against the value
+// codes (vq, [S, Hkv, D]), times the largest / 127.
 void decode_reference_int8(const float* q, const std::vector<float>& k, const std::vector<float>& vq,
                            const std::vector<float>& vs, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, float scale,
                            int64_t window, float* out) {
   const int64_t first = window > 0 && S > window ? S - window : 0;
   for (int64_t h = 0; h < Hq; ++h) {
     const int64_t kh = h / (Hq / Hkv);
-    std::vector<float> x(D);
-    float amax = 0.f;
-    for (int64_t d = 0; d < D; ++d) x[d] = q[h * D + d] * scale, amax = std::fmax(amax, std::fabs(x[d]));
-    for (int64_t d = 0; d < D; ++d) x[d] = amax > 0.f ? std::nearbyint(x[d] * (127.f / amax)) * (amax / 127.f) : 0.f;
+    const std::vector<float> x = int8_cache_queries(q + h * D, 1, D, scale);
     std::vector<double> e(S, 0.0);
     double mx = -1e300, sum = 0;
     for (int64_t j = first; j < S; ++j) {
       double s = 0;
       for (int64_t d = 0; d < D; ++d) s += double(x[d]) * k[(j * Hkv + kh) * D + d];
-      e[j] = s, mx = std::fmax(mx, s);
+      e[j] = s * scale, mx = std::fmax(mx, e[j]);
     }
     for (int64_t j = first; j < S; ++j) e[j] = std::exp(e[j] - mx), sum += e[j];
     std::vector<double> o(D, 0.0);
@@ -522,7 +534,8 @@ void decode_reference_int8(const float* q, const std::vector<float>& k, const st
 
 // 8-bit caches: K/V written by write_kv_cache (checked against the inputs at the code's
 // rounding), then the decode and prefill attention against the reference over the K/V as
-// stored; and every e4m3 code read back through a one-key prefill (its output is V's row).
+// stored (int8 prefill: on the queries it scores); and every e4m3 code read back through a
+// one-key prefill (its output is V's row).
 void test_attention_8bit(int kind, int64_t window) {
   Rng rng;
   const char* kname = kind == PAGEDLLM_CACHE_INT8 ? "int8" : "fp8";
@@ -593,8 +606,9 @@ void test_attention_8bit(int kind, int64_t window) {
     const int64_t starts[2] = {0, n[0]}, sl[2] = {S[0], S[1]};
     const int status = paged_prefill_attention(kind, q.data(), Hq * D, kc.data(), vc.data(), bt, 3, starts, n, sl,
                                                out.data(), 2, Hq, Hkv, D, BS, scale, window);
+    const auto scored = kind == PAGEDLLM_CACHE_INT8 ? int8_cache_queries(q.data(), rows * Hq, D, scale) : q;
     for (int r = 0; r < 2; ++r)
-      attention_reference(q.data() + starts[r] * Hq * D, kd[r], vd[r], n[r], S[r], Hq, Hkv, D, scale, window,
+      attention_reference(scored.data() + starts[r] * Hq * D, kd[r], vd[r], n[r], S[r], Hq, Hkv, D, scale, window,
                           ref.data() + starts[r] * Hq * D);
     std::snprintf(name, sizeof(name), "prefill attention %s window %lld", kname, (long long)window);
     check(name, status == 0 ? max_error(out, ref) : 1e9f, kPairTolerance);
