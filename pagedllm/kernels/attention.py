@@ -87,7 +87,10 @@ def int8_cache_queries(q: torch.Tensor, scale: float) -> torch.Tensor:
     (so that a caller scores them at ``scale`` as it would q)."""
     x = q.float() * scale
     amax = x.abs().amax(-1, keepdim=True)
-    codes = torch.where(amax > 0, x * torch.where(amax > 0, 127.0 / amax, 0.0), 0.0).round()
+    # 127 / max|x| rounded once, as the kernels divide (PyTorch's scalar / tensor multiplies by
+    # the reciprocal, which moves a code at a tie now and then).
+    inv = torch.where(amax > 0, amax.new_tensor(127.0) / amax, 0.0)
+    codes = torch.where(amax > 0, x * inv, 0.0).round()
     return codes * (amax / 127.0) / scale
 
 
