@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 from tests.native_isa import ISAS, on_isa
-from tests.utils import bfloat16_pair_bound
+from tests.utils import bfloat16_pair_bound, int8_decode_reference
 
 from pagedllm.kernels import library
 from pagedllm.kernels.attention import (
@@ -108,30 +108,6 @@ def _cache_rows(values: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) 
     return rows, rows[..., :d].float() * scales.float()
 
 
-def _int8_decode_reference(q, k, v_rows, first, scale):
-    """Decode over an int8 cache as the kernels compute it: q [1, H, D] scored as int8 codes
-    (``int8_cache_queries``) against k [L, Hkv, D] (the keys' values), for keys at positions
-    first .. first + L - 1; per query head and tile of 16 positions (from a multiple of 16), the
-    softmax weights times the value rows' scales as codes in [0, 127] against v_rows' codes
-    [L, Hkv, D + 2], times the tile's code scale; divided by the weights' sum."""
-    h, d = q.shape[1], q.shape[2]
-    group = h // k.shape[1]
-    codes = v_rows[..., :d].float().repeat_interleave(group, 1)  # [L, H, D]
-    v_scales = v_rows[..., d:].contiguous().view(torch.float16).float()[..., 0].repeat_interleave(group, 1)  # [L, H]
-    scores = torch.einsum("hd,khd->hk", int8_cache_queries(q, scale)[0], k.repeat_interleave(group, 1)) * scale
-    e = torch.exp(scores - scores.amax(-1, keepdim=True))
-    w = e * v_scales.T  # [H, L]
-    tiles = (first + torch.arange(k.shape[0])) // 16
-    out = torch.zeros(h, d)
-    for t in tiles.unique():
-        keys = tiles == t
-        wt = w[:, keys]
-        mx = wt.amax(-1, keepdim=True)
-        wc = torch.where(mx > 0, wt * torch.where(mx > 0, 127.0 / mx, 0.0), 0.0).round()
-        out += torch.einsum("hk,khd->hd", wc, codes[keys]) * (mx / 127.0)
-    return (out / e.sum(-1, keepdim=True)).reshape(1, -1)
-
-
 @pytest.mark.parametrize("window", [0, 1500])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn],
                          ids=["f32", "bf16", "int8", "fp8"])
@@ -175,7 +151,7 @@ def test_long_contexts_attended_in_pieces_match_dense(isa, cache_dtype, window, 
         k = k_held.flatten(0, 1)[rows]
         v = v_held.flatten(0, 1)[rows]
         if cache_dtype == torch.int8:
-            ref = _int8_decode_reference(q[i : i + 1], k, v_cache.flatten(0, 1)[rows], first, d**-0.5)
+            ref = int8_decode_reference(q[i : i + 1], k, v_cache.flatten(0, 1)[rows], first, d**-0.5)
             torch.testing.assert_close(out[i : i + 1].reshape(1, -1), ref, atol=1e-4, rtol=1e-4)
             continue
         ref = _dense(q[i : i + 1], k, v, d**-0.5)

@@ -21,6 +21,7 @@ import torch
 
 from pagedllm.config import MODEL_RUNNER_CLS_ENV
 from pagedllm.distributed.parallel_state import free_port
+from pagedllm.kernels.attention import int8_cache_queries
 from tests.fault_injection import FAULTY_RUNNER
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -251,3 +252,27 @@ def bfloat16_pair_bound(
         delta = torch.zeros_like(delta)
     vmax = vv.amax(0)[None]  # [1, H, D]
     return (2 * (torch.exp(2 * delta) - 1 + 2**-8) * vmax).reshape(q.shape[0], -1)
+
+
+def int8_decode_reference(q, k, v_rows, first, scale):
+    """Decode over an int8 cache as the kernels compute it: q [1, H, D] scored as int8 codes
+    (``int8_cache_queries``) against k [L, Hkv, D] (the keys' values), for keys at positions
+    first .. first + L - 1; per query head and tile of 16 positions (from a multiple of 16), the
+    softmax weights times the value rows' scales as codes in [0, 127] against v_rows' codes
+    [L, Hkv, D + 2], times the tile's code scale; divided by the weights' sum."""
+    h, d = q.shape[1], q.shape[2]
+    group = h // k.shape[1]
+    codes = v_rows[..., :d].float().repeat_interleave(group, 1)  # [L, H, D]
+    v_scales = v_rows[..., d:].contiguous().view(torch.float16).float()[..., 0].repeat_interleave(group, 1)  # [L, H]
+    scores = torch.einsum("hd,khd->hk", int8_cache_queries(q, scale)[0], k.repeat_interleave(group, 1)) * scale
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))
+    w = e * v_scales.T  # [H, L]
+    tiles = (first + torch.arange(k.shape[0])) // 16
+    out = torch.zeros(h, d)
+    for t in tiles.unique():
+        keys = tiles == t
+        wt = w[:, keys]
+        mx = wt.amax(-1, keepdim=True)
+        wc = torch.where(mx > 0, wt * torch.where(mx > 0, 127.0 / mx, 0.0), 0.0).round()
+        out += torch.einsum("hk,khd->hd", wc, codes[keys]) * (mx / 127.0)
+    return (out / e.sum(-1, keepdim=True)).reshape(1, -1)

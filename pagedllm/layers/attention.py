@@ -336,8 +336,6 @@ def _decode_attention_torch(
     # [b, L, Hkv, D] -> [b, Hkv, L, D]; the G query heads of a KV head ride the query axis.
     keys = _cache_values(k_cache[tables].flatten(1, 2).transpose(1, 2), head_dim, q.dtype)
     values = _cache_values(v_cache[tables].flatten(1, 2).transpose(1, 2), head_dim, q.dtype)
-    if k_cache.dtype == torch.int8:  # scores of codes, as the kernels' (kernels.int8_cache_queries)
-        q = kernels.int8_cache_queries(q, scale).to(q.dtype)
     query = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # The padding mask (keys past each request's length), built on first use by this fallback only.
     mask = meta.window_masks.get((-1, window))
@@ -348,5 +346,30 @@ def _decode_attention_torch(
         if window:
             mask &= key_pos >= lens - window
         meta.window_masks[(-1, window)] = mask
+    if k_cache.dtype == torch.int8:
+        v_rows = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        return _int8_decode_torch(query, keys, v_rows, mask, scale).reshape(b, num_heads, head_dim)
     o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return o.reshape(b, num_heads, head_dim)
+
+
+def _int8_decode_torch(
+    query: torch.Tensor, keys: torch.Tensor, v_rows: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Decode over an int8 cache as the kernels compute it (csrc/paged_attention.cpp): the
+    queries [b, Hkv, G, D] scored as int8 codes (``kernels.int8_cache_queries``) against keys
+    [b, Hkv, L, D] (position = index); per query head and tile of 16 positions, the softmax
+    weights times the value rows' scales as codes in [0, 127] (times the tile's largest / 127)
+    against the value codes of v_rows [b, Hkv, L, D + 2]. mask [b, 1, 1, L]: the keys attended.
+    [b, Hkv, G, D] float32 out."""
+    head_dim = query.shape[-1]
+    scores = torch.einsum("bhgd,bhld->bhgl", kernels.int8_cache_queries(query, scale), keys.float()) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))
+    v_scales = v_rows[..., head_dim:].contiguous().view(torch.float16).float()  # [b, Hkv, L, 1]
+    w = e * v_scales.transpose(-1, -2)
+    tiles = F.pad(w, (0, (-w.shape[-1]) % 16)).unflatten(-1, (-1, 16))
+    top = tiles.amax(-1, keepdim=True)
+    codes = torch.where(top > 0, tiles * torch.where(top > 0, 127.0 / top, 0.0), 0.0).round()
+    w = (codes * (top / 127.0)).flatten(-2)[..., : w.shape[-1]]
+    return torch.einsum("bhgl,bhld->bhgd", w, v_rows[..., :head_dim].float()) / e.sum(-1, keepdim=True)
