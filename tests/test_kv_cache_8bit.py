@@ -248,6 +248,7 @@ PROMPTS = [
     "Water boils at a temperature of",
 ]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+TOP_TWO = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
 def _texts(llm: LLM, prompts: list[str], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -287,21 +288,31 @@ def test_greedy_tokens_agree_with_the_bf16_cache(kv: str, floor: float, bf16_seq
 
 
 def test_prefix_hits_preemption_and_speculation_equal_plain_runs() -> None:
-    """Rows are quantized one by one, so K/V read back from a prefix-cache hit, recomputed after
-    preemption or verified by n-gram speculation are the plain run's, bit for bit."""
+    """Rows are quantized one by one, so K/V read back from a prefix-cache hit or verified by
+    n-gram speculation are the plain run's, bit for bit. A recompute after preemption computes
+    the generated tokens' K/V again in prefill, whose attention sums in another order than
+    decode's: a code on a rounding edge can land one step apart (plain and preempted
+    logprobs differ by up to ~0.08 on these prompts, int8 as before its integer products), so
+    greedy tokens are equal until the first near tie of the plain run (top two within 0.25)."""
     system = "You are a helpful assistant. Answer briefly and precisely. " * 6
     prompts = [system + p for p in PROMPTS[:5]]
     base = {"dtype": "float32", "kv_cache_dtype": "int8"}
     with LLM(**base, kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
-        plain = _texts(llm, prompts)
+        ranked = llm.generate(prompts, TOP_TWO, use_tqdm=False)  # the greedy tokens and their runners-up
+        plain = [o.outputs[0].token_ids for o in ranked]
     with LLM(**base, kv_cache_memory="64MiB") as llm:
         first = _texts(llm, prompts)
         again = _texts(llm, prompts)  # every prompt's blocks cached now
         assert llm.engine.core.kv_cache.prefix_hits > 0
     assert first == plain and again == plain
     with LLM(**base, num_gpu_blocks_override=20, max_num_seqs=5, enable_prefix_caching=False) as llm:
-        assert _texts(llm, prompts) == plain
+        preempted = _texts(llm, prompts)
         assert llm.engine.core.scheduler.num_preemptions > 0
+    for want, got, out in zip(plain, preempted, ranked):
+        i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), len(want))
+        if i < len(want):
+            top = sorted((e.logprob for e in out.outputs[0].logprobs[i].values()), reverse=True)
+            assert top[0] - top[1] < 0.25, (i, top)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     with LLM(**base, kv_cache_memory="64MiB", speculative_config=spec) as llm:
         assert _texts(llm, prompts) == plain
