@@ -273,6 +273,6 @@ def int8_decode_reference(q, k, v_rows, first, scale):
         keys = tiles == t
         wt = w[:, keys]
         mx = wt.amax(-1, keepdim=True)
-        wc = torch.where(mx > 0, wt * torch.where(mx > 0, 127.0 / mx, 0.0), 0.0).round()
+        wc = torch.where(mx > 0, wt * torch.where(mx > 0, mx.new_tensor(127.0) / mx, 0.0), 0.0).round()
         out += torch.einsum("hk,khd->hd", wc, codes[keys]) * (mx / 127.0)
     return (out / e.sum(-1, keepdim=True)).reshape(1, -1)

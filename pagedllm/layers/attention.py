@@ -370,6 +370,7 @@ def _int8_decode_torch(
     w = e * v_scales.transpose(-1, -2)
     tiles = F.pad(w, (0, (-w.shape[-1]) % 16)).unflatten(-1, (-1, 16))
     top = tiles.amax(-1, keepdim=True)
-    codes = torch.where(top > 0, tiles * torch.where(top > 0, 127.0 / top, 0.0), 0.0).round()
+    inv = torch.where(top > 0, top.new_tensor(127.0) / top, 0.0)  # one division, as the kernel's
+    codes = torch.where(top > 0, tiles * inv, 0.0).round()
     w = (codes * (top / 127.0)).flatten(-2)[..., : w.shape[-1]]
     return torch.einsum("bhgl,bhld->bhgd", w, v_rows[..., :head_dim].float()) / e.sum(-1, keepdim=True)
