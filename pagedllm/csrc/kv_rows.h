@@ -29,6 +29,11 @@ struct E4M3 {  // one fp8 e4m3 code
 template <typename T>
 inline constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, E4M3>;
 
+// Whether the attention kernels multiply a cache of T's rows as integer codes (int8: its
+// scores against quantize_query's codes, below), on every ISA.
+template <typename T>
+inline constexpr bool kIntCodes = std::is_same_v<T, int8_t>;
+
 // Elements of T from one head's row to the next in a slot (D, or D + the scale's bytes).
 template <typename T>
 constexpr int64_t row_width(int64_t D) {

@@ -69,13 +69,12 @@ inline void prefetch_row(const T* p) {
 template <typename T>
 inline constexpr bool kPairs = kBf16Dot && std::is_same_v<T, uint16_t>;
 
-// Whether q.K and p.V are integer dot products of codes (an int8 cache, every ISA): the key
-// row's D codes against the query head's (HeadState::q8), 64 at a time (vec.h's dot_s8); four
-// value rows' codes against their weights' (dot_u8s8). The accumulators then hold element
-// 64 k + 16 q + 4 m + i of a row in vector 4 k + m, lane 4 q + i (interleave_rows4's order):
-// store_values puts them back in order.
-template <typename T>
-inline constexpr bool kIntCodes = std::is_same_v<T, int8_t>;
+// Where kv::kIntCodes<T> (an int8 cache), q.K and p.V are integer dot products of codes: the
+// key row's D codes against the query head's (HeadState::q8), 64 at a time (vec.h's dot_s8);
+// four value rows' codes against their weights' (dot_u8s8). The accumulators then hold
+// element 64 k + 16 q + 4 m + i of a row in vector 4 k + m, lane 4 q + i (interleave_rows4's
+// order): store_values puts them back in order.
+using kv::kIntCodes;
 
 // One (request, KV head)'s attention state over keys [first, end) of its block table: the
 // G query heads (scaled), their running max (m, the same in every lane), lane-wise sums of

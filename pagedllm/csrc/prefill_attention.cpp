@@ -385,14 +385,13 @@ int dispatch(const float* q, int64_t ldq, const void* kc, const void* vc, const 
   const T* v = static_cast<const T*>(vc);
   return head_dims::with(D, [&](auto d) {
     constexpr int kD = decltype(d)::value;
-    constexpr bool kInt = std::is_same_v<T, int8_t>;  // integer scores
     if constexpr (kBf16Dot && !std::is_same_v<T, float>) {
       if (BS % 2 == 0) {
-        prefill_attention<T, kD, true, kInt>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
+        prefill_attention<T, kD, true, kv::kIntCodes<T>>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
         return 0;
       }
     }
-    prefill_attention<T, kD, false, kInt>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
+    prefill_attention<T, kD, false, kv::kIntCodes<T>>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
     return 0;
   });
 }
