@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 from tests.native_isa import ISAS, on_isa
-from tests.utils import bfloat16_pair_bound, int8_decode_reference
+from tests.utils import assert_int8_attention, bfloat16_pair_bound
 
 from pagedllm.kernels import library
 from pagedllm.kernels.attention import (
@@ -151,8 +151,7 @@ def test_long_contexts_attended_in_pieces_match_dense(isa, cache_dtype, window, 
         k = k_held.flatten(0, 1)[rows]
         v = v_held.flatten(0, 1)[rows]
         if cache_dtype == torch.int8:
-            ref = int8_decode_reference(q[i : i + 1], k, v_cache.flatten(0, 1)[rows], first, d**-0.5)
-            torch.testing.assert_close(out[i : i + 1].reshape(1, -1), ref, atol=1e-4, rtol=1e-4)
+            assert_int8_attention(out[i : i + 1], q[i : i + 1], k, v_cache.flatten(0, 1)[rows], first, d**-0.5)
             continue
         ref = _dense(q[i : i + 1], k, v, d**-0.5)
         if pairs:
@@ -225,22 +224,24 @@ def test_a_prompt_attends_the_same_in_one_call_and_in_chunks(isa, cache_dtype, w
 
 
 @pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("block_size", [8, 16, 64])
 @pytest.mark.parametrize("h,hkv", [(4, 4), (6, 2), (14, 2)], ids=["g1", "g3", "g7"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("isa", ISAS)
-def test_prefill_over_an_int8_cache_matches_dense_on_its_quantized_queries(isa, d, h, hkv, window):
-    """Prefill scores an int8 cache as integer dot products of the key codes with the queries'
-    codes (``int8_cache_queries``), exact on every ISA: the output equals the float32 reference
-    on those queries, to float32 rounding, or within the bound of p.V in bfloat16 pairs. A
-    whole prompt beside a later chunk (its queries at an offset into the context), blocks in
-    random order, several 16-lane tiles per KV head, a window that starts inside a block."""
+def test_prefill_over_an_int8_cache_multiplies_codes_as_the_reference(isa, d, h, hkv, block_size, window):
+    """Prefill over an int8 cache computes what decode does, query by query
+    (``tests.utils.assert_int8_attention``: integer products of the queries' and the keys'
+    codes, the softmax weights as codes per tile of 16 positions against the value codes), the
+    same on every ISA: a whole prompt beside a later chunk (its queries at an offset into the
+    context), blocks in random order (of 8: a tile spans two), several 16-lane tiles per KV
+    head, a window that starts inside a block."""
     gen = torch.Generator().manual_seed(5)
-    block_size, scale = 16, d**-0.5
+    scale = d**-0.5
     reqs = [(0, 45), (90, 60)]  # (context already cached, new tokens)
     blocks = [-(-(c + n) // block_size) for c, n in reqs]
     order = torch.randperm(sum(blocks), generator=gen)
     k_cache, k_held = _cache_rows(torch.randn(sum(blocks), block_size, hkv, d, generator=gen), torch.int8, gen)
-    v_cache, v_held = _cache_rows(torch.randn(sum(blocks), block_size, hkv, d, generator=gen), torch.int8, gen)
+    v_cache, _ = _cache_rows(torch.randn(sum(blocks), block_size, hkv, d, generator=gen), torch.int8, gen)
     tables = torch.zeros(len(reqs), max(blocks), dtype=torch.int64)
     tables[0, : blocks[0]], tables[1, : blocks[1]] = order[: blocks[0]], order[blocks[0] :]
     q = torch.randn(sum(n for _, n in reqs), h, d, generator=gen)
@@ -248,18 +249,11 @@ def test_prefill_over_an_int8_cache_matches_dense_on_its_quantized_queries(isa, 
     out = torch.empty(q.shape[0], h * d)
     with on_isa(isa):
         paged_prefill_attention(q, k_cache, v_cache, tables, spans, scale, window, out)
-        pairs = attention_in_bfloat16_pairs(torch.int8, block_size, decode=False)
     start = 0
     for i, (cached, new) in enumerate(reqs):
         rows = [int(tables[i][p // block_size]) * block_size + p % block_size for p in range(cached + new)]
-        k, v = k_held.flatten(0, 1)[rows], v_held.flatten(0, 1)[rows]
-        queries = int8_cache_queries(q[start : start + new], scale)
-        ref = _dense(queries, k, v, scale, window)
-        got = out[start : start + new]
-        if pairs:
-            assert ((got - ref).abs() <= bfloat16_pair_bound(queries, k, v, scale, scores_in_pairs=False) + 1e-4).all()
-        else:
-            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        k, v_rows = k_held.flatten(0, 1)[rows], v_cache.flatten(0, 1)[rows]
+        assert_int8_attention(out[start : start + new], q[start : start + new], k, v_rows, 0, scale, window)
         start += new
 
 

@@ -41,7 +41,7 @@ from pagedllm.sampling_params import SamplingParams
 from tests.models_util import randomize_vectors
 from tests.native_isa import ISAS, on_isa
 from tests.tensor_parallel_ranks import Case, load, run_steps
-from tests.utils import assert_pool_whole, bfloat16_pair_bound, int8_decode_reference, pool_is_whole
+from tests.utils import assert_int8_attention, assert_pool_whole, bfloat16_pair_bound, pool_is_whole
 
 EIGHT_BIT = [torch.int8, torch.float8_e4m3fn]
 
@@ -150,9 +150,8 @@ def _dense(q, k, v, scale, window):
 @pytest.mark.parametrize("backend", [*ISAS, "torch"])
 def test_attention_reads_the_cache_as_stored(backend: str, dtype: torch.dtype, window: int) -> None:
     """Decode and (chunked) prefill attention over an 8-bit cache equal the float32 reference
-    over the dequantized rows (float32 rounding only; over int8 on the queries it scores,
-    ``kernels.int8_cache_queries``, and decode on its weights' codes,
-    ``tests.utils.int8_decode_reference``). Holes in the tables are never read by
+    over the dequantized rows (float32 rounding only; over int8 on its integer codes, as
+    ``tests.utils.assert_int8_attention`` checks). Holes in the tables are never read by
     the kernels (NaN there would show), never attended by PyTorch (which gathers them: 1e4)."""
     poison = 1e4 if backend == "torch" else float("nan")
     reqs, tables, meta, q, k, v, k_cache, v_cache, (h, hkv, d, block_size) = _random_step(dtype, window, poison)
@@ -176,16 +175,14 @@ def test_attention_reads_the_cache_as_stored(backend: str, dtype: torch.dtype, w
         keys[:first_key] = 0  # holes: never attended (the window masks them), here zeros, not NaN
         values[:first_key] = 0
         queries = q[start : start + new]
-        if dtype == torch.int8 and new == 1:  # decode: integer products of codes, as the kernel's
-            ref = int8_decode_reference(queries, keys[first_key:], rows_v[first_key:], first_key, d**-0.5)
-            torch.testing.assert_close(out[start : start + new], ref, atol=1e-4, rtol=1e-4)
+        if dtype == torch.int8:  # integer products of codes, as the kernels'
+            assert_int8_attention(out[start : start + new], queries, keys[first_key:], rows_v[first_key:], first_key,
+                                  d**-0.5, window)
             start += new
             continue
-        if dtype == torch.int8:  # prefill scores an int8 cache on the quantized queries
-            queries = kernels.int8_cache_queries(queries, d**-0.5)
         ref = _dense(queries, keys, values, d**-0.5, window)
         if pairs and new > 1:
-            bound = bfloat16_pair_bound(queries, keys, values, d**-0.5, scores_in_pairs=dtype != torch.int8)
+            bound = bfloat16_pair_bound(queries, keys, values, d**-0.5)
             assert ((out[start : start + new] - ref).abs() <= bound + 1e-4).all()
         else:
             torch.testing.assert_close(out[start : start + new], ref, atol=1e-4, rtol=1e-4)

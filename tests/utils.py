@@ -234,32 +234,55 @@ def random_gguf_blocks(qtype, n: int, k: int, seed: int = 0, scale: float = 1.0)
     return blocks.view(n, -1)
 
 
-def bfloat16_pair_bound(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, scores_in_pairs: bool = True
-) -> torch.Tensor:
+def bfloat16_pair_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Twice the largest error of attention in bfloat16 pairs (``kernels.attention.
     attention_in_bfloat16_pairs``) against float32 over the same K/V, per output element
     ([n, H * D]) of queries q [n, H, D] over keys and values [L, Hkv, D]: each score's q and k
     rounded to bfloat16 (relative 2^-9 each) move it by at most delta = 2^-8 scale sum_d
     |q_d k_d|, which moves the normalized weights by a factor within e^(+-2 delta); the weights
-    and the values rounded (2^-9 each) move the output by at most 2^-8 max |v| more.
-    scores_in_pairs False: the scores are exact (prefill over an int8 cache, on its quantized
-    queries), delta = 0."""
+    and the values rounded (2^-9 each) move the output by at most 2^-8 max |v| more."""
     group = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(group, dim=1).abs(), v.repeat_interleave(group, dim=1).abs()
     delta = 2**-8 * scale * torch.einsum("qhd,khd->qhk", q.abs(), kk).amax(-1, keepdim=True)  # [n, H, 1]
-    if not scores_in_pairs:
-        delta = torch.zeros_like(delta)
     vmax = vv.amax(0)[None]  # [1, H, D]
     return (2 * (torch.exp(2 * delta) - 1 + 2**-8) * vmax).reshape(q.shape[0], -1)
 
 
-def int8_decode_reference(q, k, v_rows, first, scale):
-    """Decode over an int8 cache as the kernels compute it: q [1, H, D] scored as int8 codes
-    (``int8_cache_queries``) against k [L, Hkv, D] (the keys' values), for keys at positions
-    first .. first + L - 1; per query head and tile of 16 positions (from a multiple of 16), the
-    softmax weights times the value rows' scales as codes in [0, 127] against v_rows' codes
-    [L, Hkv, D + 2], times the tile's code scale; divided by the weights' sum."""
+def assert_int8_attention(got, q, k, v_rows, first, scale, window=0):
+    """``got`` [n, H * D] is attention over an int8 cache as the kernels compute it, decode and
+    prefill alike: q [n, H, D] at the last n of positions first .. first + L - 1 of k [L, Hkv, D]
+    (the keys' values) and v_rows [L, Hkv, D + 2] (the value rows as stored), causal, window > 0:
+    a query at p sees keys p - window + 1 .. p. The kernels score each query as int8 codes
+    (``int8_cache_queries``) and, per query head and tile of 16 positions (from a multiple of
+    16), take the softmax weights times the value rows' scales as codes in [0, 127] against the
+    value codes, times the tile's code scale, divided by the weights' sum. Every element lies
+    within half a weight code per key of float32 attention on those queries (+ 1e-4), and all
+    but a few (query, head) rows equal that computation to 1e-4: a code at a rounding tie goes
+    either way with the last bit of the kernel's exp (a row's output moves by a code step)."""
+    n, h, d = q.shape
+    length = k.shape[0]
+    ref, bound = torch.empty(n, h, d), torch.empty(n, h, d)
+    for i in range(n):
+        end = length - n + i + 1  # keys [lo, end) of k
+        lo = max(0, end - window) if window else 0
+        ref[i], bound[i] = _int8_one_query(q[i : i + 1], k[lo:end], v_rows[lo:end], first + lo, scale)
+    values = v_rows[..., :d].float() * v_rows[..., d:].contiguous().view(torch.float16).float()
+    group = h // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", int8_cache_queries(q, scale), kk) * scale
+    q_pos, k_pos = torch.arange(length - n, length)[None, :, None], torch.arange(length)[None, None, :]
+    masked = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window else torch.zeros((), dtype=torch.bool))
+    dense = torch.einsum("hqk,khd->qhd", scores.masked_fill(masked, float("-inf")).softmax(-1), vv)
+    got = got.reshape(n, h, d)
+    assert ((got - dense).abs() <= bound * (1 + 1e-3) + 1e-4).all()
+    off = ((got - ref).abs() > 1e-4).any(-1)
+    assert off.float().mean() <= 0.02, f"{int(off.sum())} of {off.numel()} (query, head) rows differ"
+
+
+def _int8_one_query(q, k, v_rows, first, scale):
+    """The kernels' attention of one query [1, H, D] over all of k / v_rows, at positions first
+    on (``assert_int8_attention``), and the bound of its weight codes' rounding: half a code
+    step per key, times |value|, over the weights' sum. Two [H, D]."""
     h, d = q.shape[1], q.shape[2]
     group = h // k.shape[1]
     codes = v_rows[..., :d].float().repeat_interleave(group, 1)  # [L, H, D]
@@ -268,11 +291,13 @@ def int8_decode_reference(q, k, v_rows, first, scale):
     e = torch.exp(scores - scores.amax(-1, keepdim=True))
     w = e * v_scales.T  # [H, L]
     tiles = (first + torch.arange(k.shape[0])) // 16
-    out = torch.zeros(h, d)
+    out, bound = torch.zeros(h, d), torch.zeros(h, d)
     for t in tiles.unique():
         keys = tiles == t
         wt = w[:, keys]
         mx = wt.amax(-1, keepdim=True)
         wc = torch.where(mx > 0, wt * torch.where(mx > 0, mx.new_tensor(127.0) / mx, 0.0), 0.0).round()
         out += torch.einsum("hk,khd->hd", wc, codes[keys]) * (mx / 127.0)
-    return (out / e.sum(-1, keepdim=True)).reshape(1, -1)
+        bound += (mx / 254.0) * codes[keys].abs().sum(0)
+    total = e.sum(-1, keepdim=True)
+    return out / total, bound / total

@@ -25,11 +25,15 @@
 //   (kv::quantize_query: D codes of q * scale and one code scale per lane), and
 //   score = float(query codes . key codes) * (key row scale * the lane's code scale), the dot
 //   product exact in int32 (vec.h's w8a8 primitives: the key's quads broadcast as x, the
-//   tile's codes as the weights), so the same on every ISA. p.V is as for fp8: bfloat16 pairs
-//   in pair mode, else float32 over the rows widened.
-// The running max, sums and output stay float32. Pairs of keys are absolute (2m, 2m + 1), so a
-// row's result still does not depend on its neighbours, the step's chunking or the tile's
-// first key.
+//   tile's codes as the weights), so the same on every ISA. p.V too, as the decode kernel
+//   computes it: per lane and group of 16 keys from a multiple of 16, the softmax weights times
+//   their value rows' scales become codes in [0, 127] (w * 127 / the group's largest), whose
+//   int32 sums with the value codes, four keys per instruction, go into the output times the
+//   group's code scale. Keys are taken a block at a time but at least a group (blocks of 8 in
+//   pairs, looked up key by key).
+// The running max, sums and output stay float32. Pairs of keys and groups are absolute (2m,
+// 2m + 1; 16m .. 16m + 15), so a row's result still does not depend on its neighbours, the
+// step's chunking or the tile's first key.
 #include <stdint.h>
 
 #include <algorithm>
@@ -59,6 +63,9 @@ constexpr int kChains = kF32Regs >= 32 ? 8 : 4;
 // the loop with a copy (I32x16 holds int64 lanes, the dot product's builtin takes int32 lanes),
 // so a sum takes two registers, and kTiles x kChains of them spilled on every step.
 constexpr int kIntChains = kChains / 2;
+// Over an int8 cache p.V takes the softmax weights as codes per group of kGroup keys from a
+// multiple of kGroup (the decode kernel's tiles), and steps keys at least a group at a time.
+constexpr int kGroup = 16;
 
 // One head's row as D float32 values.
 template <typename T>
@@ -85,15 +92,20 @@ struct Tile {
 // Keys k0 .. k0 + nk - 1 of one block as the products read them, rows from nk up to the next
 // multiple of kChains zero: float32 rows; in pair mode K rows of bfloat16 pairs of elements
 // ([key][D / 2]) and V's pairs of keys ([key / 2][D]: element d of keys 2i and 2i + 1). With
-// integer scores I, K is the rows' codes as stored, in quads ([key][D / 4]), with each key's
-// -128 x code sum (dot_init's, read where kDotXSums) and row scale (0 for the zero rows).
+// integer codes I (an int8 cache; rows zero up to a multiple of kGroup, and outside the keys
+// read), K is the rows' codes as stored, in quads ([key][D / 4]), with each key's -128 x code
+// sum (dot_init's, read where kDotXSums) and row scale (0 for the zero rows); V is each quad of
+// keys' codes interleaved (vec.h's interleave_rows4, per 64 elements: word 16 m + 4 q + i of
+// a chunk holds element 16 q + 4 m + i of the four rows), with each key's row scale.
 template <int D, bool P, bool I>
 struct Block {
   alignas(64) std::conditional_t<I, int32_t[kMaxBlock][D / 4],
                                  std::conditional_t<P, uint32_t[kMaxBlock][D / 2], float[kMaxBlock][D]>> k;
-  alignas(64) std::conditional_t<P, uint32_t[kMaxBlock / 2][D], float[kMaxBlock][D]> v;
+  alignas(64) std::conditional_t<I, uint32_t[kMaxBlock / 4][D],
+                                 std::conditional_t<P, uint32_t[kMaxBlock / 2][D], float[kMaxBlock][D]>> v;
   int32_t ksum128[I ? kMaxBlock : 1];
   float kscale[I ? kMaxBlock : 1];
+  float vscale[I ? kMaxBlock : 1];
 };
 
 // Tiles t[0..NT) attend to the nk keys of b from key k0 on. Keys a lane may not see are
@@ -102,7 +114,8 @@ struct Block {
 // 0 to the sum and to every output element.
 template <int NT, int D, bool P, bool I>
 void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_t nk, F32x16 win_v) {
-  const int64_t nkc = (nk + kChains - 1) / kChains * kChains;
+  constexpr int64_t kStep = I ? kGroup : kChains;  // a multiple of kChains
+  const int64_t nkc = (nk + kStep - 1) / kStep * kStep;
   F32x16 s[NT][kMaxBlock];
   for (int64_t i = 0; i < nkc; i += kChains) {
     if constexpr (I) {  // int32 sums of the key's quads (broadcast) times the lanes' quads
@@ -146,6 +159,7 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
     }
   }
   F32x16 corr[NT];
+  bool rescale[NT];  // some lane's max moved (elsewhere corr is exactly 1)
   for (int u = 0; u < NT; ++u) {
     // Causal and window masks per lane (none where every lane sees the block's keys: the same
     // values); the block's max; the online softmax's rescale.
@@ -165,6 +179,7 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
       valid[i] = i < nk ? le(kp, t[u]->pos) & gt(kp, sub(t[u]->pos, win_v)) : mask_first(0);
       mx = select(valid[i], max(mx, s[u][i]), mx);
     }
+    rescale[u] = any(gt(mx, t[u]->m));
     corr[u] = exp_nonpositive(sub(t[u]->m, mx));
     t[u]->m = mx;
     F32x16 l = mul(t[u]->l, corr[u]);
@@ -173,6 +188,53 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
       l = add(l, s[u][i]);
     }
     t[u]->l = l;
+  }
+  if constexpr (I) {
+    // Output += P V in integers, per tile and group of kGroup keys: the weights times their
+    // value rows' scales as codes in [0, 127] per lane (w * 127 / the lane's largest in the
+    // group, rounded to nearest even), four keys' codes per lane against each value element's
+    // four codes (broadcast once for every tile), the int32 sums times the lane's code scale
+    // (largest / 127) into the output. Words w0 .. w0 + 3 of an interleaved chunk are elements
+    // d0 .. d0 + 3: four chains per tile.
+    for (int64_t g = 0; g < nkc / kGroup; ++g) {
+      U8x64 pq[NT][kGroup / 4];
+      F32x16 ps[NT];
+      for (int u = 0; u < NT; ++u) {
+        F32x16 w[kGroup], mx = zero();
+        for (int i = 0; i < kGroup; ++i) {
+          w[i] = mul(s[u][kGroup * g + i], set1(b.vscale[kGroup * g + i]));
+          mx = max(mx, w[i]);
+        }
+        const F32x16 inv = select(gt(mx, zero()), div(set1(127.f), mx), zero());
+        ps[u] = div(mx, set1(127.f));
+        for (int qd = 0; qd < kGroup / 4; ++qd) {
+          const F32x16* x = w + 4 * qd;
+          pq[u][qd] = pack_u8x4(round_i32(mul(x[0], inv)), round_i32(mul(x[1], inv)), round_i32(mul(x[2], inv)),
+                                round_i32(mul(x[3], inv)));
+        }
+      }
+      const uint32_t(*v)[D] = b.v + kGroup / 4 * g;
+      for (int c = 0; c < D / 64; ++c)
+        for (int m = 0; m < 4; ++m)
+          for (int q = 0; q < 4; ++q) {
+            const int w0 = 64 * c + 16 * m + 4 * q, d0 = 64 * c + 16 * q + 4 * m;
+            I32x16 a[NT][4];
+            for (int u = 0; u < NT; ++u)
+              for (int j = 0; j < 4; ++j) a[u][j] = zero_i32();
+            for (int qd = 0; qd < kGroup / 4; ++qd)
+              for (int j = 0; j < 4; ++j) {
+                const uint32_t x = v[qd][w0 + j];
+                for (int u = 0; u < NT; ++u) a[u][j] = dot_u8s8_splat(a[u][j], pq[u][qd], x);
+              }
+            for (int u = 0; u < NT; ++u)
+              for (int j = 0; j < 4; ++j) {
+                F32x16 o = load(t[u]->ot[d0 + j]);
+                if (g == 0 && rescale[u]) o = mul(o, corr[u]);
+                store(t[u]->ot[d0 + j], fma(to_f32(a[u][j]), ps[u], o));
+              }
+          }
+    }
+    return;
   }
   // Output += P V, transposed, C value elements at a time (one chain each per tile). Pair mode
   // takes half the chains: the weights of a pair of keys stay in registers beside them.
@@ -185,7 +247,7 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
   for (int d = 0; d < D; d += C) {
     F32x16 o[NT][C];
     for (int u = 0; u < NT; ++u)
-      for (int j = 0; j < C; ++j) o[u][j] = mul(load(t[u]->ot[d + j]), corr[u]);
+      for (int j = 0; j < C; ++j) o[u][j] = rescale[u] ? mul(load(t[u]->ot[d + j]), corr[u]) : load(t[u]->ot[d + j]);
     if constexpr (P) {
       for (int64_t i = 0; i < nkc / 2; ++i) {
         BF16x32 pi[NT];
@@ -218,23 +280,11 @@ void attend_n(int n, Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k
 
 // Rows k0 .. k0 + nk - 1 of a block (k, v: the first key's row of the head; stride: elements
 // from one key's row to the next) into b, zeros up to nkc rows.
-template <typename T, int D, bool P, bool I>
-void prepare(Block<D, P, I>& b, const T* k, const T* v, int64_t stride, int64_t nk, int64_t nkc) {
+template <typename T, int D, bool P>
+void prepare(Block<D, P, false>& b, const T* k, const T* v, int64_t stride, int64_t nk, int64_t nkc) {
   for (int64_t i = 0; i < nkc; ++i) {
     const T* row = k + i * stride;
-    if constexpr (I) {
-      int8_t* dst = reinterpret_cast<int8_t*>(b.k[i]);
-      int32_t sum = 0;
-      if (i < nk) {
-        std::memcpy(dst, row, D);
-        if constexpr (kDotXSums)
-          for (int d = 0; d < D; ++d) sum += dst[d];
-      } else {
-        std::fill_n(dst, D, int8_t(0));
-      }
-      b.ksum128[i] = -128 * sum;
-      b.kscale[i] = i < nk ? kv::row_scale(row, D) : 0.f;
-    } else if constexpr (P) {
+    if constexpr (P) {
       uint16_t* dst = reinterpret_cast<uint16_t*>(b.k[i]);
       if (i >= nk) {
         std::fill_n(dst, D, uint16_t(0));
@@ -265,6 +315,47 @@ void prepare(Block<D, P, I>& b, const T* k, const T* v, int64_t stride, int64_t 
       else std::fill_n(b.v[i], D, 0.f);
     }
   }
+}
+
+// An int8 cache's keys g0 .. g0 + nkc - 1 into b (integer codes): key g0 + i's rows at offset
+// rows[i] in k and v for i in [lo, nk), every other row zero (not read).
+template <int D>
+void prepare_codes(Block<D, false, true>& b, const int8_t* k, const int8_t* v, const int64_t* rows, int64_t lo,
+                   int64_t nk, int64_t nkc) {
+  alignas(64) static constexpr int8_t kZeros[D] = {};
+  for (int64_t i = 0; i < nkc; ++i) {
+    const bool read = i >= lo && i < nk;
+    int8_t* dst = reinterpret_cast<int8_t*>(b.k[i]);
+    if (read) std::memcpy(dst, k + rows[i], D);
+    else std::fill_n(dst, D, int8_t(0));
+    b.kscale[i] = read ? kv::row_scale(k + rows[i], D) : 0.f;
+    b.vscale[i] = read ? kv::row_scale(v + rows[i], D) : 0.f;
+  }
+  // Each key's code sum, 16 keys at a time: dot products with ones, summed per key by the
+  // transpose-and-add tree (exact: |sum| <= 127 D < 2^24).
+  for (int64_t i0 = 0; i0 < nkc; i0 += 16) {
+    alignas(64) float sums[16] = {};
+    if constexpr (kDotXSums) {
+      F32x16 part[16];
+      for (int j = 0; j < 16; ++j) {
+        I32x16 a = zero_i32();
+        for (int c = 0; c < D / 64; ++c)
+          a = dot_u8s8(a, splat_u32(0x01010101u), reinterpret_cast<const int8_t*>(b.k[i0 + j]) + 64 * c);
+        part[j] = to_f32(a);
+      }
+      store(sums, reduce_add16(part));
+    }
+    for (int j = 0; j < 16; ++j) b.ksum128[i0 + j] = -128 * static_cast<int32_t>(sums[j]);
+  }
+  for (int64_t qd = 0; qd < nkc / 4; ++qd)
+    for (int c = 0; c < D / 64; ++c) {
+      const int8_t* r[4];
+      for (int j = 0; j < 4; ++j) {
+        const int64_t i = 4 * qd + j;
+        r[j] = (i >= lo && i < nk ? v + rows[i] : kZeros) + 64 * c;
+      }
+      interleave_rows4(r, reinterpret_cast<int8_t*>(b.v[qd]) + 256 * c);
+    }
 }
 
 template <typename T, int D, bool P, bool I>
@@ -343,24 +434,36 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
     const F32x16 win_v = set1(window > 0 ? static_cast<float>(window) : 1e30f);
     Block<D, P, I> b;
 
-    // Per block of keys, the tiles whose own range reaches into it (every tile sees the same
-    // blocks it would alone), all fed from one preparation of the block's rows.
-    for (int64_t blk = lo_key / BS; blk * BS < hi_key; ++blk) {
+    // Per span of keys (a block; over an int8 cache, a block but at least a group, whose
+    // blocks of 8 are looked up key by key), the tiles whose own range reaches into it (every
+    // tile sees the same spans it would alone), all fed from one preparation of its rows.
+    const int64_t SP = I ? std::max<int64_t>(BS, kGroup) : BS;
+    for (int64_t blk = lo_key / SP; blk * SP < hi_key; ++blk) {
       Tile<D, P, I>* active[kTiles];
       int na = 0;
-      int64_t k0 = (blk + 1) * BS, k1 = blk * BS;
+      int64_t k0 = (blk + 1) * SP, k1 = blk * SP;
       for (int u = 0; u < nt; ++u) {
         Tile<D, P, I>& t = tiles[u];
-        if (t.lo_key / BS > blk || blk * BS >= t.hi_key) continue;
+        if (t.lo_key / SP > blk || blk * SP >= t.hi_key) continue;
         active[na++] = &t;
-        k0 = std::min(k0, std::max(blk * BS, t.lo_key)), k1 = std::max(k1, std::min((blk + 1) * BS, t.hi_key));
+        k0 = std::min(k0, std::max(blk * SP, t.lo_key)), k1 = std::max(k1, std::min((blk + 1) * SP, t.hi_key));
       }
       if (na == 0) continue;
-      if constexpr (P) k0 &= ~int64_t(1);  // absolute pairs of keys for p.V (BS is even: still in the block)
-      const int64_t nk = k1 - k0, nkc = (nk + kChains - 1) / kChains * kChains;
-      const int64_t first = table[blk] * BS * stride + h * RW + (k0 - blk * BS) * stride;
-      prepare(b, k_cache + first, v_cache + first, stride, nk, nkc);
-      attend_n<D, P, I>(na, active, b, k0, nk, win_v);
+      if constexpr (I) {
+        // From the first key's group on: the keys before k0 (below every active lane's window)
+        // are zero rows, masked.
+        const int64_t g0 = k0 - k0 % kGroup, nk = k1 - g0, nkc = (nk + kGroup - 1) / kGroup * kGroup;
+        alignas(64) int64_t rows[kMaxBlock];
+        for (int64_t x = k0; x < k1; ++x) rows[x - g0] = (table[x / BS] * BS + x % BS) * stride + h * RW;
+        prepare_codes(b, k_cache, v_cache, rows, k0 - g0, nk, nkc);
+        attend_n<D, P, I>(na, active, b, g0, nk, win_v);
+      } else {
+        if constexpr (P) k0 &= ~int64_t(1);  // absolute pairs of keys for p.V (BS is even: still in the block)
+        const int64_t nk = k1 - k0, nkc = (nk + kChains - 1) / kChains * kChains;
+        const int64_t first = table[blk] * BS * stride + h * RW + (k0 - blk * BS) * stride;
+        prepare(b, k_cache + first, v_cache + first, stride, nk, nkc);
+        attend_n<D, P, I>(na, active, b, k0, nk, win_v);
+      }
     }
     for (int u = 0; u < nt; ++u) {
       const Tile<D, P, I>& t = tiles[u];
@@ -385,14 +488,19 @@ int dispatch(const float* q, int64_t ldq, const void* kc, const void* vc, const 
   const T* v = static_cast<const T*>(vc);
   return head_dims::with(D, [&](auto d) {
     constexpr int kD = decltype(d)::value;
-    if constexpr (kBf16Dot && !std::is_same_v<T, float>) {
-      if (BS % 2 == 0) {
-        prefill_attention<T, kD, true, kv::kIntCodes<T>>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
-        return 0;
+    if constexpr (kv::kIntCodes<T>) {
+      prefill_attention<T, kD, false, true>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
+      return 0;
+    } else {
+      if constexpr (kBf16Dot && !std::is_same_v<T, float>) {
+        if (BS % 2 == 0) {
+          prefill_attention<T, kD, true, false>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
+          return 0;
+        }
       }
+      prefill_attention<T, kD, false, false>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
+      return 0;
     }
-    prefill_attention<T, kD, false, kv::kIntCodes<T>>(q, ldq, k, v, bt, mb, qs, ql, sl, out, R, Hq, Hkv, BS, scale, window);
-    return 0;
   });
 }
 

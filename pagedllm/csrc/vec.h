@@ -57,6 +57,8 @@
 //           -128 included), then for each row of x (in [-127, 127]) I32x16 dot_s8(S8W, 64 s8 x,
 //           xsum128): lane l = sum_j w[4 l + j] x[4 l + j]; where kDotXSums, xsum128[l] = -128 *
 //           sum_j x[4 l + j] (kquant's quantize_rows computes it; the other ISAs ignore it).
+//           dot_u8s8_splat(acc, w, x): the same against x's 4 bytes (s8) in every lane,
+//           pack_u8x4(a, b, c, d) (lanes in [0, 255]: byte 4 l + j = lane l of the j-th),
 //           splat_u32(v) (v's 4 bytes in every 32-bit lane), interleave_rows4(r[4], out) (64
 //           bytes of each of 4 rows into 4 x 64 bytes: out[64 m + 16 q + 4 i + j] = r[j][16 q +
 //           4 m + i], the order x86's unpacks give per 16-byte quarter q; with dot_u8s8 over

@@ -270,6 +270,12 @@ inline U8x64 splat_u32(uint32_t v) {
   const __m256i x = _mm256_set1_epi32(int(v));
   return {x, x};
 }
+inline __m256i pack_bytes4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  return _mm256_or_si256(_mm256_or_si256(a, _mm256_slli_epi32(b, 8)), _mm256_or_si256(_mm256_slli_epi32(c, 16), _mm256_slli_epi32(d, 24)));
+}
+inline U8x64 pack_u8x4(I32x16 a, I32x16 b, I32x16 c, I32x16 d) {
+  return {pack_bytes4(a.lo, b.lo, c.lo, d.lo), pack_bytes4(a.hi, b.hi, c.hi, d.hi)};
+}
 inline void interleave_rows4(const int8_t* const r[4], int8_t* out) {
   for (int h = 0; h < 2; ++h) {  // bytes 0-31, then 32-63: the same per 16-byte quarter
     const auto at = [&](int j) { return load256(reinterpret_cast<const uint8_t*>(r[j]) + 32 * h); };
@@ -368,6 +374,10 @@ inline __m256i madd_u8s8(__m256i acc, __m256i w, __m256i x) {  // pairs w x fit 
 inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) {
   const uint8_t* p = reinterpret_cast<const uint8_t*>(x);
   return {madd_u8s8(acc.lo, w.lo, load256(p)), madd_u8s8(acc.hi, w.hi, load256(p + 32))};
+}
+inline I32x16 dot_u8s8_splat(I32x16 acc, U8x64 w, uint32_t x) {
+  const __m256i xv = _mm256_set1_epi32(int(x));
+  return {madd_u8s8(acc.lo, w.lo, xv), madd_u8s8(acc.hi, w.hi, xv)};
 }
 inline constexpr bool kDotXSums = false;  // x negated where w < 0 instead
 using S8W = U8x64;

@@ -185,6 +185,10 @@ inline U8x64 load_2x32(const uint8_t* a, const uint8_t* b) {
 }
 inline U8x64 dup32(const uint8_t* p) { return {_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 inline U8x64 splat_u32(uint32_t v) { return {_mm512_set1_epi32(int(v))}; }
+inline U8x64 pack_u8x4(I32x16 a, I32x16 b, I32x16 c, I32x16 d) {
+  return {_mm512_or_si512(_mm512_or_si512(a.v, _mm512_slli_epi32(b.v, 8)),
+                          _mm512_or_si512(_mm512_slli_epi32(c.v, 16), _mm512_slli_epi32(d.v, 24)))};
+}
 inline void interleave_rows4(const int8_t* const r[4], int8_t* out) {
   const __m512i a = _mm512_loadu_si512(r[0]), b = _mm512_loadu_si512(r[1]);
   const __m512i c = _mm512_loadu_si512(r[2]), d = _mm512_loadu_si512(r[3]);
@@ -257,6 +261,7 @@ inline F32x16 expand4(F32x16 a, int c) {
 }
 #ifdef __AVX512VNNI__
 inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) { return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_loadu_si512(x))}; }
+inline I32x16 dot_u8s8_splat(I32x16 acc, U8x64 w, uint32_t x) { return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(int(x)))}; }
 // w + 128 as u8, so that a row's dot product is one vpdpbusd that starts from -128 * its x sums.
 struct S8W { __m512i u; };
 inline S8W prepare_s8(U8x64 w) { return {_mm512_xor_si512(w.v, _mm512_set1_epi8(char(0x80)))}; }
@@ -266,6 +271,9 @@ inline I32x16 dot_s8(const S8W& w, const int8_t* x, const int32_t* xsum128) {
 #else
 inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) {
   return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.v, _mm512_loadu_si512(x)), _mm512_set1_epi16(1)))};
+}
+inline I32x16 dot_u8s8_splat(I32x16 acc, U8x64 w, uint32_t x) {
+  return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.v, _mm512_set1_epi32(int(x))), _mm512_set1_epi16(1)))};
 }
 using S8W = U8x64;
 inline S8W prepare_s8(U8x64 w) { return w; }

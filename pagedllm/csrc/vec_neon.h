@@ -249,6 +249,13 @@ inline U8x64 splat_u32(uint32_t v) {
   const uint8x16_t x = vreinterpretq_u8_u32(vdupq_n_u32(v));
   return {{x, x, x, x}};
 }
+inline U8x64 pack_u8x4(I32x16 a, I32x16 b, I32x16 c, I32x16 d) {
+  U8x64 r;
+  for (int i = 0; i < 4; ++i)
+    r.v[i] = vreinterpretq_u8_s32(vorrq_s32(vorrq_s32(a.v[i], vshlq_n_s32(b.v[i], 8)),
+                                            vorrq_s32(vshlq_n_s32(c.v[i], 16), vshlq_n_s32(d.v[i], 24))));
+  return r;
+}
 inline void interleave_rows4(const int8_t* const r[4], int8_t* out) {
   for (int q = 0; q < 4; ++q) {  // each 16-byte quarter, as x86's unpacks per 128-bit lane
     const int8x16_t a = vld1q_s8(r[0] + 16 * q), b = vld1q_s8(r[1] + 16 * q);
@@ -338,6 +345,11 @@ inline F32x16 expand4(F32x16 a, int c) {
 }
 inline I32x16 dot_u8s8(I32x16 acc, U8x64 w, const int8_t* x) {  // codes <= 127 are valid s8
   for (int i = 0; i < 4; ++i) acc.v[i] = dot4(acc.v[i], vreinterpretq_s8_u8(w.v[i]), vld1q_s8(x + 16 * i));
+  return acc;
+}
+inline I32x16 dot_u8s8_splat(I32x16 acc, U8x64 w, uint32_t x) {
+  const int8x16_t xv = vreinterpretq_s8_u32(vdupq_n_u32(x));
+  for (int i = 0; i < 4; ++i) acc.v[i] = dot4(acc.v[i], vreinterpretq_s8_u8(w.v[i]), xv);
   return acc;
 }
 inline constexpr bool kDotXSums = false;  // sdot is s8 x s8

@@ -267,6 +267,17 @@ inline U8x64 splat_u32(uint32_t v) {
   for (int i = 0; i < 64; ++i) r.b[i] = uint8_t(v >> (8 * (i % 4)));
   return r;
 }
+inline I32x16 dot_u8s8_splat(I32x16 acc, const U8x64& w, uint32_t x) {
+  for (int l = 0; l < 16; ++l)
+    for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(w.b[4 * l + j]) * int8_t(uint8_t(x >> (8 * j)));
+  return acc;
+}
+inline U8x64 pack_u8x4(const I32x16& a, const I32x16& b, const I32x16& c, const I32x16& d) {
+  U8x64 r;
+  for (int l = 0; l < 16; ++l)
+    r.b[4 * l] = uint8_t(a.v[l]), r.b[4 * l + 1] = uint8_t(b.v[l]), r.b[4 * l + 2] = uint8_t(c.v[l]), r.b[4 * l + 3] = uint8_t(d.v[l]);
+  return r;
+}
 inline void interleave_rows4(const int8_t* const r[4], int8_t* out) {
   for (int m = 0; m < 4; ++m)
     for (int q = 0; q < 4; ++q)

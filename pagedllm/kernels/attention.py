@@ -69,15 +69,16 @@ def prefill_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int
 
 def attention_in_bfloat16_pairs(cache_dtype: torch.dtype, block_size: int, decode: bool) -> bool:
     """Whether the library in use multiplies bfloat16 pairs in attention over such a cache
-    (csrc's pair modes: the queries and softmax weights rounded to bfloat16, 8-bit K/V rows as
+    (csrc's pair modes: the queries and softmax weights rounded to bfloat16, fp8 K/V rows as
     code x scale rounded; sums float32): on a library built with AVX-512 BF16, decode over a
-    bfloat16 cache, prefill over a bfloat16 or 8-bit cache of an even block size. Prefill over
-    an int8 cache takes pairs for p.V only: its scores are integer dot products, exact, of the
-    ``int8_cache_queries`` with the key codes. False without a library."""
+    bfloat16 cache, prefill over a bfloat16 or fp8 cache of an even block size. Never over an
+    int8 cache: both kernels multiply its codes as integers. False without a library."""
     lib = native_library()
     if lib is None or "avx512_bf16" not in lib.pagedllm_requires().decode().split():
         return False
-    return cache_dtype == torch.bfloat16 if decode else cache_dtype != torch.float32 and block_size % 2 == 0
+    if decode:
+        return cache_dtype == torch.bfloat16
+    return cache_dtype in (torch.bfloat16, torch.float8_e4m3fn) and block_size % 2 == 0
 
 
 def int8_cache_queries(q: torch.Tensor, scale: float) -> torch.Tensor:

@@ -265,8 +265,8 @@ def _prefill_torch(
     window: int,
     out: torch.Tensor,
 ) -> None:
-    """Each prefill request's rows of ``out``: one SDPA call per request; over an int8 cache it
-    scores the quantized queries (``kernels.int8_cache_queries``), as the kernel does."""
+    """Each prefill request's rows of ``out``: one SDPA call per request; over an int8 cache, as
+    the kernel computes it (``_int8_attention_torch``)."""
     k_cache, v_cache = kv_cache
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k.shape[1]
@@ -274,11 +274,9 @@ def _prefill_torch(
     as_stored = k_cache.dtype in QUANTIZED_KV_DTYPES  # a first chunk reads its K/V from the cache too
     for i, p in enumerate(meta.prefills):
         rows = slice(p.query_start, p.query_start + p.query_len)
-        query = q[rows]
-        if k_cache.dtype == torch.int8:
-            query = kernels.int8_cache_queries(query, scale).to(q.dtype)
-        query = query.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         first_query = p.seq_len - p.query_len
+        key_start = 0
         chunked = first_query > 0  # a later chunk or a cache hit: causal with an offset
         gather = chunked or as_stored
         mask = None
@@ -301,14 +299,23 @@ def _prefill_torch(
                 first_block = key_start // block_size
                 span = slice(key_start - first_block * block_size, p.seq_len - first_block * block_size)
                 keys = _cache_values(k_cache[p.block_ids[first_block:]].flatten(0, 1)[span], head_dim, q.dtype)
-                values = _cache_values(v_cache[p.block_ids[first_block:]].flatten(0, 1)[span], head_dim, q.dtype)
+                values = v_cache[p.block_ids[first_block:]].flatten(0, 1)[span]
         elif not gather:  # whole context is this chunk: use it directly, no gather
             keys, values = k[rows], v[rows]
         else:
             keys = _cache_values(k_cache[p.block_ids].flatten(0, 1)[: p.seq_len], head_dim, q.dtype)
-            values = _cache_values(v_cache[p.block_ids].flatten(0, 1)[: p.seq_len], head_dim, q.dtype)
+            values = v_cache[p.block_ids].flatten(0, 1)[: p.seq_len]
         keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
-        values = values.transpose(0, 1).unsqueeze(0)
+        values = values.transpose(0, 1).unsqueeze(0)  # as stored where gathered
+        if k_cache.dtype == torch.int8:  # the G heads of a KV head ride the query axis
+            if mask is None:
+                mask = torch.ones(p.query_len, p.query_len, dtype=torch.bool).tril()
+            o = _int8_attention_torch(
+                query.unflatten(1, (-1, group)).flatten(2, 3), keys, values, mask.repeat(group, 1), scale, key_start
+            )
+            out[rows] = o.view(num_heads, p.query_len, head_dim).transpose(0, 1).reshape(p.query_len, -1).to(q.dtype)
+            continue
+        values = _cache_values(values, head_dim, q.dtype)
         o = F.scaled_dot_product_attention(
             query,
             keys,
@@ -348,29 +355,36 @@ def _decode_attention_torch(
         meta.window_masks[(-1, window)] = mask
     if k_cache.dtype == torch.int8:
         v_rows = v_cache[tables].flatten(1, 2).transpose(1, 2)
-        return _int8_decode_torch(query, keys, v_rows, mask, scale).reshape(b, num_heads, head_dim)
+        return _int8_attention_torch(query, keys, v_rows, mask, scale).reshape(b, num_heads, head_dim)
     o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return o.reshape(b, num_heads, head_dim)
 
 
-def _int8_decode_torch(
-    query: torch.Tensor, keys: torch.Tensor, v_rows: torch.Tensor, mask: torch.Tensor, scale: float
+def _int8_attention_torch(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    v_rows: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    first_key: int = 0,
 ) -> torch.Tensor:
-    """Decode over an int8 cache as the kernels compute it (csrc/paged_attention.cpp): the
-    queries [b, Hkv, G, D] scored as int8 codes (``kernels.int8_cache_queries``) against keys
-    [b, Hkv, L, D] (position = index); per query head and tile of 16 positions, the softmax
-    weights times the value rows' scales as codes in [0, 127] (times the tile's largest / 127)
-    against the value codes of v_rows [b, Hkv, L, D + 2]. mask [b, 1, 1, L]: the keys attended.
-    [b, Hkv, G, D] float32 out."""
+    """Attention over an int8 cache as the kernels compute it (csrc/paged_attention.cpp and
+    prefill_attention.cpp): queries [..., Q, D] scored as int8 codes
+    (``kernels.int8_cache_queries``) against keys [..., L, D] (values, at positions first_key
+    + index); per query and tile of 16 positions from a multiple of 16, the softmax weights
+    times the value rows' scales as codes in [0, 127] (times the tile's largest / 127) against
+    the value codes of v_rows [..., L, D + 2]. mask [..., Q, L] (broadcast): the keys attended,
+    at least one per query. [..., Q, D] float32 out."""
     head_dim = query.shape[-1]
-    scores = torch.einsum("bhgd,bhld->bhgl", kernels.int8_cache_queries(query, scale), keys.float()) * scale
+    scores = torch.einsum("...qd,...ld->...ql", kernels.int8_cache_queries(query, scale), keys.float()) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     e = torch.exp(scores - scores.amax(-1, keepdim=True))
-    v_scales = v_rows[..., head_dim:].contiguous().view(torch.float16).float()  # [b, Hkv, L, 1]
+    v_scales = v_rows[..., head_dim:].contiguous().view(torch.float16).float()  # [..., L, 1]
     w = e * v_scales.transpose(-1, -2)
-    tiles = F.pad(w, (0, (-w.shape[-1]) % 16)).unflatten(-1, (-1, 16))
+    lead = first_key % 16
+    tiles = F.pad(w, (lead, (-(lead + w.shape[-1])) % 16)).unflatten(-1, (-1, 16))
     top = tiles.amax(-1, keepdim=True)
     inv = torch.where(top > 0, top.new_tensor(127.0) / top, 0.0)  # one division, as the kernel's
     codes = torch.where(top > 0, tiles * inv, 0.0).round()
-    w = (codes * (top / 127.0)).flatten(-2)[..., : w.shape[-1]]
-    return torch.einsum("bhgl,bhld->bhgd", w, v_rows[..., :head_dim].float()) / e.sum(-1, keepdim=True)
+    w = (codes * (top / 127.0)).flatten(-2)[..., lead : lead + w.shape[-1]]
+    return torch.einsum("...ql,...ld->...qd", w, v_rows[..., :head_dim].float()) / e.sum(-1, keepdim=True)
