@@ -21,7 +21,7 @@ import torch
 
 from pagedllm.config import MODEL_RUNNER_CLS_ENV
 from pagedllm.distributed.parallel_state import free_port
-from pagedllm.kernels.attention import int8_cache_queries
+from pagedllm.kernels.attention import INT8_WEIGHT_FLOOR, int8_cache_queries
 from tests.fault_injection import FAULTY_RUNNER
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -296,7 +296,8 @@ def _int8_one_query(q, k, v_rows, first, scale):
         keys = tiles == t
         wt = w[:, keys]
         mx = wt.amax(-1, keepdim=True)
-        wc = torch.where(mx > 0, wt * torch.where(mx > 0, mx.new_tensor(127.0) / mx, 0.0), 0.0).round()
+        live = mx > INT8_WEIGHT_FLOOR
+        wc = torch.where(live, wt * torch.where(live, mx.new_tensor(127.0) / mx, 0.0), 0.0).round()
         out += torch.einsum("hk,khd->hd", wc, codes[keys]) * (mx / 127.0)
         bound += (mx / 254.0) * codes[keys].abs().sum(0)
     total = e.sum(-1, keepdim=True)

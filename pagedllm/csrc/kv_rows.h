@@ -114,6 +114,14 @@ inline float quantize_query(const float* q, float scale, int8_t* codes) {
   return amax / 127.f;
 }
 
+// A tile's largest softmax weight at or below which its weights' codes are 0 (pagedllm_abi.h's
+// PAGEDLLM_INT8_WEIGHT_FLOOR_EXP): 2^-120.
+inline constexpr float kWeightFloor = [] {
+  float f = 1.f;
+  for (int e = 0; e > PAGEDLLM_INT8_WEIGHT_FLOOR_EXP; --e) f *= 0.5f;
+  return f;
+}();
+
 // fn(static_cast<T*>(nullptr)) with T the element type of `cache_kind`'s rows
 // (PAGEDLLM_CACHE_*: float, bfloat16 bits, int8, E4M3); -1 for any other kind.
 template <typename Fn>

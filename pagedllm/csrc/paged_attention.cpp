@@ -184,7 +184,7 @@ inline void add_weighted_values(const T* v_cache, const int64_t* rows, int lo, i
     for (int g = 0; g < G; ++g) {
       const F32x16 w = load(p[g]);
       const float mx = reduce_max(w);
-      store_i8(pc[g], round_i32(mul(w, set1(mx > 0.f ? 127.f / mx : 0.f))));
+      store_i8(pc[g], round_i32(mul(w, set1(mx > kv::kWeightFloor ? 127.f / mx : 0.f))));
       ps[g] = mx / 127.f;
     }
     for (int c0 = 0; c0 < D / 16; c0 += B::kCols)

@@ -48,6 +48,10 @@
 #define PAGEDLLM_CACHE_FP8 3
 /* Bytes after each head's D codes in an 8-bit cache's row: its float16 scale. */
 #define PAGEDLLM_KV_SCALE_BYTES 2
+/* Over an int8 cache, attention's softmax weights per tile of 16 keys become codes
+   w * 127 / (the tile's largest); a tile whose largest is at most 2^this contributes nothing
+   (127 / largest would leave float's range). */
+#define PAGEDLLM_INT8_WEIGHT_FLOOR_EXP -120
 /* Row blocks of other formats one K-quant weight may stack (a fused q/k/v). */
 #define PAGEDLLM_KQUANT_MAX_PARTS 4
 /* A KQuantPart type with this bit: its blocks are kquant_pack_panels' layout, not the file's. */

@@ -205,7 +205,7 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
           w[i] = mul(s[u][kGroup * g + i], set1(b.vscale[kGroup * g + i]));
           mx = max(mx, w[i]);
         }
-        const F32x16 inv = select(gt(mx, zero()), div(set1(127.f), mx), zero());
+        const F32x16 inv = select(gt(mx, set1(kv::kWeightFloor)), div(set1(127.f), mx), zero());
         ps[u] = div(mx, set1(127.f));
         for (int qd = 0; qd < kGroup / 4; ++qd) {
           const F32x16* x = w + 4 * qd;

@@ -49,6 +49,8 @@ def cache_kind(dtype: torch.dtype) -> int:
         raise ValueError(f"the native kernels read K/V caches of {CACHE_DTYPES}, not {dtype}")
     return _CACHE_KINDS[dtype]
 MAX_PREFILL_BLOCK = abi.CONSTANTS["PAGEDLLM_MAX_PREFILL_BLOCK"]  # largest block size of the prefill kernel
+# Over an int8 cache, a tile of 16 softmax weights whose largest is at most this has codes 0.
+INT8_WEIGHT_FLOOR = 2.0 ** abi.CONSTANTS["PAGEDLLM_INT8_WEIGHT_FLOOR_EXP"]
 
 
 def decode_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

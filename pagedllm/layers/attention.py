@@ -16,8 +16,9 @@ place through the block tables (``csrc/``) or PyTorch (``PagedAttention`` picks 
 An 8-bit cache (int8, float8_e4m3fn; rows of codes and a scale, ``core/kv_cache_config.py``)
 is quantized once, when this step's K/V are written, and read as stored on both paths: the
 PyTorch one dequantizes the rows it gathers (and reads a first chunk's K/V from the cache,
-as the kernels do, rather than the step's unquantized ones). Over an int8 cache the scores
-take the queries as int8 codes on both paths (``kernels.int8_cache_queries``).
+as the kernels do, rather than the step's unquantized ones). Over an int8 cache both paths
+compute what the kernels do (``_int8_attention_torch``): the queries and the softmax weights
+as codes too.
 """
 
 from __future__ import annotations
@@ -372,7 +373,8 @@ def _int8_attention_torch(
     prefill_attention.cpp): queries [..., Q, D] scored as int8 codes
     (``kernels.int8_cache_queries``) against keys [..., L, D] (values, at positions first_key
     + index); per query and tile of 16 positions from a multiple of 16, the softmax weights
-    times the value rows' scales as codes in [0, 127] (times the tile's largest / 127) against
+    times the value rows' scales as codes in [0, 127] (times the tile's largest / 127; 0 where
+    it is at most ``kernels.INT8_WEIGHT_FLOOR``) against
     the value codes of v_rows [..., L, D + 2]. mask [..., Q, L] (broadcast): the keys attended,
     at least one per query. [..., Q, D] float32 out."""
     head_dim = query.shape[-1]
@@ -384,7 +386,8 @@ def _int8_attention_torch(
     lead = first_key % 16
     tiles = F.pad(w, (lead, (-(lead + w.shape[-1])) % 16)).unflatten(-1, (-1, 16))
     top = tiles.amax(-1, keepdim=True)
-    inv = torch.where(top > 0, top.new_tensor(127.0) / top, 0.0)  # one division, as the kernel's
-    codes = torch.where(top > 0, tiles * inv, 0.0).round()
+    live = top > kernels.INT8_WEIGHT_FLOOR
+    inv = torch.where(live, top.new_tensor(127.0) / top, 0.0)  # one division, as the kernel's
+    codes = torch.where(live, tiles * inv, 0.0).round()
     w = (codes * (top / 127.0)).flatten(-2)[..., lead : lead + w.shape[-1]]
     return torch.einsum("...ql,...ld->...qd", w, v_rows[..., :head_dim].float()) / e.sum(-1, keepdim=True)

@@ -524,7 +524,7 @@ void decode_reference_int8(const float* q, const std::vector<float>& k, const st
       double top = 0;
       for (int64_t j = std::max(t0, first); j < std::min(t0 + 16, S); ++j) top = std::fmax(top, e[j] * vs[j * Hkv + kh]);
       for (int64_t j = std::max(t0, first); j < std::min(t0 + 16, S); ++j) {
-        const double w = top > 0 ? std::nearbyint(e[j] * vs[j * Hkv + kh] * 127.0 / top) * top / 127.0 : 0.0;
+        const double w = top > std::ldexp(1.0, PAGEDLLM_INT8_WEIGHT_FLOOR_EXP) ? std::nearbyint(e[j] * vs[j * Hkv + kh] * 127.0 / top) * top / 127.0 : 0.0;
         for (int64_t d = 0; d < D; ++d) o[d] += w * vq[(j * Hkv + kh) * D + d];
       }
     }
