@@ -374,9 +374,9 @@ def _int8_attention_torch(
     (``kernels.int8_cache_queries``) against keys [..., L, D] (values, at positions first_key
     + index); per query and tile of 16 positions from a multiple of 16, the softmax weights
     times the value rows' scales as codes in [0, 127] (times the tile's largest / 127; 0 where
-    it is at most ``kernels.INT8_WEIGHT_FLOOR``) against
-    the value codes of v_rows [..., L, D + 2]. mask [..., Q, L] (broadcast): the keys attended,
-    at least one per query. [..., Q, D] float32 out."""
+    it is at most ``kernels.INT8_WEIGHT_FLOOR``) against the value codes of v_rows [..., L,
+    D + 2]. mask [..., Q, L] (broadcast): the keys attended, at least one per query. [..., Q, D]
+    float32 out."""
     head_dim = query.shape[-1]
     scores = torch.einsum("...qd,...ld->...ql", kernels.int8_cache_queries(query, scale), keys.float()) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
