@@ -10,7 +10,6 @@ from tests.utils import assert_int8_attention, bfloat16_pair_bound
 from pagedllm.kernels import library
 from pagedllm.kernels.attention import (
     attention_in_bfloat16_pairs,
-    int8_cache_queries,
     paged_decode_attention,
     paged_prefill_attention,
 )
