@@ -29,8 +29,8 @@
 //   computes it: per lane and group of 16 keys from a multiple of 16, the softmax weights times
 //   their value rows' scales become codes in [0, 127] (w * 127 / the group's largest), whose
 //   int32 sums with the value codes, four keys per instruction, go into the output times the
-//   group's code scale. Keys are taken a block at a time but at least a group (blocks of 8 in
-//   pairs, looked up key by key).
+//   group's code scale. Keys are taken kMaxBlock at a time whatever the block size (looked up
+//   key by key), the groups of a span summed into the output in registers.
 // The running max, sums and output stay float32. Pairs of keys and groups are absolute (2m,
 // 2m + 1; 16m .. 16m + 15), so a row's result still does not depend on its neighbours, the
 // step's chunking or the tile's first key.
@@ -66,6 +66,7 @@ constexpr int kIntChains = kChains / 2;
 // Over an int8 cache p.V takes the softmax weights as codes per group of kGroup keys from a
 // multiple of kGroup (the decode kernel's tiles), and steps keys at least a group at a time.
 constexpr int kGroup = 16;
+static_assert(kMaxBlock % kGroup == 0, "an int8 span is whole groups");
 
 // One head's row as D float32 values.
 template <typename T>
@@ -194,11 +195,14 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
     // value rows' scales as codes in [0, 127] per lane (w * 127 / the lane's largest in the
     // group, rounded to nearest even), four keys' codes per lane against each value element's
     // four codes (broadcast once for every tile), the int32 sums times the lane's code scale
-    // (largest / 127) into the output. Words w0 .. w0 + 3 of an interleaved chunk are elements
-    // d0 .. d0 + 3: four chains per tile.
-    for (int64_t g = 0; g < nkc / kGroup; ++g) {
-      U8x64 pq[NT][kGroup / 4];
-      F32x16 ps[NT];
+    // (largest / 127) into the output, group after group. Words w0 .. w0 + 3 of an interleaved
+    // chunk are elements d0 .. d0 + 3: four chains per tile, each output vector loaded and
+    // stored once per span, not once per group.
+    constexpr int kMaxGroups = kMaxBlock / kGroup;
+    const int64_t ng = nkc / kGroup;
+    U8x64 pq[kMaxGroups][NT][kGroup / 4];
+    F32x16 ps[kMaxGroups][NT];
+    for (int64_t g = 0; g < ng; ++g)
       for (int u = 0; u < NT; ++u) {
         F32x16 w[kGroup], mx = zero();
         for (int i = 0; i < kGroup; ++i) {
@@ -206,34 +210,39 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
           mx = max(mx, w[i]);
         }
         const F32x16 inv = select(gt(mx, set1(kv::kWeightFloor)), div(set1(127.f), mx), zero());
-        ps[u] = div(mx, set1(127.f));
+        ps[g][u] = div(mx, set1(127.f));
         for (int qd = 0; qd < kGroup / 4; ++qd) {
           const F32x16* x = w + 4 * qd;
-          pq[u][qd] = pack_u8x4(round_i32(mul(x[0], inv)), round_i32(mul(x[1], inv)), round_i32(mul(x[2], inv)),
-                                round_i32(mul(x[3], inv)));
+          pq[g][u][qd] = pack_u8x4(round_i32(mul(x[0], inv)), round_i32(mul(x[1], inv)), round_i32(mul(x[2], inv)),
+                                   round_i32(mul(x[3], inv)));
         }
       }
-      const uint32_t(*v)[D] = b.v + kGroup / 4 * g;
-      for (int c = 0; c < D / 64; ++c)
-        for (int m = 0; m < 4; ++m)
-          for (int q = 0; q < 4; ++q) {
-            const int w0 = 64 * c + 16 * m + 4 * q, d0 = 64 * c + 16 * q + 4 * m;
+    for (int c = 0; c < D / 64; ++c)
+      for (int m = 0; m < 4; ++m)
+        for (int q = 0; q < 4; ++q) {
+          const int w0 = 64 * c + 16 * m + 4 * q, d0 = 64 * c + 16 * q + 4 * m;
+          F32x16 o[NT][4];
+          for (int u = 0; u < NT; ++u)
+            for (int j = 0; j < 4; ++j) {
+              o[u][j] = load(t[u]->ot[d0 + j]);
+              if (rescale[u]) o[u][j] = mul(o[u][j], corr[u]);
+            }
+          for (int64_t g = 0; g < ng; ++g) {
+            const uint32_t(*v)[D] = b.v + kGroup / 4 * g;
             I32x16 a[NT][4];
             for (int u = 0; u < NT; ++u)
               for (int j = 0; j < 4; ++j) a[u][j] = zero_i32();
             for (int qd = 0; qd < kGroup / 4; ++qd)
               for (int j = 0; j < 4; ++j) {
                 const uint32_t x = v[qd][w0 + j];
-                for (int u = 0; u < NT; ++u) a[u][j] = dot_u8s8_splat(a[u][j], pq[u][qd], x);
+                for (int u = 0; u < NT; ++u) a[u][j] = dot_u8s8_splat(a[u][j], pq[g][u][qd], x);
               }
             for (int u = 0; u < NT; ++u)
-              for (int j = 0; j < 4; ++j) {
-                F32x16 o = load(t[u]->ot[d0 + j]);
-                if (g == 0 && rescale[u]) o = mul(o, corr[u]);
-                store(t[u]->ot[d0 + j], fma(to_f32(a[u][j]), ps[u], o));
-              }
+              for (int j = 0; j < 4; ++j) o[u][j] = fma(to_f32(a[u][j]), ps[g][u], o[u][j]);
           }
-    }
+          for (int u = 0; u < NT; ++u)
+            for (int j = 0; j < 4; ++j) store(t[u]->ot[d0 + j], o[u][j]);
+        }
     return;
   }
   // Output += P V, transposed, C value elements at a time (one chain each per tile). Pair mode
@@ -324,16 +333,25 @@ void prepare_codes(Block<D, false, true>& b, const int8_t* k, const int8_t* v, c
                    int64_t nk, int64_t nkc) {
   alignas(64) static constexpr int8_t kZeros[D] = {};
   for (int64_t i = 0; i < nkc; ++i) {
-    const bool read = i >= lo && i < nk;
     int8_t* dst = reinterpret_cast<int8_t*>(b.k[i]);
-    if (read) std::memcpy(dst, k + rows[i], D);
+    if (i >= lo && i < nk) std::memcpy(dst, k + rows[i], D);
     else std::fill_n(dst, D, int8_t(0));
-    b.kscale[i] = read ? kv::row_scale(k + rows[i], D) : 0.f;
-    b.vscale[i] = read ? kv::row_scale(v + rows[i], D) : 0.f;
   }
-  // Each key's code sum, 16 keys at a time: dot products with ones, summed per key by the
-  // transpose-and-add tree (exact: |sum| <= 127 D < 2^24).
+  // 16 keys at a time: their K and V row scales (one conversion of 16 float16 values each; 0
+  // for the zero rows) and code sums (dot products with ones, summed per key by the
+  // transpose-and-add tree; exact: |sum| <= 127 D < 2^24).
   for (int64_t i0 = 0; i0 < nkc; i0 += 16) {
+    alignas(64) uint16_t hk[16], hv[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t i = i0 + j;
+      hk[j] = hv[j] = 0;
+      if (i >= lo && i < nk) {
+        std::memcpy(&hk[j], k + rows[i] + D, sizeof(uint16_t));
+        std::memcpy(&hv[j], v + rows[i] + D, sizeof(uint16_t));
+      }
+    }
+    store(b.kscale + i0, load_f16(hk));
+    store(b.vscale + i0, load_f16(hv));
     alignas(64) float sums[16] = {};
     if constexpr (kDotXSums) {
       F32x16 part[16];
@@ -434,10 +452,11 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
     const F32x16 win_v = set1(window > 0 ? static_cast<float>(window) : 1e30f);
     Block<D, P, I> b;
 
-    // Per span of keys (a block; over an int8 cache, a block but at least a group, whose
-    // blocks of 8 are looked up key by key), the tiles whose own range reaches into it (every
-    // tile sees the same spans it would alone), all fed from one preparation of its rows.
-    const int64_t SP = I ? std::max<int64_t>(BS, kGroup) : BS;
+    // Per span of keys (a block; over an int8 cache, kMaxBlock keys from a multiple of it, their
+    // rows looked up key by key, so that the output is loaded and stored once per kMaxBlock
+    // keys), the tiles whose own range reaches into it (every tile sees the same spans it would
+    // alone), all fed from one preparation of its rows.
+    const int64_t SP = I ? kMaxBlock : BS;
     for (int64_t blk = lo_key / SP; blk * SP < hi_key; ++blk) {
       Tile<D, P, I>* active[kTiles];
       int na = 0;
