@@ -122,6 +122,18 @@ inline constexpr float kWeightFloor = [] {
   return f;
 }();
 
+// p.V over an int8 cache (decode and prefill alike) takes a tile's softmax weights w (times
+// their value rows' scales) as codes in [0, 127]: round_i32(w * inv), inv = 127 / mx for the
+// tile's largest weight mx (0 where mx <= kWeightFloor: every code 0), the codes' scale
+// mx / 127. Per lane: mx may differ between lanes, or be one value in all of them.
+struct WeightCodeScale {
+  vec::F32x16 inv, scale;
+};
+inline WeightCodeScale weight_code_scale(vec::F32x16 mx) {
+  using namespace vec;
+  return {select(gt(mx, set1(kWeightFloor)), div(set1(127.f), mx), zero()), div(mx, set1(127.f))};
+}
+
 // fn(static_cast<T*>(nullptr)) with T the element type of `cache_kind`'s rows
 // (PAGEDLLM_CACHE_*: float, bfloat16 bits, int8, E4M3); -1 for any other kind.
 template <typename Fn>

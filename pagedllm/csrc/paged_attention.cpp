@@ -180,12 +180,12 @@ inline void add_weighted_values(const T* v_cache, const int64_t* rows, int lo, i
         interleave_rows4(r, vt[qd][k]);
       }
     alignas(64) int8_t pc[G][kTile];
-    float ps[G];
+    F32x16 ps[G];
     for (int g = 0; g < G; ++g) {
       const F32x16 w = load(p[g]);
-      const float mx = reduce_max(w);
-      store_i8(pc[g], round_i32(mul(w, set1(mx > kv::kWeightFloor ? 127.f / mx : 0.f))));
-      ps[g] = mx / 127.f;
+      const kv::WeightCodeScale cs = kv::weight_code_scale(set1(reduce_max(w)));
+      store_i8(pc[g], round_i32(mul(w, cs.inv)));
+      ps[g] = cs.scale;
     }
     for (int c0 = 0; c0 < D / 16; c0 += B::kCols)
       for (int g0 = 0; g0 < G; g0 += B::kHeads) {
@@ -203,7 +203,7 @@ inline void add_weighted_values(const T* v_cache, const int64_t* rows, int lo, i
           }
         for (int g = 0; g < kH; ++g)
           for (int c = 0; c < kC; ++c)
-            if (g0 + g < G) acc[g0 + g][c0 + c] = fma(to_f32(a[g][c]), set1(ps[g0 + g]), acc[g0 + g][c0 + c]);
+            if (g0 + g < G) acc[g0 + g][c0 + c] = fma(to_f32(a[g][c]), ps[g0 + g], acc[g0 + g][c0 + c]);
       }
     return;
   }

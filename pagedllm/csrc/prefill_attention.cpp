@@ -209,12 +209,12 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
           w[i] = mul(s[u][kGroup * g + i], set1(b.vscale[kGroup * g + i]));
           mx = max(mx, w[i]);
         }
-        const F32x16 inv = select(gt(mx, set1(kv::kWeightFloor)), div(set1(127.f), mx), zero());
-        ps[g][u] = div(mx, set1(127.f));
+        const kv::WeightCodeScale cs = kv::weight_code_scale(mx);
+        ps[g][u] = cs.scale;
         for (int qd = 0; qd < kGroup / 4; ++qd) {
           const F32x16* x = w + 4 * qd;
-          pq[g][u][qd] = pack_u8x4(round_i32(mul(x[0], inv)), round_i32(mul(x[1], inv)), round_i32(mul(x[2], inv)),
-                                   round_i32(mul(x[3], inv)));
+          pq[g][u][qd] = pack_u8x4(round_i32(mul(x[0], cs.inv)), round_i32(mul(x[1], cs.inv)),
+                                   round_i32(mul(x[2], cs.inv)), round_i32(mul(x[3], cs.inv)));
         }
       }
     for (int c = 0; c < D / 64; ++c)
