@@ -64,7 +64,7 @@ constexpr int kChains = kF32Regs >= 32 ? 8 : 4;
 // so a sum takes two registers, and kTiles x kChains of them spilled on every step.
 constexpr int kIntChains = kChains / 2;
 // Over an int8 cache p.V takes the softmax weights as codes per group of kGroup keys from a
-// multiple of kGroup (the decode kernel's tiles), and steps keys at least a group at a time.
+// multiple of kGroup (the decode kernel's tiles), and steps keys a span of kMaxBlock at a time.
 constexpr int kGroup = 16;
 static_assert(kMaxBlock % kGroup == 0, "an int8 span is whole groups");
 
