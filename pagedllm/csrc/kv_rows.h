@@ -73,12 +73,15 @@ inline float row_scale(const T* p, int64_t D) {
 }
 
 // The scales of the 16 rows at cache + rows[s] of an 8-bit cache, lane s: row s's (one vector
-// conversion of the 16 float16 values).
+// conversion of the 16 float16 values); lanes outside [lo, hi) are 0, their rows not read.
 template <typename T>
   requires kQuantized<T>
-inline vec::F32x16 row_scales16(const T* cache, const int64_t* rows, int64_t D) {
+inline vec::F32x16 row_scales16(const T* cache, const int64_t* rows, int64_t D, int64_t lo = 0, int64_t hi = 16) {
   alignas(64) uint16_t h[16];
-  for (int s = 0; s < 16; ++s) std::memcpy(&h[s], cache + rows[s] + D, sizeof(h[s]));
+  for (int s = 0; s < 16; ++s) {
+    h[s] = 0;
+    if (s >= lo && s < hi) std::memcpy(&h[s], cache + rows[s] + D, sizeof(h[s]));
+  }
   return vec::load_f16(h);
 }
 

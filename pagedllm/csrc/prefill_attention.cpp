@@ -341,17 +341,8 @@ void prepare_codes(Block<D, false, true>& b, const int8_t* k, const int8_t* v, c
   // for the zero rows) and code sums (dot products with ones, summed per key by the
   // transpose-and-add tree; exact: |sum| <= 127 D < 2^24).
   for (int64_t i0 = 0; i0 < nkc; i0 += 16) {
-    alignas(64) uint16_t hk[16], hv[16];
-    for (int j = 0; j < 16; ++j) {
-      const int64_t i = i0 + j;
-      hk[j] = hv[j] = 0;
-      if (i >= lo && i < nk) {
-        std::memcpy(&hk[j], k + rows[i] + D, sizeof(uint16_t));
-        std::memcpy(&hv[j], v + rows[i] + D, sizeof(uint16_t));
-      }
-    }
-    store(b.kscale + i0, load_f16(hk));
-    store(b.vscale + i0, load_f16(hv));
+    store(b.kscale + i0, kv::row_scales16(k, rows + i0, D, lo - i0, nk - i0));
+    store(b.vscale + i0, kv::row_scales16(v, rows + i0, D, lo - i0, nk - i0));
     alignas(64) float sums[16] = {};
     if constexpr (kDotXSums) {
       F32x16 part[16];
