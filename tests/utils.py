@@ -297,7 +297,7 @@ def _int8_one_query(q, k, v_rows, first, scale):
         wt = w[:, keys]
         mx = wt.amax(-1, keepdim=True)
         live = mx > INT8_WEIGHT_FLOOR
-        wc = torch.where(live, wt * torch.where(live, mx.new_tensor(127.0) / mx, 0.0), 0.0).round()
+        wc = (wt * torch.where(live, mx.new_tensor(127.0) / mx, 0.0)).round()
         out += torch.einsum("hk,khd->hd", wc, codes[keys]) * (mx / 127.0)
         bound += (mx / 254.0) * codes[keys].abs().sum(0)
     total = e.sum(-1, keepdim=True)

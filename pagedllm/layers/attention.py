@@ -388,6 +388,6 @@ def _int8_attention_torch(
     top = tiles.amax(-1, keepdim=True)
     live = top > kernels.INT8_WEIGHT_FLOOR
     inv = torch.where(live, top.new_tensor(127.0) / top, 0.0)  # one division, as the kernel's
-    codes = torch.where(live, tiles * inv, 0.0).round()
+    codes = (tiles * inv).round()  # inv is 0 where the tile is not live
     w = (codes * (top / 127.0)).flatten(-2)[..., lead : lead + w.shape[-1]]
     return torch.einsum("...ql,...ld->...qd", w, v_rows[..., :head_dim].float()) / e.sum(-1, keepdim=True)
