@@ -114,14 +114,15 @@ def _cache_rows(values: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) 
 @pytest.mark.parametrize("h,hkv,d", [(6, 2, 64), (2, 2, 64), (14, 2, 64), (8, 1, 64), (4, 1, 256), (6, 2, 128)],
                          ids=["g3", "g1", "g7", "g8", "g4-d256", "g3-d128"])
 def test_long_contexts_attended_in_pieces_match_dense(isa, cache_dtype, window, h, hkv, d):
-    """Decode over contexts longer than one piece of the kernel's split (1024 positions):
-    lengths either side of the piece boundaries, 1 to 8 query heads per KV head (the value
-    sum's register blocks differ with the group), head sizes 64 to 256, a window whose start
-    falls inside a piece and whose earlier blocks are holes (NaN: never read). An int8 cache's
-    products are of integer codes: its reference quantizes as the kernel does."""
+    """Decode over contexts the kernel splits into pieces (from 256 keys, an even number of
+    about equal pieces of up to 1024 keys): lengths either side of where the number of pieces
+    changes (1, 2, 4), pieces not a whole number of tiles, 1 to 8 query heads per KV head (the
+    value sum's register blocks differ with the group), head sizes 64 to 256, a window whose
+    start falls inside a piece and whose earlier blocks are holes (NaN: never read). An int8
+    cache's products are of integer codes: its reference quantizes as the kernel does."""
     gen = torch.Generator().manual_seed(1)
     block_size = 16
-    seq_lens = [1, 1023, 1024, 1025, 2047, 3001]
+    seq_lens = [1, 255, 256, 1025, 2048, 2049, 3001]
     blocks = [-(-s // block_size) for s in seq_lens]
     total = sum(blocks)
     order = torch.randperm(total + 1, generator=gen)  # the last block: holes' target

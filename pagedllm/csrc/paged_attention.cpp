@@ -6,9 +6,9 @@
 // or fp8 e4m3 (an 8-bit row: D codes and the row's scale, kv_rows.h); block_tables [B, max_blocks];
 // seq_lens [B]; window > 0: only the last `window` keys are read (sliding-window attention;
 // keys at positions < seq_len - window are never touched), 0: all.
-// The G = Hq / Hkv query heads that share a KV head read its keys and values once; a long
-// context is split into pieces of kPiece key positions merged at the end (so that one request
-// at 16k keeps every thread busy). Work goes to threads by (request, piece), every KV head of
+// The G = Hq / Hkv query heads that share a KV head read its keys and values once; a context
+// of kSplitFrom keys or more is split into pieces merged at the end (so that one request keeps
+// the threads busy). Work goes to threads by (request, piece), every KV head of
 // it together (each slot read whole), or by (request, piece, KV head) when there are fewer
 // pairs than threads. Keys are taken in tiles of 16 positions (from a
 // multiple of 16; rows looked up in the block table, so any block size works) with an online
@@ -245,12 +245,14 @@ inline void add_weighted_values(const T* v_cache, const int64_t* rows, int lo, i
     }
 }
 
-// Keys per piece of a long context: a (request, KV head) whose window spans more than one
-// piece of positions [i * kPiece, (i + 1) * kPiece) is attended piece by piece in parallel,
-// and the pieces' partial softmaxes are merged (flash-decoding: Dao et al. 2023, "Flash-
-// Decoding for long-context inference"). Pieces are fixed positions, not a function of the
-// batch or the team, so a request's output does not depend on what it is batched with.
-constexpr int64_t kPiece = 1024;
+// A request's keys in pieces attended in parallel, their partial softmaxes merged
+// (flash-decoding: Dao et al. 2023, "Flash-Decoding for long-context inference"): from
+// kSplitFrom keys an even number of pieces of at most about kPiece keys, of equal length
+// (boundaries rounded down to a tile), so that one request keeps two threads equally busy; a
+// piece is one stream through the blocks, restarted at its first tile, so pieces stay long.
+// The split is a function of the request's own keys, not of the batch or the team: a
+// request's output does not depend on what it is batched with.
+constexpr int64_t kPiece = 1024, kSplitFrom = 256;
 
 template <typename T, int D, int G>
 inline void start_head(const float* q, float scale, HeadState<T, D, G>& st) {
@@ -413,8 +415,8 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
     return (window > 0 && S > window) ? S - window : int64_t{0};
   };
   auto pieces = [&](int64_t b) {
-    const int64_t S = seq_lens[b], f = first_key(b);
-    return S > f ? (S - 1) / kPiece - f / kPiece + 1 : 1;
+    const int64_t keys = seq_lens[b] - first_key(b);
+    return keys < kSplitFrom ? int64_t{1} : 2 * ((keys + 2 * kPiece - 1) / (2 * kPiece));
   };
   // Work items: (request, piece, KV head), item_start[b] being request b's first, a piece's
   // KV heads consecutive. With at least as many (request, piece) pairs as threads, a pair's
@@ -458,9 +460,8 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
     const int64_t b = std::upper_bound(starts, starts + B + 1, item) - starts - 1;
     const int64_t n = (starts[b + 1] - starts[b]) / Hkv, h = (item - starts[b]) % Hkv, i = (item - starts[b]) / Hkv;
     const int64_t S = seq_lens[b], f = first_key(b);
-    const int64_t piece0 = f / kPiece;
-    const int64_t lo = n == 1 ? f : i == 0 ? f : (piece0 + i) * kPiece;
-    const int64_t hi = n == 1 ? S : i == n - 1 ? S : (piece0 + i + 1) * kPiece;
+    auto boundary = [&](int64_t j) { return j == 0 ? f : j == n ? S : (f + (S - f) * j / n) / kTile * kTile; };
+    const int64_t lo = boundary(i), hi = boundary(i + 1);
     if (fused) {
       static thread_local std::vector<HeadState<T, D, G>> states;
       states.resize(Hkv);
