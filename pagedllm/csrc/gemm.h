@@ -353,16 +353,21 @@ template <int R, int P, int kMax, int kShift, class Src>
   store<R>(out, y, ldy, ncols);
 }
 
-// tile_u8a8's source of a panel unpacked to bytes: codes [kq][32][4] one per byte (vec.h's
-// dot_u8_load layout: per quad, columns 0-15's four codes, then 16-31's), ws and off [G * P][32].
-struct BytePanel {
-  const uint8_t* bytes;
+// The scales part of a tile_u8a8 source whose scales were decoded once into floats: ws and off
+// [G * P][32].
+struct ScaleRows {
   const float *ws, *off;
-  Q4W codes(int64_t quad) const { return dot_u8_load(bytes + quad * 4 * NB); }
   void scales(int64_t piece, F32x16 (&w)[2], F32x16 (&o)[2]) const {
     w[0] = load(ws + piece * NB), w[1] = load(ws + piece * NB + 16);
     o[0] = load(off + piece * NB), o[1] = load(off + piece * NB + 16);
   }
+};
+
+// tile_u8a8's source of a panel unpacked to bytes: codes [kq][32][4] one per byte (vec.h's
+// dot_u8_load layout: per quad, columns 0-15's four codes, then 16-31's), scales as ScaleRows.
+struct BytePanel : ScaleRows {
+  const uint8_t* bytes;
+  Q4W codes(int64_t quad) const { return dot_u8_load(bytes + quad * 4 * NB); }
   void prefetch(int64_t) const {}
 };
 

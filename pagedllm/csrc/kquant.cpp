@@ -84,7 +84,7 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
             const int64_t row = (m0 + m) * G * F::kPieces;
             tile_u8a8<decltype(r)::value, F::kPieces, F::kCodeMax, F::kCodeShift>(
                 xu.codes.data() + (m0 + m) * kq, kq, xu.scale.data() + (m0 + m) * G, sums.data() + row,
-                csums.data() + row, BytePanel{codes.data(), ws.data(), off.data()}, G, out + m * N, N, ncols);
+                csums.data() + row, BytePanel{{ws.data(), off.data()}, codes.data()}, G, out + m * N, N, ncols);
           });
         }
       });

@@ -109,6 +109,15 @@ struct PackedPanel {
   }
 };
 
+// tile_u8a8's source of one panel of format F: the codes as packed (PackedPanel's), the scales
+// decoded once into floats (gemm.h's ScaleRows).
+template <class F>
+struct PackedCodes : gemm::ScaleRows {
+  PackedPanel<F> packed;
+  Q4W codes(int64_t quad) const { return packed.codes(quad); }
+  void prefetch(int64_t) const {}  // the panel stays in L2 over the many rows' tiles
+};
+
 // Rows [0, nrows) (nrows <= 32) of a part in format F (row stride rb bytes, K weights) -> one
 // panel at out (K / U units of unit_bytes<F>; rows past nrows zero).
 template <class F>
@@ -173,8 +182,8 @@ struct PanelActs {
   }
 };
 
-// Rows of x from which a panel whose codes have bit planes is decoded to bytes once per call,
-// not in every tile (docs/benchmarks.md, session 32).
+// Rows of x from which a panel's scales (and codes with bit planes) are decoded once per call,
+// not in every tile (docs/benchmarks.md, sessions 32 and 36).
 inline constexpr int64_t kExpandRows = 48;
 
 // Rows per chunk of M (each panel runs over a chunk's rows before the next chunk): x's codes
@@ -218,21 +227,24 @@ inline void panel_times_x(const KQuantPart& part, const Span& sp, int64_t K, con
               csums.data() + row, src, G, out + m * ldy, ldy, ncols);
         });
       };
-      if (PanelLayout<F>::kPlanes == 0 || rows < kExpandRows) return run(packed);
-      // Codes with bit planes, many rows: each tile would decode the planes again; decoded
-      // once into bytes and floats instead (the same codes and scales: the same bits).
-      thread_local std::vector<uint8_t> bytes;
+      if (rows < kExpandRows) return run(packed);
+      // Many rows: each tile would decode the scales (and any bit planes) again; decoded once
+      // into floats (and codes with bit planes into bytes) instead: the same codes and scales,
+      // the same bits.
       thread_local std::vector<float> ws, off;
-      bytes.resize(static_cast<size_t>(K * PANEL));
       ws.resize(static_cast<size_t>(G * F::kPieces * PANEL)), off.resize(ws.size());
-      for (int64_t q = 0; q < kq; ++q) store_q4w(bytes.data() + q * 4 * PANEL, packed.codes(q));
       for (int64_t piece = 0; piece < G * F::kPieces; ++piece) {
         F32x16 w[2], o[2] = {zero(), zero()};
         packed.scales(piece, w, o);
         for (int h = 0; h < 2; ++h)
           store(ws.data() + piece * PANEL + 16 * h, w[h]), store(off.data() + piece * PANEL + 16 * h, o[h]);
       }
-      run(BytePanel{bytes.data(), ws.data(), off.data()});
+      const ScaleRows scales{ws.data(), off.data()};
+      if constexpr (PanelLayout<F>::kPlanes == 0) return run(PackedCodes<F>{scales, packed});
+      thread_local std::vector<uint8_t> bytes;
+      bytes.resize(static_cast<size_t>(K * PANEL));
+      for (int64_t q = 0; q < kq; ++q) store_q4w(bytes.data() + q * 4 * PANEL, packed.codes(q));
+      run(BytePanel{scales, bytes.data()});
     }
   });
   if (bias)
