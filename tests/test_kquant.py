@@ -157,7 +157,8 @@ def test_panels_are_the_prefill_panels_at_every_m(qtype: Q, native_isa: str) -> 
     up), a weight gives at every M, on every ISA, the bits the stored blocks' prefill panels
     give (M >= 8: the same codes, scales and tile), each row the same alone as in any batch:
     a request's logits do not move with the batch, a prefix hit or a chunk's length. Rows at
-    a stride, a bias, N not a multiple of 32, M on both sides of ``kExpandRows``."""
+    a stride, a bias, N not a multiple of 32, M of one tile and of several, the first of
+    which keeps its decoded scales (and codes) for the others from ``kKQuantRecordFrom``."""
     n = 45
     for k in SIZES[qtype]:
         blocks = random_gguf_blocks(qtype, n, k, seed=k + 1)
@@ -171,7 +172,7 @@ def test_panels_are_the_prefill_panels_at_every_m(qtype: Q, native_isa: str) -> 
         whole = kquant.linear(x, packed, bias)  # 61 rows: bit planes decoded once, not per tile
         assert torch.equal(whole, kquant.linear(x, stored, bias))  # the stored prefill panels
         assert torch.equal(torch.cat([kquant.linear(x[i : i + 1], packed, bias) for i in range(61)]), whole)
-        for start, stop in ((0, 2), (3, 8), (5, 14), (7, 60)):
+        for start, stop in ((0, 2), (3, 8), (5, 14), (2, 17), (7, 60)):
             assert torch.equal(kquant.linear(x[start:stop], packed, bias), whole[start:stop])
 
 

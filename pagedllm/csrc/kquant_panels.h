@@ -109,13 +109,36 @@ struct PackedPanel {
   }
 };
 
-// tile_u8a8's source of one panel of format F: the codes as packed (PackedPanel's), the scales
-// decoded once into floats (gemm.h's ScaleRows).
+// The first tile's source over a panel of format F whose later tiles read what it records: its
+// codes and scales read (and prefetched) as PackedPanel's, each piece's scales also stored as
+// floats into ws and off [pieces][32] (gemm.h's ScaleRows), and where bytes is not null each
+// quad's codes into bytes (gemm.h's BytePanel).
+template <class F>
+struct RecordingPanel {
+  PackedPanel<F> packed;
+  float *ws, *off;
+  uint8_t* bytes;
+
+  Q4W codes(int64_t quad) const {
+    const Q4W w = packed.codes(quad);
+    if (bytes) store_q4w(bytes + quad * 4 * PANEL, w);
+    return w;
+  }
+  void prefetch(int64_t quad) const { packed.prefetch(quad); }
+  void scales(int64_t piece, F32x16 (&w)[2], F32x16 (&o)[2]) const {
+    o[0] = o[1] = zero();  // stored as zero where the offset is in the codes (kShift: Q5_0, Q6_K)
+    packed.scales(piece, w, o);
+    for (int h = 0; h < 2; ++h) store(ws + piece * PANEL + 16 * h, w[h]), store(off + piece * PANEL + 16 * h, o[h]);
+  }
+};
+
+// A later tile's source over a panel of format F: the codes as packed (PackedPanel's), the
+// scales as RecordingPanel stored them. No prefetch: the first tile brought the panel into L2.
 template <class F>
 struct PackedCodes : gemm::ScaleRows {
   PackedPanel<F> packed;
   Q4W codes(int64_t quad) const { return packed.codes(quad); }
-  void prefetch(int64_t) const {}  // the panel stays in L2 over the many rows' tiles
+  void prefetch(int64_t) const {}
 };
 
 // Rows [0, nrows) (nrows <= 32) of a part in format F (row stride rb bytes, K weights) -> one
@@ -182,10 +205,6 @@ struct PanelActs {
   }
 };
 
-// Rows of x from which a panel's scales (and codes with bit planes) are decoded once per call,
-// not in every tile (docs/benchmarks.md, sessions 32 and 36).
-inline constexpr int64_t kExpandRows = 48;
-
 // Rows per chunk of M (each panel runs over a chunk's rows before the next chunk): x's codes
 // in L2 (as linear_w8a8's), but at least 240 rows, over which a panel's decoding to bytes is
 // spread; M split into equal chunks, as many as the nearest whole number of those.
@@ -219,32 +238,38 @@ inline void panel_times_x(const KQuantPart& part, const Span& sp, int64_t K, con
       const std::vector<float>& sums = F::kPieces == 2 ? a.xu.sum16 : a.xu.sum;
       const std::vector<int32_t>& csums = F::kPieces == 2 ? a.xu.csum16 : a.xu.csum;
       const PackedPanel<F> packed{blocks + panel * (K / PanelLayout<F>::kUnit) * unit_bytes<F>};
-      auto run = [&](const auto& src) {
+      // The first tile from `first`, the others from `rest`.
+      auto run = [&](const auto& first, const auto& rest) {
         panel_rows<kGemmRowsQ4>(rows, [&](auto r, int64_t m) {
           const int64_t row = (m0 + m) * G * F::kPieces;
-          tile_u8a8<decltype(r)::value, F::kPieces, F::kCodeMax, F::kCodeShift>(
-              a.xu.codes.data() + (m0 + m) * kq, kq, a.xu.scale.data() + (m0 + m) * G, sums.data() + row,
-              csums.data() + row, src, G, out + m * ldy, ldy, ncols);
+          auto tile = [&](const auto& src) {
+            tile_u8a8<decltype(r)::value, F::kPieces, F::kCodeMax, F::kCodeShift>(
+                a.xu.codes.data() + (m0 + m) * kq, kq, a.xu.scale.data() + (m0 + m) * G, sums.data() + row,
+                csums.data() + row, src, G, out + m * ldy, ldy, ncols);
+          };
+          if (m == 0)
+            tile(first);
+          else
+            tile(rest);
         });
       };
-      if (rows < kExpandRows) return run(packed);
-      // Many rows: each tile would decode the scales (and any bit planes) again; decoded once
-      // into floats (and codes with bit planes into bytes) instead: the same codes and scales,
-      // the same bits.
+      // Every tile decodes the panel's scales and any bit planes again, unless there are two or
+      // more and tiles x (1 + bit planes) reaches the ISA's kKQuantRecordFrom (vec.h): then the
+      // first stores its scales as floats, and codes with bit planes as bytes, for the others
+      // (docs/benchmarks.md, session 37). The same codes and scales, the same bits.
+      constexpr int64_t kPlanes = PanelLayout<F>::kPlanes;
+      const int64_t tiles = (rows + kGemmRowsQ4 - 1) / kGemmRowsQ4;
+      if (tiles < 2 || tiles * (1 + kPlanes) < kKQuantRecordFrom) return run(packed, packed);
       thread_local std::vector<float> ws, off;
       ws.resize(static_cast<size_t>(G * F::kPieces * PANEL)), off.resize(ws.size());
-      for (int64_t piece = 0; piece < G * F::kPieces; ++piece) {
-        F32x16 w[2], o[2] = {zero(), zero()};
-        packed.scales(piece, w, o);
-        for (int h = 0; h < 2; ++h)
-          store(ws.data() + piece * PANEL + 16 * h, w[h]), store(off.data() + piece * PANEL + 16 * h, o[h]);
-      }
       const ScaleRows scales{ws.data(), off.data()};
-      if constexpr (PanelLayout<F>::kPlanes == 0) return run(PackedCodes<F>{scales, packed});
-      thread_local std::vector<uint8_t> bytes;
-      bytes.resize(static_cast<size_t>(K * PANEL));
-      for (int64_t q = 0; q < kq; ++q) store_q4w(bytes.data() + q * 4 * PANEL, packed.codes(q));
-      run(BytePanel{scales, bytes.data()});
+      if constexpr (kPlanes == 0) {
+        run(RecordingPanel<F>{packed, ws.data(), off.data(), nullptr}, PackedCodes<F>{scales, packed});
+      } else {
+        thread_local std::vector<uint8_t> bytes;
+        bytes.resize(static_cast<size_t>(K * PANEL));
+        run(RecordingPanel<F>{packed, ws.data(), off.data(), bytes.data()}, BytePanel{scales, bytes.data()});
+      }
     }
   });
   if (bias)

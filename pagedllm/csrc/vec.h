@@ -7,7 +7,9 @@
 //   anything else, or PAGEDLLM_VEC_SCALAR vec_scalar.h   16 floats (the reference)
 // A fixed 16-lane width keeps every kernel's tiling (16 keys per tile, 32-column GEMM panels)
 // the same on all of them; the register budget differs, so each header also says how many
-// F32x16 values fit in its registers (kF32Regs) and how many GEMM rows a micro-tile keeps.
+// F32x16 values fit in its registers (kF32Regs), how many GEMM rows a micro-tile keeps, and
+// from how much work a K-quant panel's decoded scales and codes are kept for its later tiles
+// (kKQuantRecordFrom).
 // The build (pagedllm/kernels/build.py) compiles with explicit flags per ISA, never
 // -march=native. The same layered design as vLLM's CPU backend and ggml's per-ISA code.
 //

@@ -22,6 +22,8 @@ inline constexpr int kGemmRowsI8 = 2;
 inline constexpr int kGemmRowsI8Wide = 2;  // 8 int32 accumulators + 4 weight registers
 inline constexpr int kGemmRowsQ4 = 2;  // 8 int16 accumulators; the 8 float32 ones wait in L1 between groups
 inline constexpr int kGemmRowsKQ = 3;  // activation rows per K-quant tile (6 accumulators, no spills)
+inline constexpr int kKQuantRecordFrom = 2;  // a K-quant panel's tiles x (1 + bit planes) from which its first
+                                            // tile stores what it decodes for the others (kquant_panels.h)
 
 struct F32x16 { __m256 lo, hi; };
 struct I32x16 { __m256i lo, hi; };

@@ -22,6 +22,8 @@ inline constexpr int kGemmRowsI8Wide = 0;  // no int16 prefill tile: VNNI, or th
 inline constexpr int kGemmRowsQ4 = 6;    // rows of a w4a8 micro-tile (12 int32 + 12 float32 accumulators; the
                                         // nibbles' unpacking spread over more rows)
 inline constexpr int kGemmRowsKQ = 4;    // activation rows per K-quant tile (4 accumulators + 4 scale registers)
+inline constexpr int kKQuantRecordFrom = 6;  // a K-quant panel's tiles x (1 + bit planes) from which its first
+                                            // tile stores what it decodes for the others (kquant_panels.h)
 
 struct F32x16 { __m512 v; };
 struct I32x16 { __m512i v; };

@@ -18,6 +18,7 @@ inline constexpr int kGemmRowsI8 = 2;
 inline constexpr int kGemmRowsI8Wide = 0;  // no int16 prefill tile: sdot, or widening multiplies, at every M
 inline constexpr int kGemmRowsQ4 = 2;
 inline constexpr int kGemmRowsKQ = 2;
+inline constexpr int kKQuantRecordFrom = 2;  // as AVX2's (not measured on an ARM core)
 
 struct F32x16 { float32x4_t v[4]; };
 struct I32x16 { int32x4_t v[4]; };

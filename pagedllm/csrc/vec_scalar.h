@@ -17,6 +17,7 @@ inline constexpr int kGemmRowsI8 = 2;
 inline constexpr int kGemmRowsI8Wide = 2;
 inline constexpr int kGemmRowsQ4 = 2;
 inline constexpr int kGemmRowsKQ = 2;
+inline constexpr int kKQuantRecordFrom = 2;
 
 struct F32x16 { float v[16]; };
 struct I32x16 { int32_t v[16]; };
