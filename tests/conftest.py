@@ -1,4 +1,5 @@
-"""Shared test set-up: the ISA fixture of the kernel tests, and the session's shared server."""
+"""Shared test set-up: the ISA fixture of the kernel tests, the session's shared server, and the
+server, client and http fixtures of the test_server_* modules on it."""
 
 import os
 
@@ -10,10 +11,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import httpx  # noqa: E402
+import openai  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.native_isa import ISAS, on_isa  # noqa: E402  (imports pagedllm, hence torch: after the line above)
-from tests.utils import SHARED_SERVER_ENV, SHARED_SERVER_FLAGS, Server, start_server, stop_server  # noqa: E402
+from tests.utils import (  # noqa: E402
+    API_KEY,
+    SHARED_SERVER_ENV,
+    SHARED_SERVER_FLAGS,
+    Server,
+    start_server,
+    stop_server,
+)
 
 
 @pytest.fixture(params=ISAS)
@@ -44,3 +54,20 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     s = start_server(tmp_path_factory.mktemp("shared-server"), *SHARED_SERVER_FLAGS, env=SHARED_SERVER_ENV)
     yield s
     stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def server(shared_server: Server) -> Server:
+    """The session's shared server (conftest.py): float32, API key, a 64 KiB body limit."""
+    return shared_server
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        yield c

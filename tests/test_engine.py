@@ -511,7 +511,7 @@ def test_dtype_settings_without_native_kernels(monkeypatch: pytest.MonkeyPatch) 
 
 def test_offline_max_tokens_past_the_context_stops_at_it() -> None:
     """vLLM's offline ``LLM`` runs a prompt + max_tokens past max_model_len until the sequence
-    reaches it (finish_reason "length"); the server refuses it (tests/test_server.py)."""
+    reaches it (finish_reason "length"); the server refuses it (tests/test_server_errors.py)."""
     llm = LLM(dtype="float32", kv_cache_memory="32MiB", max_model_len=48)
     try:
         (out,) = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=5000, ignore_eos=True), use_tqdm=False)

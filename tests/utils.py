@@ -1,6 +1,6 @@
-"""Helpers shared by the test modules: a live server subprocess, the block pool checks, a
-streamed tool-call reader, hostile grammar inputs, random GGUF blocks and the error bound of
-attention in bfloat16 pairs. Tiny models:
+"""Helpers shared by the test modules: a live server subprocess, the server's request bodies
+and error check, the block pool checks, a streamed tool-call reader, hostile grammar inputs,
+random GGUF blocks and the error bound of attention in bfloat16 pairs. Tiny models:
 ``models_util.py``.
 
 Test modules import from here, never from one another.
@@ -140,6 +140,30 @@ def wait_idle(http: httpx.Client, timeout: float = 20.0) -> None:
         time.sleep(0.2)
     raise AssertionError(f"engine not idle: running={metric(http, 'num_requests_running')}, "
                          f"kv={metric(http, 'kv_cache_usage_perc')}")
+
+
+# The OpenAI-compatible server's request bodies and error answers (the test_server_* modules).
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+def _completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **fields}
+
+
+def _chat(**fields) -> dict:
+    return {"model": MODEL, "messages": CHAT, "max_tokens": 4, **fields}
+
+
+def _num_tokens(http: httpx.Client, **body) -> int:
+    return http.post("/tokenize", json=body).json()["count"]
+
+
+def _check_error(r: httpx.Response, status: int, needle: str) -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status
+    assert needle in error["message"], error
 
 
 def _whole(pool) -> bool:
