@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.config_values import DTYPES, KV_CACHE_DTYPES, check_block_size, check_dtype, check_kv_cache_dtype
 from pagedllm.default_model import DEFAULT_MODEL
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS
@@ -191,8 +192,7 @@ class EngineConfig:
                 "generation_config must be auto, vllm or a folder holding a generation_config.json, "
                 f"got {self.generation_config!r:.200}"
             )
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        check_block_size(self.block_size)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -250,40 +250,15 @@ class EngineConfig:
         )
 
 
-_DTYPES = {
-    # "auto": float32 activations (the faster float matmuls on the CPUs we target; the linear
-    # layers as platforms/cpu.py picks; docs/benchmarks.md, dtype and instruction rates).
-    "auto": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
-
-
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map a dtype name ("auto", "bfloat16", "float32", ...) to a torch dtype.
+    """Map a dtype name (``config_values.DTYPES``: "auto", "bfloat16", "float32", ...) to a torch dtype.
 
     Raises:
         ValueError: for an unknown name, or a value that is neither a str nor a torch dtype.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
-    if not isinstance(dtype, str) or dtype.lower() not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype.lower()]
-
-
-# --kv-cache-dtype's names beyond parse_dtype's: the 8-bit caches (vLLM's names for fp8, and torch's).
-_KV_CACHE_DTYPES = {
-    "int8": torch.int8,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
+    return getattr(torch, DTYPES[check_dtype(dtype)])
 
 
 def parse_kv_cache_dtype(name: str | torch.dtype) -> torch.dtype | None:
@@ -294,16 +269,8 @@ def parse_kv_cache_dtype(name: str | torch.dtype) -> torch.dtype | None:
     """
     if isinstance(name, torch.dtype):
         return name
-    if isinstance(name, str) and name.lower() == "auto":
-        return None
-    if isinstance(name, str) and name.lower() in _KV_CACHE_DTYPES:
-        return _KV_CACHE_DTYPES[name.lower()]
-    try:
-        return parse_dtype(name)
-    except ValueError:
-        raise ValueError(
-            f"kv_cache_dtype must be auto, float32, bfloat16, float16, int8 or fp8 (fp8_e4m3), got {name!r}"
-        ) from None
+    name = check_kv_cache_dtype(name)
+    return None if name == "auto" else getattr(torch, KV_CACHE_DTYPES.get(name) or DTYPES[name])
 
 
 def parse_memory(value: str | int | float) -> int:

@@ -258,17 +258,35 @@ def test_a_bad_sampling_value_names_the_flag_under_its_command(capsys: pytest.Ca
 _HEAVY = ("torch", "transformers", "numpy", "fastapi", "uvicorn")
 
 
+def _heavy_modules_after(argv: list[str], code: int) -> tuple[str, str, str]:
+    """In a fresh interpreter, as the ``pagedllm`` script runs argv (exiting with ``code``): the
+    heavy modules loaded by the time it exits, and its stdout and stderr."""
+    script = ("import sys\nfrom pagedllm.entrypoints.cli import main\ntry:\n    main(sys.argv[1:])\n"
+              f"except SystemExit as e:\n    assert e.code == {code}, e.code\n"
+              f"print(sorted(m for m in {_HEAVY!r} if m in sys.modules), file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stderr.strip().splitlines()[-1], done.stdout, done.stderr
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["generate", "--help"], ["serve", "--help"],
                                   ["bench", "--help"], ["env", "--help"]])
 def test_help_and_version_import_no_heavy_module(argv: list[str]) -> None:
     """In a fresh interpreter, as the ``pagedllm`` script runs: the modules loaded by the time it exits."""
-    script = ("import sys\nfrom pagedllm.entrypoints.cli import main\ntry:\n    main(sys.argv[1:])\n"
-              "except SystemExit as e:\n    assert e.code == 0, e.code\n"
-              f"print(sorted(m for m in {_HEAVY!r} if m in sys.modules), file=sys.stderr)")
-    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr
-    assert done.stdout.strip()
+    heavy, out, err = _heavy_modules_after(argv, 0)
+    assert heavy == "[]", err
+    assert out.strip()
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--dtype", "fp7"], ["serve", "--kv-cache-dtype", "int4"],
+                                  ["bench", "throughput", "--block-size", "7"], ["chat", "--top-p", "1.5"]])
+def test_bad_engine_and_sampling_flags_are_refused_before_heavy_imports(argv: list[str]) -> None:
+    """A name or value the engine or the sampler refuses is a usage error before torch or
+    transformers load (they take seconds): the names are declared without torch
+    (``pagedllm.config_values``), the structured-output backend loads only for a schema."""
+    heavy, _, err = _heavy_modules_after(argv, 2)
+    assert heavy == "[]", err
+    assert f"--{argv[-2].lstrip('-')}" in err and "must be" in err, err
 
 
 def test_first_log_line_comes_before_heavy_imports(capsys: pytest.CaptureFixture[str]) -> None:

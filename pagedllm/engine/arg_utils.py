@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedllm.config_values import BLOCK_SIZES
 from pagedllm.default_model import DEFAULT_MODEL
 from pagedllm.kernels.abi import CONSTANTS
 from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS
@@ -150,7 +151,7 @@ class EngineArgs:
     block_size: int = _flag(
         16,
         # kernels.attention.MAX_PREFILL_BLOCK, read from the header: this module imports no torch.
-        f"tokens per KV block: 8 | 16 | 32 | 64 | 128; above {CONSTANTS['PAGEDLLM_MAX_PREFILL_BLOCK']} "
+        f"tokens per KV block: {' | '.join(map(str, BLOCK_SIZES))}; above {CONSTANTS['PAGEDLLM_MAX_PREFILL_BLOCK']} "
         "prefill attention runs in PyTorch, not the native kernel (slower)",
         type=int,
     )

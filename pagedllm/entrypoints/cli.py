@@ -102,10 +102,12 @@ def sampling_params(args: argparse.Namespace):
     """
     from pagedllm.errors import InvalidParamError
     from pagedllm.sampling_params import SamplingParams
-    from pagedllm.structured_output import StructuredOutputsParams, backend
+    from pagedllm.structured_output import StructuredOutputsParams
 
     structured = None
     if getattr(args, "json_schema", None) is not None:
+        from pagedllm.structured_output import backend  # loads transformers: only where a schema is given
+
         structured = StructuredOutputsParams(json=json_schema_arg(args.json_schema))
         try:  # a schema that cannot compile is a usage error, before loading
             backend.check(structured)
@@ -250,6 +252,12 @@ def check_args(args: argparse.Namespace) -> None:
     """
     if getattr(args, "prompt", None) and not args.chat and "" in args.prompt:
         raise ValueError("prompt must not be empty (an empty message is taken with --chat)")
+    if hasattr(args, "kv_cache_dtype"):  # the engine flags whose values are declared without torch: first
+        from pagedllm.config_values import check_block_size, check_dtype, check_kv_cache_dtype
+
+        check_dtype(args.dtype)
+        check_kv_cache_dtype(args.kv_cache_dtype)
+        check_block_size(args.block_size)
     if hasattr(args, "sampling_seed"):  # the commands with add_sampling_args' flags
         sampling_params(args)
     if hasattr(args, "chat_template"):
