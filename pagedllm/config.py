@@ -271,25 +271,3 @@ def parse_kv_cache_dtype(name: str | torch.dtype) -> torch.dtype | None:
         return name
     name = check_kv_cache_dtype(name)
     return None if name == "auto" else getattr(torch, KV_CACHE_DTYPES.get(name) or DTYPES[name])
-
-
-def parse_memory(value: str | int | float) -> int:
-    """Parse a memory size: bytes as a number, or with a unit ("4GiB", "512MiB", "2G").
-
-    Raises:
-        ValueError: when the value cannot be parsed, or is not a finite size of at least one byte
-            ("0", "-1GiB", "inf").
-    """
-    units = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-    if isinstance(value, (int, float)):
-        size = value
-    else:
-        s = value.strip().lower().removesuffix("b").removesuffix("i")
-        scale = units[s[-1]] if s and s[-1] in units else 1
-        try:
-            size = float(s[:-1] if scale > 1 else s) * scale
-        except ValueError:
-            raise ValueError(f"cannot parse memory size {value!r}; use e.g. 4GiB or 512MiB") from None
-    if not 1 <= size < float("inf"):  # NaN fails too
-        raise ValueError(f"memory size must be at least one byte and finite, got {value!r}")
-    return int(size)

@@ -1,6 +1,6 @@
 """The values some engine settings take, declared without torch: the command line refuses a
-wrong ``--dtype``, ``--kv-cache-dtype`` or ``--block-size`` before it loads torch, and
-config.py maps and checks the same names.
+wrong ``--dtype``, ``--kv-cache-dtype``, ``--block-size`` or memory size before it loads torch
+(``EngineArgs.check``), and config.py maps and checks the same values.
 
 Its own module, importing nothing (as ``scheduler_defaults``).
 """
@@ -60,3 +60,25 @@ def check_block_size(block_size: object) -> None:
     """Raises ValueError unless ``block_size`` is one of ``BLOCK_SIZES``."""
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size}")
+
+
+def parse_memory(value: str | int | float) -> int:
+    """Parse a memory size: bytes as a number, or with a unit ("4GiB", "512MiB", "2G").
+
+    Raises:
+        ValueError: when the value cannot be parsed, or is not a finite size of at least one byte
+            ("0", "-1GiB", "inf").
+    """
+    units = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+    if isinstance(value, (int, float)):
+        size = value
+    else:
+        s = value.strip().lower().removesuffix("b").removesuffix("i")
+        scale = units[s[-1]] if s and s[-1] in units else 1
+        try:
+            size = float(s[:-1] if scale > 1 else s) * scale
+        except ValueError:
+            raise ValueError(f"cannot parse memory size {value!r}; use e.g. 4GiB or 512MiB") from None
+    if not 1 <= size < float("inf"):  # NaN fails too
+        raise ValueError(f"memory size must be at least one byte and finite, got {value!r}")
+    return int(size)

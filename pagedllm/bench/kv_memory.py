@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from pagedllm.config import EngineConfig, parse_dtype, parse_memory
+from pagedllm.config import EngineConfig, parse_dtype
+from pagedllm.config_values import parse_memory
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config_values import BLOCK_SIZES
+from pagedllm.config_values import BLOCK_SIZES, check_block_size, check_dtype, check_kv_cache_dtype, parse_memory
 from pagedllm.default_model import DEFAULT_MODEL
 from pagedllm.kernels.abi import CONSTANTS
 from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS
@@ -234,6 +234,26 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The fields' values from parsed flags (a field without a flag here: its default)."""
         return cls(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)})
+
+    def check(self) -> None:
+        """The values that need no torch to check, checked as ``EngineConfig`` checks them, so
+        that the command line refuses them before it loads torch (seconds).
+
+        Raises:
+            ValueError: for a bad value, the message opening with its setting's name (or its flag).
+        """
+        from pagedllm.quantization_config import QuantizationConfig
+        from pagedllm.speculative_config import SpeculativeConfig
+
+        check_dtype(self.dtype)
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        check_block_size(self.block_size)
+        try:
+            parse_memory(self.kv_cache_memory)
+        except ValueError as e:
+            raise ValueError(f"--kv-cache-memory: {e}") from None
+        QuantizationConfig.parse(self.quantization, self.quantization_group_size)
+        SpeculativeConfig.parse(self.speculative_config)
 
     def kwargs(self) -> dict[str, Any]:
         """``LLM(**kwargs)``: every field, but ``quantize_lm_head`` only where the flag was given

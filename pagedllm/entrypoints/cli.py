@@ -252,12 +252,10 @@ def check_args(args: argparse.Namespace) -> None:
     """
     if getattr(args, "prompt", None) and not args.chat and "" in args.prompt:
         raise ValueError("prompt must not be empty (an empty message is taken with --chat)")
-    if hasattr(args, "kv_cache_dtype"):  # the engine flags whose values are declared without torch: first
-        from pagedllm.config_values import check_block_size, check_dtype, check_kv_cache_dtype
+    if hasattr(args, "kv_cache_dtype"):  # a command with the engine flags: those torch need not check, first
+        from pagedllm.engine.arg_utils import EngineArgs
 
-        check_dtype(args.dtype)
-        check_kv_cache_dtype(args.kv_cache_dtype)
-        check_block_size(args.block_size)
+        EngineArgs.from_cli_args(args).check()
     if hasattr(args, "sampling_seed"):  # the commands with add_sampling_args' flags
         sampling_params(args)
     if hasattr(args, "chat_template"):

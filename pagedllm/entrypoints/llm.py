@@ -10,7 +10,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedllm.config import DEFAULT_MODEL, EngineConfig, parse_memory
+from pagedllm.config import DEFAULT_MODEL, EngineConfig
+from pagedllm.config_values import parse_memory
 from pagedllm.platforms.cpu import dtype_settings, lora_dtype_setting
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType

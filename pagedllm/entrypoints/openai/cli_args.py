@@ -70,17 +70,18 @@ def check_serve_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: for a bad value.
     """
-    from pagedllm.config import parse_memory
+    from pagedllm.config_values import parse_memory
 
     try:
         parse_memory(args.max_request_body_size)
     except ValueError as e:
         raise ValueError(f"--max-request-body-size: {e}") from None
     grammar_limits(args)
-    from pagedllm.entrypoints.openai.serving_lora import parse_lora_module
+    if args.lora_modules:  # serving_lora loads the engine (torch)
+        from pagedllm.entrypoints.openai.serving_lora import parse_lora_module
 
-    for item in args.lora_modules:
-        parse_lora_module(item)
+        for item in args.lora_modules:
+            parse_lora_module(item)
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if args.grammar_workers < 1:
@@ -191,17 +192,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     Raises:
         ValueError: for a bad value, or a combination data parallelism refuses (the live view).
     """
-    from pagedllm.config import EngineConfig, parse_memory
+    from pagedllm.config import EngineConfig
+    from pagedllm.config_values import parse_memory
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.platforms.cpu import dtype_settings, lora_dtype_setting
 
-    kwargs = EngineArgs.from_cli_args(args).kwargs()
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.check()
+    kwargs = engine_args.kwargs()
     kwargs["lora_dtype"] = lora_dtype_setting(kwargs["dtype"], kwargs["lora_dtype"])
     kwargs |= dtype_settings(kwargs.pop("dtype"), kwargs.pop("kv_cache_dtype"), kwargs.pop("quantization"))
-    try:
-        kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])
-    except ValueError as e:
-        raise ValueError(f"--kv-cache-memory: {e}") from None
+    kwargs["kv_cache_memory"] = parse_memory(kwargs["kv_cache_memory"])  # checked by check()
     config = EngineConfig(  # getattr: serve's flags, which other commands lack
         **kwargs, live_view=getattr(args, "enable_live_view", False),
         live_view_steps=getattr(args, "live_view_steps", 4096), data_parallel_size=getattr(args, "data_parallel_size", 1),
@@ -240,7 +241,7 @@ def run_serve(args: argparse.Namespace) -> None:
     """
     import uvicorn
 
-    from pagedllm.config import parse_memory
+    from pagedllm.config_values import parse_memory
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.entrypoints.openai.api_server import ApiServer, build_app
     from pagedllm.entrypoints.openai.connections import http_protocol
