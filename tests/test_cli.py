@@ -279,11 +279,14 @@ def test_help_and_version_import_no_heavy_module(argv: list[str]) -> None:
 
 
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--dtype", "fp7"], ["serve", "--kv-cache-dtype", "int4"],
-                                  ["bench", "throughput", "--block-size", "7"], ["chat", "--top-p", "1.5"]])
+                                  ["bench", "throughput", "--block-size", "7"], ["chat", "--top-p", "1.5"],
+                                  ["serve", "--quantization", "int3"],
+                                  ["generate", "--prompt", "x", "--speculative-config",
+                                   '{"method": "nope", "num_speculative_tokens": 2}']])
 def test_bad_engine_and_sampling_flags_are_refused_before_heavy_imports(argv: list[str]) -> None:
     """A name or value the engine or the sampler refuses is a usage error before torch or
-    transformers load (they take seconds): the names are declared without torch
-    (``pagedllm.config_values``), the structured-output backend loads only for a schema."""
+    transformers load (they take seconds): ``EngineArgs.check`` (names declared without torch in
+    ``pagedllm.config_values``), the structured-output backend loaded only for a schema."""
     heavy, _, err = _heavy_modules_after(argv, 2)
     assert heavy == "[]", err
     assert f"--{argv[-2].lstrip('-')}" in err and "must be" in err, err
