@@ -1,7 +1,8 @@
 """A live server with the fault-injection test hook on: a request that fails inside the engine
 gets an OpenAI error (a 500 body, or an SSE error event then ``[DONE]``), the requests beside it
 are answered as usual, the server stays healthy, and no block is left behind. Also: outputs cut
-inside a character carry no U+FFFD, and chat logprobs join to the text and carry raw bytes."""
+inside a character carry no U+FFFD, and chat logprobs join to the text and carry raw bytes.
+On the session's shared server (conftest.py's ``server`` and ``http``), its fault-injection hook on."""
 
 from __future__ import annotations
 
@@ -12,22 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.utils import API_KEY, MODEL, Server, wait_idle
+from tests.utils import MODEL, Server, wait_idle
 
 PROMPTS = [f"Fact number {i} about the ocean:" for i in range(8)]
 EMOJI_CHAT = [{"role": "user", "content": "Reply with three emoji that describe happiness."}]
-
-
-@pytest.fixture(scope="module")
-def server(shared_server: Server) -> Server:
-    """The session's shared server (conftest.py), its fault-injection hook on."""
-    return shared_server
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
-        yield c
 
 
 def _greedy(http: httpx.Client, prompt: str) -> str:
