@@ -14,7 +14,9 @@ from typing import Any
 from pagedllm.config_values import BLOCK_SIZES, check_block_size, check_dtype, check_kv_cache_dtype, parse_memory
 from pagedllm.default_model import DEFAULT_MODEL
 from pagedllm.kernels.abi import CONSTANTS
+from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS
+from pagedllm.speculative_config import SpeculativeConfig
 
 
 def parse_int(text: str) -> int:
@@ -242,9 +244,6 @@ class EngineArgs:
         Raises:
             ValueError: for a bad value, the message opening with its setting's name (or its flag).
         """
-        from pagedllm.quantization_config import QuantizationConfig
-        from pagedllm.speculative_config import SpeculativeConfig
-
         check_dtype(self.dtype)
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_block_size(self.block_size)
