@@ -1,15 +1,16 @@
-"""LoRA adapters against transformers + peft: adapters made here with ``peft`` on a tiny random
-llama (B randomized so that they change the outputs), served by ``LLM`` in float32 and
-compared with peft's merged model; a batch mixing adapters and the base model equals each
-request alone; the prefix cache never serves one adapter's blocks to another; bad adapters
-fail with errors that name the problem."""
+"""LoRA adapters end to end against transformers + peft: adapters made here with ``peft`` on a
+tiny random llama (B randomized so that they change the outputs), served by ``LLM`` in float32
+and by the server, and compared with peft's merged model; a batch mixing adapters and the base
+model equals each request alone; the prefix cache never serves one adapter's blocks to another;
+bad adapters (PEFT folders and GGUF files) fail with errors that name the problem. One module:
+the peft adapters, the engine and the server on them are built once. The kernels:
+``test_lora_kernels.py``; the server's adapter registry alone: ``test_lora_registry.py``."""
 
 from __future__ import annotations
 
 import copy
 import json
 import math
-import re
 from pathlib import Path
 
 import httpx
@@ -96,91 +97,6 @@ def llm(base):
     )
     yield engine
     engine.shutdown()
-
-
-def _pack(parts: list[tuple[torch.Tensor, torch.Tensor] | None], dtype: torch.dtype):
-    """lora_sgmv's A.T [K, R] and B.T blocks [r, width] of one adapter's parts ((A.T [K, r],
-    B.T [r, width]) or None) in panels, in ``dtype``, and its ranks [MAX_PARTS]."""
-    from pagedllm.kernels.lora import MAX_PARTS, to_panels
-
-    used = [p for p in parts if p is not None]
-    a = to_panels(torch.cat([p[0] for p in used], 1).to(dtype))
-    blocks = [to_panels(p[1].to(dtype)) for p in used]
-    ranks = [0 if p is None else p[0].shape[1] for p in parts]
-    return a, torch.cat(blocks), ranks + [0] * (MAX_PARTS - len(ranks))
-
-
-@pytest.mark.usefixtures("native_isa")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("runs", [[(0, 1, 0), (1, 2, 1), (2, 3, 2)], [(0, 5, 1), (5, 40, 0), (40, 47, 2)]])
-def test_lora_kernel_matches_torch(runs: list[tuple[int, int, int]], dtype: torch.dtype) -> None:
-    """lora_sgmv against (x A.T) B.T per run and part (three parts of widths 45, 20, 13; ranks
-    8/0/19 with a partial chunk, 0 everywhere (skipped), 3/5/0), A and B in float32 or
-    bfloat16 (the reference from the same bfloat16 values: float32 rounding alone), x and y
-    with strided rows; each run alone, and a run cut into pieces (other micro-tiles), give
-    the same bits."""
-    from pagedllm.kernels.lora import lora_sgmv
-
-    torch.manual_seed(0)
-    k, widths, t = 70, [45, 20, 13], runs[-1][1]
-    shapes = [[8, 0, 19], [0, 0, 0], [3, 5, 0]]
-    mats = [[None if r == 0 else (torch.randn(k, r).to(dtype), torch.randn(r, w).to(dtype))
-             for r, w in zip(rs, widths, strict=True)] for rs in shapes]
-    packed = [_pack(m, dtype) if any(m) else (torch.zeros(1), torch.zeros(1), [0, 0, 0]) for m in mats]
-    x = torch.randn(t, 2 * k)[:, :k]
-    y0 = torch.randn(t, sum(widths) + 3)[:, : sum(widths)]
-
-    def run(rows: list[tuple[int, int, int]], y: torch.Tensor) -> None:
-        lora_sgmv(x, y, torch.tensor(widths), torch.tensor([[a, b] for a, b, _ in rows]),
-                  torch.tensor([packed[m][0].data_ptr() for *_, m in rows]),
-                  torch.tensor([packed[m][1].data_ptr() for *_, m in rows]),
-                  torch.tensor([packed[m][2] for *_, m in rows]), dtype=dtype)
-
-    y = y0.clone()
-    run(runs, y)
-    ref = y0.clone()
-    for a, b, m in runs:
-        n0 = 0
-        for part, w in zip(mats[m], widths, strict=True):
-            if part is not None:
-                ref[a:b, n0 : n0 + w] += (x[a:b].double() @ part[0].double() @ part[1].double()).float()
-            n0 += w
-    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
-    for a, b, m in runs:  # one run alone, and cut after its first token: the same bits
-        alone = y0.clone()
-        run([(a, b, m)], alone)
-        assert torch.equal(alone[a:b], y[a:b])
-        cut = y0.clone()
-        run([(a, a + 1, m), (a + 1, b, m)] if b > a + 1 else [(a, b, m)], cut)
-        assert torch.equal(cut[a:b], y[a:b])
-    with pytest.raises(ValueError, match="rank outside"):
-        lora_sgmv(x, y, torch.tensor(widths), torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([0]),
-                  torch.tensor([[10**6, 0, 0]]))
-
-
-@pytest.mark.usefixtures("native_isa")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_layer_kernel_and_pytorch_paths_agree(dtype: torch.dtype) -> None:
-    """A fused LoRALinear (parts 45, 20, 13; one adapter on parts 0 and 2, one on part 1, a
-    run of base tokens between) gives the same outputs through the native kernel and through
-    its PyTorch matmuls, A and B kept in ``dtype``."""
-    from pagedllm.layers.lora import LoRABatch, LoRALinear
-
-    torch.manual_seed(1)
-    widths, k = [45, 20, 13], 70
-    batch = LoRABatch(dtype=dtype)
-    layer = LoRALinear(torch.nn.Linear(k, sum(widths)), widths, batch)
-    layer.set_adapter(1, {0: (torch.randn(8, k), torch.randn(45, 8)), 2: (torch.randn(19, k), torch.randn(13, 19))})
-    layer.set_adapter(2, {1: (torch.randn(3, k), torch.randn(20, 3))})
-    batch.set([(0, 5, 1), (7, 9, 2)])
-    x = torch.randn(9, k)
-    with torch.inference_mode():
-        batch.native = True
-        native = layer(x)
-        batch.native = False
-        reference = layer(x)
-    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-4)
-    assert not torch.equal(native, layer.base(x))
 
 
 def test_each_adapter_matches_peft_merged(llm, base, adapters) -> None:
@@ -451,23 +367,6 @@ def test_bfloat16_adapters_match_peft_with_bfloat16_weights(base, adapters) -> N
         assert_pool_whole(engine.engine.core)
 
 
-def test_lora_dtype_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--lora-dtype auto: bfloat16 A and B under --dtype auto on the native kernels, else the
-    model's dtype (None); an explicit choice wins; other names are refused."""
-    from pagedllm.kernels import library
-    from pagedllm.platforms.cpu import lora_dtype_setting
-
-    monkeypatch.setattr(library, "active_isa", lambda: "avx512")
-    assert lora_dtype_setting("auto") == torch.bfloat16
-    assert lora_dtype_setting("float32") is None
-    assert lora_dtype_setting("auto", "float32") == torch.float32
-    assert lora_dtype_setting("float32", "bfloat16") == torch.bfloat16
-    with pytest.raises(ValueError, match="lora_dtype must be auto, float32 or bfloat16, got 'float16'"):
-        lora_dtype_setting("auto", "float16")
-    monkeypatch.setattr(library, "active_isa", lambda: None)
-    assert lora_dtype_setting("auto") is None
-
-
 def _tokens(llm, prompt: list[int], lora: LoRARequest | None) -> list[int]:
     return llm.generate([prompt], _greedy(), use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
 
@@ -659,78 +558,3 @@ def test_phi3_fused_projections(tmp_path) -> None:
         out = engine.generate([PROMPTS[1]], _greedy(), use_tqdm=False,
                               lora_request=LoRARequest("phi", 1, str(tmp_path / "lora")))[0]
     assert_greedy_matches(merged, PROMPTS[1], out.outputs[0], MAX_TOKENS)
-
-
-def test_adapters_load_off_the_event_loop_and_a_name_is_taken_once() -> None:
-    """``/v1/load_lora_adapter`` reads and checks the files in a thread (the streams of other
-    requests go on); two concurrent loads under one name: one is served, the other refused."""
-    import asyncio
-    import threading
-    import time
-    from types import SimpleNamespace
-
-    from pagedllm.entrypoints.openai.serving_engine import OpenAIError
-    from pagedllm.entrypoints.openai.serving_lora import ServingLoRA
-
-    loop_thread = threading.get_ident()
-    checked_in: list[int] = []
-
-    def check(lora: LoRARequest) -> None:
-        checked_in.append(threading.get_ident())
-        time.sleep(0.05)  # both loads are inside the check at once
-
-    engine = SimpleNamespace(
-        config=SimpleNamespace(enable_lora=True), processor=SimpleNamespace(lora=SimpleNamespace(check=check))
-    )
-    loras = ServingLoRA(engine, ("base",))
-
-    async def both() -> list:
-        return await asyncio.gather(loras.load_async("a", "/x"), loras.load_async("a", "/y"), return_exceptions=True)
-
-    results = asyncio.run(both())
-    assert loop_thread not in checked_in and len(checked_in) == 2
-    assert sum(isinstance(r, LoRARequest) for r in results) == 1
-    (refused,) = [r for r in results if isinstance(r, OpenAIError)]
-    assert refused.status == 400 and "already in use" in refused.message
-    assert list(loras.adapters) == ["a"]
-
-
-def test_lora_modules_take_vllms_json_form() -> None:
-    """``--lora-modules`` takes ``name=path`` and vLLM's JSON object (name and path required,
-    base_model_name optional); any other key is refused by name."""
-    from pagedllm.entrypoints.openai.serving_lora import LoRAModule, parse_lora_module
-
-    assert parse_lora_module("a=/p=q") == LoRAModule("a", "/p=q")
-    assert parse_lora_module('{"name": "a", "path": "/p"}') == LoRAModule("a", "/p")
-    assert parse_lora_module('{"name": "a", "path": "/p", "base_model_name": "m"}') == LoRAModule("a", "/p", "m")
-    assert parse_lora_module('{"name": "a", "path": "/p", "base_model_name": null}') == LoRAModule("a", "/p")
-    for text, message in (
-        ("a", "takes name=path or JSON object items"),
-        ("=/p", "takes name=path or JSON object items"),
-        ('{"name": "a", "path": "/p", "rank": 8}', "unknown key 'rank'"),
-        ('{"path": "/p"}', "lacks 'name'"),
-        ('{"name": "a", "path": 3}', "'path' must be a non-empty string, got 3"),
-        ('{"name": "", "path": "/p"}', "'name' must be a non-empty string"),
-        ('{"name": "a",', "is not valid JSON"),
-    ):
-        with pytest.raises(ValueError, match=re.escape(message)):
-            parse_lora_module(text)
-
-
-def test_base_model_name_is_the_adapters_parent() -> None:
-    """/v1/models gives an adapter the ``base_model_name`` it was served with as its parent,
-    else the first served name; unloading it forgets that."""
-    from types import SimpleNamespace
-
-    from pagedllm.entrypoints.openai.serving_lora import LoRAModule, ServingLoRA
-
-    engine = SimpleNamespace(
-        config=SimpleNamespace(enable_lora=True), processor=SimpleNamespace(lora=SimpleNamespace(check=lambda lora: None))
-    )
-    loras = ServingLoRA(engine, ("base", "alias"))
-    loras.load(LoRAModule("a", "/a", "alias"))
-    loras.load(LoRAModule("b", "/b"))
-    assert (loras.parent("a"), loras.parent("b")) == ("alias", "base")
-    loras.unload("a")
-    loras.load(LoRAModule("a", "/a"))
-    assert loras.parent("a") == "base"
