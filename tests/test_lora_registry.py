@@ -50,7 +50,7 @@ def test_adapters_load_off_the_event_loop_and_a_name_is_taken_once() -> None:
 def test_lora_modules_take_vllms_json_form() -> None:
     """``--lora-modules`` takes ``name=path`` and vLLM's JSON object (name and path required,
     base_model_name optional); any other key is refused by name."""
-    from pagedllm.entrypoints.openai.serving_lora import LoRAModule, parse_lora_module
+    from pagedllm.entrypoints.openai.lora_modules import LoRAModule, parse_lora_module
 
     assert parse_lora_module("a=/p=q") == LoRAModule("a", "/p=q")
     assert parse_lora_module('{"name": "a", "path": "/p"}') == LoRAModule("a", "/p")

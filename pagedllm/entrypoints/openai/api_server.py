@@ -45,7 +45,8 @@ from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.live_view_routes import live_view_router
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, guard_sse
-from pagedllm.entrypoints.openai.serving_lora import LoRAModule, ServingLoRA
+from pagedllm.entrypoints.openai.lora_modules import LoRAModule
+from pagedllm.entrypoints.openai.serving_lora import ServingLoRA
 
 logger = logging.getLogger("pagedllm")
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.engine.arg_utils import parse_float, parse_int
 from pagedllm.entrypoints.chat_template import add_chat_template_arg, load_chat_template
+from pagedllm.entrypoints.openai.lora_modules import parse_lora_module
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.scheduler_defaults import SERVE_MAX_NUM_BATCHED_TOKENS
 
@@ -77,11 +78,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise ValueError(f"--max-request-body-size: {e}") from None
     grammar_limits(args)
-    if args.lora_modules:  # serving_lora loads the engine (torch)
-        from pagedllm.entrypoints.openai.serving_lora import parse_lora_module
-
-        for item in args.lora_modules:
-            parse_lora_module(item)
+    for item in args.lora_modules:
+        parse_lora_module(item)
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if args.grammar_workers < 1:
@@ -260,8 +258,6 @@ def run_serve(args: argparse.Namespace) -> None:
             logger.error("%s", e)
             sys.exit(1)
         try:
-            from pagedllm.entrypoints.openai.serving_lora import parse_lora_module
-
             app = build_app(engine, names, args.api_key, max_body, args.tool_call_parser,
                             load_chat_template(args.chat_template), [parse_lora_module(m) for m in args.lora_modules],
                             CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
