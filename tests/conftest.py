@@ -1,5 +1,6 @@
-"""Shared test set-up: the ISA fixture of the kernel tests, the session's shared server, and the
-server, client and http fixtures of the test_server_* modules on it."""
+"""Shared test set-up: the ISA fixture of the kernel tests, the sampler tests' two draw
+implementations, the session's shared server, and the server, client and http fixtures of the
+test_server_* modules on it."""
 
 import os
 
@@ -32,6 +33,27 @@ def native_isa(request: pytest.FixtureRequest) -> Iterator[str]:
     (skipped, quoting the compiler, where it does not build)."""
     with on_isa(request.param):
         yield request.param
+
+
+@pytest.fixture(params=["native", "pytorch"])
+def draw_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The random draw, logprobs and penalties on the native kernels, then in PyTorch: every test of
+    the test_sampler_* modules runs on both (their ``pytestmark = pytest.mark.usefixtures("draw_impl")``)."""
+    import torch
+
+    from pagedllm.kernels import library
+    from pagedllm.layers import sampler as sampler_module
+    from pagedllm.layers.logprobs import RowLogprobs
+    from pagedllm.layers.sampler import RowDraw
+
+    if request.param == "native" and not library.available():
+        pytest.skip("no native kernels here")
+    if request.param == "pytorch":
+        monkeypatch.setattr(RowDraw, "forward_cpu", RowDraw.forward_native)
+        monkeypatch.setattr(RowLogprobs, "forward_cpu", RowLogprobs.forward_native)
+        monkeypatch.setattr(sampler_module.library, "available", lambda: False)  # penalties in PyTorch
+    torch.manual_seed(0)
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Helpers shared by the test modules: a live server subprocess, the server's request bodies
-and error check, the block pool checks, a streamed tool-call reader, hostile grammar inputs,
-random GGUF blocks and the error bound of attention in bfloat16 pairs. Tiny models:
-``models_util.py``.
+and error check, the block pool checks, the sampler tests' rows, a streamed tool-call reader,
+hostile grammar inputs, random GGUF blocks and the error bound of attention in bfloat16 pairs.
+Tiny models: ``models_util.py``.
 
 Test modules import from here, never from one another.
 """
@@ -22,6 +22,9 @@ import torch
 from pagedllm.config import MODEL_RUNNER_CLS_ENV
 from pagedllm.distributed.parallel_state import free_port
 from pagedllm.kernels.attention import INT8_WEIGHT_FLOOR, int8_cache_queries
+from pagedllm.layers.sampler import Sampler, SamplerOutput
+from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
+from pagedllm.sampling_params import SamplingParams
 from tests.fault_injection import FAULTY_RUNNER
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -180,6 +183,28 @@ def assert_pool_whole(owner) -> None:
     has a ``kv_cache``) is free, no reference held."""
     pool = owner.kv_cache.pool
     assert _whole(pool), f"{pool.num_blocks - pool.num_free_blocks} of {pool.num_blocks} blocks held"
+
+
+# --- the sampler's rows and one sampler call (the test_sampler_* modules) -------------------
+
+def row(
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    eos: list[int] | None = None,
+    seed: int | None = None,
+    **params: object,
+) -> SamplingRow:
+    return SamplingRow(
+        params=SamplingParams(seed=seed, **params),
+        prompt_token_ids=prompt or [],
+        output_token_ids=output or [],
+        eos_token_ids=eos or [],
+        generator=None if seed is None else torch.Generator().manual_seed(seed),
+    )
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    return Sampler()(logits, SamplingMetadata.build(rows))
 
 
 # --- hostile grammar inputs: n rules, n levels, n properties -------------------------------
