@@ -329,3 +329,33 @@ def write_q4_gguf(path: Path, hf: torch.nn.Module) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf.GGUFWriter, "add_tensor", add_quantized)
         write_gguf(path, hf)
+
+
+# --- the tiny mixture-of-experts models: conftest.py's ``tiny`` and the test_moe_* modules ---
+
+MOE_WINDOW = 12  # Mixtral's: shorter than the longer prompts
+MOE_SHARED, MOE_PROMPTS = shared_prefix_prompts(7, 24, (5, 9, 17))
+_MOE_COMMON = dict(
+    vocab_size=256, hidden_size=128, num_hidden_layers=3, max_position_embeddings=256, rms_norm_eps=1e-6,
+    initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2,
+)
+# Head size 64 (the native decode attention's smallest): the one-call decoder runs the decode
+# steps. Qwen3-MoE: 8 experts, the top-2 weights left unnormalized, layer 1 dense (its
+# ``mlp_only_layers``). Mixtral: 4 experts, a sliding window on every layer.
+_MOE_CONFIG_ARGS = {
+    "qwen3_moe": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=192, moe_intermediate_size=64,
+        num_experts=8, norm_topk_prob=False, mlp_only_layers=[1], rope_theta=1e6,
+    ),
+    "mixtral": dict(
+        num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, num_local_experts=4,
+        sliding_window=MOE_WINDOW, rope_theta=1e4,
+    ),
+}
+_MOE_CONFIG_CLASSES = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}
+# arch -> a function of config changes giving the HF config: the sizes above, then the changes.
+MOE_CONFIGS = {
+    arch: lambda arch=arch, **changes: _MOE_CONFIG_CLASSES[arch](**(_MOE_COMMON | _MOE_CONFIG_ARGS[arch] | changes))
+    for arch in _MOE_CONFIG_ARGS
+}
+MOE_HF_CLASSES = {"qwen3_moe": transformers.Qwen3MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM}

@@ -1,172 +1,39 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral) against transformers, and the fused MoE
-kernel (``csrc/moe.cpp``) against PyTorch on every ISA this CPU runs.
-
-Tiny random checkpoints built from transformers' own classes, saved with ``save_pretrained``
-next to SmolLM2's tokenizer and as GGUF files written the way llama.cpp's converter does
-(experts stacked 3-D): greedy tokens equal to ``generate``'s in float32 until the first
-near-tie through chunked prefill, prefix caching, preemption and n-gram speculation; shards
-over 2 ranks give the unsharded logits."""
+"""Mixture-of-experts models as GGUF files written as llama.cpp's converter does: F32, Q8_0 and K-quant experts."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
-import transformers
 
-from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
-from pagedllm.distributed.sharding import ModelShard, check_tensor_parallel_size
-from pagedllm.kernels import kquant, library
-from pagedllm.kernels.moe import fused_moe
+from pagedllm.kernels import library
 from pagedllm.layers.fused_moe import FusedMoE, route
-from pagedllm.layers.linear import PackedLinear
-from pagedllm.layers.quantization.linear import KQuantLinear, Q8A8Linear, W4A8Linear, W8A8Linear
-from pagedllm.layers.quantization.weights import quantize_q4a8
-from pagedllm.models.loader import load_config, load_model, resolve_model
+from pagedllm.layers.quantization.linear import KQuantLinear, Q8A8Linear, W4A8Linear
 from pagedllm.models import gguf_file, gguf_loader, native_decoder
 from pagedllm.models.gguf_linears import gguf_linears
-from pagedllm.models.moe import MoEForCausalLM
+from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.models.native_decoder import NativeDecoder
 from pagedllm.platforms.cpu import auto_linears
 from pagedllm.quantization_config import QuantizationConfig
 from tests.models_util import (
-    GGUF_NAMES, assert_greedy_matches, finish_gguf, gguf_writer, llama_cpp_permute, prefill_logits,
-    random_weight_blocks, randomize_vectors, shared_prefix_prompts,
+    GGUF_NAMES,
+    finish_gguf,
+    gguf_writer,
+    llama_cpp_permute,
+    prefill_logits,
+    random_weight_blocks,
+    randomize_vectors,
 )
-from tests.tensor_parallel_ranks import Case, load, reference, run_group, run_steps
-from tests.utils import assert_holds_blocks, pool_is_whole
-
-MAX_TOKENS = 16
-WINDOW = 12  # Mixtral's: shorter than the longer prompts
-_SHARED, PROMPTS = shared_prefix_prompts(7, 24, (5, 9, 17))
-COMMON = dict(
-    vocab_size=256, hidden_size=128, num_hidden_layers=3, max_position_embeddings=256, rms_norm_eps=1e-6,
-    initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2,
-)
-# Head size 64 (the native decode attention's smallest): the one-call decoder runs the decode
-# steps. Qwen3-MoE: 8 experts, the top-2 weights left unnormalized, layer 1 dense (its
-# ``mlp_only_layers``). Mixtral: 4 experts, a sliding window on every layer.
-CONFIG_ARGS = {
-    "qwen3_moe": dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=192, moe_intermediate_size=64,
-        num_experts=8, norm_topk_prob=False, mlp_only_layers=[1], rope_theta=1e6,
-    ),
-    "mixtral": dict(
-        num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, num_local_experts=4,
-        sliding_window=WINDOW, rope_theta=1e4,
-    ),
-}
-CONFIG_CLASSES = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}
-CONFIGS = {arch: lambda arch=arch, **changes: CONFIG_CLASSES[arch](**(COMMON | CONFIG_ARGS[arch] | changes)) for arch in CONFIG_ARGS}
-HF_CLASSES = {"qwen3_moe": transformers.Qwen3MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM}
-
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
-    """(architecture, HF model, checkpoint directory)."""
-    arch, path = request.param, tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    hf = HF_CLASSES[arch](CONFIGS[arch]()).eval()
-    randomize_vectors(hf)  # transformers unit-inits the norms (q/k norms included)
-    hf.save_pretrained(path)
-    for f in tokenizer_dir.iterdir():
-        (path / f.name).write_bytes(f.read_bytes())
-    return arch, hf, path
-
-
-def test_config_from_checkpoint(tiny) -> None:
-    arch, hf, path = tiny
-    config = load_config(resolve_model(str(path)))
-    assert config.architecture == arch and config.qk_norm == (arch == "qwen3_moe")
-    if arch == "qwen3_moe":
-        assert (config.num_experts, config.moe_intermediate_size, config.norm_topk_prob) == (8, 64, False)
-        assert [config.is_moe_layer(i) for i in range(3)] == [True, False, True]
-        assert [config.layer_window(i) for i in range(3)] == [0, 0, 0]
-    else:
-        assert (config.num_experts, config.moe_intermediate_size, config.norm_topk_prob) == (4, 64, True)
-        assert all(config.is_moe_layer(i) for i in range(3))
-        assert [config.layer_window(i) for i in range(3)] == [WINDOW] * 3
-    assert config.num_experts_per_tok == 2
-
-
-def test_stacked_expert_tensors_load_as_the_per_expert_checkpoint(tiny) -> None:
-    """transformers' in-memory names (``mlp.experts.gate_up_proj`` [E, 2I, H], 3-D) give the
-    logits the saved per-expert checkpoint does."""
-    arch, hf, path = tiny
-    saved, config = load_model(resolve_model(str(path)), torch.float32)
-    with torch.device("meta"):
-        stacked = MoEForCausalLM(config, torch.float32)
-    stacked.load_weights(hf.state_dict().items())
-    ids = PROMPTS[2]
-    with torch.inference_mode():
-        expected = hf(torch.tensor([ids])).logits[0]
-    # Logits of about 5 in magnitude (weights of std 0.2): float32 sums in another order differ by 1e-4.
-    torch.testing.assert_close(prefill_logits(stacked.eval(), config, ids), expected, atol=5e-4, rtol=0)
-    torch.testing.assert_close(prefill_logits(saved, config, ids), expected, atol=5e-4, rtol=0)
-
-
-
-PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
-
-
-def test_greedy_matches_transformers_with_chunks_and_prefix_hits(tiny) -> None:
-    """16-token chunks; the third prompt hits the second's cached blocks, and all three again
-    hit whole prompts: the same tokens each time. Decode steps run in the one-call decoder."""
-    arch, hf, path = tiny
-    llm = LLM(
-        model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, block_size=8,
-        max_num_batched_tokens=16, enable_prefix_caching=True,
-    )
-    first = llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
-    hits = llm.engine.core.kv_cache.prefix_hits
-    first += llm.generate(PROMPTS[2:], PARAMS, use_tqdm=False)
-    assert llm.engine.core.kv_cache.prefix_hits - hits >= 16  # the shared 24 tokens' full blocks
-    if library.available():
-        assert isinstance(llm.engine.core.executor.runner.model.native_decoder, NativeDecoder)
-    for prompt, out in zip(PROMPTS, first, strict=True):
-        assert_greedy_matches(hf, prompt, out.outputs[0], MAX_TOKENS)
-    again = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-    assert pool_is_whole(llm)
-    llm.shutdown()
-
-
-def test_preemption_and_ngram_speculation_give_the_same_tokens(tiny) -> None:
-    """A pool too small for all requests at once (preempted and recomputed), then n-gram
-    drafts on prompts that repeat themselves: the tokens of a plain run, which match transformers."""
-    arch, hf, path = tiny
-    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0] * 4, _SHARED + _SHARED]
-    common = dict(model=str(path), dtype="float32", max_model_len=128, block_size=8)
-    plain = LLM(**common, kv_cache_memory="8MiB")
-    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, PARAMS, use_tqdm=False)]
-    plain.shutdown()
-    # Mixtral's window lets blocks go as requests advance: fewer blocks for it to run short.
-    blocks = {"qwen3_moe": 14, "mixtral": 8}[arch]
-    tight = LLM(**common, num_gpu_blocks_override=blocks, enable_prefix_caching=False, max_num_batched_tokens=16)
-    outputs = tight.generate(prompts, PARAMS, use_tqdm=False)
-    assert tight.engine.core.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert pool_is_whole(tight)
-    tight.shutdown()
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-    spec = LLM(**common, kv_cache_memory="8MiB", speculative_config=ngram)
-    outputs = spec.generate(prompts, PARAMS, use_tqdm=False)
-    assert spec.engine.core.scheduler.spec_stats.num_draft_tokens > 0
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert pool_is_whole(spec)
-    spec.shutdown()
-    for prompt, out in zip(prompts[2:], outputs[2:], strict=True):
-        assert_greedy_matches(hf, prompt, out.outputs[0], MAX_TOKENS)
-
-
-# --- GGUF, written as llama.cpp's converter writes these models --------------------------
+from tests.models_util import MOE_CONFIGS as CONFIGS
+from tests.models_util import MOE_HF_CLASSES as HF_CLASSES
+from tests.models_util import MOE_PROMPTS as PROMPTS
+from tests.tensor_parallel_ranks import Case, load, run_steps
+from tests.utils import assert_holds_blocks
 
 
 def _write_gguf(path: Path, hf: torch.nn.Module) -> None:
@@ -450,160 +317,3 @@ def test_gguf_expert_shards_keep_whole_blocks(tmp_path: Path, monkeypatch) -> No
     assert torch.equal(down.parts[0][1], f.blocks("blk.2.ffn_down_exps.weight")[5][:, 4:].flatten(1))
     assert "blk.0.ffn_down_exps.weight" not in out.stored_tensors
     assert {"blk.0.ffn_gate_exps.weight", "blk.2.ffn_down_exps.weight"} <= out.stored_tensors
-
-
-# --- tensor parallelism --------------------------------------------------------------------
-
-TP_CASES = [("qwen3_moe", None), ("mixtral", None), ("qwen3_moe", ("w8a8", 32, True)), ("mixtral", ("w4a8", 32, True))]
-
-
-@pytest.fixture(scope="module")
-def tp_runs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
-    """(unsharded logits, rank 0's logits at 2 ranks) per case: float32 and quantized experts."""
-    root = tmp_path_factory.mktemp("moe-tp")
-    cases = []
-    for arch, quant in TP_CASES:
-        torch.manual_seed(0)
-        hf = HF_CLASSES[arch](CONFIGS[arch]()).eval()
-        randomize_vectors(hf)
-        hf.save_pretrained(root / arch)
-        cases.append(Case(f"{arch}-{quant[0] if quant else 'float32'}", str(root / arch), quant))
-    return reference(cases), run_group(cases, 2, root / "logits.pt")
-
-
-@pytest.mark.parametrize("name", [f"{a}-{q[0] if q else 'float32'}" for a, q in TP_CASES])
-def test_two_ranks_give_the_unsharded_logits(tp_runs, name: str) -> None:
-    """Each rank holds half of every expert's intermediate features and the whole router;
-    quantized experts see the same codes and activation groups (only the sum order differs)."""
-    expected, got = tp_runs
-    assert not isinstance(got[name], str), got[name]
-    torch.testing.assert_close(got[name], expected[name], atol=1e-4 if "float32" in name else 1e-3, rtol=0)
-
-
-def test_expert_shards_split_the_expert_width(tiny) -> None:
-    arch, _, path = tiny
-    config = load_config(resolve_model(str(path)))
-    shard = ModelShard.of(config, TPGroup(1, 2))
-    assert shard.split_of("layers.0.mlp.experts.3.gate_proj.weight") == (0, 32, 64)
-    assert shard.split_of("layers.0.mlp.experts.3.down_proj.weight") == (1, 32, 64)
-    assert shard.split_of("layers.0.mlp.gate.weight") is None  # the router: replicated
-    if arch == "qwen3_moe":  # the dense layer splits its own width
-        assert shard.split_of("layers.1.mlp.up_proj.weight") == (0, 96, 192)
-    check_tensor_parallel_size(config, 2, True)
-    with pytest.raises(ValueError, match="experts' down projection"):  # 48 of each expert's 96 per rank
-        check_tensor_parallel_size(dataclasses.replace(config, moe_intermediate_size=96), 2, True)
-
-
-# --- the fused kernel --------------------------------------------------------------------------
-
-HIDDEN, INTER, EXPERTS = 96, 80, 8  # neither a multiple of the 32-column panels
-
-
-def _block(kind: str, renormalize: bool) -> FusedMoE:
-    """8 random experts, top-2, each on our packed kernels: ``kind`` float32 | w8a8 | w4a8 |
-    mixed (the kinds in turn)."""
-    torch.manual_seed(1)
-    moe = FusedMoE(HIDDEN, INTER, EXPERTS, 2, renormalize, torch.float32)
-    with torch.no_grad():
-        moe.gate.weight.normal_(0, 0.3)
-    kinds = ["float32", "w8a8", "w4a8"]
-    for e, expert in enumerate(moe.experts):
-        expert_kind = kinds[e % 3] if kind == "mixed" else kind
-        for name in ("gate_up_proj", "down_proj"):
-            weight = torch.randn(getattr(expert, name).weight.shape) * 0.2
-            layer = {
-                "float32": lambda w: PackedLinear(w, None),
-                "w8a8": W8A8Linear,
-                "w4a8": lambda w: W4A8Linear(quantize_q4a8(w)),
-            }[expert_kind](weight)
-            setattr(expert, name, layer)
-    return moe
-
-
-@pytest.mark.parametrize("kind", ["float32", "w8a8", "w4a8", "mixed"])
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_fused_kernel_matches_the_experts_one_by_one(native_isa: str, kind: str, renormalize: bool) -> None:
-    """One native call equals PyTorch's routing and each active expert's own layer on its
-    tokens; at 1 and 3 tokens most experts get none, at 80 every one gets some."""
-    moe = _block(kind, renormalize)
-    gen = torch.Generator().manual_seed(2)
-    block = moe.native_block()
-    assert block is not None
-    for tokens in (1, 3, 80):
-        x = torch.randn(tokens, HIDDEN, generator=gen)
-        _, experts = route(torch.nn.functional.linear(x, moe.gate.weight), 2, renormalize)
-        assert (experts.unique().numel() < EXPERTS) == (tokens < 80)
-        got = fused_moe(block, x)
-        torch.testing.assert_close(got, moe._forward_experts(x), atol=1e-5, rtol=1e-5)
-        # Batch-invariant: each token alone gives its row.
-        torch.testing.assert_close(fused_moe(block, x[-1:]), got[-1:], atol=0, rtol=0)
-
-
-# Experts as GGUF blocks (gate, up, down types; None: w8a8, a packed kind beside them).
-_BLOCK_EXPERTS = [(Q.Q4_K, Q.Q5_K, Q.Q6_K), (Q.Q6_K, Q.Q6_K, Q.Q4_K), (Q.Q8_0, Q.Q5_0, Q.Q8_0), None]
-
-
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_fused_kernel_with_gguf_block_experts(native_isa: str, renormalize: bool) -> None:
-    """Experts run from GGUF blocks as stored (a gate/up of two formats, a down of a third),
-    mixed with w8a8 ones: one native call equals each active expert's own layer on its
-    tokens, is batch-invariant, and stays within int8 activations' rounding of the float
-    formula on gguf.quants' dequantized weights."""
-    size, experts = 256, 8  # the K-quants' super-block
-    torch.manual_seed(4)
-    moe = FusedMoE(size, size, experts, 2, renormalize, torch.float32)
-    with torch.no_grad():
-        moe.gate.weight.normal_(0, 0.1)
-    dense = []
-    for e, expert in enumerate(moe.experts):
-        types = _BLOCK_EXPERTS[e % len(_BLOCK_EXPERTS)]
-        if types is None:
-            weights = [torch.randn(2 * size, size) * 0.1, torch.randn(size, size) * 0.1]
-            expert.gate_up_proj, expert.down_proj = W8A8Linear(weights[0]), W8A8Linear(weights[1])
-            dense.append(weights)
-            continue
-        (gate, gate_w), (up, up_w), (down, down_w) = (
-            random_weight_blocks(t, (size, size), seed=3 * e + j) for j, t in enumerate(types)
-        )
-        parts = [(int(types[0]), torch.from_numpy(gate)), (int(types[1]), torch.from_numpy(up))]
-        expert.gate_up_proj = KQuantLinear(kquant.StoredWeight(parts, size))
-        expert.down_proj = KQuantLinear(kquant.StoredWeight([(int(types[2]), torch.from_numpy(down))], size))
-        dense.append([torch.cat([gate_w, up_w]), down_w])
-    block = moe.native_block()
-    assert block is not None
-    gen = torch.Generator().manual_seed(5)
-    for tokens in (1, 3, 80):
-        x = torch.randn(tokens, size, generator=gen)
-        got = fused_moe(block, x)
-        torch.testing.assert_close(got, moe._forward_experts(x), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(fused_moe(block, x[-1:]), got[-1:], atol=0, rtol=0)
-        weights, chosen = route(torch.nn.functional.linear(x, moe.gate.weight), 2, renormalize)
-        exact = torch.zeros(tokens, size, dtype=torch.float64)
-        for t in range(tokens):
-            for j in range(2):
-                gate_up, down = (w.double() for w in dense[chosen[t, j]])
-                gate, up = (gate_up @ x[t].double()).chunk(2)
-                exact[t] += weights[t, j].double() * (down @ (torch.nn.functional.silu(gate) * up))
-        assert (got.double() - exact).norm() / exact.norm() < 0.02  # int8 activations (and w8a8 weights)
-
-
-def test_fused_kernel_float32_matches_dense_pytorch(native_isa: str) -> None:
-    """Float32 experts against the plain formula: softmax, top-2, SwiGLU, weighted sum."""
-    moe = _block("float32", renormalize=False)
-    torch.manual_seed(3)
-    weights = {
-        (e, n): torch.randn(getattr(expert, n).out_features, getattr(expert, n).in_features) * 0.2
-        for e, expert in enumerate(moe.experts) for n in ("gate_up_proj", "down_proj")
-    }
-    for (e, n), w in weights.items():
-        setattr(moe.experts[e], n, PackedLinear(w, None))
-    x = torch.randn(20, HIDDEN)
-    probs = torch.nn.functional.linear(x, moe.gate.weight).softmax(-1)
-    top, experts = probs.topk(2)
-    expected = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(2):
-            e = experts[t, j].item()
-            gate, up = (x[t] @ weights[e, "gate_up_proj"].T).chunk(2)
-            expected[t] += top[t, j] * (torch.nn.functional.silu(gate) * up) @ weights[e, "down_proj"].T
-    torch.testing.assert_close(fused_moe(moe.native_block(), x), expected, atol=1e-4, rtol=1e-4)
