@@ -1,6 +1,6 @@
 """Shared test set-up: the ISA fixture of the kernel tests, the sampler tests' two draw
-implementations, the MoE tests' tiny models, the session's shared server, and the server, client
-and http fixtures of the test_server_* modules on it."""
+implementations, the session's shared server, and the server, client and http fixtures of the
+test_server_* modules on it."""
 
 import os
 
@@ -65,26 +65,6 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")
     load_tokenizer(resolve_model("smollm2")).save_pretrained(path)
     return path
-
-
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])  # sorted(models_util.MOE_CONFIGS)
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
-    """(architecture, HF model, checkpoint directory): the test_moe_* modules' tiny random MoE
-    models, built once per module (~0.05 s each); other modules' ``tiny`` fixtures override it."""
-    import torch
-
-    from tests.models_util import MOE_CONFIGS as CONFIGS
-    from tests.models_util import MOE_HF_CLASSES as HF_CLASSES
-    from tests.models_util import randomize_vectors
-
-    arch, path = request.param, tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    hf = HF_CLASSES[arch](CONFIGS[arch]()).eval()
-    randomize_vectors(hf)  # transformers unit-inits the norms (q/k norms included)
-    hf.save_pretrained(path)
-    for f in tokenizer_dir.iterdir():
-        (path / f.name).write_bytes(f.read_bytes())
-    return arch, hf, path
 
 
 @pytest.fixture(scope="session")

@@ -331,7 +331,7 @@ def write_q4_gguf(path: Path, hf: torch.nn.Module) -> None:
         write_gguf(path, hf)
 
 
-# --- the tiny mixture-of-experts models: conftest.py's ``tiny`` and the test_moe_* modules ---
+# --- the tiny mixture-of-experts models of the test_moe_* modules, and their ``tiny`` fixture ---
 
 MOE_WINDOW = 12  # Mixtral's: shorter than the longer prompts
 MOE_SHARED, MOE_PROMPTS = shared_prefix_prompts(7, 24, (5, 9, 17))
@@ -359,3 +359,15 @@ MOE_CONFIGS = {
     for arch in _MOE_CONFIG_ARGS
 }
 MOE_HF_CLASSES = {"qwen3_moe": transformers.Qwen3MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM}
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_CONFIGS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
+    """(architecture, HF model, checkpoint directory): a tiny random MoE model per architecture,
+    built once per module that imports this fixture (~0.05 s each)."""
+    arch, path = request.param, tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    hf = MOE_HF_CLASSES[arch](MOE_CONFIGS[arch]()).eval()
+    randomize_vectors(hf)  # transformers unit-inits the norms (q/k norms included)
+    save_checkpoint(hf, path, tokenizer_dir)
+    return arch, hf, path

@@ -32,6 +32,7 @@ from tests.models_util import (
 from tests.models_util import MOE_CONFIGS as CONFIGS
 from tests.models_util import MOE_HF_CLASSES as HF_CLASSES
 from tests.models_util import MOE_PROMPTS as PROMPTS
+from tests.models_util import tiny  # noqa: F401 (the fixture)
 from tests.tensor_parallel_ranks import Case, load, run_steps
 from tests.utils import assert_holds_blocks
 

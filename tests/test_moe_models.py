@@ -13,6 +13,7 @@ from tests.models_util import MOE_PROMPTS as PROMPTS
 from tests.models_util import MOE_SHARED as _SHARED
 from tests.models_util import MOE_WINDOW as WINDOW
 from tests.models_util import assert_greedy_matches, prefill_logits
+from tests.models_util import tiny  # noqa: F401 (the fixture)
 from tests.utils import pool_is_whole
 
 MAX_TOKENS = 16

@@ -14,6 +14,7 @@ from pagedllm.models.loader import load_config, resolve_model
 from tests.models_util import MOE_CONFIGS as CONFIGS
 from tests.models_util import MOE_HF_CLASSES as HF_CLASSES
 from tests.models_util import randomize_vectors
+from tests.models_util import tiny  # noqa: F401 (the fixture)
 from tests.tensor_parallel_ranks import Case, reference, run_group
 
 TP_CASES = [("qwen3_moe", None), ("mixtral", None), ("qwen3_moe", ("w8a8", 32, True)), ("mixtral", ("w4a8", 32, True))]
