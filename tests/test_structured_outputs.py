@@ -95,6 +95,25 @@ def test_a_grammar_past_a_lexer_limit_fails_its_request_alone(llm):
     assert not llm.engine.core.has_unfinished_requests() and pool_is_whole(llm)
 
 
+def test_min_tokens_beyond_a_complete_grammar_fails_its_request_alone(llm, greedy):
+    """A grammar complete after fewer than ``min_tokens`` tokens leaves only EOS, which
+    ``min_tokens`` masks: the request fails naming ``structured_outputs`` (it used to stop with
+    ``min_tokens`` ignored); where the grammar's end is not sooner, ``min_tokens`` changes nothing;
+    with ``ignore_eos`` (no EOS mask) the complete grammar stops the request."""
+    dates = len(llm.generate("Today's date is", regex_params(temperature=0), use_tqdm=False)[0].outputs[0].token_ids)
+    for min_tokens, ignore_eos in ((dates + 1, False), (dates, False), (dates + 1, True)):
+        params = regex_params(temperature=0, min_tokens=min_tokens, ignore_eos=ignore_eos)
+        short, fine = llm.generate(["Today's date is", "Today's date is"], [params, regex_params(temperature=0)],
+                                   use_tqdm=False)
+        assert fine.outputs[0].text == greedy["regex"]
+        if min_tokens > dates and not ignore_eos:
+            assert short.outputs[0].finish_reason == "error" and short.outputs[0].error_param == "structured_outputs"
+            assert "no token can be sampled" in short.outputs[0].error
+        else:
+            assert (short.outputs[0].finish_reason, short.outputs[0].text) == ("stop", greedy["regex"])
+    assert not llm.engine.core.has_unfinished_requests() and pool_is_whole(llm)
+
+
 def test_stop_string_cuts_a_constrained_output(llm, greedy):
     out = llm.generate(CHAT, json_params(temperature=0, stop=[","]), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == ","

@@ -122,12 +122,19 @@ class Request:
 
         A complete grammar, EOS or a stop token id stops the request even at its last allowed
         token (vLLM's order), so an output that ended by itself never reads as cut off
-        ("length").
+        ("length"). A grammar complete below ``min_tokens`` does not stop it: only EOS may follow,
+        which ``min_tokens`` masks, so its next step finds no token to sample and fails it alone
+        (the request's two constraints contradict each other; neither is ignored).
         """
+        below_min = self.num_output_tokens < self.sampling_params.min_tokens
         if self.structured_output is not None and self.structured_output.is_terminated:
-            self.status = RequestStatus.FINISHED_ERROR if self.structured_output.error is not None else RequestStatus.FINISHED_STOPPED
-            return True
-        if self.num_output_tokens >= self.sampling_params.min_tokens:
+            if self.structured_output.error is not None:
+                self.status = RequestStatus.FINISHED_ERROR
+                return True
+            if not below_min or self.sampling_params.ignore_eos:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+        if not below_min:
             last = self.output_token_ids[-1]
             if last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
