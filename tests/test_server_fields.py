@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.utils import CHAT, MODEL, _chat, _check_error, _completion, metric
+from tests.utils import CHAT, MAX_MODEL_LEN, MODEL, _chat, _check_error, _completion, _num_tokens, metric
 
 
 # -- every field honoured or refused; one bad request never takes the server down ------------------
@@ -146,10 +146,20 @@ def test_logit_bias_allowed_token_ids_bad_words(http: httpx.Client) -> None:
     assert tokens(bad_words=[plain[0].strip()])[0] != plain[0]
 
 
-def test_max_tokens_null(http: httpx.Client) -> None:
-    r = http.post("/v1/completions", json=_completion(prompt="Count: one two", max_tokens=None, ignore_eos=True,
-                                                      temperature=0))
+def test_max_tokens_unset_is_16_and_null_the_room_left(http: httpx.Client) -> None:
+    # vLLM's: an unset max_tokens is 16; an explicit null runs to the end of the context.
+    body = _completion(prompt="Count: one two", ignore_eos=True, temperature=0)
+    body.pop("max_tokens", None)
+    r = http.post("/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    text = "hello " * 1012
+    for prompt, n in (([33, 34, 30] * 339 + [33, 34], 1019), (text, _num_tokens(http, prompt=text))):
+        r = http.post("/v1/completions", json=_completion(prompt=prompt, max_tokens=None, ignore_eos=True,
+                                                          temperature=0))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"] == {"prompt_tokens": n, "completion_tokens": MAX_MODEL_LEN - n,
+                                     "total_tokens": MAX_MODEL_LEN}
+        assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
 # Values of every kind a client might send, including JSON numbers Python's parser turns into

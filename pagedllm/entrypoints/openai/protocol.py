@@ -131,14 +131,10 @@ class SamplingRequest(RequestModel):
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
-# OpenAI's and vLLM's default for /v1/completions, also when a client sends null.
-DEFAULT_COMPLETION_MAX_TOKENS = 16
-
-
 class CompletionRequest(SamplingRequest):
     null_is_default = SamplingRequest.null_is_default | {"echo"}
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+    max_tokens: int | None = 16  # OpenAI's and vLLM's default; null (vLLM's): the room the context leaves
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None  # only best_of == n: pagedllm returns every sample

@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 from pagedllm.engine.async_llm import PreparedRequest
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.detokenizer import token_shares
+from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.errors import generation_error
-from pagedllm.entrypoints.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
+from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.response_bodies import (
     CompletionChoice,
     CompletionLogprobs,
@@ -89,9 +90,21 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = None
         if req.echo and (req.logprobs is not None or req.max_tokens == 0):
             prompt_logprobs = req.logprobs or 0
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        params = self.sampling_params(req, 0, max_tokens, req.logprobs, prompt_logprobs)
-        return self.prepare(request_id, prompt, params, req.cache_salt, req.model)
+        # An explicit null is the room the context leaves after the prompt (vLLM's), so a text
+        # prompt is tokenized first and passed on as its ids; unset is the field's default, 16.
+        engine_prompt: PromptType = prompt
+        prompt_len = 0
+        if req.max_tokens is None:
+            ids = prompt
+            if isinstance(prompt, str):
+                try:
+                    text, ids = self.engine.processor.tokenize(prompt)
+                except ValueError as e:
+                    raise OpenAIError.bad_request(e) from None
+                engine_prompt = {"prompt_token_ids": ids, "prompt": text}
+            prompt_len = len(ids)
+        params = self.sampling_params(req, prompt_len, req.max_tokens, req.logprobs, prompt_logprobs)
+        return self.prepare(request_id, engine_prompt, params, req.cache_salt, req.model)
 
     # -- running -----------------------------------------------------------------------------
     async def _stream(

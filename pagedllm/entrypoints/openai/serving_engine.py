@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 from pydantic import BaseModel
 
 from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
+from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.protocol import RequestModel, SamplingRequest
 from pagedllm.entrypoints.openai.response_bodies import ErrorInfo, ErrorResponse
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
@@ -191,7 +192,7 @@ class OpenAIServing:
             raise OpenAIError.bad_request(e, fields) from None
 
     def prepare(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None,
+        self, request_id: str, prompt: PromptType, params: SamplingParams, cache_salt: str | None,
         model: str | None = None, fields: Mapping[str, str] = {},
     ) -> PreparedRequest:
         """Validate and tokenize one prompt for ``model`` (the base or an adapter): 400 naming
