@@ -17,11 +17,13 @@ import pytest
 import torch
 import transformers
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.kv_cache_groups import kv_cache_groups
+from pagedllm.kernels import library
 from pagedllm.worker.kv_cache import allocate_kv_caches, build_attention_metadata
-from tests.utils import random_gguf_blocks
+from tests.utils import pool_is_whole, random_gguf_blocks
 
 PREFILL_BLOCK_SIZE = 16
 GEMMA3_WINDOW = 5  # the tiny Gemma 3's sliding window: shorter than the tests' requests
@@ -238,6 +240,32 @@ def assert_greedy_matches(hf: torch.nn.Module, prompt: list[int], ours, max_toke
             assert (top2[0] - top2[1]).item() < 1e-3, f"diverged at {i}"
             return
         assert math.isclose(ours.logprobs[i][a].logprob, ref_logprobs[i][a].item(), abs_tol=1e-3), i
+
+
+def assert_greedy_through_chunks_and_prefix_hits(path: Path, hf: torch.nn.Module, prompts: list[list[int]],
+                                                 max_tokens: int, decoder: type | None = None) -> None:
+    """The checkpoint at ``path`` served in 16-token chunks of 8-token blocks: ``prompts[:2]``,
+    then the rest (which hit the earlier prompts' cached blocks: at least 16 tokens), each
+    greedy output equal to transformers' (``assert_greedy_matches``), then all again (whole
+    prompts hit) with the same tokens; the pool whole after. ``decoder``: the type the model's
+    native decoder must be, where the native library is available."""
+    llm = LLM(
+        model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, block_size=8,
+        max_num_batched_tokens=16, enable_prefix_caching=True,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+    first = llm.generate(prompts[:2], params, use_tqdm=False)
+    hits = llm.engine.core.kv_cache.prefix_hits
+    first += llm.generate(prompts[2:], params, use_tqdm=False)
+    assert llm.engine.core.kv_cache.prefix_hits - hits >= 16  # the shared 24 tokens' full blocks
+    if decoder is not None and library.available():
+        assert isinstance(llm.engine.core.executor.runner.model.native_decoder, decoder)
+    for prompt, out in zip(prompts, first, strict=True):
+        assert_greedy_matches(hf, prompt, out.outputs[0], max_tokens)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert pool_is_whole(llm)
+    llm.shutdown()
 
 
 def write_gguf(

@@ -17,10 +17,9 @@ import transformers
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.loader import load_config, load_model, resolve_model
 from tests.models_util import (
-    DENSE_COMMON, assert_greedy_matches, edit_config, prefill_logits, randomize_vectors, save_checkpoint,
-    shared_prefix_prompts, write_gguf, write_q4_gguf,
+    DENSE_COMMON, assert_greedy_through_chunks_and_prefix_hits, edit_config, prefill_logits, randomize_vectors,
+    save_checkpoint, shared_prefix_prompts, write_gguf, write_q4_gguf,
 )
-from tests.utils import pool_is_whole
 
 MAX_TOKENS = 16
 WINDOW = 12  # Mistral's: shorter than every prompt
@@ -75,21 +74,7 @@ def test_greedy_matches_transformers_with_chunks_and_prefix_hits(tiny) -> None:
     """16-token chunks; the third prompt hits the second's cached blocks, and all three again
     hit whole prompts: the same tokens each time."""
     arch, hf, path = tiny
-    llm = LLM(
-        model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, block_size=8,
-        max_num_batched_tokens=16, enable_prefix_caching=True,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
-    first = llm.generate(PROMPTS[:2], params, use_tqdm=False)
-    hits = llm.engine.core.kv_cache.prefix_hits
-    first += llm.generate(PROMPTS[2:], params, use_tqdm=False)
-    assert llm.engine.core.kv_cache.prefix_hits - hits >= 16  # the shared 24 tokens' full blocks
-    for prompt, out in zip(PROMPTS, first, strict=True):
-        assert_greedy_matches(hf, prompt, out.outputs[0], MAX_TOKENS)
-    again = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-    assert pool_is_whole(llm)
-    llm.shutdown()
+    assert_greedy_through_chunks_and_prefix_hits(path, hf, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("act", ["gelu", "relu"])

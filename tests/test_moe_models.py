@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.kernels import library
 from pagedllm.models.loader import load_config, load_model, resolve_model
 from pagedllm.models.moe import MoEForCausalLM
 from pagedllm.models.native_decoder import NativeDecoder
 from tests.models_util import MOE_PROMPTS as PROMPTS
 from tests.models_util import MOE_SHARED as _SHARED
 from tests.models_util import MOE_WINDOW as WINDOW
-from tests.models_util import assert_greedy_matches, prefill_logits
+from tests.models_util import assert_greedy_matches, assert_greedy_through_chunks_and_prefix_hits, prefill_logits
 from tests.models_util import tiny  # noqa: F401 (the fixture)
 from tests.utils import pool_is_whole
 
@@ -57,22 +56,7 @@ def test_greedy_matches_transformers_with_chunks_and_prefix_hits(tiny) -> None:
     """16-token chunks; the third prompt hits the second's cached blocks, and all three again
     hit whole prompts: the same tokens each time. Decode steps run in the one-call decoder."""
     arch, hf, path = tiny
-    llm = LLM(
-        model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, block_size=8,
-        max_num_batched_tokens=16, enable_prefix_caching=True,
-    )
-    first = llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
-    hits = llm.engine.core.kv_cache.prefix_hits
-    first += llm.generate(PROMPTS[2:], PARAMS, use_tqdm=False)
-    assert llm.engine.core.kv_cache.prefix_hits - hits >= 16  # the shared 24 tokens' full blocks
-    if library.available():
-        assert isinstance(llm.engine.core.executor.runner.model.native_decoder, NativeDecoder)
-    for prompt, out in zip(PROMPTS, first, strict=True):
-        assert_greedy_matches(hf, prompt, out.outputs[0], MAX_TOKENS)
-    again = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-    assert pool_is_whole(llm)
-    llm.shutdown()
+    assert_greedy_through_chunks_and_prefix_hits(path, hf, PROMPTS, MAX_TOKENS, NativeDecoder)
 
 
 def test_preemption_and_ngram_speculation_give_the_same_tokens(tiny) -> None:
