@@ -244,11 +244,9 @@ def assert_greedy_matches(hf: torch.nn.Module, prompt: list[int], ours, max_toke
 
 def assert_greedy_through_chunks_and_prefix_hits(path: Path, hf: torch.nn.Module, prompts: list[list[int]],
                                                  max_tokens: int, decoder: type | None = None) -> None:
-    """The checkpoint at ``path`` served in 16-token chunks of 8-token blocks: ``prompts[:2]``,
-    then the rest (which hit the earlier prompts' cached blocks: at least 16 tokens), each
-    greedy output equal to transformers' (``assert_greedy_matches``), then all again (whole
-    prompts hit) with the same tokens; the pool whole after. ``decoder``: the type the model's
-    native decoder must be, where the native library is available."""
+    """``path``'s model in 16-token chunks of 8-token blocks: ``prompts[:2]``, then the rest
+    (hitting their cached blocks: >= 16 tokens), greedy as transformers' (``assert_greedy_matches``),
+    then all again with the same tokens; the pool whole after; ``decoder``: the native decoder's type."""
     llm = LLM(
         model=str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=128, block_size=8,
         max_num_batched_tokens=16, enable_prefix_caching=True,
