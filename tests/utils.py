@@ -1,7 +1,8 @@
 """Helpers shared by the test modules: a live server subprocess, the server's request bodies
 and error check, the block pool checks, the sampler tests' rows, a streamed tool-call reader,
-hostile grammar inputs, random GGUF blocks, the error bound of attention in bfloat16 pairs and
-the live view's scripted runs. Tiny models: ``models_util.py``.
+hostile grammar inputs, random GGUF blocks and the error bound of attention in bfloat16 pairs,
+the command line tests' flags of a small engine, and the live view's scripted runs. Tiny
+models: ``models_util.py``.
 
 Test modules import from here, never from one another.
 """
@@ -48,6 +49,8 @@ MAX_BODY = 64 * 1024
 SHARED_SERVER_FLAGS = ("--dtype", "float32", "--api-key", API_KEY, "--max-request-body-size", str(MAX_BODY))
 SHARED_SERVER_ENV = {MODEL_RUNNER_CLS_ENV: FAULTY_RUNNER}  # the fault-injection hook (tests/fault_injection.py)
 ROOT = Path(__file__).resolve().parents[1]  # ``python -m`` runs this tree's pagedllm from any cwd
+# The ``pagedllm`` command's flags for a small float32 engine (the test_cli_* modules).
+CLI_SMALL = ["--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--dtype", "float32"]
 
 
 class Server:

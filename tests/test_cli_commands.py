@@ -1,0 +1,67 @@
+"""The ``pagedllm`` commands run: generate (a JSON schema file, an inline chat template), bench, serve's refusal."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm.default_model import DEFAULT_MODEL
+from pagedllm.entrypoints.cli import main
+from tests.utils import CLI_SMALL as SMALL
+from tests.utils import ROOT
+
+
+def test_bench_kv_memory_runs_on_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its default model was gemma-3-270m, which the default install lacks: it failed as typed.
+    The default model has no sliding window, so release on and off hold the same blocks."""
+    main(["bench", "kv-memory", "--num-requests", "2", "--prompt-len", "64", "--output-len", "2"])
+    title, on, off = capsys.readouterr().out.splitlines()
+    assert title.startswith(f"{DEFAULT_MODEL}: 2 requests of 64 prompt + 2 output tokens")
+    assert on.removeprefix("[release on]") == off.removeprefix("[release off]")
+
+
+def test_bench_serve_without_a_server_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every request failing printed a report of zeros and exited 0, which scripts took for a run."""
+    with socket.socket() as closed:  # bound, not listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "serve", "--base-url", url, "--num-prompts", "2", "--input-len-range", "4",
+                  "--output-len-range", "2"])
+    assert e.value.code == "error: none of the 2 requests succeeded (their errors are above)"
+    assert "Failed requests                                                  2" in capsys.readouterr().out
+
+
+def test_serve_refuses_a_setting_the_model_cannot_take_in_one_line() -> None:
+    """A ValueError from the engine core's start (here --max-model-len past the model's context,
+    which only the loaded config can tell) used to print the core's traceback first."""
+    done = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0",
+                           "--max-model-len", "100000", "--kv-cache-memory", "64MiB"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "engine core failed to start: ValueError: max_model_len must be in [1, 8192]" in done.stderr
+
+
+def test_generate_json_schema_from_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    main(["generate", "--prompt", "My favourite color is", "--json-schema", str(path), "--json", "--max-tokens", "20",
+          *SMALL])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["finish_reason"] == "stop" and json.loads(record["text"])["color"] in ("red", "green", "blue")
+
+
+def test_generate_chat_with_an_inline_chat_template(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--chat-template`` on one line, ``\\n`` escapes decoded, replaces the model's template."""
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\\n{{ m['content'] }}<|im_end|>\\n{% endfor %}Reply:"
+    main(["generate", "--chat", "--chat-template", template, "--prompt", "Hi", "--json", "--max-tokens", "2", *SMALL])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["prompt"] == "<|im_start|>user\nHi<|im_end|>\nReply:"
+
