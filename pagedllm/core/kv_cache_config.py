@@ -38,7 +38,7 @@ from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layers_
 logger = logging.getLogger("pagedllm")
 
 # The 8-bit caches, and the bytes after each head's codes in their rows: its float16 scale
-# (the kernels' PAGEDLLM_KV_SCALE_BYTES, pagedllm_abi.h; tests/test_kv_cache_8bit.py checks they agree).
+# (the kernels' PAGEDLLM_KV_SCALE_BYTES, pagedllm_abi.h; tests/test_kv_cache_8bit_kernels.py checks they agree).
 QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 KV_SCALE_BYTES = 2
 
