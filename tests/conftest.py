@@ -17,7 +17,7 @@ import openai  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.native_isa import ISAS, on_isa  # noqa: E402  (imports pagedllm, hence torch: after the line above)
-from tests.utils import (  # noqa: E402
+from tests.server_util import (  # noqa: E402
     API_KEY,
     SHARED_SERVER_ENV,
     SHARED_SERVER_FLAGS,
@@ -70,7 +70,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server of the default model for every module whose tests fit its flags
-    (``utils.SHARED_SERVER_FLAGS``), started on first use and stopped at the session's end, as
+    (``server_util.SHARED_SERVER_FLAGS``), started on first use and stopped at the session's end, as
     vLLM's ``RemoteOpenAIServer``. Tests that stop, kill or reconfigure a server start their own;
     tests on this one leave it serving and idle."""
     s = start_server(tmp_path_factory.mktemp("shared-server"), *SHARED_SERVER_FLAGS, env=SHARED_SERVER_ENV)

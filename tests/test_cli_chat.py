@@ -17,8 +17,9 @@ import pytest
 from pagedllm import LLM
 from pagedllm.entrypoints.chat_repl import stream_reply
 from pagedllm.entrypoints.cli import main
-from tests.utils import CLI_SMALL as SMALL
-from tests.utils import ROOT, pool_is_whole
+from tests.server_util import CLI_SMALL as SMALL
+from tests.server_util import ROOT
+from tests.utils import pool_is_whole
 
 
 def test_chat_replies_within_a_short_context(monkeypatch: pytest.MonkeyPatch,

@@ -11,8 +11,8 @@ import pytest
 
 from pagedllm.default_model import DEFAULT_MODEL
 from pagedllm.entrypoints.cli import main
-from tests.utils import CLI_SMALL as SMALL
-from tests.utils import ROOT
+from tests.server_util import CLI_SMALL as SMALL
+from tests.server_util import ROOT
 
 
 def test_bench_kv_memory_runs_on_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:

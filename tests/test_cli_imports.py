@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.utils import ROOT
+from tests.server_util import ROOT
 
 # What the command line may import before a command runs: no deep-learning library, no server.
 _HEAVY = ("torch", "transformers", "numpy", "fastapi", "uvicorn")

@@ -24,7 +24,7 @@ from pagedllm.engine.metrics import EngineMetrics, sum_stats
 from pagedllm.engine.output_processor import StepMetrics
 from pagedllm.entrypoints.cli import build_parser, check_args
 from pagedllm.entrypoints.openai.cli_args import engine_config
-from tests.utils import MODEL, Server, metric, metric_value, start_server, stop_server, wait_idle
+from tests.server_util import MODEL, Server, metric, metric_value, start_server, stop_server, wait_idle
 
 SMALL = ("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 PROMPTS = [f"Fact number {i} about the ocean:" for i in range(8)]

@@ -16,17 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.utils import (
-    MODEL,
-    Server,
-    lark_chain,
-    many_properties,
-    nested_arrays,
-    ref_chain,
-    start_server,
-    stop_server,
-    wait_idle,
-)
+from tests.server_util import MODEL, Server, start_server, stop_server, wait_idle
+from tests.utils import lark_chain, many_properties, nested_arrays, ref_chain
 
 CANARY = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0}
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.utils import Server, start_server, stop_server
+
+from tests.server_util import Server, start_server, stop_server
 
 API_KEY = "live-key"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -13,8 +13,8 @@ from pagedllm.live_view.block_map import BlockMap
 from pagedllm.live_view.trace import trace_events
 from pagedllm.live_view.view import LiveView
 from pagedllm.models.loader import load_config, resolve_model
-from tests.utils import LIVE_VIEW_GLOBAL as GLOBAL
-from tests.utils import feed_view, scripted_run
+from tests.live_view_util import LIVE_VIEW_GLOBAL as GLOBAL
+from tests.live_view_util import feed_view, scripted_run
 
 HYBRID = (KVCacheGroup((0,), 0), KVCacheGroup((1,), 8))  # one global group, one sliding window of 8
 

@@ -6,10 +6,10 @@ from pagedllm.core.request import RequestStatus
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagedllm.live_view.view import LiveView
 from pagedllm.sampling_params import SamplingParams
-from tests.utils import LIVE_VIEW_BS as BS
-from tests.utils import LIVE_VIEW_EOS as EOS
-from tests.utils import LIVE_VIEW_GLOBAL as GLOBAL
-from tests.utils import fake_step, fed_steps, make_engine, make_request
+from tests.live_view_util import LIVE_VIEW_BS as BS
+from tests.live_view_util import LIVE_VIEW_EOS as EOS
+from tests.live_view_util import LIVE_VIEW_GLOBAL as GLOBAL
+from tests.live_view_util import fake_step, fed_steps, make_engine, make_request
 
 
 def test_rates_cover_a_recent_window_and_fall_to_zero_when_idle():

@@ -5,16 +5,16 @@ import json
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.live_view.view import LiveView
 from pagedllm.sampling_params import SamplingParams
-from tests.utils import LIVE_VIEW_BS as BS
-from tests.utils import LIVE_VIEW_EOS as EOS
-from tests.utils import fed_steps, feed_view
+from tests.live_view_util import LIVE_VIEW_BS as BS
+from tests.live_view_util import LIVE_VIEW_EOS as EOS
+from tests.live_view_util import fed_steps, feed_view
 
 
 def live_view_app(view, api_key=None, **router_kwargs):
     from fastapi import FastAPI
 
-    from pagedllm.entrypoints.openai.middleware import BearerAuthMiddleware
     from pagedllm.entrypoints.openai.live_view_routes import live_view_router
+    from pagedllm.entrypoints.openai.middleware import BearerAuthMiddleware
 
     app = FastAPI()
     app.include_router(live_view_router(view, **router_kwargs))
@@ -184,7 +184,7 @@ def test_event_stream_over_a_socket_while_a_stalled_viewer_reads_nothing():
     import httpx
     import uvicorn
 
-    from tests.utils import free_port
+    from pagedllm.distributed.parallel_state import free_port
 
     view = LiveView(2000, BS, [0], 24)
     app = live_view_app(view, frame_interval_s=0.05, heartbeat_s=0.2)

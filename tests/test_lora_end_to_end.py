@@ -27,7 +27,8 @@ from pagedllm.models.loader import load_tokenizer, resolve_model
 from tests.models_util import (
     GGUF_NAMES, assert_greedy_matches, finish_gguf, llama_cpp_permute, randomize_vectors, shared_prefix_prompts,
 )
-from tests.utils import API_KEY, assert_pool_whole, start_server, stop_server, wait_idle
+from tests.server_util import API_KEY, start_server, stop_server, wait_idle
+from tests.utils import assert_pool_whole
 
 MAX_TOKENS = 12
 _, PROMPTS = shared_prefix_prompts(11, 20, (6, 7, 13))

@@ -17,17 +17,8 @@ import httpx
 import openai
 import pytest
 
-from tests.utils import (
-    API_KEY,
-    MODEL,
-    Server,
-    _check_error,
-    _completion,
-    _num_tokens,
-    metric,
-    start_server,
-    stop_server,
-    wait_idle,
+from tests.server_util import (
+    API_KEY, MODEL, Server, _check_error, _completion, _num_tokens, metric, start_server, stop_server, wait_idle,
 )
 
 

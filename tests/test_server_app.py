@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pagedllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from tests.utils import API_KEY, CHAT, MAX_MODEL_LEN, MODEL, _chat, _check_error, _completion
+from tests.server_util import API_KEY, CHAT, MAX_MODEL_LEN, MODEL, _chat, _check_error, _completion
 
 
 @pytest.mark.parametrize(

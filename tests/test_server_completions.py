@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.utils import CHAT, MODEL, _chat, _completion, _num_tokens
+from tests.server_util import CHAT, MODEL, _chat, _completion, _num_tokens
 
 
 # -- chat completions ----------------------------------------------------------------------

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.utils import MODEL, Server, start_server, stop_server
+from tests.server_util import MODEL, Server, start_server, stop_server
 
 KEEP_ALIVE_S = 1.0
 HEAD_S = 2.0

@@ -9,17 +9,8 @@ import httpx
 import openai
 import pytest
 
-from tests.utils import (
-    API_KEY,
-    CHAT,
-    MAX_BODY,
-    MAX_MODEL_LEN,
-    MODEL,
-    Server,
-    _chat,
-    _check_error,
-    _completion,
-    _num_tokens,
+from tests.server_util import (
+    API_KEY, CHAT, MAX_BODY, MAX_MODEL_LEN, MODEL, Server, _chat, _check_error, _completion, _num_tokens,
 )
 
 

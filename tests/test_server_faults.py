@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.utils import MODEL, Server, wait_idle
+from tests.server_util import MODEL, Server, wait_idle
 
 PROMPTS = [f"Fact number {i} about the ocean:" for i in range(8)]
 EMOJI_CHAT = [{"role": "user", "content": "Reply with three emoji that describe happiness."}]

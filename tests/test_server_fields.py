@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.utils import CHAT, MAX_MODEL_LEN, MODEL, _chat, _check_error, _completion, _num_tokens, metric
+from tests.server_util import CHAT, MAX_MODEL_LEN, MODEL, _chat, _check_error, _completion, _num_tokens, metric
 
 
 # -- every field honoured or refused; one bad request never takes the server down ------------------

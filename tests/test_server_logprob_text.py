@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.utils import API_KEY, Server
+from tests.server_util import API_KEY, Server
 
 
 @pytest.fixture(scope="module")

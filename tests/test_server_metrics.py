@@ -13,7 +13,7 @@ import pytest
 
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.output_processor import FinishedRequest, FinishedSample, StepMetrics
-from tests.utils import MAX_MODEL_LEN, MODEL, _completion, metric, metric_value, wait_idle
+from tests.server_util import MAX_MODEL_LEN, MODEL, _completion, metric, metric_value, wait_idle
 
 
 # -- the routes that generate nothing --------------------------------------------------------

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.utils import API_KEY, MODEL, Server
+from tests.server_util import API_KEY, MODEL, Server
 
 CHAT = [{"role": "user", "content": "Hi"}]
 

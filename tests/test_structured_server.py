@@ -18,7 +18,7 @@ from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel
 
 from tests.structured_models import MODELS
-from tests.utils import API_KEY, MODEL, Server, streamed_calls
+from tests.server_util import API_KEY, MODEL, Server, streamed_calls
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.utils import Server, start_server, stop_server, streamed_calls
+from tests.server_util import Server, start_server, stop_server, streamed_calls
 
 pytestmark = [
     pytest.mark.slow,

@@ -18,7 +18,7 @@ import transformers
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.executor import WorkerDiedError
 from pagedllm.models.loader import load_tokenizer, resolve_model
-from tests.utils import ROOT
+from tests.server_util import ROOT
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 ENGINE_ARGS = dict(dtype="float32", kv_cache_memory="8MiB", max_model_len=128, tensor_parallel_size=2)
