@@ -1,4 +1,5 @@
-"""The engine core gives glibc's free heap pages back: when it trims, and that a trim releases them."""
+"""glibc's free heap pages given back: when the engine core trims, that a trim releases them, and
+the front end's trim after tokenizing a huge text."""
 
 from __future__ import annotations
 
@@ -76,3 +77,25 @@ def test_malloc_trim_releases_free_pages_under_a_live_block() -> None:
         assert before - _rss_kb() > 32 * 1024  # most of the 64 MiB
     finally:
         libc.free(pin)
+
+
+def test_tokenizing_a_huge_text_is_followed_by_a_trim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt of TRIM_AFTER_CHARS or more (as text, or as a chat's rendered text) leaves its
+    tokenizing thread's arena holding gigabytes: the front end trims after it, not after
+    ordinary prompts."""
+    from pagedllm.engine.processor import Processor
+    from pagedllm.entrypoints.chat_template import chat_prompt
+    from pagedllm.models.loader import load_tokenizer, resolve_model
+
+    calls: list[int] = []
+    monkeypatch.setattr(mt, "malloc_trim", lambda: calls.append(1) or True)
+    tokenizer = load_tokenizer(resolve_model("smollm2"))
+    processor = Processor(tokenizer, 1024, len(tokenizer), [tokenizer.eos_token_id])
+    huge = "a " * (mt.TRIM_AFTER_CHARS // 2)
+    processor.tokenize("a short prompt")
+    chat_prompt(tokenizer, [{"role": "user", "content": "a short message"}], True)
+    assert calls == []
+    processor.tokenize(huge)
+    assert calls == [1]
+    chat_prompt(tokenizer, [{"role": "user", "content": huge}], True)
+    assert calls == [1, 1]

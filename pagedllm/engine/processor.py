@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from pagedllm.engine.lora_check import LoRAChecker
+from pagedllm.engine.malloc_trim import trim_after_text
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.errors import InvalidParamError
 from pagedllm.lora_request import LoRARequest
@@ -98,7 +99,9 @@ class Processor:
         if isinstance(prompt, Mapping):
             text, prompt = _unwrap(prompt)
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(check_text(prompt, "prompt"))
+            ids = self.tokenizer.encode(check_text(prompt, "prompt"))
+            trim_after_text(len(prompt))
+            return prompt, ids
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence) or any(
             isinstance(t, bool) or not isinstance(t, int) for t in prompt
         ):

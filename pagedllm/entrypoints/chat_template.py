@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from pagedllm.engine.malloc_trim import trim_after_text
 from pagedllm.entrypoints.openai.model_json import loads
 
 _SPECIALS: weakref.WeakKeyDictionary[Any, re.Pattern[str] | None] = weakref.WeakKeyDictionary()
@@ -201,7 +202,9 @@ def chat_prompt(
     contents = [t for m in conversation for t in _texts(m)]
     if specials is None or not any(specials.search(c) for c in contents):
         # The template already wrote any special tokens the model expects.
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        trim_after_text(len(text))
+        return text, ids
 
     mark = f"PAGEDLLM{secrets.token_hex(8)}X"  # letters and digits: no template filter changes it
     numbers = iter(range(len(contents)))
@@ -220,4 +223,5 @@ def chat_prompt(
             ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"] if content else []
         elif piece:
             ids += tokenizer.encode(piece, add_special_tokens=False)
+    trim_after_text(len(text))
     return text, ids
