@@ -28,6 +28,9 @@ BAD_FLAGS = [
     (["bench", "spec", "--repeats", "-1"], "argument --repeats: must be at least 1, got -1"),
     (["bench", "step", "--context", "0"], "argument --context: must be at least 1, got 0"),
     (["bench", "serve", "--max-concurrency", "0"], "argument --max-concurrency: must be at least 1, got 0"),
+    (["bench", "serve", "--request-rate", "0"], "argument --request-rate: must be above 0, got '0'"),  # was a traceback
+    (["bench", "serve", "--request-rate", "nan"], "argument --request-rate: must be above 0, got 'nan'"),
+    (["bench", "serve", "--burstiness", "0"], "argument --burstiness: must be above 0, got '0'"),
     (["bench", "gemm", "--threads", "0"], "argument --threads: must be at least 1, got 0"),
     (["bench", "perplexity", "--file", "/no/such/text.txt"], "argument --file: /no/such/text.txt is not a file"),
     (["bench", "perplexity", "--compare", "int8,int3"], "argument --compare: unknown modes ['int3']; choose from"),

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from pagedllm.bench.datasets import BenchRequest, parse_range, prefix_repetition_requests, random_requests
 from pagedllm.config import DEFAULT_MODEL
-from pagedllm.engine.arg_utils import non_negative_int, output_file, positive_int
+from pagedllm.engine.arg_utils import non_negative_int, output_file, positive_float, positive_int
 
 
 @dataclass
@@ -56,9 +56,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-prefixes", type=positive_int, default=4, help="distinct prefixes (prefix-repetition)")
     load = parser.add_mutually_exclusive_group()
-    load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)")
+    load.add_argument("--request-rate", type=positive_float, default=float("inf"), help="requests/s (default: all at once)")
     load.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
-    parser.add_argument("--burstiness", type=float, default=1.0,
+    parser.add_argument("--burstiness", type=positive_float, default=1.0,
                         help="gamma shape of inter-arrival times: 1 = Poisson, <1 burstier, >1 steadier")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", type=output_file, default=None, help="write the metrics here")
@@ -70,8 +70,6 @@ def run(args: argparse.Namespace) -> None:
     as a report of zeros is no measurement."""
     from pagedllm.models.loader import load_tokenizer, resolve_model
 
-    if args.burstiness <= 0:
-        raise ValueError(f"burstiness must be positive, got {args.burstiness}")
     tokenizer = load_tokenizer(resolve_model(args.tokenizer or args.model))
     special, vocab = set(tokenizer.all_special_ids), len(tokenizer)
     if args.dataset == "random":

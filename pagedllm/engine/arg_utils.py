@@ -52,6 +52,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 ("inf" included: a rate without limit)."""
+    value = parse_float(text)
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text!r}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     value = parse_int(text)
