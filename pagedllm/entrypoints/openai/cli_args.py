@@ -65,6 +65,12 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def served_model_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """The names the ``model`` field selects the base model by (``--served-model-name``, else the
+    model as given)."""
+    return tuple(args.served_model_name or [args.model])
+
+
 def check_serve_args(args: argparse.Namespace) -> None:
     """The server flags that argparse types cannot check, before any model is loaded.
 
@@ -78,8 +84,12 @@ def check_serve_args(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise ValueError(f"--max-request-body-size: {e}") from None
     grammar_limits(args)
+    taken = set(served_model_names(args))
     for item in args.lora_modules:
-        parse_lora_module(item)
+        name = parse_lora_module(item).name
+        if name in taken:
+            raise ValueError(f"--lora-modules {item}: the model name {name!r} is already in use")
+        taken.add(name)
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if args.grammar_workers < 1:
@@ -250,7 +260,7 @@ def run_serve(args: argparse.Namespace) -> None:
     checker.configure(grammar_limits(args), args.grammar_workers)
     config = engine_config(args)
     max_body = parse_memory(args.max_request_body_size)
-    names = tuple(args.served_model_name or [args.model])
+    names = served_model_names(args)
     with listening_socket(args.host, args.port) as sock:  # bound before the engine loads
         try:
             engine = AsyncLLM(config, names[0], log_stats=not args.disable_log_stats)
