@@ -248,6 +248,11 @@ def _q_tensors(r: int, hidden: int = 128, out: int = 128) -> dict[str, torch.Ten
         ({"r": 4, "lora_alpha": 8, "modules_to_save": ["lm_head"]}, _q_tensors(4), "modules_to_save"),
         ({"r": 4, "lora_alpha": 8, "use_dora": True}, _q_tensors(4), "DoRA"),
         ({"r": 8, "lora_alpha": 8}, _q_tensors(4), "do not have rank r=8"),
+        # Served as garbage with finite logprobs before (the NaNs did not reach the logits).
+        ({"r": 4, "lora_alpha": 8}, {k: v.fill_(math.nan) if "lora_A" in k else v for k, v in _q_tensors(4).items()},
+         "layer 0 q_proj: lora_A or lora_B holds a NaN or an infinity"),
+        ({"r": 4, "lora_alpha": 8}, {k: v.fill_(math.inf) if "lora_B" in k else v for k, v in _q_tensors(4).items()},
+         "holds a NaN or an infinity"),
         ({"r": 4}, {"base_model.model.lm_head.lora_A.weight": torch.randn(4, 128),
                     "base_model.model.lm_head.lora_B.weight": torch.randn(256, 4)}, "not a LoRA update"),
     ],

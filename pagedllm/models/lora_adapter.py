@@ -133,8 +133,8 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
             weights file that cannot be read, a setting we cannot serve (``modules_to_save``,
             DoRA, a trained bias, ``fan_in_fan_out``), a GGUF file that is not a LoRA adapter,
             a target other than the q/k/v/o and gate/up/down projections, a rank above
-            ``max_rank``, or shapes that do not fit ``config`` (an adapter for another base
-            model).
+            ``max_rank``, shapes that do not fit ``config`` (an adapter for another base
+            model), or a NaN or infinity in a weight.
     """
     where = Path(path)
     if where.is_file():
@@ -268,6 +268,8 @@ def _fit(updates: dict[tuple[int, str], _Update], config: ModelConfig, max_rank:
             raise LoRAError(f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not have rank r={mr}")
         if mr > max_rank:
             raise LoRAError(f"{where}: LoRA rank {mr} exceeds max_lora_rank {max_rank}")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAError(f"{where}: lora_A or lora_B holds a NaN or an infinity")
         names = _FUSED_HF.get(proj, (proj,))
         out_sizes = [sizes[n][0] for n in names]
         expected = (sum(out_sizes), sizes[names[0]][1])
