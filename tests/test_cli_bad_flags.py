@@ -24,7 +24,7 @@ BAD_FLAGS = [
     (["serve", "--timeout-request-head", "inf"], "timeout-request-head"),
     (["serve", "--limit-concurrency", "0"], "limit-concurrency"),
     # Names taken twice, or the base model's: refused before the model loads (was: after, ~9 s).
-    (["serve", "--enable-lora", "--lora-modules", "a=/x", "a=/y"], "--lora-modules a=/y: the model name 'a' is already"),
+    (["serve", "--enable-lora", "--lora-modules", "a=/x", "a=/y"], "--lora-modules a=/y: the model name 'a' is"),
     (["serve", "--served-model-name", "m", "--enable-lora", "--lora-modules", "m=/x"], "the model name 'm' is already"),
     (["bench", "throughput", "--kv-cache-dtype", "int2"], "--kv-cache-dtype must be"),
     (["bench", "throughput", "--num-prompts", "0"], "argument --num-prompts: must be at least 1, got 0"),

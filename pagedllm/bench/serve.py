@@ -56,7 +56,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-prefixes", type=positive_int, default=4, help="distinct prefixes (prefix-repetition)")
     load = parser.add_mutually_exclusive_group()
-    load.add_argument("--request-rate", type=positive_float, default=float("inf"), help="requests/s (default: all at once)")
+    load.add_argument("--request-rate", type=positive_float, default=float("inf"),
+                      help="requests/s (default: all at once)")
     load.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
     parser.add_argument("--burstiness", type=positive_float, default=1.0,
                         help="gamma shape of inter-arrival times: 1 = Poisson, <1 burstier, >1 steadier")
