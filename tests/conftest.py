@@ -84,12 +84,18 @@ def server(shared_server: Server) -> Server:
     return shared_server
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+def _timeout_s(request: pytest.FixtureRequest) -> float:
+    """A module's ``CLIENT_TIMEOUT_S`` (seconds a request to the server may take), else 120."""
+    return getattr(request.module, "CLIENT_TIMEOUT_S", 120)
 
 
 @pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+def client(server: Server, request: pytest.FixtureRequest) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=_timeout_s(request))
+
+
+@pytest.fixture(scope="module")
+def http(server: Server, request: pytest.FixtureRequest) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=_timeout_s(request)) as c:
         yield c

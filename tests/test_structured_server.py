@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
@@ -17,26 +16,11 @@ import pytest
 from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel
 
-from tests.structured_models import MODELS
 from tests.server_util import API_KEY, MODEL, Server, streamed_calls
+from tests.structured_models import MODELS
 
 
-@pytest.fixture(scope="module")
-def server(shared_server: Server) -> Server:
-    """The session's shared server (conftest.py). Its float32: outputs independent of batching
-    and prefix-cache hits, so streamed == non-streamed."""
-    return shared_server
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300) as c:
-        yield c
+CLIENT_TIMEOUT_S = 300  # seconds the client fixtures (conftest.py) wait for a request here: not 120
 
 
 def _messages(text: str) -> list[dict]:
@@ -50,7 +34,7 @@ def test_parse_pydantic_models(server: Server) -> None:
         )
 
     async def run() -> list:
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300) as c:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S) as c:
             return await asyncio.gather(*[parse(c, m, p) for m, p in MODELS])
 
     assert len(MODELS) >= 20
