@@ -193,6 +193,28 @@ def test_tokenize_and_detokenize_run_off_the_event_loop(app: TestClient) -> None
     _check_error(app.post("/detokenize", json={"tokens": [10**9]}), 400, "vocabulary")
 
 
+def test_tokenize_counts_the_tools_a_chat_completion_offers(app: TestClient, stand_in_engine: SimpleNamespace) -> None:
+    """/tokenize with messages and tools gives the ids a chat completion offering those tools
+    (tool_choice "auto") prefills, as vLLM's; it was a 400 (an unknown field)."""
+    from pagedllm.entrypoints.openai.protocol import ChatMessage, ChatTool
+    from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    serving = OpenAIServingChat(stand_in_engine, (MODEL,))
+    expected = serving.render([ChatMessage.model_validate(m) for m in CHAT], True,
+                              [ChatTool.model_validate(t) for t in tools])
+    r = app.post("/tokenize", json={"messages": CHAT, "tools": tools})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == expected
+    assert r.json()["count"] > app.post("/tokenize", json={"messages": CHAT}).json()["count"]
+    for body, needle in (({"prompt": "Hi", "tools": tools}, "messages, not prompt"),
+                         ({"messages": CHAT, "tools": tools * 2}, "unique")):
+        r = app.post("/tokenize", json=body)
+        _check_error(r, 400, needle)
+        assert r.json()["error"]["param"] == "tools"
+
+
 @pytest.mark.parametrize(
     ("body", "param", "needle"),
     [(_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]),

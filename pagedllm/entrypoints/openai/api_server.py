@@ -209,7 +209,7 @@ def build_app(
         if body.messages is not None and body.prompt is not None:
             raise OpenAIError(400, "give either prompt or messages, not both", param="messages")
         if body.messages is not None:
-            tokens = chat.render(body.messages, body.add_generation_prompt)
+            tokens = chat.render(body.messages, body.add_generation_prompt, body.tools)
         elif body.prompt is not None:
             tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:

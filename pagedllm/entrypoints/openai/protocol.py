@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
-from pagedllm.entrypoints.openai.tools import check_tools
+from pagedllm.entrypoints.openai.tools import check_tool_names, check_tools
 from pagedllm.errors import InvalidParamError
 from pagedllm.sampling_params import check_text
 
@@ -247,12 +247,14 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(RequestModel):
-    """``prompt``, text tokenized with ``add_special_tokens``, or ``messages`` under the chat
-    template with ``add_generation_prompt`` (the template writes the special tokens)."""
+    """``prompt``, text tokenized with ``add_special_tokens``, or ``messages`` (and the
+    ``tools`` offered, as a chat completion with ``tool_choice`` "auto" writes them) under the
+    chat template with ``add_generation_prompt`` (the template writes the special tokens)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -261,6 +263,9 @@ class TokenizeRequest(RequestModel):
         super().check()
         if self.messages is not None:
             check_messages(self.messages)
+        if self.tools is not None and self.messages is None:
+            raise InvalidParamError("tools", "tools apply to messages, not prompt")
+        check_tool_names(self.tools or [])
         # A setting of the other form would do nothing: refused, not ignored (false is what
         # messages do anyway, vLLM's default there).
         if self.messages is not None and "add_special_tokens" in self.model_fields_set and self.add_special_tokens:

@@ -35,6 +35,18 @@ def _parameters(tool: ChatTool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else generic_tools.NO_ARGUMENTS
 
 
+def check_tool_names(tools: list[ChatTool]) -> list[str]:
+    """The function names of ``tools``, in order.
+
+    Raises:
+        InvalidParamError: two tools of one name.
+    """
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidParamError("tools", "tools: function names must be unique")
+    return names
+
+
 def check_tools(req: ChatCompletionRequest) -> None:
     """``tool_choice`` against ``tools``, and the tools' parameters where they will constrain.
 
@@ -46,9 +58,7 @@ def check_tools(req: ChatCompletionRequest) -> None:
             tools whose union is beyond the grammar limits (``tools``).
     """
     tools = req.tools or []
-    names = [t.function.name for t in tools]
-    if len(set(names)) != len(names):
-        raise InvalidParamError("tools", "tools: function names must be unique")
+    names = check_tool_names(tools)
     mode = req.tool_mode
     if mode != "none" and not tools:
         raise InvalidParamError("tool_choice", f"tool_choice {mode!r} needs tools")
