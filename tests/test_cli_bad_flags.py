@@ -35,6 +35,8 @@ BAD_FLAGS = [
     (["bench", "serve", "--request-rate", "nan"], "argument --request-rate: must be above 0, got 'nan'"),
     (["bench", "serve", "--burstiness", "0"], "argument --burstiness: must be above 0, got '0'"),
     (["bench", "gemm", "--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    (["bench", "kv-memory", "--kv-cache-memory", "0"],  # was "invalid parse_memory value"
+     "argument --kv-cache-memory: memory size must be at least one byte and finite, got '0'"),
     (["bench", "perplexity", "--file", "/no/such/text.txt"], "argument --file: /no/such/text.txt is not a file"),
     (["bench", "perplexity", "--compare", "int8,int3"], "argument --compare: unknown modes ['int3']; choose from"),
     (["bench", "spec", "--batch-sizes", "1,0"], "argument --batch-sizes: must be at least 1, got 0"),

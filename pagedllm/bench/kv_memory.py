@@ -11,12 +11,11 @@ import argparse
 import dataclasses
 
 from pagedllm.config import EngineConfig, parse_dtype
-from pagedllm.config_values import parse_memory
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.arg_utils import positive_int
+from pagedllm.engine.arg_utils import memory_size, positive_int
 from pagedllm.models.loader import load_config, resolve_model
 from pagedllm.sampling_params import SamplingParams
 
@@ -77,7 +76,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "model has none, so on and off hold the same blocks")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--block-size", type=positive_int, default=defaults.block_size)
-    parser.add_argument("--kv-cache-memory", type=parse_memory, default="1GiB", help="KV cache budget, e.g. 1GiB")
+    parser.add_argument("--kv-cache-memory", type=memory_size, default="1GiB", help="KV cache budget, e.g. 1GiB")
     parser.add_argument("--max-num-seqs", type=positive_int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=defaults.max_num_batched_tokens)
     parser.add_argument("--num-requests", type=positive_int, default=64)

@@ -60,6 +60,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def memory_size(text: str) -> int:
+    """argparse type: a memory size in bytes (``parse_memory``: "1GiB", "512MiB"), with its message."""
+    try:
+        return parse_memory(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     value = parse_int(text)
