@@ -34,6 +34,8 @@ BAD_FLAGS = [
     (["bench", "serve", "--request-rate", "0"], "argument --request-rate: must be above 0, got '0'"),  # was a traceback
     (["bench", "serve", "--request-rate", "nan"], "argument --request-rate: must be above 0, got 'nan'"),
     (["bench", "serve", "--burstiness", "0"], "argument --burstiness: must be above 0, got '0'"),
+    # was a tokenizer load, then every request failing:
+    (["bench", "serve", "--base-url", "notaurl"], "argument --base-url: must be an http:// or https:// URL"),
     (["bench", "gemm", "--threads", "0"], "argument --threads: must be at least 1, got 0"),
     (["bench", "kv-memory", "--kv-cache-memory", "0"],  # was "invalid parse_memory value"
      "argument --kv-cache-memory: memory size must be at least one byte and finite, got '0'"),

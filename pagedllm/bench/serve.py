@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 import httpx
@@ -37,8 +38,16 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # gaps between chunks that carried tokens
 
 
+def _base_url(text: str) -> str:
+    """argparse type: an http:// or https:// URL with a host (checked before any request is built)."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL with a host, got {text!r}")
+    return text
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    parser.add_argument("--base-url", type=_base_url, required=True, help="e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name the server serves")
     parser.add_argument("--tokenizer", default=None, help="model whose tokenizer builds prompts (default: --model)")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
