@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -91,6 +92,21 @@ def test_reasonable_constraints_pass(checker: GrammarChecker, fields: dict) -> N
 def test_grammars_that_cannot_finish_are_refused(checker: GrammarChecker, fields: dict) -> None:
     params = StructuredOutputsParams(**fields)
     with pytest.raises(InvalidParamError, match="no output can complete it") as info:
+        checker.check(*params.key)
+    assert info.value.param == params.kind
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [({"json": {"type": "string", "pattern": "(("}}, "the schema cannot be compiled: regex parse error: unclosed group"),
+     ({"regex": "[a-"}, "regex parse error: unclosed character class"),
+     ({"grammar": "start: /((/"}, "(in regex): regex parse error: unclosed group")],
+    ids=["schema-pattern", "regex", "lark-regex"],
+)
+def test_a_bad_regex_is_refused_with_its_reason(checker: GrammarChecker, fields: dict, message: str) -> None:
+    """The reason follows the heading (the message stopped at "regex parse error:")."""
+    params = StructuredOutputsParams(**fields)
+    with pytest.raises(InvalidParamError, match=re.escape(message)) as info:
         checker.check(*params.key)
     assert info.value.param == params.kind
 

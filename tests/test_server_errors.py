@@ -82,6 +82,9 @@ def test_bad_request(http: httpx.Client, path: str, body: dict, status: int, nee
 def test_malformed_and_oversized_bodies(http: httpx.Client) -> None:
     headers = {"Content-Type": "application/json"}
     _check_error(http.post("/v1/completions", content=b'{"prompt": "hi",', headers=headers), 400, "JSON")
+    # where it went wrong, not only what (the message stopped at "starting at"):
+    _check_error(http.post("/v1/completions", content=b'{"prompt": "hi', headers=headers), 400,
+                 "malformed JSON body: Unterminated string starting at (at character 11)")
     _check_error(http.post("/v1/completions", content=b"[1, 2]", headers=headers), 400, "must be a JSON object")
     text = {"Content-Type": "text/plain"}
     _check_error(http.post("/v1/completions", content=b"hello", headers=text), 400, "must be a JSON object")

@@ -25,8 +25,14 @@ def parser_limits() -> llguidance.LLParserLimits:
 
 
 def short_error(message: str) -> str:
-    """The first line of a library error, at most ``MAX_ERROR_CHARS`` characters."""
-    line = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    """The first line of a library error, with the reason of a regex error (the later line
+    "error: ..." of ``regex parse error:``, whose lines between echo the pattern), at most
+    ``MAX_ERROR_CHARS`` characters."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    line = lines[0] if lines else "unknown error"
+    reason = next((rest for rest in lines[1:] if rest.startswith("error:")), None)
+    if reason:
+        line = f"{line} {reason.removeprefix('error:').strip()}"
     return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
 
 

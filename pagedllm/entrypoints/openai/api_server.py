@@ -98,8 +98,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     first = max(errors, key=lambda e: len(e.get("loc", ())))  # the earliest of the deepest
     kind = first.get("type")
-    if kind == "json_invalid":
-        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    if kind == "json_invalid":  # loc: ("body", the character offset of the fault)
+        where = [p for p in first.get("loc", ()) if isinstance(p, int)]
+        at = f" (at character {where[0]})" if where else ""
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}{at}", None
     tags = _request_models()
     loc = [str(p) for p in first.get("loc", ())
            if p != "body" and not _UNION_TAG.fullmatch(str(p)) and str(p) not in tags]

@@ -74,7 +74,8 @@ class StreamOptions(RequestModel):
 
     null_is_default = frozenset({"continuous_usage_stats"})
     include_usage: bool | None = True  # a last chunk, without choices, with the request's usage
-    # vLLM's: every chunk carries its choice's usage so far (its prompt's tokens, its own tokens).
+    # vLLM's: every chunk carries its choice's usage so far (its prompt's tokens, its own tokens);
+    # with include_usage only, as in vLLM.
     continuous_usage_stats: bool = False
 
 
@@ -128,7 +129,8 @@ class SamplingRequest(RequestModel):
 
     @property
     def continuous_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """Usage on every chunk: ``continuous_usage_stats`` beside ``include_usage``, as vLLM."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):
