@@ -105,5 +105,6 @@ def test_api_key_guards_every_route_but_probes(server: Server) -> None:
         _check_error(httpx.post(f"{server.url}{path}", json={}), 401, "API key")
     assert httpx.post(f"{server.url}/reset_prefix_cache", headers={"Authorization": f"Bearer {API_KEY}"}).json() == {
         "success": True}
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/ping", "/metrics", "/version"):
         assert httpx.get(f"{server.url}{path}").status_code == 200, path
+    assert httpx.post(f"{server.url}/ping").status_code == 200  # vLLM's probe takes both methods

@@ -198,6 +198,10 @@ def build_app(
             return Response(status_code=200)
         return error_response(http_error(503, engine.health_error()))
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # vLLM's (SageMaker's probe): /health's answer
+        return await health()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": pagedllm.__version__}

@@ -18,7 +18,7 @@ from pagedllm.entrypoints.openai.errors import error_response, http_error
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 
 # Routes anyone may call with --api-key set: probes and monitoring, which change nothing.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 # Routes a browser opens itself (a page, its EventSource), which cannot send a header: the
 # key may come as the ``api_key`` query parameter instead.
 QUERY_KEY_PATHS = frozenset({"/dashboard", "/dashboard/events"})
