@@ -4,6 +4,7 @@ not Unicode scalar values, and ``LLM.generate`` refusing a whole batch before qu
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 
@@ -310,3 +311,54 @@ def test_generate_interrupted_mid_step_leaves_the_engine_whole(llm: LLM, monkeyp
         llm.generate(["Count to a hundred:", "Hello"], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
     assert _idle(llm) and llm.engine.core.kv_cache.usage == 0.0
     assert llm.generate("The sky is", greedy, use_tqdm=False)[0].outputs[0].token_ids == alone
+
+
+def test_a_failing_progress_bar_leaves_nothing_queued(llm: LLM) -> None:
+    """A use_tqdm maker that raises: its call's requests were queued and stayed there, so the
+    next generate ran them first."""
+    long = SamplingParams(max_tokens=50, ignore_eos=True)
+    with pytest.raises(ZeroDivisionError):
+        llm.generate(["A" * 10, "B"], long, use_tqdm=lambda **bar_args: 1 / 0)
+    assert _idle(llm) and llm.engine.core.kv_cache.usage == 0.0
+
+
+def test_generate_inside_generate_is_refused_and_threads_take_turns(llm: LLM) -> None:
+    """A call from inside a running one (its bar's callback) took that call's outputs and
+    failed with a KeyError; two threads' calls interleaved their steps and failed in the
+    decode kernel. Now the first is refused, the second run one after the other."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(["The sky is", "One, two,"], greedy, use_tqdm=False)]
+    errors: list[BaseException] = []
+
+    class Bar:
+        def __init__(self, **bar_args: object) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            try:
+                llm.generate("nested", greedy, use_tqdm=False)
+            except RuntimeError as e:
+                errors.append(e)
+
+        def set_postfix_str(self, text: str) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    outs = llm.generate(["The sky is", "One, two,"], greedy, use_tqdm=Bar)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert len(errors) == 2 and "inside a running call" in str(errors[0])
+    results: list[list] = [[], []]
+
+    def run(k: int) -> None:
+        for _ in range(3):
+            results[k].append([o.outputs[0].token_ids for o in llm.generate(["The sky is", "One, two,"], greedy,
+                                                                             use_tqdm=False)])
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [[alone] * 3, [alone] * 3] and _idle(llm)

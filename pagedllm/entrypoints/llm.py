@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -96,6 +97,10 @@ class LLM:
         self.trace = trace
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
+        # One call steps the engine at a time: another thread's waits its turn; a call made
+        # inside a running one (from a use_tqdm bar's callback) is refused (_generate).
+        self._lock = threading.Lock()
+        self._running_in: int | None = None  # the thread whose call holds _lock
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any) and hand back this process's cores; idempotent.
@@ -156,8 +161,11 @@ class LLM:
                 two adapters, or ``use_tqdm`` is neither a bool nor a callable (an
                 ``InvalidParamError`` naming the field); nothing is queued then, so no earlier
                 prompt of the list runs.
-            KeyboardInterrupt, or an error of an engine step: propagated after this call's
-                unfinished requests are aborted, so the engine stays usable.
+            KeyboardInterrupt, or an error of an engine step or of ``use_tqdm``'s bar:
+                propagated after this call's unfinished requests are aborted, so the engine
+                stays usable.
+            RuntimeError: called from inside a running call of this ``LLM`` (its bar's
+                callback). Calls from other threads are not refused: they run one at a time.
             OSError: with ``trace``, if the trace file cannot be written (after generating).
         """
         if isinstance(prompts, Mapping):  # one prompt dict
@@ -292,7 +300,31 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """``generate`` for a list of prompts; ``texts``: the text each token-id prompt was
-        rendered from (a chat template's), for the outputs' ``prompt``."""
+        rendered from (a chat template's), for the outputs' ``prompt``. Calls from several
+        threads run one after another (the engine steps for one call at a time).
+
+        Raises:
+            RuntimeError: called while a call of this thread is running (from inside its
+                ``use_tqdm`` bar): it would take that call's outputs.
+        """
+        if self._running_in == threading.get_ident():
+            raise RuntimeError("LLM.generate (or chat) called inside a running call of the same LLM (from its use_tqdm "
+                               "bar): it would take that call's outputs; call it after the first one returns")
+        with self._lock:
+            self._running_in = threading.get_ident()
+            try:
+                return self._generate_locked(prompts, sampling_params, use_tqdm, texts, lora_request)
+            finally:
+                self._running_in = None
+
+    def _generate_locked(
+        self,
+        prompts: Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool | Callable[..., tqdm],
+        texts: Sequence[str] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+    ) -> list[RequestOutput]:
         if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
             raise InvalidParamError(
                 "use_tqdm", f"use_tqdm must be a bool or a callable that makes a tqdm bar, got {type(use_tqdm).__name__}"
@@ -322,9 +354,10 @@ class LLM:
         # vLLM's use_tqdm may be the bar's maker (functools.partial(tqdm, leave=False)), called with
         # vLLM's arguments; a bool picks tqdm's own bar, shown or not.
         bar_args = dict(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
-        bar = tqdm(**bar_args, disable=not use_tqdm) if isinstance(use_tqdm, bool) else use_tqdm(**bar_args)
+        bar = None
         start, num_out = time.perf_counter(), 0
-        try:
+        try:  # the bar's maker too: a maker that raises leaves nothing queued either
+            bar = tqdm(**bar_args, disable=not use_tqdm) if isinstance(use_tqdm, bool) else use_tqdm(**bar_args)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
@@ -338,7 +371,8 @@ class LLM:
                     self.engine.abort_request(request_id)
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         if self.trace is not None:
             write_trace(self.engine.live_view, self.trace)
         return [done[i] for i in request_ids]
