@@ -237,10 +237,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 not check_text(w, "bad_words").strip() for w in self.bad_words
             ):
                 raise bad("bad_words", self.bad_words, "a list of strings with at least one non-space character")
-        if self.bad_words_token_ids is not None:
-            for ids in self.bad_words_token_ids:
-                if not _check_token_ids("bad_words", ids):
-                    raise bad("bad_words", self.bad_words, "words of at least one token")
+        if self.bad_words_token_ids is not None:  # the Processor's from bad_words, or given
+            field, allowed = ("bad_words", "words of at least one token") if self.bad_words else (
+                "bad_words_token_ids", "a list of token-id lists, each of at least one id")
+            ids = self.bad_words_token_ids
+            if not isinstance(ids, (list, tuple)) or not all(_check_token_ids(field, word) for word in ids):
+                raise bad(field, self.bad_words or ids, allowed)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")

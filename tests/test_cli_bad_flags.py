@@ -37,6 +37,12 @@ BAD_FLAGS = [
     # was a tokenizer load, then every request failing:
     (["bench", "serve", "--base-url", "notaurl"], "argument --base-url: must be an http:// or https:// URL"),
     (["bench", "gemm", "--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    # each was taken and failed (or did nothing) later:
+    (["bench", "throughput", "--compare-kv-cache-dtype", "foo"],
+     "argument --compare-kv-cache-dtype: kv_cache_dtype must"),
+    (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--seed", "-1"],
+     "argument --seed: must be 0 or more, got -1"),
+    (["bench", "attention", "--block-size", "7"], "argument --block-size: block_size must be one of 8, 16"),
     (["bench", "kv-memory", "--kv-cache-memory", "0"],  # was "invalid parse_memory value"
      "argument --kv-cache-memory: memory size must be at least one byte and finite, got '0'"),
     (["bench", "perplexity", "--file", "/no/such/text.txt"], "argument --file: /no/such/text.txt is not a file"),

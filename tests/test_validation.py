@@ -71,6 +71,8 @@ def test_bool_fields_must_be_booleans(field: str, value: object) -> None:
         ({"allowed_token_ids": [1, -3]}, "allowed_token_ids"),
         ({"bad_words": ["\udfff"]}, "bad_words"),
         ({"bad_words": ["  "]}, "bad_words"),
+        ({"bad_words_token_ids": 5}, "bad_words_token_ids"),  # was a TypeError naming no field
+        ({"bad_words_token_ids": [[]]}, "bad_words_token_ids"),
         ({"stop": "x", "detokenize": False}, "stop"),  # was a bare ValueError from the detokenizer
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),

@@ -123,6 +123,9 @@ def test_vllm_only_keywords_say_what_to_use_instead() -> None:
                        r"gpu_memory_utilization, no_such_setting; enforce_eager: nothing is captured .*"
                        r"; gpu_memory_utilization: the KV cache is sized in bytes here, by kv_cache_memory"):
         LLM(gpu_memory_utilization=0.9, enforce_eager=True, no_such_setting=1)
+    with pytest.raises(TypeError, match=r"enable_chunked_prefill: prefill is always chunked here, by the step's token "
+                       r"budget: max_num_batched_tokens"):
+        LLM(enable_chunked_prefill=False)
 
 
 def test_engine_config_keywords_are_taken_as_given() -> None:

@@ -25,7 +25,7 @@ import argparse
 import time
 
 from pagedllm.bench.gemm import MODEL_SHAPES
-from pagedllm.engine.arg_utils import positive_int, positive_int_list
+from pagedllm.engine.arg_utils import kv_block_size, positive_int, positive_int_list
 
 _DTYPES = ("bfloat16", "int8", "fp8", "float32")
 
@@ -41,7 +41,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=7)
     parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument(
-        "--block-size", type=positive_int, default=None, help="tokens per KV block (default: the engine's)"
+        "--block-size", type=kv_block_size, default=None, help="tokens per KV block (default: the engine's)"
     )
     parser.add_argument("--block-order", choices=("random", "sequential"), default="random",
                         help="where a request's blocks lie in the pool: random (a long-running server's) or consecutive")

@@ -179,8 +179,9 @@ def run(args: argparse.Namespace) -> None:
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    if unknown or not modes:
+        what = f"unknown modes {unknown}" if unknown else "no mode given"
+        raise ValueError(f"{what}; choose from {', '.join(MODES)}")
     # No prefix caching: each run must prefill its prompts for the 1-token runs to cancel it.
     kwargs = EngineArgs.from_cli_args(args).kwargs() | {"enable_prefix_caching": False}
     gen = torch.Generator().manual_seed(args.seed)

@@ -70,7 +70,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
     parser.add_argument("--burstiness", type=positive_float, default=1.0,
                         help="gamma shape of inter-arrival times: 1 = Poisson, <1 burstier, >1 steadier")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--result-json", type=output_file, default=None, help="write the metrics here")
 
 

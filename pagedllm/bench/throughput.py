@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from pagedllm.bench.datasets import BenchRequest, parse_range, prefix_repetition_requests, random_requests
-from pagedllm.engine.arg_utils import non_negative_int, output_file, positive_int
+from pagedllm.engine.arg_utils import kv_cache_dtype, non_negative_int, output_file, positive_int
 
 
 @dataclass
@@ -217,7 +217,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "run with --kv-cache-dtype, then --compare-kv-cache-dtype, in the same --kv-cache-memory (each pool's "
         "blocks, requests held at once and preemptions printed); print the ratio",
     )
-    parser.add_argument("--compare-kv-cache-dtype", default="int8", help="kv-cache-dtype: the second run's KV dtype")
+    parser.add_argument("--compare-kv-cache-dtype", type=kv_cache_dtype, default="int8",
+                        help="kv-cache-dtype: the second run's KV dtype")
     parser.add_argument("--hf-batch-size", type=positive_int, default=16, help="static batch size of the hf backend")
     parser.add_argument("--result-json", type=output_file, default=None)
     parser.add_argument(

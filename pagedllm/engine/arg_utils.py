@@ -68,6 +68,24 @@ def memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def kv_cache_dtype(text: str) -> str:
+    """argparse type: a KV cache dtype name (``check_kv_cache_dtype``), lower-cased."""
+    try:
+        return check_kv_cache_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def kv_block_size(text: str) -> int:
+    """argparse type: tokens per KV block, one of ``BLOCK_SIZES``."""
+    value = parse_int(text)
+    try:
+        check_block_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     value = parse_int(text)

@@ -14,6 +14,8 @@ VLLM_ONLY = {
     "enforce_eager": "nothing is captured or compiled here (native kernels, one call per step): leave it out",
     "swap_space": "a preempted request is recomputed here, never swapped: leave it out",
     "tokenizer": "the tokenizer comes with the model (a GGUF's vocabulary, or the folder's tokenizer files)",
+    "enable_chunked_prefill": "prefill is always chunked here, by the step's token budget: max_num_batched_tokens "
+    "/ --max-num-batched-tokens",
 }
 
 
