@@ -7,9 +7,10 @@ import argparse
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedllm.config_values import BLOCK_SIZES, check_block_size, check_dtype, check_kv_cache_dtype, parse_memory
 from pagedllm.default_model import DEFAULT_MODEL
@@ -17,6 +18,8 @@ from pagedllm.kernels.abi import CONSTANTS
 from pagedllm.quantization_config import QuantizationConfig
 from pagedllm.scheduler_defaults import MAX_NUM_BATCHED_TOKENS
 from pagedllm.speculative_config import SpeculativeConfig
+
+T = TypeVar("T")
 
 
 def parse_int(text: str) -> int:
@@ -60,30 +63,28 @@ def positive_float(text: str) -> float:
     return value
 
 
-def memory_size(text: str) -> int:
-    """argparse type: a memory size in bytes (``parse_memory``: "1GiB", "512MiB"), with its message."""
-    try:
-        return parse_memory(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _checked(check: Callable[[str], T]) -> Callable[[str], T]:
+    """argparse type from ``check`` (a value's parser or check that raises ValueError): its
+    message shown as the flag's error, not argparse's "invalid <check> value"."""
+
+    def parse(text: str) -> T:
+        try:
+            return check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
-def kv_cache_dtype(text: str) -> str:
-    """argparse type: a KV cache dtype name (``check_kv_cache_dtype``), lower-cased."""
-    try:
-        return check_kv_cache_dtype(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def kv_block_size(text: str) -> int:
-    """argparse type: tokens per KV block, one of ``BLOCK_SIZES``."""
+def _block_size(text: str) -> int:
     value = parse_int(text)
-    try:
-        check_block_size(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    check_block_size(value)
     return value
+
+
+memory_size = _checked(parse_memory)  # a memory size in bytes ("1GiB", "512MiB")
+kv_cache_dtype = _checked(check_kv_cache_dtype)  # a KV cache dtype's name, lower-cased
+kv_block_size = _checked(_block_size)  # tokens per KV block, one of BLOCK_SIZES
 
 
 def non_negative_int(text: str) -> int:
