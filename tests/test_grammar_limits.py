@@ -98,7 +98,8 @@ def test_grammars_that_cannot_finish_are_refused(checker: GrammarChecker, fields
 
 @pytest.mark.parametrize(
     ("fields", "message"),
-    [({"json": {"type": "string", "pattern": "(("}}, "the schema cannot be compiled: regex parse error: unclosed group"),
+    [({"json": {"type": "string", "pattern": "(("}},
+      "the schema cannot be compiled: regex parse error: unclosed group"),
      ({"regex": "[a-"}, "regex parse error: unclosed character class"),
      ({"grammar": "start: /((/"}, "(in regex): regex parse error: unclosed group")],
     ids=["schema-pattern", "regex", "lark-regex"],

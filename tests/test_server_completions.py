@@ -169,7 +169,8 @@ def test_continuous_usage_stats(http: httpx.Client, path: str) -> None:
     assert so_far == {0: 5, 1: 5} and not last["choices"] and last["usage"]["completion_tokens"] == 10
     # as vLLM, with include_usage only (every chunk carried usage with include_usage false):
     body["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
-    chunks = [json.loads(line[6:]) for line in http.post(path, json=body).text.splitlines() if line.startswith("data: {")]
+    lines = http.post(path, json=body).text.splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert chunks and all(c.get("usage") is None and c["choices"] for c in chunks)
 
 
