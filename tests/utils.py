@@ -172,7 +172,10 @@ def assert_int8_attention(got, q, k, v_rows, first, scale, window=0):
     got = got.reshape(n, h, d)
     assert ((got - dense).abs() <= bound * (1 + 1e-3) + 1e-4).all()
     off = ((got - ref).abs() > 1e-4).any(-1)
-    assert off.float().mean() <= 0.02, f"{int(off.sum())} of {off.numel()} (query, head) rows differ"
+    # A few: 2%, and one row at least: a decode test has 7-14 rows, and which sits on a tie
+    # differs between CPU kinds (an Intel Xeon with AMX: 1 of 14 in the scalar kernels' test).
+    few = max(1, int(0.02 * off.numel()))
+    assert int(off.sum()) <= few, f"{int(off.sum())} of {off.numel()} (query, head) rows differ"
 
 
 def _int8_one_query(q, k, v_rows, first, scale):
