@@ -8,16 +8,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.output_processor import StepMetrics
 from pagedllm.errors import InvalidParamError
-from tests.utils import pool_is_whole
+from tests.utils import PROMPTS, pool_is_whole
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "1, 2, 3, 4, 5,",
-    "The three primary colors are",
-    "Translate to French: Good morning, my friend.",
-]
 CHAT = [
     [{"role": "user", "content": "What is the boiling point of water?"}],
     [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name a prime number."}],

@@ -8,19 +8,11 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.outputs import RequestOutput
+from tests import utils
 from tests.fault_injection import FAULTY_RUNNER
 from tests.utils import pool_is_whole
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "1, 2, 3, 4, 5,",
-    "The three primary colors are",
-    "Translate to French: Good morning, my friend.",
-    "The largest planet in the solar system is",
-    "A haiku about the sea:",
-]
+PROMPTS = [*utils.PROMPTS, "The largest planet in the solar system is", "A haiku about the sea:"]
 # Greedy with logprobs, and seeded sampling: a retried batch must not change either.
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=12, logprobs=2),

@@ -1,7 +1,8 @@
-"""Helpers shared by the test modules: the block pool checks, the sampler tests' rows, hostile
-grammar inputs, random GGUF blocks and the error bounds of attention in bfloat16 pairs and over
-an int8 cache. Subprocesses under test (the server, the command line): ``server_util.py``; the
-live view's scripted runs: ``live_view_util.py``; tiny models: ``models_util.py``.
+"""Helpers shared by the test modules: sample prompts, the block pool checks, the sampler
+tests' rows, hostile grammar inputs, random GGUF blocks and the error bounds of attention in
+bfloat16 pairs and over an int8 cache. Subprocesses under test (the server, the command line):
+``server_util.py``; the live view's scripted runs: ``live_view_util.py``; tiny models:
+``models_util.py``.
 
 Test modules import from here, never from one another.
 """
@@ -14,6 +15,17 @@ from pagedllm.kernels.attention import INT8_WEIGHT_FLOOR, int8_cache_queries
 from pagedllm.layers.sampler import Sampler, SamplerOutput
 from pagedllm.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from pagedllm.sampling_params import SamplingParams
+
+# Short English prompts of several kinds (facts, code, story, counting, translation), for tests
+# that compare the engine against a reference or against itself.
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4, 5,",
+    "The three primary colors are",
+    "Translate to French: Good morning, my friend.",
+]
 
 
 def _whole(pool) -> bool:
