@@ -213,3 +213,19 @@ def test_parallel_tool_calls_false_allows_one_call() -> None:
         assert {c.index for c in calls} == {0} and calls[0].function.name == "get_weather"
         assert "".join(c.function.arguments or "" for c in calls) == WEATHER.arguments
         assert stream.num_calls == 1
+
+
+@pytest.mark.parametrize("mode", ["auto", "named"])
+def test_streamed_call_deltas_after_the_first_carry_only_index_and_arguments(mode: str) -> None:
+    """A call's first delta has its id, type and name; the later ones leave those keys out (as
+    OpenAI's and vLLM's streams do), where they carried ``"id": null, "type": null``."""
+    stream = ToolStream(mode, TOOL_PARSERS["hermes"](NAMES) if mode == "auto" else None, name="get_weather")
+    text = TEXTS[1][0] if mode == "auto" else WEATHER.arguments
+    deltas = []
+    for i in range(0, len(text), 3):
+        deltas += stream.update(text[i : i + 3], i + 3 >= len(text))
+    pieces = [json.loads(d.model_dump_json())["tool_calls"][0] for d in deltas if d.tool_calls]
+    firsts = [p for p in pieces if "id" in p]
+    assert firsts and all(p["type"] == "function" and p["function"]["name"] for p in firsts)
+    later = [p for p in pieces if "id" not in p]
+    assert later and all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"} for p in later)

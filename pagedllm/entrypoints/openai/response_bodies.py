@@ -104,17 +104,23 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
+def _absent():
+    """A field left out of the body when it is None (as OpenAI's and vLLM's later deltas of a call)."""
+    return Field(None, exclude_if=lambda value: value is None)
+
+
 class DeltaFunctionCall(OpenAIBaseModel):
-    name: str | None = None
+    name: str | None = _absent()
     arguments: str | None = None
 
 
 class DeltaToolCall(OpenAIBaseModel):
-    """A piece of a streamed tool call: the first has ``id``, ``type`` and the name."""
+    """A piece of a streamed tool call: the first has ``id``, ``type`` and the name, the rest
+    only ``index`` and ``function.arguments``."""
 
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
+    id: str | None = _absent()
+    type: Literal["function"] | None = _absent()
     function: DeltaFunctionCall
 
 
