@@ -54,6 +54,8 @@ BAD_FLAGS = [
     (["bench", "lora", "--adapter-counts", "x"], "argument --adapter-counts: must be an integer, got 'x'"),
     (["bench", "attention", "--batch-sizes", ","], "argument --batch-sizes: must be a comma list"),
     (["bench", "gemm", "--rows", "1,x"], "argument --rows: must be an integer, got 'x'"),
+    (["bench", "gemm", "--rows", "1,,2"], "argument --rows: must be a comma list with no empty item"),  # was 1,2
+    (["bench", "gemm", "--threads", "100000"], "argument --threads: must be at most the"),  # was 100000 threads
     (["serve", "--max-model-len", "1k"], "argument --max-model-len: must be an integer, got '1k'"),
     (["serve", "--port", "http"], "argument --port: must be an integer, got 'http'"),
     (["bench", "throughput", "--input-len-range", "10-5"], "argument --input-len-range: must be LO:HI (or N)"),
@@ -159,3 +161,13 @@ def test_a_json_schema_file_that_cannot_be_read_is_named(tmp_path, capsys: pytes
     assert e.value.code == 2
     assert f"error: --json-schema: cannot read {path}: 'utf-8' codec can't decode" in capsys.readouterr().err
 
+
+
+def test_sizes_past_memory_end_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A benchmark asked for more memory than there is says so in a line and exits 1 (was a
+    torch allocation traceback)."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "gemm", "--rows", str(10**11), "--kinds", "f32", "--shapes", "smollm2-135m", "--repeats", "1"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "error: what the flags ask for does not fit in this machine's memory" in err and "Traceback" not in err

@@ -25,7 +25,7 @@ import argparse
 import time
 
 from pagedllm.bench.gemm import MODEL_SHAPES
-from pagedllm.engine.arg_utils import kv_block_size, positive_int, positive_int_list
+from pagedllm.engine.arg_utils import kv_block_size, positive_int, positive_int_list, thread_count
 
 _DTYPES = ("bfloat16", "int8", "fp8", "float32")
 
@@ -39,7 +39,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=positive_int_list, default="1,8", help="comma list of requests per call")
     parser.add_argument("--kv-cache-dtypes", default="bfloat16,int8", help=f"comma list of {', '.join(_DTYPES)}")
     parser.add_argument("--repeats", type=positive_int, default=7)
-    parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument("--threads", type=thread_count, default=1)
     parser.add_argument(
         "--block-size", type=kv_block_size, default=None, help="tokens per KV block (default: the engine's)"
     )

@@ -13,7 +13,8 @@ from pagedllm.engine.arg_utils import positive_int
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="whose tokenizer (default: the default model)")
     parser.add_argument(
-        "--num-tokens", type=positive_int, default=2000, help="tokens of the bench text, one update each"
+        "--num-tokens", type=positive_int, default=2000,
+        help="tokens detokenized, one update each, after a 10-token prompt (the bench text, repeated as needed)"
     )
     parser.add_argument("--runs", type=positive_int, default=5, help="timed runs; median and minimum printed")
 
@@ -26,7 +27,8 @@ def run(args: argparse.Namespace) -> None:
 
     tokenizer = load_tokenizer(resolve_model(args.model or DEFAULT_MODEL))
     text = (resources.files("pagedllm.bench") / "data" / "pride_and_prejudice_ch1-2.txt").read_text()
-    ids = tokenizer.encode(text)[: args.num_tokens]
+    text_ids = tokenizer.encode(text)
+    ids = (text_ids * (1 + (10 + args.num_tokens) // len(text_ids)))[: 10 + args.num_tokens]
     expected = tokenizer.decode(ids[10:], clean_up_tokenization_spaces=False)
     per_token = []
     for _ in range(args.runs):

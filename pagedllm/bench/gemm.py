@@ -28,7 +28,7 @@ import argparse
 import time
 from collections.abc import Callable
 
-from pagedllm.engine.arg_utils import positive_int, positive_int_list
+from pagedllm.engine.arg_utils import positive_int, positive_int_list, thread_count
 
 # Layer shapes per model: hidden, intermediate, attention heads, K/V heads, head dim.
 MODEL_SHAPES = {
@@ -55,7 +55,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="comma list of M (rows of x)")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
     parser.add_argument("--repeats", type=positive_int, default=5)
-    parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument("--threads", type=thread_count, default=1)
     parser.add_argument("--kquant-layout", choices=("panels", "stored"), default="panels",
                         help="GGUF blocks repacked into panels (what the layers run) or as stored")
 

@@ -95,10 +95,18 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def thread_count(text: str) -> int:
+    """argparse type: threads for a kernel benchmark, 1 to the CPUs this process may run on."""
+    value, cpus = positive_int(text), len(os.sched_getaffinity(0))
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"must be at most the {cpus} CPUs this process may run on, got {value}")
+    return value
+
+
 def _items(text: str) -> list[str]:
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"must be a comma list, such as 1,8, got {text!r}")
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"must be a comma list with no empty item, such as 1,8, got {text!r}")
     return items
 
 

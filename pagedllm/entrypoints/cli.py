@@ -285,6 +285,14 @@ def _flag_message(error: ValueError, parser: argparse.ArgumentParser) -> str:
     return f"{flags[param]}: {text}" if param in flags else text
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation that failed: Python's MemoryError, or torch's
+    RuntimeError for a tensor larger than memory or than its size arithmetic."""
+    text = str(error)
+    return isinstance(error, MemoryError) or any(
+        words in text for words in ("not enough memory", "can't allocate memory", "Storage size calculation overflowed"))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
@@ -309,6 +317,12 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except (MemoryError, RuntimeError) as e:  # sizes past the machine's memory: a line, not a traceback
+        if not _out_of_memory(e):
+            raise
+        print(f"error: what the flags ask for does not fit in this machine's memory ({str(e).splitlines()[0]})",
+              file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)  # Ctrl-C while loading: no traceback
 
