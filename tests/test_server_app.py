@@ -281,3 +281,22 @@ def test_stop_strings_are_capped(app: TestClient, stop: list[str]) -> None:
         r = app.post(path, json=body)
         _check_error(r, 400, "stop must be")
         assert r.json()["error"]["param"] == "stop"
+
+
+def test_a_model_without_a_chat_template_says_so(stand_in_engine: SimpleNamespace, caplog) -> None:
+    """A model with no chat template (Gemma 3's GGUF): the start-up log and every chat
+    completion say so and name --chat-template (the log said the template "has no tool
+    section", the 400 quoted transformers' error); completions are served as before."""
+    import copy
+    import logging
+
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    tokenizer = copy.copy(stand_in_engine.tokenizer._tokenizer)
+    tokenizer.chat_template = None
+    engine = SimpleNamespace(**(vars(stand_in_engine) | {"tokenizer": _LoopFreeTokenizer(tokenizer)}))
+    with caplog.at_level(logging.INFO):
+        client = TestClient(build_app(engine, (MODEL,)))
+    assert "has no chat template" in caplog.text and "tool section" not in caplog.text
+    _check_error(client.post("/v1/chat/completions", json=_chat()), 400, "the model has no chat template: start")
+    assert client.post("/tokenize", json={"model": MODEL, "prompt": "Hi"}).status_code == 200

@@ -72,7 +72,11 @@ class OpenAIServingChat(OpenAIServing):
         self.chat_template = chat_template
         self.generic_tools = not supports_tools(self.tokenizer, chat_template)
         self.tool_parser = GenericToolParser if self.generic_tools else tool_parser
-        if self.generic_tools:
+        self.has_template = chat_template is not None or getattr(self.tokenizer, "chat_template", None) is not None
+        if not self.has_template:
+            logger.warning("%s has no chat template: chat completions are refused (400) unless the server is started "
+                           "with --chat-template", served_model_names[0])
+        elif self.generic_tools:
             logger.info("the chat template of %s has no tool section: tools, tool calls and results use pagedllm's "
                         "generic format (a system message; replies constrained to text or a JSON call)",
                         served_model_names[0])
@@ -120,6 +124,9 @@ class OpenAIServingChat(OpenAIServing):
         (``chat_template.chat_prompt``); 400 if the template refuses it. Under a template
         without tool support, the tools and the history's calls and results are written in
         the generic format (``generic_tools.generic_conversation``)."""
+        if not self.has_template:
+            raise OpenAIError(400, "the model has no chat template: start the server with --chat-template to take chat "
+                              "completions (/v1/completions takes prompts)", param="messages")
         conversation = template_messages(messages)
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         kwargs: dict = {"chat_template": self.chat_template}
