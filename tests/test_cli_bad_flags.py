@@ -27,6 +27,9 @@ BAD_FLAGS = [
     (["serve", "--enable-lora", "--lora-modules", "a=/x", "a=/y"], "--lora-modules a=/y: the model name 'a' is"),
     (["serve", "--served-model-name", "m", "--enable-lora", "--lora-modules", "m=/x"], "the model name 'm' is already"),
     (["bench", "throughput", "--kv-cache-dtype", "int2"], "--kv-cache-dtype must be"),
+    # from the model's config, before the engine starts (was: from the engine core, after the API server's start)
+    (["serve", "-dp", "2", "-tp", "2"], "--tensor-parallel-size 2 does not divide SmolLM2-135M-Instruct's 9"),
+    (["generate", "--prompt", "x", "-tp", "2"], "--tensor-parallel-size 2 does not divide"),
     (["bench", "throughput", "--num-prompts", "0"], "argument --num-prompts: must be at least 1, got 0"),
     (["bench", "spec", "--repeats", "-1"], "argument --repeats: must be at least 1, got -1"),
     (["bench", "step", "--context", "0"], "argument --context: must be at least 1, got 0"),

@@ -198,7 +198,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the engine flags, read the way every other command reads them.
 
     Raises:
-        ValueError: for a bad value, or a combination data parallelism refuses (the live view).
+        ValueError: for a bad value, a combination data parallelism refuses (the live view), or
+            a tensor-parallel size the model cannot split (read from its config, not loaded).
     """
     from pagedllm.config import EngineConfig
     from pagedllm.config_values import parse_memory
@@ -219,6 +220,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         from pagedllm.engine.dp_client import check_data_parallel
 
         check_data_parallel(config)
+    if config.tensor_parallel_size > 1:
+        from pagedllm.distributed.sharding import check_tensor_parallel_size
+        from pagedllm.models.loader import load_config, resolve_model
+
+        check_tensor_parallel_size(load_config(resolve_model(config.model)), config.tensor_parallel_size,
+                                   config.quantization_config() is not None)
     return config
 
 
