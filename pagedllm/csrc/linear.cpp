@@ -33,6 +33,7 @@
 #include <cstring>
 #include <memory>
 
+#include "amx.h"
 #include "gemm.h"
 #include "pagedllm_abi.h"
 #include "parallel.h"
@@ -220,6 +221,7 @@ void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, ui
 // for linear_w8a8, with each group's code sum (llama.cpp's Q8_1 activations).
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K) {
+  if (M >= amx::kMinRows && amx::active()) return amx::linear_q4a8(x, ldx, packed, bias, y, M, N, K);
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
   const QuantizedRows xq = quantize_rows<true>(x, ldx, M, K);
   const int64_t chunk = chunk_rows_i8(kq);  // as linear_w8a8

@@ -249,6 +249,11 @@ void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float*
 void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K);
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K);
+/* linear_q4a8 from 32 rows on Intel AMX tiles in bfloat16 where the CPU has AMX-BF16 and Linux
+ * grants them (amx.h: x and the weights rounded to bfloat16 instead of x quantized to int8;
+ * off until switched on): mode 0 switches them off, 1 on, -1 leaves them; returns 1 where
+ * they run now, else 0. */
+int gemm_amx(int mode);
 /* GGUF Q8_0 blocks [N][K/32] (K a multiple of 32) -> q8a8 panels: w8a8's codes and per group
  * of 32 k the columns' float16 d. Returns -1 (nothing written) where a code is -128 and this
  * library's int8 dot product cannot take it, else 0. */

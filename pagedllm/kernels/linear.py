@@ -27,6 +27,20 @@ Q8A8Packed = tuple[torch.Tensor, torch.Tensor]  # int8 panels, d float16 per pan
 Q8_0_BLOCK_BYTES = 2 + QUANT_GROUP  # a GGUF Q8_0 block: float16 d, then QUANT_GROUP int8 codes
 
 
+def amx_tiles(enable: bool | None = None) -> bool:
+    """Whether ``linear_q4a8`` runs Intel AMX tiles in bfloat16 from 32 rows of x (csrc/amx.h):
+    the CPU has AMX-BF16, Linux granted its tile state, and ``PAGEDLLM_ENABLE_AMX=1`` (read
+    when the library loads) or ``enable=True`` switched them on (``enable=False``: off). Off by
+    default: the tiles' bits differ from the vector tiles', so a row's result would depend on
+    whether its call has 32 rows, and a prompt's on how it was chunked (a prefix-cache hit).
+
+    Raises:
+        RuntimeError: no native library here.
+    """
+    lib = require()
+    return bool(lib.gemm_amx(-1 if enable is None else int(enable)))
+
+
 def linear_pack_f32(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] float -> its float32 panels for ``linear_f32``: [ceil(N / 32) * 32 * K].
 
@@ -174,7 +188,8 @@ def linear_w8a8(x: torch.Tensor, packed: W8A8Packed, bias: torch.Tensor | None, 
 def linear_q4a8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ w.T + bias`` on ``linear_pack_q4a8``'s panels, x quantized to int8 per row and
     group of 32 on the fly (llama.cpp's Q4_1 x Q8_1 dot product): x [M, K] float32 (rows at
-    any stride) -> [M, out_features] float32.
+    any stride) -> [M, out_features] float32. From 32 rows where ``amx_tiles()``: x and the
+    weights rounded to bfloat16 instead, their products summed in float32 (AMX's tiles).
 
     Args:
         bias: float32 padded to whole panels ([ceil(N / 32) * 32]), or None.

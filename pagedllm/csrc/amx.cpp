@@ -1,0 +1,196 @@
+// w4a8's prefill GEMM on Intel AMX tiles in bfloat16 (amx.h).
+//
+// Per 32-column panel (the threads split the panels): its Q4 codes, d and m are decoded once
+// into bfloat16 weights laid out as AMX's B operand (per group of 32 k and half panel, 16 rows
+// of k pairs x 16 columns x 2), then every 32 rows of x (converted once per call to bfloat16,
+// zero padded to whole tiles and groups) take 4 tile products per group: rows 0-15 and 16-31
+// by columns 0-15 and 16-31, float32 sums kept in 4 tiles over all of K and stored once.
+#include "amx.h"
+
+#include <atomic>
+
+#include "pagedllm_abi.h"
+
+#if defined(__x86_64__) && defined(__AVX512BF16__)
+#define PAGEDLLM_AMX_BUILT 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "gemm.h"
+#include "parallel.h"
+#endif
+
+namespace amx {
+namespace {
+
+std::atomic<bool> switched_on{false};  // the library's loader sets it (PAGEDLLM_ENABLE_AMX)
+
+// The CPU's AMX-BF16 and AMX-TILE (CPUID leaf 7, EDX bits 22 and 24), and Linux's grant of the
+// tile data to this process (XFEATURE_XTILEDATA, 18; the grant covers every thread).
+bool usable() {
+#ifdef PAGEDLLM_AMX_BUILT
+  static const bool granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 22 & 1) || !(d >> 24 & 1)) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXTileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXTileData) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool active() { return switched_on.load(std::memory_order_relaxed) && usable(); }
+
+}  // namespace amx
+
+extern "C" int gemm_amx(int mode) {
+  if (mode >= 0) amx::switched_on.store(mode != 0, std::memory_order_relaxed);
+  return amx::active() ? 1 : 0;
+}
+
+#ifdef PAGEDLLM_AMX_BUILT
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+
+namespace amx {
+namespace {
+
+using gemm::NB;
+using gemm::Q4_BYTES;
+using gemm::Q4_NIBBLES;
+using gemm::QG;
+
+constexpr int kTile = 16;                  // rows (and float32 columns) of a tile
+constexpr int64_t kBRows = QG / 2;         // B rows per group: pairs of k
+constexpr int64_t kGroupB = 2 * kBRows * NB;  // bfloat16 of one group's B, both halves
+
+// Tiles 0-3: C, float32 sums of rows 16 i .. 16 i + 15 by columns 16 j .. 16 j + 15 (tile
+// 2 i + j); 4, 5: A, 16 rows of x by one group's 32 k; 6, 7: B, one group's 16 k pairs by 16
+// columns (half j of the panel).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+TileConfig make_config() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = kTile, c.colsb[t] = 64;
+  return c;
+}
+const TileConfig kConfig = make_config();
+
+constexpr int64_t kTileX = kTile * QG;  // bfloat16 of one A tile: 16 rows by one group's 32 k
+
+// x [M][K] float32 (stride ldx) -> bfloat16 rounded to nearest even, zero padded to Mp rows and
+// G groups, as A tiles, each 1 KiB in a row: [Mp / 16][G][16 rows][32 k] (tile loads of 16
+// lines 64 bytes apart; rows of x 2 Kp bytes apart made each load 16 lines of L2).
+void to_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t G, uint16_t* out) {
+  par::parallel_for(Mp, [&](int64_t m) {
+    uint16_t* row = out + m / kTile * G * kTileX + m % kTile * QG;
+    for (int64_t k = 0; k < G * QG; k += 16) {
+      const __mmask16 live = m < M ? static_cast<__mmask16>(k + 16 <= K ? 0xFFFF : k < K ? (1u << (K - k)) - 1 : 0) : 0;
+      const __m512 v = _mm512_maskz_loadu_ps(live, x + m * ldx + k);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k / QG * kTileX + k % QG), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }, 17);
+}
+
+// One panel's G groups of Q4_BYTES -> bfloat16 weights d q + m as B tiles take them:
+// [G][2 halves][16 k pairs][16 columns][2].
+void unpack(const uint8_t* panel, int64_t G, uint16_t* b) {
+  // Word i of a pair row: column i / 2, k pair element i % 2 (from [w0 x 16 | w1 x 16]).
+  alignas(64) uint16_t order[32];
+  for (int i = 0; i < 32; ++i) order[i] = static_cast<uint16_t>(i % 2 * 16 + i / 2);
+  const __m512i interleave = _mm512_load_si512(order), low4 = _mm512_set1_epi32(0x0F0F0F0F), byte = _mm512_set1_epi32(0xFF);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* pg = panel + g * Q4_BYTES;
+    const uint16_t* dm = reinterpret_cast<const uint16_t*>(pg + Q4_NIBBLES);
+    for (int h = 0; h < 2; ++h) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + kTile * h)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + NB + kTile * h)));
+      uint16_t* out = b + g * kGroupB + h * kBRows * NB;
+      for (int64_t q = 0; q < QG / 4; ++q) {  // quad q: lane c holds k = 4 q .. 4 q + 3 of columns c and 16 + c
+        const __m512i bytes = _mm512_loadu_si512(pg + q * 64);
+        const __m512i codes = _mm512_and_si512(h ? _mm512_srli_epi32(bytes, 4) : bytes, low4);
+        __m512 w[4];
+        for (int j = 0; j < 4; ++j)
+          w[j] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 8 * j), byte)), m);
+        for (int t = 0; t < 2; ++t) {
+          const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(w[2 * t + 1], w[2 * t]);
+          _mm512_storeu_si512(out + (2 * q + t) * NB, _mm512_permutexvar_epi16(interleave, pair));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
+                 int64_t K) {
+  const int64_t G = (K + QG - 1) / QG, Kp = G * QG, Mp = (M + 2 * kTile - 1) / (2 * kTile) * (2 * kTile);
+  // Kept from call to call (the caller's thread's): fresh pages for every call cost as much
+  // as a layer's GEMM here.
+  static thread_local std::vector<uint16_t> xb;
+  if (xb.size() < static_cast<size_t>(Mp * Kp)) xb.resize(static_cast<size_t>(Mp * Kp));
+  const uint16_t* xs = xb.data();  // (the helper threads' own xb is another vector)
+  to_bf16(x, ldx, M, K, Mp, G, xb.data());
+  const int64_t panels = (N + NB - 1) / NB;
+  par::parallel_for(panels, [&](int64_t p) {
+    static thread_local std::vector<uint16_t> wb;
+    wb.resize(static_cast<size_t>(G * kGroupB));
+    unpack(packed + p * G * Q4_BYTES, G, wb.data());
+    _tile_loadconfig(&kConfig);
+    const int64_t ncols = std::min<int64_t>(NB, N - p * NB);
+    alignas(64) float sums[2 * kTile][NB];
+    const __mmask16 live[2] = {static_cast<__mmask16>(ncols >= kTile ? 0xFFFF : (1u << ncols) - 1),
+                               static_cast<__mmask16>(ncols >= NB ? 0xFFFF : ncols > kTile ? (1u << (ncols - kTile)) - 1 : 0)};
+    const __m512 b[2] = {bias ? _mm512_loadu_ps(bias + p * NB) : _mm512_setzero_ps(),
+                         bias ? _mm512_loadu_ps(bias + p * NB + kTile) : _mm512_setzero_ps()};
+    for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* a = xs + m0 * Kp;  // two A tiles' rows: [2][G][16][32]
+      for (int64_t g = 0; g < G; ++g) {
+        _tile_loadd(4, a + g * kTileX, 64);
+        _tile_loadd(5, a + (G + g) * kTileX, 64);
+        _tile_loadd(6, wb.data() + g * kGroupB, 64);
+        _tile_loadd(7, wb.data() + g * kGroupB + kBRows * NB, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, &sums[0][0], NB * 4);
+      _tile_stored(1, &sums[0][kTile], NB * 4);
+      _tile_stored(2, &sums[kTile][0], NB * 4);
+      _tile_stored(3, &sums[kTile][kTile], NB * 4);
+      for (int64_t r = 0; r < 2 * kTile && m0 + r < M; ++r) {
+        float* out = y + (m0 + r) * N + p * NB;
+        _mm512_mask_storeu_ps(out, live[0], _mm512_add_ps(_mm512_load_ps(&sums[r][0]), b[0]));
+        _mm512_mask_storeu_ps(out + kTile, live[1], _mm512_add_ps(_mm512_load_ps(&sums[r][kTile]), b[1]));
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace amx
+
+#pragma GCC pop_options
+#else
+namespace amx {
+void linear_q4a8(const float*, int64_t, const uint8_t*, const float*, float*, int64_t, int64_t, int64_t) {}
+}  // namespace amx
+#endif
