@@ -110,7 +110,8 @@ void unpack(const uint8_t* panel, int64_t G, uint16_t* b) {
   // Word i of a pair row: column i / 2, k pair element i % 2 (from [w0 x 16 | w1 x 16]).
   alignas(64) uint16_t order[32];
   for (int i = 0; i < 32; ++i) order[i] = static_cast<uint16_t>(i % 2 * 16 + i / 2);
-  const __m512i interleave = _mm512_load_si512(order), low4 = _mm512_set1_epi32(0x0F0F0F0F), byte = _mm512_set1_epi32(0xFF);
+  const __m512i interleave = _mm512_load_si512(order), low4 = _mm512_set1_epi32(0x0F0F0F0F);
+  const __m512i byte = _mm512_set1_epi32(0xFF);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* pg = panel + g * Q4_BYTES;
     const uint16_t* dm = reinterpret_cast<const uint16_t*>(pg + Q4_NIBBLES);
@@ -152,8 +153,8 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
     _tile_loadconfig(&kConfig);
     const int64_t ncols = std::min<int64_t>(NB, N - p * NB);
     alignas(64) float sums[2 * kTile][NB];
-    const __mmask16 live[2] = {static_cast<__mmask16>(ncols >= kTile ? 0xFFFF : (1u << ncols) - 1),
-                               static_cast<__mmask16>(ncols >= NB ? 0xFFFF : ncols > kTile ? (1u << (ncols - kTile)) - 1 : 0)};
+    const auto columns = [](int64_t n) { return static_cast<__mmask16>(n >= kTile ? 0xFFFF : n > 0 ? (1u << n) - 1 : 0); };
+    const __mmask16 live[2] = {columns(ncols), columns(ncols - kTile)};  // y's columns in each half
     const __m512 b[2] = {bias ? _mm512_loadu_ps(bias + p * NB) : _mm512_setzero_ps(),
                          bias ? _mm512_loadu_ps(bias + p * NB + kTile) : _mm512_setzero_ps()};
     for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile) {

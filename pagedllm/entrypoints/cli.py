@@ -289,8 +289,8 @@ def _out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is an allocation that failed: Python's MemoryError, or torch's
     RuntimeError for a tensor larger than memory or than its size arithmetic."""
     text = str(error)
-    return isinstance(error, MemoryError) or any(
-        words in text for words in ("not enough memory", "can't allocate memory", "Storage size calculation overflowed"))
+    words = ("not enough memory", "can't allocate memory", "Storage size calculation overflowed")
+    return isinstance(error, MemoryError) or any(w in text for w in words)
 
 
 def main(argv: list[str] | None = None) -> None:
