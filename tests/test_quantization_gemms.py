@@ -99,7 +99,8 @@ def test_w4a8_on_amx_tiles_from_32_rows(n, k, native_isa) -> None:
     to that in float64 to float32's rounding, nearer F.linear than the int8 scheme; under 32
     rows the vector tiles' bits, whether AMX is on or off. Rows at a stride, ragged panels and
     groups, row tiles cut short (33, 77 rows)."""
-    if not linear_kernels.amx_tiles(True):  # off by default (PAGEDLLM_ENABLE_AMX)
+    was = linear_kernels.amx_tiles()  # off unless PAGEDLLM_ENABLE_AMX=1
+    if not linear_kernels.amx_tiles(True):
         pytest.skip("no AMX tiles on this CPU or library")
     gen = torch.Generator().manual_seed(k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
@@ -123,7 +124,7 @@ def test_w4a8_on_amx_tiles_from_32_rows(n, k, native_isa) -> None:
             assert ((y.double() - ref).abs() <= 1e-6 * magnitude + 1e-6).all()
             assert (y - exact).norm() <= (vector - exact).norm() * 1.01
     finally:
-        linear_kernels.amx_tiles(False)
+        linear_kernels.amx_tiles(was)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])

@@ -143,8 +143,8 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
   // as a layer's GEMM here.
   static thread_local std::vector<uint16_t> xb;
   if (xb.size() < static_cast<size_t>(Mp * Kp)) xb.resize(static_cast<size_t>(Mp * Kp));
-  const uint16_t* xs = xb.data();  // (the helper threads' own xb is another vector)
-  to_bf16(x, ldx, M, K, Mp, G, xb.data());
+  uint16_t* xs = xb.data();  // (the helper threads' own xb is another vector)
+  to_bf16(x, ldx, M, K, Mp, G, xs);
   const int64_t panels = (N + NB - 1) / NB;
   par::parallel_for(panels, [&](int64_t p) {
     static thread_local std::vector<uint16_t> wb;

@@ -10,9 +10,9 @@
 // the group's largest |x|), but the bits differ from the vector tiles', so a row's result
 // depends on whether its batch has kMinRows rows: under --dtype auto a prompt's tokens would
 // differ cold and after a prefix-cache hit (its last token alone), and greedy output of the
-// same request could change at a near-tie. Hence off unless asked for. Why bfloat16 and not AMX's int8: x's scale
-// per group of 32 would force a tile store per 16 x 16 x 32 product (docs/benchmarks.md, "Intel
-// Xeon with AMX, session 39").
+// same request could change at a near-tie. Hence off unless asked for. Why bfloat16 and not
+// AMX's int8: x's scale per group of 32 would force a tile store per 16 x 16 x 32 product
+// (docs/benchmarks.md, "Intel Xeon with AMX, session 39").
 #pragma once
 
 #include <stdint.h>
