@@ -28,7 +28,9 @@ BLOCK_SIZE = 4
 SEQ_LENS = (11, 14)
 # (request, first token, end) per step, decodes first as the metadata requires: prefills,
 # a decode next to a prefill chunk, decodes of both, then a decode next to a two-token
-# request at an offset (as a speculative verification step is).
+# request at an offset (as a speculative verification step is). A request's prompt is what
+# it computes before its first one-token step (here 6 and 11 tokens): prompt chunks come last
+# and their rows take the prompt kernels (``CausalLM.forward``'s ``prompt_from``).
 STEPS = [
     [(0, 0, 6), (1, 0, 4)],
     [(0, 6, 7), (1, 4, 11)],
@@ -74,7 +76,8 @@ def run_steps(
     steps: list[list[tuple[int, int, int]]] = STEPS,
 ) -> torch.Tensor | None:
     """Logits [tokens of all ``steps``, vocab] of requests of ``seq_lens`` random tokens through
-    a paged KV cache (of ``kv_dtype``) holding the rank's KV heads (rank 0; None on the others)."""
+    a paged KV cache (of ``kv_dtype``) holding the rank's KV heads (rank 0; None on the others),
+    each step's prompt chunks (``STEPS``) named to the model."""
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in seq_lens]
     groups = kv_cache_groups(config)
@@ -87,15 +90,20 @@ def run_steps(
         [order[(r * len(groups) + g) * per_request :][:per_request] for g in range(len(groups))]
         for r in range(len(seq_lens))
     ]
+    prompt_lens = [min([a for step in steps for q, a, b in step if q == r and b - a == 1], default=n)
+                   for r, n in enumerate(seq_lens)]
     out = []
     for step in steps:
+        prompt = [a < prompt_lens[r] for r, a, _ in step]
+        assert prompt == sorted(prompt), "prompt chunks come last"
+        prompt_from = sum(b - a for (_, a, b), p in zip(step, prompt) if not p)
         ids = [t for r, a, b in step for t in seqs[r][a:b]]
         positions = [p for _, a, b in step for p in range(a, b)]
         meta = build_attention_metadata(
             groups, config.num_layers, [b - a for _, a, b in step], [b for _, _, b in step],
             [tables[r] for r, _, _ in step], BLOCK_SIZE,
         )
-        hidden = model(torch.tensor(ids), torch.tensor(positions), kv_caches, meta)
+        hidden = model(torch.tensor(ids), torch.tensor(positions), kv_caches, meta, prompt_from)
         out.append(model.compute_logits(hidden))
     return None if out[0] is None else torch.cat(out)
 

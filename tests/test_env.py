@@ -8,6 +8,7 @@ import pytest
 
 from pagedllm.entrypoints.cli import main
 from pagedllm.kernels import library
+from pagedllm.kernels.isa import cpu_flags
 
 
 def test_env_reports_without_compiling(
@@ -52,3 +53,15 @@ def test_env_takes_a_forced_isa_in_any_case(
     main(["env"])
     rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
     assert rows["kernels chosen"].strip().startswith("scalar, ")
+
+
+def test_env_says_whether_prompt_rows_take_amx(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PAGEDLLM_DISABLE_AMX", "1")
+    main(["env"])
+    rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
+    assert rows["w4a8 prompt rows on AMX tiles"].strip() == (
+        "no: PAGEDLLM_DISABLE_AMX=1" if amx else "no: this CPU has no AMX-BF16"
+    )

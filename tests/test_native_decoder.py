@@ -160,6 +160,25 @@ def test_a_long_step_equals_the_modules(cases, isa: str, name: str, monkeypatch)
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_prompt_rows_take_the_prompt_kernel(cases, native: bool) -> None:
+    """Where w4a8 has a prompt kernel (AMX's bfloat16 tiles), the one-call step and the modules
+    run a step's prompt rows on it: switched off, a prefill step's logits change (that they
+    agree with each other: ``test_one_call_equals_the_modules``)."""
+    if not library.available() or not kernels.amx_tiles():
+        pytest.skip("no prompt kernel for w4a8 here (AMX-BF16)")
+    model, config = _load(cases["llama-q4-w4a8"])
+    if not native:
+        model.native_decoder = False
+    on = run_steps(model, config, SINGLE, steps=STEPS[:1])
+    try:
+        kernels.amx_tiles(False)
+        off = run_steps(model, config, SINGLE, steps=STEPS[:1])
+    finally:
+        kernels.amx_tiles(True)
+    assert not torch.equal(on, off)
+
+
 def test_models_it_does_not_cover_run_the_modules(cases, monkeypatch) -> None:
     """No native kernels (nn.Linear weights), or a dtype other than float32: no one-call decoder."""
     monkeypatch.setattr(library, "available", lambda: False)

@@ -5,13 +5,11 @@ GGUF Q4 blocks run as stored."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from pagedllm.kernels import linear as linear_kernels
-from pagedllm.layers.quantization.linear import W4A8Linear, W8A8Linear
+from pagedllm.layers.quantization.linear import W4A8Linear, W8A8Linear, prompt_rows
 from pagedllm.layers.quantization.weights import Int4Weight, quantize_q4a8
 
 
@@ -45,22 +43,13 @@ def test_w8a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
         assert (layer(x) - exact).norm() / exact.norm() < 0.01
 
 
-@pytest.fixture
-def vector_tiles(native_isa: str) -> Iterator[str]:
-    """Each ISA's library with AMX's bfloat16 tiles switched off where it has them: w4a8's
-    int8 scheme at every batch size."""
-    was = linear_kernels.amx_tiles()
-    linear_kernels.amx_tiles(False)
-    yield native_isa
-    linear_kernels.amx_tiles(was)
-
-
 @pytest.mark.parametrize("n,k", INT8_SHAPES)
-def test_w4a8_linear_is_exact_for_its_scheme(n, k, vector_tiles) -> None:
+def test_w4a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
     """4-bit weights ``d * q + m`` (float16 d, m) per group of 32 against int8 activations,
     symmetric per group of 32, with each group's code sum for the m term (llama.cpp's
     Q4_1 x Q8_1): equal to the same integer arithmetic in float64 on every ISA's kernels, at
-    batch sizes 1 to 64, rows at a stride; and close to F.linear."""
+    batch sizes 1 to 64, rows at a stride; and close to F.linear. (No prompt rows: the int8
+    scheme on every CPU, AMX's too.)"""
     gen = torch.Generator().manual_seed(k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     qw = quantize_q4a8(w)
@@ -93,38 +82,37 @@ def test_w4a8_linear_is_exact_for_its_scheme(n, k, vector_tiles) -> None:
 
 
 @pytest.mark.parametrize("n,k", INT8_SHAPES)
-def test_w4a8_on_amx_tiles_from_32_rows(n, k, native_isa) -> None:
-    """Where the library can run AMX (Intel, AMX-BF16), switched on, w4a8 from 32 rows is x
-    and the weights ``d * q + m`` rounded to bfloat16, their products summed in float32: equal
-    to that in float64 to float32's rounding, nearer F.linear than the int8 scheme; under 32
-    rows the vector tiles' bits, whether AMX is on or off. Rows at a stride, ragged panels and
-    groups, row tiles cut short (33, 77 rows)."""
-    was = linear_kernels.amx_tiles()  # off unless PAGEDLLM_ENABLE_AMX=1
-    if not linear_kernels.amx_tiles(True):
-        pytest.skip("no AMX tiles on this CPU or library")
+def test_w4a8_prompt_rows_on_amx_tiles(n, k, native_isa) -> None:
+    """Where the library runs AMX (Intel, AMX-BF16), a step's prompt rows (``prompt_rows``)
+    are x and the weights ``d * q + m`` rounded to bfloat16, their products summed in float32:
+    equal to that in float64 to float32's rounding, nearer F.linear than the int8 scheme, and
+    each row's bits the same however many rows share the call (1 to 77, tiles cut short);
+    the rows before them keep the int8 scheme's bits. Rows at a stride, ragged panels and
+    groups."""
+    if not linear_kernels.amx_tiles():
+        pytest.skip("no AMX tiles on this CPU or library (or PAGEDLLM_DISABLE_AMX=1)")
     gen = torch.Generator().manual_seed(k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     qw = quantize_q4a8(w)
     layer = W4A8Linear(qw, b)
     wd = (qw.scales.repeat_interleave(32, 1)[:, :k] * qw.q.float() + qw.mins.repeat_interleave(32, 1)[:, :k])
     bf = wd.bfloat16().double()
-    try:
-        for m in (1, 31, 32, 33, 77):
-            x = torch.randn(m, k + 9, generator=gen)[:, :k] * torch.linspace(0.1, 3, k)
-            y = layer(x)
-            linear_kernels.amx_tiles(False)
-            vector = layer(x)
-            linear_kernels.amx_tiles(True)
-            exact = torch.nn.functional.linear(x, w, b)
-            if m < 32:
-                assert torch.equal(y, vector)
-                continue
-            ref = x.bfloat16().double() @ bf.T + b
-            magnitude = x.bfloat16().double().abs() @ bf.abs().T + b.abs()
-            assert ((y.double() - ref).abs() <= 1e-6 * magnitude + 1e-6).all()
-            assert (y - exact).norm() <= (vector - exact).norm() * 1.01
-    finally:
-        linear_kernels.amx_tiles(was)
+    x = torch.randn(77, k + 9, generator=gen)[:, :k] * torch.linspace(0.1, 3, k)
+    vector = layer(x)
+    with prompt_rows(0):
+        y = layer(x)
+    ref = x.bfloat16().double() @ bf.T + b
+    magnitude = x.bfloat16().double().abs() @ bf.abs().T + b.abs()
+    assert ((y.double() - ref).abs() <= 1e-6 * magnitude + 1e-6).all()
+    exact = torch.nn.functional.linear(x, w, b)
+    assert (y - exact).norm() <= (vector - exact).norm() * 1.01
+    for first, last in ((0, 1), (5, 6), (3, 34), (40, 77)):
+        with prompt_rows(0):
+            assert torch.equal(layer(x[first:last]), y[first:last])
+    for first in (1, 31, 33):
+        with prompt_rows(first):
+            mixed = layer(x)
+        assert torch.equal(mixed[:first], vector[:first]) and torch.equal(mixed[first:], y[first:])
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])

@@ -37,7 +37,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.kv_cache import build_attention_metadata
-from pagedllm.worker.step_input import BlockTableMirror, StepInput, build_step, is_decode
+from pagedllm.worker.step_input import BlockTableMirror, StepInput, build_step, forward_order
 from tests.utils import assert_pool_whole
 
 VOCAB = 24
@@ -111,7 +111,7 @@ class FakeModel:
         self.mirror.apply(self.decoder.decode(msgspec.msgpack.encode(step)))
         bs = self.block_size
         expected: list[list[int]] = []  # per step request: its history hashes up to the step's end
-        for r, s in zip(step.requests, [out.scheduled[i] for i in _forward_order(out)]):
+        for r, s in zip(step.requests, [out.scheduled[i] for i in forward_order(out)]):
             request = s.request
             assert r.req_id == request.request_id and r.num_computed_before == s.num_computed_before
             known = request.all_token_ids[: s.num_computed_before + s.num_new_tokens - len(s.spec_token_ids)]
@@ -158,7 +158,7 @@ class FakeModel:
         logits = [hidden[row] for row in step.logit_rows]
         first_row = {}  # scheduler index -> the step row of its first token
         offset = 0
-        for i, n in zip(_forward_order(out), query_lens):
+        for i, n in zip(forward_order(out), query_lens):
             first_row[i] = offset
             offset += n
         sampled: list[list[int]] = [[] for _ in out.scheduled]
@@ -194,14 +194,6 @@ class FakeModel:
 
 def _adapter(request: Request) -> int:
     return 0 if request.lora_request is None else request.lora_request.id
-
-
-def _forward_order(out: SchedulerOutput) -> list[int]:
-    """The scheduler indices in ``build_step``'s forward order (decodes first, by adapter)."""
-    return sorted(
-        range(len(out.scheduled)),
-        key=lambda i: (not is_decode(out.scheduled[i]), _adapter(out.scheduled[i].request)),
-    )
 
 
 def _oracle_continuation(request: Request, n: int) -> list[int]:

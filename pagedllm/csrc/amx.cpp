@@ -1,4 +1,4 @@
-// w4a8's prefill GEMM on Intel AMX tiles in bfloat16 (amx.h).
+// w4a8's GEMM for prompt rows on Intel AMX tiles in bfloat16 (amx.h).
 //
 // Per 32-column panel (the threads split the panels): its Q4 codes, d and m are decoded once
 // into bfloat16 weights laid out as AMX's B operand (per group of 32 k and half panel, 16 rows
@@ -28,7 +28,7 @@
 namespace amx {
 namespace {
 
-std::atomic<bool> switched_on{false};  // the library's loader sets it (PAGEDLLM_ENABLE_AMX)
+std::atomic<bool> switched_on{false};  // the library's loader sets it (PAGEDLLM_DISABLE_AMX)
 
 // The CPU's AMX-BF16 and AMX-TILE (CPUID leaf 7, EDX bits 22 and 24), and Linux's grant of the
 // tile data to this process (XFEATURE_XTILEDATA, 18; the grant covers every thread).

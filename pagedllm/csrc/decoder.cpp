@@ -25,7 +25,8 @@
 
 namespace {
 
-void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t M) {
+// y = layer l of x's M rows; rows from prompt_from on are prompt tokens (linear_q4a8's).
+void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t M, int64_t prompt_from) {
   switch (l.kind) {
     case PAGEDLLM_LINEAR_F32:
       linear_f32(x, ldx, static_cast<const float*>(l.w), l.bias, y, M, l.n, l.k);
@@ -34,7 +35,7 @@ void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t 
       linear_w8a8(x, ldx, static_cast<const int8_t*>(l.w), l.wscale, l.bias, y, M, l.n, l.k);
       break;
     case PAGEDLLM_LINEAR_Q4A8:
-      linear_q4a8(x, ldx, static_cast<const uint8_t*>(l.w), l.bias, y, M, l.n, l.k);
+      linear_q4a8(x, ldx, static_cast<const uint8_t*>(l.w), l.bias, y, M, l.n, l.k, prompt_from);
       break;
     case PAGEDLLM_LINEAR_Q8A8:
       linear_q8a8(x, ldx, static_cast<const int8_t*>(l.w), reinterpret_cast<const uint16_t*>(l.wscale), l.bias, y, M,
@@ -125,7 +126,8 @@ extern "C" {
 // The contract is pagedllm_abi.h's. Returns 0, or -1 with nothing written (an unknown
 // linear kind, group or table, an attention shape, a rotary_dim or block size the kernels lack).
 int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_sin, const StepGroup* groups,
-                  const int64_t* seq_lens, const int64_t* spans, int64_t T, int64_t B, int64_t P, float* out) {
+                  const int64_t* seq_lens, const int64_t* spans, int64_t T, int64_t B, int64_t P,
+                  int64_t prompt_from, float* out) {
   if (!supported(m, P)) return -1;
   if (const LoRAStep* s = m->lora)
     for (int64_t r = 0; r < s->num_runs; ++r)
@@ -148,7 +150,7 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
     const StepGroup& g = groups[l.group];
     timed(m, kNorms, [&] { add_rms_norm(i ? y.data() : nullptr, stream, l.input_norm, normed.data(), T, H, m->eps); });
     timed(m, kQkv, [&] {
-      linear(l.qkv, normed.data(), H, qkv.data(), T);
+      linear(l.qkv, normed.data(), H, qkv.data(), T, prompt_from);
       lora(m, i, 0, normed.data(), H, qkv.data(), qkv_width, H, qkv_parts, 3);
     });
     timed(m, kNorms, [&] {
@@ -175,7 +177,7 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
                                 attn.data(), P, Hq, Hkv, D, m->block_size, m->scale, l.window);
     });
     timed(m, kO, [&] {
-      linear(l.o, attn.data(), q_width, y.data(), T);
+      linear(l.o, attn.data(), q_width, y.data(), T, prompt_from);
       lora(m, i, 1, attn.data(), q_width, y.data(), H, q_width, o_part, 1);
     });
     timed(m, kNorms, [&] {
@@ -189,12 +191,12 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
         const int64_t rows = std::min(mlp_rows, T - m0);
         const float* x = normed.data() + m0 * H;
         timed(m, kGateUp, [&] {
-          linear(l.gate_up, x, H, gate_up.data(), rows);
+          linear(l.gate_up, x, H, gate_up.data(), rows, prompt_from - m0);
           lora(m, i, 2, x, H, gate_up.data(), 2 * I, H, gate_up_parts, 2);
         });
         timed(m, kAct, [&] { act_and_mul(gate_up.data(), 2 * I, rows, I); });
         timed(m, kDown, [&] {
-          linear(l.down, gate_up.data(), 2 * I, y.data() + m0 * H, rows);
+          linear(l.down, gate_up.data(), 2 * I, y.data() + m0 * H, rows, prompt_from - m0);
           lora(m, i, 3, gate_up.data(), 2 * I, y.data() + m0 * H, H, I, o_part, 1);
         });
       }

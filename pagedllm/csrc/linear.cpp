@@ -218,10 +218,16 @@ void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, ui
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed from linear_pack_q4a8;
 // bias: null or float32 padded to ceil(N/32)*32. Each row of x is quantized on the fly as
-// for linear_w8a8, with each group's code sum (llama.cpp's Q8_1 activations).
+// for linear_w8a8, with each group's code sum (llama.cpp's Q8_1 activations); rows from
+// prompt_from on go to the AMX tiles instead where they run (pagedllm_abi.h).
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
-                 int64_t K) {
-  if (M >= amx::kMinRows && amx::active()) return amx::linear_q4a8(x, ldx, packed, bias, y, M, N, K);
+                 int64_t K, int64_t prompt_from) {
+  prompt_from = std::clamp<int64_t>(prompt_from, 0, M);
+  if (prompt_from < M && amx::active()) {
+    amx::linear_q4a8(x + prompt_from * ldx, ldx, packed, bias, y + prompt_from * N, M - prompt_from, N, K);
+    M = prompt_from;
+    if (M == 0) return;
+  }
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
   const QuantizedRows xq = quantize_rows<true>(x, ldx, M, K);
   const int64_t chunk = chunk_rows_i8(kq);  // as linear_w8a8

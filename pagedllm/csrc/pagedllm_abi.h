@@ -247,12 +247,15 @@ void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float*
                  int64_t M, int64_t N, int64_t K);
 /* q [N, K] 4-bit codes (uint8), d and m [N, ceil(K/32)] float16 -> w4a8 panels. */
 void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K);
+/* Rows prompt_from .. M - 1 of x are prompt tokens (pass M for none): where gemm_amx runs they
+ * take Intel AMX tiles in bfloat16 (amx.h: x and the weights rounded to bfloat16 instead of x
+ * quantized to int8), the other rows the int8 tiles. Either way a row's result does not
+ * depend on the call's other rows. */
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
-                 int64_t K);
-/* linear_q4a8 from 32 rows on Intel AMX tiles in bfloat16 where the CPU has AMX-BF16 and Linux
- * grants them (amx.h: x and the weights rounded to bfloat16 instead of x quantized to int8;
- * off until switched on): mode 0 switches them off, 1 on, -1 leaves them; returns 1 where
- * they run now, else 0. */
+                 int64_t K, int64_t prompt_from);
+/* linear_q4a8's prompt rows on AMX, where the CPU has AMX-BF16 and Linux grants the tiles
+ * (off until switched on; the Python loader switches it on unless PAGEDLLM_DISABLE_AMX=1):
+ * mode 0 switches them off, 1 on, -1 leaves them; returns 1 where they run now, else 0. */
 int gemm_amx(int mode);
 /* GGUF Q8_0 blocks [N][K/32] (K a multiple of 32) -> q8a8 panels: w8a8's codes and per group
  * of 32 k the columns' float16 d. Returns -1 (nothing written) where a code is -128 and this
@@ -362,13 +365,15 @@ int lora_sgmv(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, con
 /* --- a whole decoder step (decoder.cpp) --- */
 
 /* A step of T tokens: B decodes (one token each) first, then P requests of several tokens
- * (prefill chunks, speculative verification). stream [T, hidden]: embeddings in, residual
+ * (speculative verification, then prefill chunks from row prompt_from: w4a8's prompt rows,
+ * linear_q4a8's; T for none). stream [T, hidden]: embeddings in, residual
  * stream out; cos_sin: two [T, 2, rotary_dim] tables (global, local); groups: one per KV cache group;
  * seq_lens [B]: the decodes' keys; spans [3, P]: per multi-token request its first row, its
  * row count and its keys after the step (null when P is 0); out [T, hidden]: the final norm's
  * output. */
 int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_sin, const StepGroup* groups,
-                  const int64_t* seq_lens, const int64_t* spans, int64_t T, int64_t B, int64_t P, float* out);
+                  const int64_t* seq_lens, const int64_t* spans, int64_t T, int64_t B, int64_t P,
+                  int64_t prompt_from, float* out);
 
 /* --- compute probes for bench roofline (probe.cpp): every OpenMP thread runs the loop --- */
 

@@ -51,6 +51,7 @@ def report(load: bool = False) -> list[tuple[str, str]]:
     for variant in variants:
         rows.append((f"kernels {variant}", _variant_state(variant, variant in runnable)))
     rows.append(("kernels chosen", _chosen(runnable, load)))
+    rows.append(("w4a8 prompt rows on AMX tiles", _amx(flags, load)))
     rows += [
         ("pagedllm cache (kernels, models)", str(build.cache_dir())),
         ("huggingface cache", os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))),
@@ -101,6 +102,21 @@ def _chosen(runnable: list[str], load: bool) -> str:
         if not build.library_path(variant).with_suffix(".failed").exists():
             return f"{variant}, compiled on first use (--load to do it now)"
     return "none: every variant failed to build before"
+
+
+def _amx(flags: frozenset[str], load: bool) -> str:
+    """Whether w4a8's prompt rows take AMX's bfloat16 tiles (``kernels.linear.amx_tiles``)."""
+    from pagedllm.kernels import build, library, linear
+
+    if not {"amx_tile", "amx_bf16"} <= flags:
+        return "no: this CPU has no AMX-BF16"
+    if build.env_switch("PAGEDLLM_DISABLE_AMX"):
+        return "no: PAGEDLLM_DISABLE_AMX=1"
+    if not load:
+        return "yes where the avx512_bf16 kernels run and Linux grants the tiles (--load to check)"
+    if library.active_isa() != "avx512_bf16":
+        return "no: the avx512_bf16 kernels do not run"
+    return "yes" if linear.amx_tiles() else "no: Linux does not grant this process the tiles"
 
 
 def _cpu_model() -> str:

@@ -26,10 +26,11 @@ def decode_layers(
     seq_lens: torch.Tensor | None,
     prefill_block_tables: list[torch.Tensor] | None = None,
     spans: torch.Tensor | None = None,
+    prompt_from: int | None = None,
 ) -> torch.Tensor:
     """Every layer of a decoder and its final norm, for one step's T tokens, in one native call:
-    B decodes (one token each) first, then P requests of several tokens each (prefill chunks,
-    speculative verification; causal from their offsets).
+    B decodes (one token each) first, then P requests of several tokens each (speculative
+    verification, then prefill chunks; causal from their offsets).
 
     Args:
         decoder: the model's weights, sizes and K/V caches (``models/native_decoder.py``);
@@ -46,6 +47,8 @@ def decode_layers(
         prefill_block_tables, spans: the multi-token requests': per group [P, max_blocks]
             int64, and [3, P] int64 rows (first row, row count, keys after the step), as
             ``layers.attention.AttentionMetadata`` holds them; None when P is 0.
+        prompt_from: the first row of the prompt chunks, which w4a8 layers compute on their
+            prompt kernel (``kernels.linear.linear_q4a8``); None: no such rows.
 
     Returns:
         [T, hidden] float32: the final norm's output.
@@ -73,6 +76,8 @@ def decode_layers(
             raise ValueError(f"spans: the multi-token requests' rows must follow the {b} decodes and end at row {t}")
     elif b != t:
         raise ValueError(f"{t} tokens, but {b} decodes and no multi-token requests")
+    if prompt_from is not None and not b <= prompt_from <= t:
+        raise ValueError(f"prompt_from {prompt_from}: the prompt rows follow the {b} decodes, within {t} rows")
     n = decoder.num_groups
     if len(slot_mappings) != n or (b and len(block_tables) != n) or (p and len(prefill_block_tables) != n):
         raise ValueError(f"need {n} KV cache groups of slots and block tables")
@@ -92,7 +97,7 @@ def decode_layers(
     rope = (ctypes.c_void_p * 2)(ptr(cos_sin[0]), ptr(cos_sin[1]))
     status = lib.decode_layers(
         ctypes.byref(decoder), ptr(stream), rope, groups, ptr(seq_lens) if b else None, ptr(spans) if p else None,
-        t, b, p, ptr(out),
+        t, b, p, t if prompt_from is None else prompt_from, ptr(out),
     )
     if status != 0:
         raise ValueError(

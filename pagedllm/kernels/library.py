@@ -5,9 +5,9 @@ force one; if it fails to build or load, the next one down (avx512_bf16 -> avx51
 -> avx2 -> scalar, neon_dotprod -> neon -> scalar), so one file that does not compile never
 costs every kernel. A library is used only once it matches ``pagedllm_abi.h`` (``abi.bind``)
 and every CPU feature it reports needing (``pagedllm_requires()``) is this CPU's.
-``PAGEDLLM_DISABLE_NATIVE=1``: no library, PyTorch everywhere; ``PAGEDLLM_ENABLE_AMX=1``: on a
-CPU with AMX-BF16, w4a8's GEMM from 32 rows takes bfloat16 tile products (``amx.h``; off by
-default: a row's bits then depend on how many rows its call has). Only the wrappers
+``PAGEDLLM_DISABLE_NATIVE=1``: no library, PyTorch everywhere; ``PAGEDLLM_DISABLE_AMX=1``: on a
+CPU with AMX-BF16, w4a8's prompt rows keep the int8 tiles instead of bfloat16 tile products
+(``amx.h``). Only the wrappers
 (``kernels.attention``, ``elementwise``, ``linear``, ``decoder``) call into the library.
 """
 
@@ -176,7 +176,7 @@ def _load_or_failure(isa: str) -> ctypes.CDLL | build.BuildFailed:
         missing = set(lib.pagedllm_requires().decode().split()) - cpu_flags()
         if missing:
             raise abi.ABIMismatch(f"{build.library_path(isa)} needs {', '.join(sorted(missing))}, which this CPU lacks")
-        lib.gemm_amx(1 if build.env_switch("PAGEDLLM_ENABLE_AMX") else 0)
+        lib.gemm_amx(0 if build.env_switch("PAGEDLLM_DISABLE_AMX") else 1)
         return lib
     except abi.ABIMismatch as e:  # a stale or foreign file: never call into it
         logger.warning("%s native kernels skipped: %s", isa, e)

@@ -28,11 +28,9 @@ Q8_0_BLOCK_BYTES = 2 + QUANT_GROUP  # a GGUF Q8_0 block: float16 d, then QUANT_G
 
 
 def amx_tiles(enable: bool | None = None) -> bool:
-    """Whether ``linear_q4a8`` runs Intel AMX tiles in bfloat16 from 32 rows of x (csrc/amx.h):
-    the CPU has AMX-BF16, Linux granted its tile state, and ``PAGEDLLM_ENABLE_AMX=1`` (read
-    when the library loads) or ``enable=True`` switched them on (``enable=False``: off). Off by
-    default: the tiles' bits differ from the vector tiles', so a row's result would depend on
-    whether its call has 32 rows, and a prompt's on how it was chunked (a prefix-cache hit).
+    """Whether ``linear_q4a8``'s prompt rows run Intel AMX tiles in bfloat16 (csrc/amx.h): the
+    CPU has AMX-BF16, Linux granted its tile state, and neither ``PAGEDLLM_DISABLE_AMX=1`` (read
+    when the library loads) nor ``enable=False`` switched them off (``enable=True``: on again).
 
     Raises:
         RuntimeError: no native library here.
@@ -185,11 +183,15 @@ def linear_w8a8(x: torch.Tensor, packed: W8A8Packed, bias: torch.Tensor | None, 
     return _gemm(require().linear_w8a8, x, packed, bias, out_features)
 
 
-def linear_q4a8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def linear_q4a8(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, prompt_from: int | None = None
+) -> torch.Tensor:
     """``x @ w.T + bias`` on ``linear_pack_q4a8``'s panels, x quantized to int8 per row and
     group of 32 on the fly (llama.cpp's Q4_1 x Q8_1 dot product): x [M, K] float32 (rows at
-    any stride) -> [M, out_features] float32. From 32 rows where ``amx_tiles()``: x and the
-    weights rounded to bfloat16 instead, their products summed in float32 (AMX's tiles).
+    any stride) -> [M, out_features] float32. Rows from ``prompt_from`` on (None: none) are
+    prompt tokens: where ``amx_tiles()``, x and the weights are rounded to bfloat16 for them
+    instead, their products summed in float32 (AMX's tiles). A row's result never depends on
+    the other rows of the call.
 
     Args:
         bias: float32 padded to whole panels ([ceil(N / 32) * 32]), or None.
@@ -200,7 +202,8 @@ def linear_q4a8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     """
     x = _rows(x)
     _check_q4a8(packed, out_features, x.shape[1], bias)
-    return _gemm(require().linear_q4a8, x, (packed,), bias, out_features)
+    rows = x.shape[0]
+    return _gemm(require().linear_q4a8, x, (packed,), bias, out_features, rows if prompt_from is None else prompt_from)
 
 
 def linear_q8a8(x: torch.Tensor, packed: Q8A8Packed, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
@@ -257,11 +260,13 @@ def _gemm(
     weights: tuple[torch.Tensor, ...],
     bias: torch.Tensor | None,
     out_features: int,
+    *extra: int,
 ) -> torch.Tensor:
-    """y [M, out_features] = kernel(x, its packed weight tensors, bias): the call every GEMM shares."""
+    """y [M, out_features] = kernel(x, its packed weight tensors, bias, ..., ``extra``): the call
+    every GEMM shares."""
     m, k = x.shape
     y = x.new_empty(m, out_features)
-    kernel(ptr(x), x.stride(0), *(ptr(w) for w in weights), ptr_or_none(bias), ptr(y), m, out_features, k)
+    kernel(ptr(x), x.stride(0), *(ptr(w) for w in weights), ptr_or_none(bias), ptr(y), m, out_features, k, *extra)
     return y
 
 

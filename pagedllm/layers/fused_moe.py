@@ -27,6 +27,7 @@ from pagedllm.kernels.kquant import LINEAR_KQUANT
 from pagedllm.kernels.linear import LINEAR_F32, LINEAR_Q4A8, LINEAR_Q8A8, LINEAR_W8A8, linear_desc, linear_pack_f32
 from pagedllm.kernels.moe import NativeMoE, fused_moe
 from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.quantization.linear import prompt_rows
 
 # The layer kinds csrc/moe.cpp runs an expert on.
 _MOE_KINDS = (LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8, LINEAR_KQUANT, LINEAR_Q8A8)
@@ -125,8 +126,9 @@ class FusedMoE(nn.Module):
         """PyTorch, expert by expert: each active expert runs on its own tokens."""
         weights, experts = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
         out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            token, slot = (experts == e).nonzero(as_tuple=True)
-            y = self.experts[e](x[token])
-            out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+        with prompt_rows(None):  # an expert's rows are not the step's (the native block's kernels, too)
+            for e in experts.unique().tolist():
+                token, slot = (experts == e).nonzero(as_tuple=True)
+                y = self.experts[e](x[token])
+                out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
         return out

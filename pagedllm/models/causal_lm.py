@@ -12,6 +12,7 @@ from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.distributed.sharding import ModelShard
 from pagedllm.layers.attention import AttentionMetadata, KVCache
 from pagedllm.layers.lora import LoRABatch
+from pagedllm.layers.quantization.linear import prompt_rows
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
 from pagedllm.models.native_decoder import NativeDecoder
 
@@ -61,6 +62,7 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: list[AttentionMetadata],
+        prompt_from: int | None = None,
     ) -> torch.Tensor:
         """One step over all scheduled tokens of all requests, flattened.
 
@@ -71,6 +73,8 @@ class CausalLM(nn.Module):
                 [num_blocks, block_size, num_kv_heads, head_dim] in the model's dtype.
             attn_metadata: per layer, the step's paged-attention metadata (layers of one
                 KV cache group share one; see ``worker/kv_cache.build_attention_metadata``).
+            prompt_from: the first of the trailing rows that are prompt chunks, which linear
+                layers with a prompt kernel compute on it (``W4A8Linear``); None: none.
 
         Returns:
             [T, hidden_size] final hidden states (after the last norm), in the model's dtype.
@@ -81,15 +85,16 @@ class CausalLM(nn.Module):
         if self.native_decoder:
             tables = self.rotary_emb.cos_sin[positions]
             local = tables if self.rotary_emb_local is None else self.rotary_emb_local.cos_sin[positions]
-            hidden = self.native_decoder(x, (tables, local), kv_caches, attn_metadata, self.lora_batch)
+            hidden = self.native_decoder(x, (tables, local), kv_caches, attn_metadata, self.lora_batch, prompt_from)
             if hidden is not None:
                 return hidden
         cos_sin = self.rotary_emb(positions)
         cos_sin_local = cos_sin if self.rotary_emb_local is None else self.rotary_emb_local(positions)
         residual = None
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata, strict=True):
-            cos, sin = cos_sin_local if getattr(layer, "is_sliding", False) else cos_sin
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        with prompt_rows(prompt_from):
+            for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata, strict=True):
+                cos, sin = cos_sin_local if getattr(layer, "is_sliding", False) else cos_sin
+                x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 

@@ -118,10 +118,12 @@ class NativeDecoder:
         kv_caches: list[KVCache],
         attn_metadata: list[AttentionMetadata],
         lora: LoRABatch | None = None,
+        prompt_from: int | None = None,
     ) -> torch.Tensor | None:
         """The model's forward for a step: ``stream`` [T, hidden] its (scaled) embeddings,
         ``cos_sin`` the global and local RoPE tables' rows for its positions ([T, 2, 1,
-        rotary_dim] each), ``lora`` the step's adapter runs (the model's LoRA layers'); the final
+        rotary_dim] each), ``lora`` the step's adapter runs (the model's LoRA layers'),
+        ``prompt_from`` the first row of its prompt chunks (``CausalLM.forward``); the final
         hidden states, or None, with nothing computed, for a step the kernels cannot take
         (multi-token requests with blocks larger than ``kernels.attention.MAX_PREFILL_BLOCK``,
         caches they cannot read)."""
@@ -148,6 +150,7 @@ class NativeDecoder:
             metas[0].decode_seq_lens,
             [meta.prefill_block_tables for meta in metas] if prefills else None,
             metas[0].prefill_spans,
+            prompt_from,
         )
 
     def _lora(self, lora: LoRABatch) -> ctypes.POINTER(LoRAStep):

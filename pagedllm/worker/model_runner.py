@@ -125,7 +125,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.begin_step(step.requests)
         hidden = self.model(
-            torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), self.kv_caches, meta
+            torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), self.kv_caches, meta,
+            len(token_ids) - step.num_prompt_rows,
         )
         return self.model.compute_logits(hidden[step.logit_rows]) if step.logit_rows else None
 

@@ -35,14 +35,18 @@ class StepInput(msgspec.Struct, array_like=True):
     """One step for every rank, or the order to stop.
 
     Attributes:
-        requests: the scheduled requests in forward order: decodes first, each kind ordered
-            by LoRA adapter id (the base model's first), so each adapter's tokens form runs.
+        requests: the scheduled requests in forward order: decodes first, then the others
+            past their prompts (speculative verification, a recomputed request's outputs),
+            then prompt chunks; each kind ordered by LoRA adapter id (the base model's first),
+            so each adapter's tokens form runs.
         block_updates: changes to the block tables of those requests, applied in order.
         finished_req_ids: requests whose tables are dropped, before the updates apply.
         logit_rows: rows of the step's hidden states the logits are computed for, in order.
         shutdown: leave the step loop (every other field empty).
         num_decodes: the leading requests that are decodes: one token past the prompt
             (``is_decode``).
+        num_prompt_rows: the trailing rows that are prompt chunks' (``in_prompt``), which
+            linear layers with a prompt kernel compute on it (``kernels.linear.linear_q4a8``).
     """
 
     requests: list[RequestTokens] = []
@@ -51,6 +55,7 @@ class StepInput(msgspec.Struct, array_like=True):
     logit_rows: list[int] = []
     shutdown: bool = False
     num_decodes: int = 0
+    num_prompt_rows: int = 0
 
 
 @dataclass
@@ -84,15 +89,30 @@ def is_decode(s: ScheduledRequest) -> bool:
     return s.num_new_tokens == 1 and s.num_computed_before >= s.request.num_prompt_tokens
 
 
+def in_prompt(s: ScheduledRequest) -> bool:
+    """Whether a scheduled request's tokens are a chunk of its prompt (from its first token on,
+    after a prefix-cache hit, or after a preemption with its outputs recomputed behind it): they
+    take the prompt kernels whatever the chunking, so a prompt's bits do not depend on it
+    (README, "Linear layers"); decode and speculative rows never do."""
+    return s.num_computed_before < s.request.num_prompt_tokens
+
+
+def forward_order(sched: SchedulerOutput) -> list[int]:
+    """The indices of ``sched.scheduled`` in the step's row order: decodes first (the attention
+    batches them in one call), prompt chunks last (one run of rows for their kernels), the
+    other requests between; within each, by LoRA adapter id (one run per adapter)."""
+    def key(i: int) -> tuple[int, int]:
+        s = sched.scheduled[i]
+        kind = 0 if is_decode(s) else 2 if in_prompt(s) else 1
+        return kind, 0 if s.request.lora_request is None else s.request.lora_request.id
+
+    return sorted(range(len(sched.scheduled)), key=key)
+
+
 def build_step(sched: SchedulerOutput) -> tuple[StepInput, SamplePlan]:
     """The step every rank runs for ``sched``, and rank 0's plan for its logits. Advances each
     planned request's ``num_scored_prompt_tokens`` past the prompt positions the plan scores."""
-    # Decodes first: the attention batches them in one call; then by adapter: one LoRA run each.
-    def key(i: int) -> tuple[bool, int]:
-        s = sched.scheduled[i]
-        return not is_decode(s), 0 if s.request.lora_request is None else s.request.lora_request.id
-
-    order = sorted(range(len(sched.scheduled)), key=key)
+    order = forward_order(sched)
     requests: list[RequestTokens] = []
     updates: list[BlockTableUpdate] = []
     plan = SamplePlan()
@@ -127,8 +147,10 @@ def build_step(sched: SchedulerOutput) -> tuple[StepInput, SamplePlan]:
             plan.sample.append((i, s))
     plan.num_sample, plan.num_verify = len(sample_idx), len(verify_idx)
     num_decodes = sum(is_decode(s) for s in sched.scheduled)
+    num_prompt_rows = sum(s.num_new_tokens for s in sched.scheduled if in_prompt(s))
     step = StepInput(
-        requests, updates, sched.finished_req_ids, sample_idx + verify_idx + prompt_idx, num_decodes=num_decodes
+        requests, updates, sched.finished_req_ids, sample_idx + verify_idx + prompt_idx,
+        num_decodes=num_decodes, num_prompt_rows=num_prompt_rows,
     )
     return step, plan
 

@@ -165,7 +165,7 @@ void test_linear() {
   std::vector<uint8_t> q4(panels * G * (8 * 64 + 4 * 32));
   linear_pack_q4a8(codes.data(), d16.data(), m16.data(), q4.data(), N, K);
   std::fill(y.begin(), y.end(), 0.f);
-  linear_q4a8(xs_rows.data(), ldx, q4.data(), bias.data(), y.data(), M, N, K);
+  linear_q4a8(xs_rows.data(), ldx, q4.data(), bias.data(), y.data(), M, N, K, M);
   check("linear_q4a8", max_error(y, ref), 1e-4f);
 
   // q8a8: GGUF Q8_0 blocks (float16 d, 32 int8 codes in [-127, 127]) of K8 = 96 weights a row

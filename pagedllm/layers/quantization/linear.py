@@ -17,6 +17,9 @@ Also the layers on our native integer GEMMs (csrc/linear.cpp, csrc/kquant.cpp): 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -34,6 +37,20 @@ from pagedllm.layers.quantization.weights import (
 
 _aten = torch.ops.aten
 _INT4_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants N % 16 == 0
+_prompt_from: int | None = None  # set by prompt_rows
+
+
+@contextlib.contextmanager
+def prompt_rows(first: int | None) -> Iterator[None]:
+    """Within it, ``W4A8Linear`` layers called on a step's rows take rows ``first`` on as prompt
+    tokens, on their prompt kernel, as the one-call decoder does (``CausalLM.forward``). A caller
+    that passes a layer other rows (an expert's tokens) sets None: no prompt rows."""
+    global _prompt_from
+    was, _prompt_from = _prompt_from, first
+    try:
+        yield
+    finally:
+        _prompt_from = was
 
 
 class QuantizedLinear(nn.Module):
@@ -186,8 +203,10 @@ class W4A8Linear(QuantizedLinear):
         self.register_buffer("padded_bias", None if bias is None else pad_to_panels(bias.detach().float()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
-        return kernels.linear_q4a8(x.float(), self.packed, self.padded_bias, self.out_features).to(x.dtype)
+        """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype; the
+        step's prompt rows (``prompt_rows``) on the prompt kernel."""
+        y = kernels.linear_q4a8(x.float(), self.packed, self.padded_bias, self.out_features, _prompt_from)
+        return y.to(x.dtype)
 
     def native_desc(self) -> kernels.LinearDesc:
         """This layer for the one-call decoder (``kernels.decoder.decode_layers``)."""
