@@ -158,25 +158,37 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
     const __m512 b[2] = {bias ? _mm512_loadu_ps(bias + p * NB) : _mm512_setzero_ps(),
                          bias ? _mm512_loadu_ps(bias + p * NB + kTile) : _mm512_setzero_ps()};
     for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
       const uint16_t* a = xs + m0 * Kp;  // two A tiles' rows: [2][G][16][32]
-      for (int64_t g = 0; g < G; ++g) {
-        _tile_loadd(4, a + g * kTileX, 64);
-        _tile_loadd(5, a + (G + g) * kTileX, 64);
-        _tile_loadd(6, wb.data() + g * kGroupB, 64);
-        _tile_loadd(7, wb.data() + g * kGroupB + kBRows * NB, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+      if (M - m0 <= kTile) {  // the last rows fit one A tile: half the products (a short prompt)
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t g = 0; g < G; ++g) {
+          _tile_loadd(4, a + g * kTileX, 64);
+          _tile_loadd(6, wb.data() + g * kGroupB, 64);
+          _tile_loadd(7, wb.data() + g * kGroupB + kBRows * NB, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t g = 0; g < G; ++g) {
+          _tile_loadd(4, a + g * kTileX, 64);
+          _tile_loadd(5, a + (G + g) * kTileX, 64);
+          _tile_loadd(6, wb.data() + g * kGroupB, 64);
+          _tile_loadd(7, wb.data() + g * kGroupB + kBRows * NB, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, &sums[kTile][0], NB * 4);
+        _tile_stored(3, &sums[kTile][kTile], NB * 4);
       }
       _tile_stored(0, &sums[0][0], NB * 4);
       _tile_stored(1, &sums[0][kTile], NB * 4);
-      _tile_stored(2, &sums[kTile][0], NB * 4);
-      _tile_stored(3, &sums[kTile][kTile], NB * 4);
       for (int64_t r = 0; r < 2 * kTile && m0 + r < M; ++r) {
         float* out = y + (m0 + r) * N + p * NB;
         _mm512_mask_storeu_ps(out, live[0], _mm512_add_ps(_mm512_load_ps(&sums[r][0]), b[0]));
