@@ -62,6 +62,6 @@ def test_env_says_whether_prompt_rows_take_amx(
     main(["env"])
     rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
     amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
-    assert rows["w4a8 prompt rows on AMX tiles"].strip() == (
+    assert rows["int8 layers' prompt rows on AMX tiles"].strip() == (
         "no: PAGEDLLM_DISABLE_AMX=1" if amx else "no: this CPU has no AMX-BF16"
     )

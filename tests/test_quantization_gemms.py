@@ -81,28 +81,34 @@ def test_w4a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
         assert (y - exact).norm() / exact.norm() < 0.1  # 4-bit weights: about 4% on Gaussian ones
 
 
+@pytest.mark.parametrize("kind", ["w4a8", "w8a8"])
 @pytest.mark.parametrize("n,k", INT8_SHAPES)
-def test_w4a8_prompt_rows_on_amx_tiles(n, k, native_isa) -> None:
+def test_prompt_rows_on_amx_tiles(n, k, kind, native_isa) -> None:
     """Where the library runs AMX (Intel, AMX-BF16), a step's prompt rows (``prompt_rows``)
-    are x and the weights ``d * q + m`` rounded to bfloat16, their products summed in float32:
-    equal to that in float64 to float32's rounding, nearer F.linear than the int8 scheme, and
-    each row's bits the same however many rows share the call (1 to 77, tiles cut short);
-    the rows before them keep the int8 scheme's bits. Rows at a stride, ragged panels and
-    groups."""
+    are x rounded to bfloat16 times the weights in bfloat16 (w4a8's ``d * q + m``, w8a8's codes,
+    exact, then the column's scale), their products summed in float32: equal to that in
+    float64 to float32's rounding, nearer F.linear than the int8 scheme, and each row's bits the
+    same however many rows share the call (1 to 77, tiles cut short); the rows before them keep
+    the int8 scheme's bits. Rows at a stride, ragged panels and groups."""
     if not linear_kernels.amx_tiles():
         pytest.skip("no AMX tiles on this CPU or library (or PAGEDLLM_DISABLE_AMX=1)")
     gen = torch.Generator().manual_seed(k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    qw = quantize_q4a8(w)
-    layer = W4A8Linear(qw, b)
-    wd = (qw.scales.repeat_interleave(32, 1)[:, :k] * qw.q.float() + qw.mins.repeat_interleave(32, 1)[:, :k])
-    bf = wd.bfloat16().double()
+    if kind == "w4a8":
+        qw = quantize_q4a8(w)
+        layer = W4A8Linear(qw, b)
+        wd = qw.scales.repeat_interleave(32, 1)[:, :k] * qw.q.float() + qw.mins.repeat_interleave(32, 1)[:, :k]
+        weights = wd.bfloat16().double()
+    else:
+        layer = W8A8Linear(w, b)
+        amax = w.abs().amax(-1, keepdim=True)
+        weights = torch.round(w * (127 / amax)).double() * (amax / 127).double()  # codes, scaled
     x = torch.randn(77, k + 9, generator=gen)[:, :k] * torch.linspace(0.1, 3, k)
     vector = layer(x)
     with prompt_rows(0):
         y = layer(x)
-    ref = x.bfloat16().double() @ bf.T + b
-    magnitude = x.bfloat16().double().abs() @ bf.abs().T + b.abs()
+    ref = x.bfloat16().double() @ weights.T + b
+    magnitude = x.bfloat16().double().abs() @ weights.abs().T + b.abs()
     assert ((y.double() - ref).abs() <= 1e-6 * magnitude + 1e-6).all()
     exact = torch.nn.functional.linear(x, w, b)
     assert (y - exact).norm() <= (vector - exact).norm() * 1.01

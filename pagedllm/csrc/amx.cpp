@@ -1,8 +1,9 @@
-// w4a8's GEMM for prompt rows on Intel AMX tiles in bfloat16 (amx.h).
+// The GEMMs of w4a8's and w8a8's prompt rows on Intel AMX tiles in bfloat16 (amx.h).
 //
-// Per 32-column panel (the threads split the panels): its Q4 codes, d and m are decoded once
-// into bfloat16 weights laid out as AMX's B operand (per group of 32 k and half panel, 16 rows
-// of k pairs x 16 columns x 2), then every 32 rows of x (converted once per call to bfloat16,
+// Per 32-column panel (the threads split the panels): its weights are decoded once into
+// bfloat16 laid out as AMX's B operand (per group of 32 k and half panel, 16 rows of k pairs x
+// 16 columns x 2): w4a8's d q + m, w8a8's codes q (its column scales multiply the sums), then
+// every 32 rows of x (converted once per call to bfloat16,
 // zero padded to whole tiles and groups) take 4 tile products per group: rows 0-15 and 16-31
 // by columns 0-15 and 16-31, float32 sums kept in 4 tiles over all of K and stored once.
 #include "amx.h"
@@ -104,14 +105,25 @@ void to_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int6
   }, 17);
 }
 
-// One panel's G groups of Q4_BYTES -> bfloat16 weights d q + m as B tiles take them:
-// [G][2 halves][16 k pairs][16 columns][2].
-void unpack(const uint8_t* panel, int64_t G, uint16_t* b) {
-  // Word i of a pair row: column i / 2, k pair element i % 2 (from [w0 x 16 | w1 x 16]).
+// Word i of a B tile's row: column i / 2, element i % 2 of its k pair, from [k0 x 16 | k1 x 16].
+__m512i pair_order() {
   alignas(64) uint16_t order[32];
   for (int i = 0; i < 32; ++i) order[i] = static_cast<uint16_t>(i % 2 * 16 + i / 2);
-  const __m512i interleave = _mm512_load_si512(order), low4 = _mm512_set1_epi32(0x0F0F0F0F);
-  const __m512i byte = _mm512_set1_epi32(0xFF);
+  return _mm512_load_si512(order);
+}
+
+// w[j]: k = 4 q + j of 16 columns -> rows 2 q and 2 q + 1 of a B tile at out (k pairs 2 q, 2 q + 1).
+inline void store_quad(const __m512 (&w)[4], __m512i order, uint16_t* out) {
+  for (int t = 0; t < 2; ++t) {
+    const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(w[2 * t + 1], w[2 * t]);
+    _mm512_storeu_si512(out + t * NB, _mm512_permutexvar_epi16(order, pair));
+  }
+}
+
+// One w4a8 panel's G groups of Q4_BYTES -> bfloat16 weights d q + m as B tiles take them:
+// [G][2 halves][16 k pairs][16 columns][2].
+void unpack_q4(const uint8_t* panel, int64_t G, uint16_t* b) {
+  const __m512i order = pair_order(), low4 = _mm512_set1_epi32(0x0F0F0F0F), byte = _mm512_set1_epi32(0xFF);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* pg = panel + g * Q4_BYTES;
     const uint16_t* dm = reinterpret_cast<const uint16_t*>(pg + Q4_NIBBLES);
@@ -125,19 +137,35 @@ void unpack(const uint8_t* panel, int64_t G, uint16_t* b) {
         __m512 w[4];
         for (int j = 0; j < 4; ++j)
           w[j] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 8 * j), byte)), m);
-        for (int t = 0; t < 2; ++t) {
-          const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(w[2 * t + 1], w[2 * t]);
-          _mm512_storeu_si512(out + (2 * q + t) * NB, _mm512_permutexvar_epi16(interleave, pair));
-        }
+        store_quad(w, order, out + 2 * q * NB);
       }
     }
   }
 }
 
-}  // namespace
+// One w8a8 panel ([G * QG / 4][32][4] stored codes, gemm.h's stored_code) -> its codes q as
+// bfloat16 (exact: |q| <= 127), laid out as unpack_q4's; the columns' scales apply to the sums.
+void unpack_w8a8(const int8_t* panel, int64_t G, uint16_t* b) {
+  const __m512i order = pair_order(), flip = _mm512_set1_epi32(gemm::kDotXSums ? int(0x80808080) : 0);
+  for (int64_t g = 0; g < G; ++g)
+    for (int h = 0; h < 2; ++h) {
+      uint16_t* out = b + g * kGroupB + h * kBRows * NB;
+      for (int64_t q = 0; q < QG / 4; ++q) {  // quad q: lane c holds k = 4 q .. 4 q + 3 of column 16 h + c
+        const int8_t* quad = panel + ((g * QG / 4 + q) * NB + kTile * h) * 4;
+        const __m512i codes = _mm512_xor_si512(_mm512_loadu_si512(quad), flip);
+        __m512 w[4];
+        for (int j = 0; j < 4; ++j)
+          w[j] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(codes, 24 - 8 * j), 24));
+        store_quad(w, order, out + 2 * q * NB);
+      }
+    }
+}
 
-void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
-                 int64_t K) {
+// y = x w^T (times wscale per column where not null) + bias on AMX tiles, for linear_q4a8 and
+// linear_w8a8: unpack(p, b) writes panel p's weights as B tiles (unpack_q4's layout).
+template <typename Unpack>
+void gemm(const float* x, int64_t ldx, const float* wscale, const float* bias, float* y, int64_t M, int64_t N,
+          int64_t K, Unpack unpack) {
   const int64_t G = (K + QG - 1) / QG, Kp = G * QG, Mp = (M + 2 * kTile - 1) / (2 * kTile) * (2 * kTile);
   // Kept from call to call (the caller's thread's): fresh pages for every call cost as much
   // as a layer's GEMM here.
@@ -149,7 +177,7 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
   par::parallel_for(panels, [&](int64_t p) {
     static thread_local std::vector<uint16_t> wb;
     wb.resize(static_cast<size_t>(G * kGroupB));
-    unpack(packed + p * G * Q4_BYTES, G, wb.data());
+    unpack(p, wb.data());
     _tile_loadconfig(&kConfig);
     const int64_t ncols = std::min<int64_t>(NB, N - p * NB);
     alignas(64) float sums[2 * kTile][NB];
@@ -157,6 +185,8 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
     const __mmask16 live[2] = {columns(ncols), columns(ncols - kTile)};  // y's columns in each half
     const __m512 b[2] = {bias ? _mm512_loadu_ps(bias + p * NB) : _mm512_setzero_ps(),
                          bias ? _mm512_loadu_ps(bias + p * NB + kTile) : _mm512_setzero_ps()};
+    const __m512 ws[2] = {wscale ? _mm512_loadu_ps(wscale + p * NB) : _mm512_set1_ps(1.f),
+                          wscale ? _mm512_loadu_ps(wscale + p * NB + kTile) : _mm512_set1_ps(1.f)};
     for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile) {
       const uint16_t* a = xs + m0 * Kp;  // two A tiles' rows: [2][G][16][32]
       if (M - m0 <= kTile) {  // the last rows fit one A tile: half the products (a short prompt)
@@ -191,12 +221,26 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
       _tile_stored(1, &sums[0][kTile], NB * 4);
       for (int64_t r = 0; r < 2 * kTile && m0 + r < M; ++r) {
         float* out = y + (m0 + r) * N + p * NB;
-        _mm512_mask_storeu_ps(out, live[0], _mm512_add_ps(_mm512_load_ps(&sums[r][0]), b[0]));
-        _mm512_mask_storeu_ps(out + kTile, live[1], _mm512_add_ps(_mm512_load_ps(&sums[r][kTile]), b[1]));
+        _mm512_mask_storeu_ps(out, live[0], _mm512_fmadd_ps(_mm512_load_ps(&sums[r][0]), ws[0], b[0]));
+        _mm512_mask_storeu_ps(out + kTile, live[1], _mm512_fmadd_ps(_mm512_load_ps(&sums[r][kTile]), ws[1], b[1]));
       }
     }
     _tile_release();
   });
+}
+
+}  // namespace
+
+void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
+                 int64_t K) {
+  const int64_t G = (K + QG - 1) / QG;
+  gemm(x, ldx, nullptr, bias, y, M, N, K, [&](int64_t p, uint16_t* b) { unpack_q4(packed + p * G * Q4_BYTES, G, b); });
+}
+
+void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const float* bias, float* y,
+                 int64_t M, int64_t N, int64_t K) {
+  const int64_t G = (K + QG - 1) / QG;
+  gemm(x, ldx, wscale, bias, y, M, N, K, [&](int64_t p, uint16_t* b) { unpack_w8a8(packed + p * G * QG * NB, G, b); });
 }
 
 }  // namespace amx
@@ -205,5 +249,6 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
 #else
 namespace amx {
 void linear_q4a8(const float*, int64_t, const uint8_t*, const float*, float*, int64_t, int64_t, int64_t) {}
+void linear_w8a8(const float*, int64_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t) {}
 }  // namespace amx
 #endif

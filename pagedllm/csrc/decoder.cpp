@@ -25,14 +25,14 @@
 
 namespace {
 
-// y = layer l of x's M rows; rows from prompt_from on are prompt tokens (linear_q4a8's).
+// y = layer l of x's M rows; rows from prompt_from on are prompt tokens (linear_w8a8's, linear_q4a8's).
 void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t M, int64_t prompt_from) {
   switch (l.kind) {
     case PAGEDLLM_LINEAR_F32:
       linear_f32(x, ldx, static_cast<const float*>(l.w), l.bias, y, M, l.n, l.k);
       break;
     case PAGEDLLM_LINEAR_W8A8:
-      linear_w8a8(x, ldx, static_cast<const int8_t*>(l.w), l.wscale, l.bias, y, M, l.n, l.k);
+      linear_w8a8(x, ldx, static_cast<const int8_t*>(l.w), l.wscale, l.bias, y, M, l.n, l.k, prompt_from);
       break;
     case PAGEDLLM_LINEAR_Q4A8:
       linear_q4a8(x, ldx, static_cast<const uint8_t*>(l.w), l.bias, y, M, l.n, l.k, prompt_from);

@@ -119,9 +119,16 @@ void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed, wscale from
 // linear_pack_w8a8; bias: null or float32 padded to ceil(N/32)*32. Each row of x is
 // quantized on the fly, symmetric per group of QG k (scale = max|x| / 127, codes rounded to
-// nearest even), as llama.cpp's Q8_0 activations are.
+// nearest even), as llama.cpp's Q8_0 activations are; rows from prompt_from on go to the AMX
+// tiles instead where they run (pagedllm_abi.h).
 void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const float* bias, float* y,
-                 int64_t M, int64_t N, int64_t K) {
+                 int64_t M, int64_t N, int64_t K, int64_t prompt_from) {
+  prompt_from = std::clamp<int64_t>(prompt_from, 0, M);
+  if (prompt_from < M && amx::active()) {
+    amx::linear_w8a8(x + prompt_from * ldx, ldx, packed, wscale, bias, y + prompt_from * N, M - prompt_from, N, K);
+    M = prompt_from;
+    if (M == 0) return;
+  }
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
   if constexpr (kGemmRowsI8Wide > 0) {
     if (M >= kWideRows) return linear_w8a8_wide<kGemmRowsI8Wide>(x, ldx, packed, wscale, bias, y, M, N, K);

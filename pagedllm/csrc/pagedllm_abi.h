@@ -243,8 +243,9 @@ void linear_f32(const float* x, int64_t ldx, const float* packed, const float* b
 /* w [N, K] -> int8 codes symmetric per row (scale max|w| / 127, or rowmax / 127 where not
  * null: [N] float32) in the panels' byte encoding for this library's ISA, and the rows' scales. */
 void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float* wscale, int64_t N, int64_t K);
+/* Rows prompt_from .. M - 1 of x: as linear_q4a8's below. */
 void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const float* bias, float* y,
-                 int64_t M, int64_t N, int64_t K);
+                 int64_t M, int64_t N, int64_t K, int64_t prompt_from);
 /* q [N, K] 4-bit codes (uint8), d and m [N, ceil(K/32)] float16 -> w4a8 panels. */
 void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K);
 /* Rows prompt_from .. M - 1 of x are prompt tokens (pass M for none): where gemm_amx runs they
@@ -253,7 +254,7 @@ void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, ui
  * depend on the call's other rows. */
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K, int64_t prompt_from);
-/* linear_q4a8's prompt rows on AMX, where the CPU has AMX-BF16 and Linux grants the tiles
+/* linear_w8a8's and linear_q4a8's prompt rows on AMX, where the CPU has AMX-BF16 and Linux grants the tiles
  * (off until switched on; the Python loader switches it on unless PAGEDLLM_DISABLE_AMX=1):
  * mode 0 switches them off, 1 on, -1 leaves them; returns 1 where they run now, else 0. */
 int gemm_amx(int mode);
@@ -365,8 +366,8 @@ int lora_sgmv(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, con
 /* --- a whole decoder step (decoder.cpp) --- */
 
 /* A step of T tokens: B decodes (one token each) first, then P requests of several tokens
- * (speculative verification, then prefill chunks from row prompt_from: w4a8's prompt rows,
- * linear_q4a8's; T for none). stream [T, hidden]: embeddings in, residual
+ * (speculative verification, then prefill chunks from row prompt_from: the prompt rows of
+ * w8a8 and w4a8 layers, linear_w8a8's and linear_q4a8's; T for none). stream [T, hidden]: embeddings in, residual
  * stream out; cos_sin: two [T, 2, rotary_dim] tables (global, local); groups: one per KV cache group;
  * seq_lens [B]: the decodes' keys; spans [3, P]: per multi-token request its first row, its
  * row count and its keys after the step (null when P is 0); out [T, hidden]: the final norm's

@@ -51,7 +51,7 @@ def report(load: bool = False) -> list[tuple[str, str]]:
     for variant in variants:
         rows.append((f"kernels {variant}", _variant_state(variant, variant in runnable)))
     rows.append(("kernels chosen", _chosen(runnable, load)))
-    rows.append(("w4a8 prompt rows on AMX tiles", _amx(flags, load)))
+    rows.append(("int8 layers' prompt rows on AMX tiles", _amx(flags, load)))
     rows += [
         ("pagedllm cache (kernels, models)", str(build.cache_dir())),
         ("huggingface cache", os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))),
@@ -105,7 +105,7 @@ def _chosen(runnable: list[str], load: bool) -> str:
 
 
 def _amx(flags: frozenset[str], load: bool) -> str:
-    """Whether w4a8's prompt rows take AMX's bfloat16 tiles (``kernels.linear.amx_tiles``)."""
+    """Whether w8a8's and w4a8's prompt rows take AMX's bfloat16 tiles (``kernels.linear.amx_tiles``)."""
     from pagedllm.kernels import build, library, linear
 
     if not {"amx_tile", "amx_bf16"} <= flags:

@@ -28,9 +28,10 @@ Q8_0_BLOCK_BYTES = 2 + QUANT_GROUP  # a GGUF Q8_0 block: float16 d, then QUANT_G
 
 
 def amx_tiles(enable: bool | None = None) -> bool:
-    """Whether ``linear_q4a8``'s prompt rows run Intel AMX tiles in bfloat16 (csrc/amx.h): the
-    CPU has AMX-BF16, Linux granted its tile state, and neither ``PAGEDLLM_DISABLE_AMX=1`` (read
-    when the library loads) nor ``enable=False`` switched them off (``enable=True``: on again).
+    """Whether ``linear_w8a8``'s and ``linear_q4a8``'s prompt rows run Intel AMX tiles in bfloat16
+    (csrc/amx.h): the CPU has AMX-BF16, Linux granted its tile state, and neither
+    ``PAGEDLLM_DISABLE_AMX=1`` (read when the library loads) nor ``enable=False`` switched them
+    off (``enable=True``: on again).
 
     Raises:
         RuntimeError: no native library here.
@@ -166,9 +167,14 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     return _gemm(require().linear_f32, x, (packed,), bias, out_features)
 
 
-def linear_w8a8(x: torch.Tensor, packed: W8A8Packed, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def linear_w8a8(
+    x: torch.Tensor, packed: W8A8Packed, bias: torch.Tensor | None, out_features: int, prompt_from: int | None = None
+) -> torch.Tensor:
     """``x @ w.T + bias`` with x quantized to int8 per row and group of 32 on the fly: x
-    [M, K] float32 (rows at any stride) -> [M, out_features] float32.
+    [M, K] float32 (rows at any stride) -> [M, out_features] float32. Rows from ``prompt_from``
+    on (None: none) are prompt tokens: where ``amx_tiles()``, x is rounded to bfloat16 for them
+    instead and multiplies the weights' codes in AMX's tiles (float32 sums, times the column's
+    scale). A row's result never depends on the other rows of the call.
 
     Args:
         packed: ``linear_pack_w8a8``'s two tensors.
@@ -180,7 +186,8 @@ def linear_w8a8(x: torch.Tensor, packed: W8A8Packed, bias: torch.Tensor | None, 
     """
     x = _rows(x)
     _check_w8a8(packed, out_features, x.shape[1], bias)
-    return _gemm(require().linear_w8a8, x, packed, bias, out_features)
+    rows = x.shape[0]
+    return _gemm(require().linear_w8a8, x, packed, bias, out_features, rows if prompt_from is None else prompt_from)
 
 
 def linear_q4a8(

@@ -46,7 +46,7 @@ class StepInput(msgspec.Struct, array_like=True):
         num_decodes: the leading requests that are decodes: one token past the prompt
             (``is_decode``).
         num_prompt_rows: the trailing rows that are prompt chunks' (``in_prompt``), which
-            linear layers with a prompt kernel compute on it (``kernels.linear.linear_q4a8``).
+            linear layers with a prompt kernel compute on it (``kernels.linear.linear_w8a8``).
     """
 
     requests: list[RequestTokens] = []

@@ -124,7 +124,7 @@ void test_linear() {
   std::vector<int8_t> q(panels * 32 * G * 32);
   std::vector<float> scale(panels * 32);
   linear_pack_w8a8(w.data(), nullptr, q.data(), scale.data(), N, K);
-  linear_w8a8(x.data(), K, q.data(), scale.data(), bias.data(), y.data(), M, N, K);
+  linear_w8a8(x.data(), K, q.data(), scale.data(), bias.data(), y.data(), M, N, K, M);
   check("linear_w8a8", max_error(y, ref), 1e-4f);
 
   // w4a8: codes in [0, 15] with float16 d, m per group (w = d q + m), x as for w8a8 (rows at

@@ -42,9 +42,10 @@ _prompt_from: int | None = None  # set by prompt_rows
 
 @contextlib.contextmanager
 def prompt_rows(first: int | None) -> Iterator[None]:
-    """Within it, ``W4A8Linear`` layers called on a step's rows take rows ``first`` on as prompt
-    tokens, on their prompt kernel, as the one-call decoder does (``CausalLM.forward``). A caller
-    that passes a layer other rows (an expert's tokens) sets None: no prompt rows."""
+    """Within it, ``W8A8Linear`` and ``W4A8Linear`` layers called on a step's rows take rows
+    ``first`` on as prompt tokens, on their prompt kernel, as the one-call decoder does
+    (``CausalLM.forward``). A caller that passes a layer other rows (an expert's tokens) sets
+    None: no prompt rows."""
     global _prompt_from
     was, _prompt_from = _prompt_from, first
     try:
@@ -164,8 +165,10 @@ class W8A8Linear(QuantizedLinear):
         self.register_buffer("padded_bias", None if bias is None else pad_to_panels(bias.detach().float()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
-        y = kernels.linear_w8a8(x.float(), (self.packed, self.wscale), self.padded_bias, self.out_features)
+        """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype; the
+        step's prompt rows (``prompt_rows``) on the prompt kernel."""
+        packed = (self.packed, self.wscale)
+        y = kernels.linear_w8a8(x.float(), packed, self.padded_bias, self.out_features, _prompt_from)
         return y.to(x.dtype)
 
     def native_desc(self) -> kernels.LinearDesc:
