@@ -5,12 +5,15 @@ GGUF Q4 blocks run as stored."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 
 from pagedllm.kernels import linear as linear_kernels
-from pagedllm.layers.quantization.linear import W4A8Linear, W8A8Linear, prompt_rows
+from pagedllm.layers.quantization.linear import Q8A8Linear, W4A8Linear, W8A8Linear, prompt_rows
 from pagedllm.layers.quantization.weights import Int4Weight, quantize_q4a8
+from tests.test_kquant import gguf_values
+from tests.test_q8a8 import quantizer_blocks
 
 
 # N, K with ragged panels and groups; the batches cover M = 1, partial micro-tiles on every
@@ -81,17 +84,20 @@ def test_w4a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
         assert (y - exact).norm() / exact.norm() < 0.1  # 4-bit weights: about 4% on Gaussian ones
 
 
-@pytest.mark.parametrize("kind", ["w4a8", "w8a8"])
+@pytest.mark.parametrize("kind", ["w4a8", "w8a8", "q8a8"])
 @pytest.mark.parametrize("n,k", INT8_SHAPES)
 def test_prompt_rows_on_amx_tiles(n, k, kind, native_isa) -> None:
     """Where the library runs AMX (Intel, AMX-BF16), a step's prompt rows (``prompt_rows``)
-    are x rounded to bfloat16 times the weights in bfloat16 (w4a8's ``d * q + m``, w8a8's codes,
-    exact, then the column's scale), their products summed in float32: equal to that in
-    float64 to float32's rounding, nearer F.linear than the int8 scheme, and each row's bits the
-    same however many rows share the call (1 to 77, tiles cut short); the rows before them keep
-    the int8 scheme's bits. Rows at a stride, ragged panels and groups."""
+    are x rounded to bfloat16 times the weights in bfloat16 (w4a8's ``d * q + m``, q8a8's
+    ``d * q``, w8a8's codes, exact, then the column's scale), their products summed in
+    float32: equal to that in float64 to float32's rounding, nearer F.linear than the int8
+    scheme, and each row's bits the same however many rows share the call (1 to 77, tiles cut
+    short); the rows before them keep the int8 scheme's bits. Rows at a stride, ragged panels
+    and groups."""
     if not linear_kernels.amx_tiles():
         pytest.skip("no AMX tiles on this CPU or library (or PAGEDLLM_DISABLE_AMX=1)")
+    if kind == "q8a8":
+        k = -(-k // 32) * 32  # Q8_0 rows are whole blocks of 32
     gen = torch.Generator().manual_seed(k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     if kind == "w4a8":
@@ -99,10 +105,15 @@ def test_prompt_rows_on_amx_tiles(n, k, kind, native_isa) -> None:
         layer = W4A8Linear(qw, b)
         wd = qw.scales.repeat_interleave(32, 1)[:, :k] * qw.q.float() + qw.mins.repeat_interleave(32, 1)[:, :k]
         weights = wd.bfloat16().double()
-    else:
+    elif kind == "w8a8":
         layer = W8A8Linear(w, b)
         amax = w.abs().amax(-1, keepdim=True)
         weights = torch.round(w * (127 / amax)).double() * (amax / 127).double()  # codes, scaled
+    else:
+        blocks = quantizer_blocks(n, k, seed=k)
+        layer = Q8A8Linear(linear_kernels.linear_pack_q8_0(blocks, k), k, n, b)
+        w = gguf_values(gguf.GGMLQuantizationType.Q8_0, blocks, k).float()
+        weights = w.bfloat16().double()
     x = torch.randn(77, k + 9, generator=gen)[:, :k] * torch.linspace(0.1, 3, k)
     vector = layer(x)
     with prompt_rows(0):

@@ -4,8 +4,8 @@ For each row count M (``--rows``) and each GEMM of one decoder layer of the chos
 shapes (q/k/v fused, o, gate/up fused, down; ``--shapes``), the time of:
 - ``f32``: our packed float32 GEMM (``linear_f32``), the reference every ratio divides;
 - ``w8a8``, ``w4a8``: our int8-activation GEMMs (``linear_w8a8``, ``linear_q4a8``), the
-  activations' quantization included; as a prompt's rows take them, so on a CPU with AMX-BF16
-  their bfloat16 tiles (``PAGEDLLM_DISABLE_AMX=1``: the int8 tiles);
+  activations' quantization included; these and ``q8a8`` as a prompt's rows take them, so on
+  a CPU with AMX-BF16 their bfloat16 tiles (``PAGEDLLM_DISABLE_AMX=1``: the int8 tiles);
 - ``q8a8``: GGUF Q8_0 blocks on w8a8's panels (``linear_q8a8``: the layer an all-Q8_0 weight
   takes, a tied lm_head);
 - ``q8_0``, ``q5_0``, ``q4_k``, ``q5_k``, ``q6_k``: the K-quant GEMM on GGUF blocks
@@ -95,7 +95,7 @@ def _kernels(kinds: list[str], n: int, k: int, panels: bool = True) -> dict[str,
                     codes.masked_fill_(codes == 0x80, 0x81)
                 if kind == "q8a8":
                     packed_q8 = lin.linear_pack_q8_0(blocks, k)
-                    fns[kind] = lambda x, p=packed_q8: lin.linear_q8a8(x, p, None, n)
+                    fns[kind] = lambda x, p=packed_q8: lin.linear_q8a8(x, p, None, n, prompt_from=0)
                 else:
                     stored = kquant.StoredWeight([(qtype, blocks)], k)
                     weight = (kquant.panels(stored) if panels else None) or stored

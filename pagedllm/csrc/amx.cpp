@@ -1,8 +1,9 @@
-// The GEMMs of w4a8's and w8a8's prompt rows on Intel AMX tiles in bfloat16 (amx.h).
+// The GEMMs of w8a8's, q8a8's and w4a8's prompt rows on Intel AMX tiles in bfloat16 (amx.h).
 //
 // Per 32-column panel (the threads split the panels): its weights are decoded once into
 // bfloat16 laid out as AMX's B operand (per group of 32 k and half panel, 16 rows of k pairs x
-// 16 columns x 2): w4a8's d q + m, w8a8's codes q (its column scales multiply the sums), then
+// 16 columns x 2): w4a8's d q + m, q8a8's d q, w8a8's codes q (its column scales multiply the
+// sums), then
 // every 32 rows of x (converted once per call to bfloat16,
 // zero padded to whole tiles and groups) take 4 tile products per group: rows 0-15 and 16-31
 // by columns 0-15 and 16-31, float32 sums kept in 4 tiles over all of K and stored once.
@@ -143,19 +144,22 @@ void unpack_q4(const uint8_t* panel, int64_t G, uint16_t* b) {
   }
 }
 
-// One w8a8 panel ([G * QG / 4][32][4] stored codes, gemm.h's stored_code) -> its codes q as
-// bfloat16 (exact: |q| <= 127), laid out as unpack_q4's; the columns' scales apply to the sums.
-void unpack_w8a8(const int8_t* panel, int64_t G, uint16_t* b) {
+// One w8a8 panel ([G * QG / 4][32][4] stored codes, gemm.h's stored_code) -> bfloat16 weights
+// laid out as unpack_q4's: the codes q (exact: |q| <= 127; w8a8's column scales apply to the
+// sums), or with d ([G][32] float16: q8a8's Q8_0 scales) d q.
+void unpack_w8a8(const int8_t* panel, const uint16_t* d, int64_t G, uint16_t* b) {
   const __m512i order = pair_order(), flip = _mm512_set1_epi32(gemm::kDotXSums ? int(0x80808080) : 0);
   for (int64_t g = 0; g < G; ++g)
     for (int h = 0; h < 2; ++h) {
       uint16_t* out = b + g * kGroupB + h * kBRows * NB;
+      const __m256i dh = d ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * NB + kTile * h)) : __m256i{};
+      const __m512 scale = d ? _mm512_cvtph_ps(dh) : _mm512_set1_ps(1.f);
       for (int64_t q = 0; q < QG / 4; ++q) {  // quad q: lane c holds k = 4 q .. 4 q + 3 of column 16 h + c
         const int8_t* quad = panel + ((g * QG / 4 + q) * NB + kTile * h) * 4;
         const __m512i codes = _mm512_xor_si512(_mm512_loadu_si512(quad), flip);
         __m512 w[4];
         for (int j = 0; j < 4; ++j)
-          w[j] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(codes, 24 - 8 * j), 24));
+          w[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(codes, 24 - 8 * j), 24)), scale);
         store_quad(w, order, out + 2 * q * NB);
       }
     }
@@ -240,7 +244,15 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
 void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const float* bias, float* y,
                  int64_t M, int64_t N, int64_t K) {
   const int64_t G = (K + QG - 1) / QG;
-  gemm(x, ldx, wscale, bias, y, M, N, K, [&](int64_t p, uint16_t* b) { unpack_w8a8(packed + p * G * QG * NB, G, b); });
+  gemm(x, ldx, wscale, bias, y, M, N, K,
+       [&](int64_t p, uint16_t* b) { unpack_w8a8(packed + p * G * QG * NB, nullptr, G, b); });
+}
+
+void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed, const uint16_t* d, const float* bias, float* y,
+                 int64_t M, int64_t N, int64_t K) {
+  const int64_t G = K / QG;
+  gemm(x, ldx, nullptr, bias, y, M, N, K,
+       [&](int64_t p, uint16_t* b) { unpack_w8a8(packed + p * G * QG * NB, d + p * G * NB, G, b); });
 }
 
 }  // namespace amx
@@ -250,5 +262,7 @@ void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float*
 namespace amx {
 void linear_q4a8(const float*, int64_t, const uint8_t*, const float*, float*, int64_t, int64_t, int64_t) {}
 void linear_w8a8(const float*, int64_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t) {}
+void linear_q8a8(const float*, int64_t, const int8_t*, const uint16_t*, const float*, float*, int64_t, int64_t,
+                 int64_t) {}
 }  // namespace amx
 #endif

@@ -1,11 +1,11 @@
-// w4a8's and w8a8's GEMMs for prompt rows on Intel AMX (the TMUL unit) in bfloat16: linear.cpp's
-// linear_q4a8 and linear_w8a8 send them the rows from prompt_from on where the CPU has
+// The int8 formats' GEMMs for prompt rows on Intel AMX (the TMUL unit) in bfloat16: linear.cpp's
+// linear_w8a8, linear_q8a8 and linear_q4a8 send them the rows from prompt_from on where the CPU has
 // AMX-BF16, Linux grants this process the tile data and gemm_amx left it on (active()). Built
 // into the avx512_bf16 variant only (every AMX CPU runs it); elsewhere active() is false and
 // they are never called.
 //
 // Not the vector tiles' int8 product: x is rounded to bfloat16 (not quantized per group of 32
-// to int8) and each weight to bfloat16 (w4a8's d q + m; w8a8's code q, exact, its column's
+// to int8) and each weight to bfloat16 (w4a8's d q + m; q8a8's d q; w8a8's code q, exact, its column's
 // scale applied to the sum), their products summed in float32 over all of K in the tiles.
 // The roundings are finer than int8 x's (a relative 2^-9 against up to 1/254 of the group's
 // largest |x|), but the bits differ from the vector tiles', so which rows take them is a
@@ -24,12 +24,15 @@ namespace amx {
 // (Hidden, as parallel.h's: the library exports the header's C functions and nothing else.)
 __attribute__((visibility("hidden"))) bool active();
 
-// y = x w^T + bias (linear_q4a8's and linear_w8a8's operands, pagedllm_abi.h) for M >= 1 rows on
+// y = x w^T + bias (linear_w8a8's, linear_q8a8's, linear_q4a8's operands, pagedllm_abi.h) for M >= 1 rows on
 // AMX tiles, each row's result independent of the others; call only where active().
 __attribute__((visibility("hidden"))) void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed,
                                                       const float* bias, float* y, int64_t M, int64_t N, int64_t K);
 __attribute__((visibility("hidden"))) void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed,
                                                       const float* wscale, const float* bias, float* y, int64_t M,
+                                                      int64_t N, int64_t K);
+__attribute__((visibility("hidden"))) void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed,
+                                                      const uint16_t* d, const float* bias, float* y, int64_t M,
                                                       int64_t N, int64_t K);
 
 }  // namespace amx

@@ -25,7 +25,7 @@
 
 namespace {
 
-// y = layer l of x's M rows; rows from prompt_from on are prompt tokens (linear_w8a8's, linear_q4a8's).
+// y = layer l of x's M rows; rows from prompt_from on are prompt tokens (pagedllm_abi.h's linear_q4a8).
 void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t M, int64_t prompt_from) {
   switch (l.kind) {
     case PAGEDLLM_LINEAR_F32:
@@ -39,7 +39,7 @@ void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t 
       break;
     case PAGEDLLM_LINEAR_Q8A8:
       linear_q8a8(x, ldx, static_cast<const int8_t*>(l.w), reinterpret_cast<const uint16_t*>(l.wscale), l.bias, y, M,
-                  l.n, l.k);
+                  l.n, l.k, prompt_from);
       break;
     default:
       linear_kquant(x, ldx, static_cast<const KQuantWeight*>(l.w), l.bias, y, M, l.n, l.k);

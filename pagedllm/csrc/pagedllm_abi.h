@@ -254,16 +254,18 @@ void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, ui
  * depend on the call's other rows. */
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K, int64_t prompt_from);
-/* linear_w8a8's and linear_q4a8's prompt rows on AMX, where the CPU has AMX-BF16 and Linux grants the tiles
- * (off until switched on; the Python loader switches it on unless PAGEDLLM_DISABLE_AMX=1):
- * mode 0 switches them off, 1 on, -1 leaves them; returns 1 where they run now, else 0. */
+/* The prompt rows of linear_w8a8, linear_q8a8 and linear_q4a8 on AMX, where the CPU has
+ * AMX-BF16 and Linux grants the tiles (off until switched on; the Python loader switches it on
+ * unless PAGEDLLM_DISABLE_AMX=1): mode 0 switches them off, 1 on, -1 leaves them; returns 1
+ * where they run now, else 0. */
 int gemm_amx(int mode);
 /* GGUF Q8_0 blocks [N][K/32] (K a multiple of 32) -> q8a8 panels: w8a8's codes and per group
  * of 32 k the columns' float16 d. Returns -1 (nothing written) where a code is -128 and this
  * library's int8 dot product cannot take it, else 0. */
 int linear_pack_q8_0(const uint8_t* blocks, int8_t* packed, uint16_t* d, int64_t N, int64_t K);
+/* Rows prompt_from .. M - 1 of x: as linear_q4a8's. */
 void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed, const uint16_t* d, const float* bias, float* y,
-                 int64_t M, int64_t N, int64_t K);
+                 int64_t M, int64_t N, int64_t K, int64_t prompt_from);
 
 /* --- GGUF blocks as stored (kquant.cpp) --- */
 
@@ -367,7 +369,7 @@ int lora_sgmv(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, con
 
 /* A step of T tokens: B decodes (one token each) first, then P requests of several tokens
  * (speculative verification, then prefill chunks from row prompt_from: the prompt rows of
- * w8a8 and w4a8 layers, linear_w8a8's and linear_q4a8's; T for none). stream [T, hidden]: embeddings in, residual
+ * the linear_w8a8, linear_q8a8 and linear_q4a8 layers; T for none). stream [T, hidden]: embeddings in, residual
  * stream out; cos_sin: two [T, 2, rotary_dim] tables (global, local); groups: one per KV cache group;
  * seq_lens [B]: the decodes' keys; spans [3, P]: per multi-token request its first row, its
  * row count and its keys after the step (null when P is 0); out [T, hidden]: the final norm's

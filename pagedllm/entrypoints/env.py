@@ -105,7 +105,7 @@ def _chosen(runnable: list[str], load: bool) -> str:
 
 
 def _amx(flags: frozenset[str], load: bool) -> str:
-    """Whether w8a8's and w4a8's prompt rows take AMX's bfloat16 tiles (``kernels.linear.amx_tiles``)."""
+    """Whether the int8 formats' prompt rows take AMX's bfloat16 tiles (``kernels.linear.amx_tiles``)."""
     from pagedllm.kernels import build, library, linear
 
     if not {"amx_tile", "amx_bf16"} <= flags:

@@ -6,7 +6,7 @@ force one; if it fails to build or load, the next one down (avx512_bf16 -> avx51
 costs every kernel. A library is used only once it matches ``pagedllm_abi.h`` (``abi.bind``)
 and every CPU feature it reports needing (``pagedllm_requires()``) is this CPU's.
 ``PAGEDLLM_DISABLE_NATIVE=1``: no library, PyTorch everywhere; ``PAGEDLLM_DISABLE_AMX=1``: on a
-CPU with AMX-BF16, w8a8's and w4a8's prompt rows keep the int8 tiles instead of bfloat16 tile
+CPU with AMX-BF16, the int8 formats' prompt rows keep the int8 tiles instead of bfloat16 tile
 products (``amx.h``). Only the wrappers (``kernels.attention``, ``elementwise``, ``linear``,
 ``decoder``) call into the library.
 """

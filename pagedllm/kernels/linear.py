@@ -28,8 +28,8 @@ Q8_0_BLOCK_BYTES = 2 + QUANT_GROUP  # a GGUF Q8_0 block: float16 d, then QUANT_G
 
 
 def amx_tiles(enable: bool | None = None) -> bool:
-    """Whether ``linear_w8a8``'s and ``linear_q4a8``'s prompt rows run Intel AMX tiles in bfloat16
-    (csrc/amx.h): the CPU has AMX-BF16, Linux granted its tile state, and neither
+    """Whether the prompt rows of ``linear_w8a8``, ``linear_q8a8`` and ``linear_q4a8`` run Intel AMX
+    tiles in bfloat16 (csrc/amx.h): the CPU has AMX-BF16, Linux granted its tile state, and neither
     ``PAGEDLLM_DISABLE_AMX=1`` (read when the library loads) nor ``enable=False`` switched them
     off (``enable=True``: on again).
 
@@ -213,10 +213,14 @@ def linear_q4a8(
     return _gemm(require().linear_q4a8, x, (packed,), bias, out_features, rows if prompt_from is None else prompt_from)
 
 
-def linear_q8a8(x: torch.Tensor, packed: Q8A8Packed, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def linear_q8a8(
+    x: torch.Tensor, packed: Q8A8Packed, bias: torch.Tensor | None, out_features: int, prompt_from: int | None = None
+) -> torch.Tensor:
     """``x @ w.T + bias`` on ``linear_pack_q8_0``'s panels, x quantized to int8 per row and
     group of 32 on the fly (llama.cpp's Q8_0 x Q8_0 dot product): x [M, K] float32 (rows at
-    any stride) -> [M, out_features] float32.
+    any stride) -> [M, out_features] float32. Rows from ``prompt_from`` on (None: none) are
+    prompt tokens: where ``amx_tiles()``, x and the weights ``d * q`` are rounded to bfloat16 for
+    them instead, as ``linear_q4a8``'s. A row's result never depends on the other rows of the call.
 
     Args:
         bias: float32 padded to whole panels ([ceil(N / 32) * 32]), or None.
@@ -227,7 +231,8 @@ def linear_q8a8(x: torch.Tensor, packed: Q8A8Packed, bias: torch.Tensor | None, 
     """
     x = _rows(x)
     _check_q8a8(packed, out_features, x.shape[1], bias)
-    return _gemm(require().linear_q8a8, x, packed, bias, out_features)
+    rows = x.shape[0]
+    return _gemm(require().linear_q8a8, x, packed, bias, out_features, rows if prompt_from is None else prompt_from)
 
 
 def linear_desc(

@@ -201,7 +201,7 @@ void test_linear() {
   std::vector<int8_t> p8(panels * 32 * K8);
   std::vector<uint16_t> pd(panels * G8 * 32);
   const int packed_q8 = linear_pack_q8_0(blocks.data(), p8.data(), pd.data(), N, K8);
-  linear_q8a8(x8.data(), K8, p8.data(), pd.data(), bias.data(), y.data(), M, N, K8);
+  linear_q8a8(x8.data(), K8, p8.data(), pd.data(), bias.data(), y.data(), M, N, K8, M);
   check("linear_q8a8", packed_q8 == 0 ? max_error(y, ref) : 1e9f, 1e-4f);
 }
 

@@ -42,10 +42,10 @@ _prompt_from: int | None = None  # set by prompt_rows
 
 @contextlib.contextmanager
 def prompt_rows(first: int | None) -> Iterator[None]:
-    """Within it, ``W8A8Linear`` and ``W4A8Linear`` layers called on a step's rows take rows
-    ``first`` on as prompt tokens, on their prompt kernel, as the one-call decoder does
-    (``CausalLM.forward``). A caller that passes a layer other rows (an expert's tokens) sets
-    None: no prompt rows."""
+    """Within it, ``W8A8Linear``, ``Q8A8Linear`` and ``W4A8Linear`` layers called on a step's
+    rows take rows ``first`` on as prompt tokens, on their prompt kernel, as the one-call decoder
+    does (``CausalLM.forward``). A caller that passes a layer other rows (an expert's tokens)
+    sets None: no prompt rows."""
     global _prompt_from
     was, _prompt_from = _prompt_from, first
     try:
@@ -289,8 +289,10 @@ class Q8A8Linear(QuantizedLinear):
         kernels.linear_desc(kernels.LINEAR_Q8A8, packed, self.padded_bias, out_features, in_features)  # checks the fit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
-        return kernels.linear_q8a8(x.float(), (self.packed, self.d), self.padded_bias, self.out_features).to(x.dtype)
+        """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype; the
+        step's prompt rows (``prompt_rows``) on the prompt kernel."""
+        y = kernels.linear_q8a8(x.float(), (self.packed, self.d), self.padded_bias, self.out_features, _prompt_from)
+        return y.to(x.dtype)
 
     def native_desc(self) -> kernels.LinearDesc:
         """This layer for the one-call decoder (``kernels.decoder.decode_layers``)."""
