@@ -13,6 +13,7 @@ import torch
 from tests.utils import random_gguf_blocks
 
 from pagedllm.kernels import kquant
+from pagedllm.kernels import linear as linear_kernels
 from pagedllm.layers.quantization.linear import KQuantLinear
 
 Q = gguf.GGMLQuantizationType
@@ -220,3 +221,32 @@ def test_the_header_declares_the_stored_weight() -> None:
     parts = dict(abi.STRUCTS["KQuantWeight"]._fields_)["parts"]
     assert parts._type_ is abi.STRUCTS["KQuantPart"] and parts._length_ == kquant.MAX_PARTS
     assert abi.FUNCTIONS["kquant_row_bytes"][0] is ctypes.c_int64
+
+
+def test_prompt_rows_on_amx_tiles(native_isa: str) -> None:
+    """Where the library runs AMX (Intel, AMX-BF16), a weight in panels takes its prompt rows
+    (``prompt_from``) on the bfloat16 tiles, every format and a weight of two parts (a fused
+    projection): x and gguf's dequantized weights rounded to bfloat16, their products summed in
+    float32, equal to that in float64 to float32's rounding and nearer the float64 product than
+    the int8 scheme; each row's bits the same however many rows share the call, the rows before
+    ``prompt_from`` the int8 scheme's."""
+    if not linear_kernels.amx_tiles():
+        pytest.skip("no AMX tiles on this CPU or library (or PAGEDLLM_DISABLE_AMX=1)")
+    for qtype, k in ((Q.Q4_K, 512), (Q.Q5_K, 256), (Q.Q6_K, 512), (Q.Q5_0, 128), (Q.Q8_0, 128)):
+        parts = [(int(qtype), random_gguf_blocks(qtype, n, k, seed=n)) for n in (40, 24)]
+        if qtype == Q.Q8_0:
+            parts = [(t, without_minus_128(blocks)) for t, blocks in parts]
+        weight = kquant.panels(kquant.StoredWeight(parts, k))
+        w = torch.cat([gguf_values(qtype, blocks, k) for _, blocks in parts])
+        bias = torch.randn(64)
+        x = torch.randn(70, k + 3)[:, :k]
+        y, vector = kquant.linear(x, weight, bias, prompt_from=0), kquant.linear(x, weight, bias)
+        ref = x.bfloat16().double() @ w.bfloat16().double().T + bias.double()
+        magnitude = x.bfloat16().double().abs() @ w.abs().T + bias.abs().double()
+        assert ((y.double() - ref).abs() <= 1e-6 * magnitude).all(), qtype.name
+        exact = x.double() @ w.T + bias.double()
+        assert (y.double() - exact).norm() < (vector.double() - exact).norm(), qtype.name
+        for first, last in ((0, 1), (5, 6), (3, 40), (33, 70)):
+            assert torch.equal(kquant.linear(x[first:last], weight, bias, prompt_from=0), y[first:last])
+        mixed = kquant.linear(x, weight, bias, prompt_from=30)
+        assert torch.equal(mixed[:30], vector[:30]) and torch.equal(mixed[30:], y[30:])

@@ -161,9 +161,9 @@ def test_a_long_step_equals_the_modules(cases, isa: str, name: str, monkeypatch)
 
 
 @pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("name", ["llama-q4-w4a8", "qwen2-w8a8"])
+@pytest.mark.parametrize("name", ["llama-q4-w4a8", "qwen2-w8a8", "llama-kquant"])
 def test_prompt_rows_take_the_prompt_kernel(cases, name: str, native: bool) -> None:
-    """Where w8a8 and w4a8 have a prompt kernel (AMX's bfloat16 tiles), the one-call step and
+    """Where the int8 layers have a prompt kernel (AMX's bfloat16 tiles), the one-call step and
     the modules run a step's prompt rows on it: switched off, a prefill step's logits change
     (that they agree with each other: ``test_one_call_equals_the_modules``)."""
     if not library.available() or not kernels.amx_tiles():

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "kquant_panels.h"
 #include "parallel.h"
 #endif
 
@@ -68,6 +69,8 @@ namespace {
 
 using gemm::NB;
 using gemm::Q4_BYTES;
+using vec::F32x16;
+using vec::Q4W;
 using gemm::Q4_NIBBLES;
 using gemm::QG;
 
@@ -165,11 +168,46 @@ void unpack_w8a8(const int8_t* panel, const uint16_t* d, int64_t G, uint16_t* b)
     }
 }
 
-// y = x w^T (times wscale per column where not null) + bias on AMX tiles, for linear_q4a8 and
-// linear_w8a8: unpack(p, b) writes panel p's weights as B tiles (unpack_q4's layout).
-template <typename Unpack>
-void gemm(const float* x, int64_t ldx, const float* wscale, const float* bias, float* y, int64_t M, int64_t N,
-          int64_t K, Unpack unpack) {
+// One K-quant panel (kquant_panels.h's layout; not Q8_0) -> bfloat16 weights ws (q + shift) +
+// off, laid out as unpack_q4's: the codes and scales as the vector tiles decode them.
+template <class F>
+void unpack_kquant(const uint8_t* panel, int64_t G, uint16_t* b) {
+  constexpr int P = F::kPieces, kQuads = QG / 4 / P;  // quads per piece
+  const kquant::PackedPanel<F> src{panel};
+  const __m512i order = pair_order(), byte = _mm512_set1_epi32(0xFF), shift = _mm512_set1_epi32(F::kCodeShift);
+  for (int64_t g = 0; g < G; ++g)
+    for (int piece = 0; piece < P; ++piece) {
+      F32x16 ws[2], off[2] = {vec::zero(), vec::zero()};  // off stays zero where the shift is in the codes
+      src.scales(g * P + piece, ws, off);
+      for (int q = 0; q < kQuads; ++q) {
+        const int64_t quad = g * QG / 4 + piece * kQuads + q;
+        const Q4W w = src.codes(quad);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i codes = h ? w.hi : w.lo;  // lane c: k = 4 quad .. 4 quad + 3 of column 16 h + c
+          __m512 v[4];
+          for (int j = 0; j < 4; ++j) {
+            const __m512i code = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(codes, 8 * j), byte), shift);
+            v[j] = _mm512_fmadd_ps(ws[h].v, _mm512_cvtepi32_ps(code), off[h].v);
+          }
+          store_quad(v, order, b + g * kGroupB + h * kBRows * NB + 2 * (piece * kQuads + q) * NB);
+        }
+      }
+    }
+}
+
+// Where a panel's products go: y's columns [0, ncols) at y (row stride ldy), each sum times
+// wscale[column] (null: 1) plus bias[column] (null: 0).
+struct PanelOut {
+  float* y;
+  int64_t ncols;
+  const float* wscale;
+  const float* bias;
+};
+
+// y = x w^T by panels on AMX tiles, for the M rows of x [M, K]: panel(i, b) writes panel i's
+// weights into b as B tiles (unpack_q4's layout) and returns where its outputs go.
+template <typename Panel>
+void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t ldy, int64_t panels, Panel panel) {
   const int64_t G = (K + QG - 1) / QG, Kp = G * QG, Mp = (M + 2 * kTile - 1) / (2 * kTile) * (2 * kTile);
   // Kept from call to call (the caller's thread's): fresh pages for every call cost as much
   // as a layer's GEMM here.
@@ -177,20 +215,19 @@ void gemm(const float* x, int64_t ldx, const float* wscale, const float* bias, f
   if (xb.size() < static_cast<size_t>(Mp * Kp)) xb.resize(static_cast<size_t>(Mp * Kp));
   uint16_t* xs = xb.data();  // (the helper threads' own xb is another vector)
   to_bf16(x, ldx, M, K, Mp, G, xs);
-  const int64_t panels = (N + NB - 1) / NB;
   par::parallel_for(panels, [&](int64_t p) {
     static thread_local std::vector<uint16_t> wb;
     wb.resize(static_cast<size_t>(G * kGroupB));
-    unpack(p, wb.data());
+    const PanelOut o = panel(p, wb.data());
     _tile_loadconfig(&kConfig);
-    const int64_t ncols = std::min<int64_t>(NB, N - p * NB);
     alignas(64) float sums[2 * kTile][NB];
     const auto columns = [](int64_t n) { return static_cast<__mmask16>(n >= kTile ? 0xFFFF : n > 0 ? (1u << n) - 1 : 0); };
-    const __mmask16 live[2] = {columns(ncols), columns(ncols - kTile)};  // y's columns in each half
-    const __m512 b[2] = {bias ? _mm512_loadu_ps(bias + p * NB) : _mm512_setzero_ps(),
-                         bias ? _mm512_loadu_ps(bias + p * NB + kTile) : _mm512_setzero_ps()};
-    const __m512 ws[2] = {wscale ? _mm512_loadu_ps(wscale + p * NB) : _mm512_set1_ps(1.f),
-                          wscale ? _mm512_loadu_ps(wscale + p * NB + kTile) : _mm512_set1_ps(1.f)};
+    const __mmask16 live[2] = {columns(o.ncols), columns(o.ncols - kTile)};  // y's columns in each half
+    __m512 b[2], ws[2];
+    for (int h = 0; h < 2; ++h) {
+      b[h] = o.bias ? _mm512_maskz_loadu_ps(live[h], o.bias + kTile * h) : _mm512_setzero_ps();
+      ws[h] = o.wscale ? _mm512_maskz_loadu_ps(live[h], o.wscale + kTile * h) : _mm512_set1_ps(1.f);
+    }
     for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile) {
       const uint16_t* a = xs + m0 * Kp;  // two A tiles' rows: [2][G][16][32]
       if (M - m0 <= kTile) {  // the last rows fit one A tile: half the products (a short prompt)
@@ -224,7 +261,7 @@ void gemm(const float* x, int64_t ldx, const float* wscale, const float* bias, f
       _tile_stored(0, &sums[0][0], NB * 4);
       _tile_stored(1, &sums[0][kTile], NB * 4);
       for (int64_t r = 0; r < 2 * kTile && m0 + r < M; ++r) {
-        float* out = y + (m0 + r) * N + p * NB;
+        float* out = o.y + (m0 + r) * ldy;
         _mm512_mask_storeu_ps(out, live[0], _mm512_fmadd_ps(_mm512_load_ps(&sums[r][0]), ws[0], b[0]));
         _mm512_mask_storeu_ps(out + kTile, live[1], _mm512_fmadd_ps(_mm512_load_ps(&sums[r][kTile]), ws[1], b[1]));
       }
@@ -233,26 +270,66 @@ void gemm(const float* x, int64_t ldx, const float* wscale, const float* bias, f
   });
 }
 
+// Panel p of a weight with N columns in one run of panels: its outputs in y (stride N).
+PanelOut nth(int64_t p, float* y, int64_t N, const float* wscale, const float* bias) {
+  const int64_t ncols = std::min<int64_t>(NB, N - p * NB);
+  return {y + p * NB, ncols, wscale ? wscale + p * NB : nullptr, bias ? bias + p * NB : nullptr};
+}
+
 }  // namespace
 
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K) {
   const int64_t G = (K + QG - 1) / QG;
-  gemm(x, ldx, nullptr, bias, y, M, N, K, [&](int64_t p, uint16_t* b) { unpack_q4(packed + p * G * Q4_BYTES, G, b); });
+  gemm(x, ldx, M, K, N, (N + NB - 1) / NB, [&](int64_t p, uint16_t* b) {
+    unpack_q4(packed + p * G * Q4_BYTES, G, b);
+    return nth(p, y, N, nullptr, bias);
+  });
 }
 
 void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const float* bias, float* y,
                  int64_t M, int64_t N, int64_t K) {
   const int64_t G = (K + QG - 1) / QG;
-  gemm(x, ldx, wscale, bias, y, M, N, K,
-       [&](int64_t p, uint16_t* b) { unpack_w8a8(packed + p * G * QG * NB, nullptr, G, b); });
+  gemm(x, ldx, M, K, N, (N + NB - 1) / NB, [&](int64_t p, uint16_t* b) {
+    unpack_w8a8(packed + p * G * QG * NB, nullptr, G, b);
+    return nth(p, y, N, wscale, bias);
+  });
 }
 
 void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed, const uint16_t* d, const float* bias, float* y,
                  int64_t M, int64_t N, int64_t K) {
   const int64_t G = K / QG;
-  gemm(x, ldx, nullptr, bias, y, M, N, K,
-       [&](int64_t p, uint16_t* b) { unpack_w8a8(packed + p * G * QG * NB, d + p * G * NB, G, b); });
+  gemm(x, ldx, M, K, N, (N + NB - 1) / NB, [&](int64_t p, uint16_t* b) {
+    unpack_w8a8(packed + p * G * QG * NB, d + p * G * NB, G, b);
+    return nth(p, y, N, nullptr, bias);
+  });
+}
+
+void linear_kquant(const float* x, int64_t ldx, const KQuantWeight& w, const float* bias, float* y, int64_t M,
+                   int64_t N, int64_t K) {
+  struct Span {
+    int64_t part, panel, col;  // panel of the part, its first column of y
+  };
+  std::vector<Span> spans;
+  for (int64_t part = 0, col = 0; part < w.num_parts; col += w.parts[part++].rows)
+    for (int64_t p = 0; p * NB < w.parts[part].rows; ++p) spans.push_back({part, p, col + p * NB});
+  const int64_t G = K / QG;
+  gemm(x, ldx, M, K, N, static_cast<int64_t>(spans.size()), [&](int64_t i, uint16_t* b) {
+    const Span& s = spans[i];
+    const KQuantPart& part = w.parts[s.part];
+    const uint8_t* blocks = static_cast<const uint8_t*>(part.blocks);
+    kquant::with_format(part.type & ~PAGEDLLM_KQUANT_PANELS, [&](auto f) {
+      using F = decltype(f);
+      if constexpr (F::kSigned) {  // linear.cpp's q8a8 panels: every panel's codes, then every panel's d
+        const int64_t num_panels = (part.rows + NB - 1) / NB;
+        const uint16_t* d = reinterpret_cast<const uint16_t*>(blocks + num_panels * K * NB);
+        unpack_w8a8(reinterpret_cast<const int8_t*>(blocks) + s.panel * K * NB, d + s.panel * G * NB, G, b);
+      } else {
+        unpack_kquant<F>(blocks + s.panel * (K / kquant::PanelLayout<F>::kUnit) * kquant::unit_bytes<F>, G, b);
+      }
+    });
+    return PanelOut{y + s.col, std::min<int64_t>(NB, part.rows - s.panel * NB), nullptr, bias ? bias + s.col : nullptr};
+  });
 }
 
 }  // namespace amx
@@ -264,5 +341,6 @@ void linear_q4a8(const float*, int64_t, const uint8_t*, const float*, float*, in
 void linear_w8a8(const float*, int64_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t) {}
 void linear_q8a8(const float*, int64_t, const int8_t*, const uint16_t*, const float*, float*, int64_t, int64_t,
                  int64_t) {}
+void linear_kquant(const float*, int64_t, const KQuantWeight&, const float*, float*, int64_t, int64_t, int64_t) {}
 }  // namespace amx
 #endif

@@ -17,6 +17,8 @@
 
 #include <stdint.h>
 
+#include "pagedllm_abi.h"
+
 namespace amx {
 
 // Whether the AMX path runs: the CPU has AMX-TILE and AMX-BF16, Linux granted the tile data
@@ -34,5 +36,8 @@ __attribute__((visibility("hidden"))) void linear_w8a8(const float* x, int64_t l
 __attribute__((visibility("hidden"))) void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed,
                                                       const uint16_t* d, const float* bias, float* y, int64_t M,
                                                       int64_t N, int64_t K);
+// linear_kquant's, for a weight whose every part is in panels (PAGEDLLM_KQUANT_PANELS).
+__attribute__((visibility("hidden"))) void linear_kquant(const float* x, int64_t ldx, const KQuantWeight& w,
+                                                        const float* bias, float* y, int64_t M, int64_t N, int64_t K);
 
 }  // namespace amx

@@ -42,7 +42,7 @@ void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t 
                   l.n, l.k, prompt_from);
       break;
     default:
-      linear_kquant(x, ldx, static_cast<const KQuantWeight*>(l.w), l.bias, y, M, l.n, l.k);
+      linear_kquant(x, ldx, static_cast<const KQuantWeight*>(l.w), l.bias, y, M, l.n, l.k, prompt_from);
   }
 }
 

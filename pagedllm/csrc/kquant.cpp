@@ -19,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "gemm.h"
 #include "kquant.h"
 #include "kquant_panels.h"
@@ -151,11 +152,19 @@ int kquant_pack_panels(int64_t type, const void* blocks, int64_t rows, int64_t K
 int64_t kquant_row_bytes(int64_t type, int64_t K) { return row_bytes(type, K); }
 
 int linear_kquant(const float* x, int64_t ldx, const KQuantWeight* w, const float* bias, float* y, int64_t M, int64_t N,
-                  int64_t K) {
+                  int64_t K, int64_t prompt_from) {
   const bool as_stored = fits(*w, N, K);
   if (!as_stored && !fits(*w, N, K, true)) return -1;
   if (M <= 0 || N == 0) return 0;
-  if (!as_stored) return panels(x, ldx, *w, bias, y, M, N, K), 0;
+  if (!as_stored) {
+    prompt_from = std::clamp<int64_t>(prompt_from, 0, M);
+    if (prompt_from < M && amx::active()) {
+      amx::linear_kquant(x + prompt_from * ldx, ldx, *w, bias, y + prompt_from * N, M - prompt_from, N, K);
+      M = prompt_from;
+    }
+    if (M > 0) panels(x, ldx, *w, bias, y, M, N, K);
+    return 0;
+  }
   if (M >= PREFILL_ROWS) return prefill(x, ldx, *w, bias, y, M, N, K);
   const std::vector<Span> spans = spans_of(*w);
   const QuantizedX xq(x, ldx, M, K);

@@ -254,10 +254,10 @@ void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, ui
  * depend on the call's other rows. */
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K, int64_t prompt_from);
-/* The prompt rows of linear_w8a8, linear_q8a8 and linear_q4a8 on AMX, where the CPU has
- * AMX-BF16 and Linux grants the tiles (off until switched on; the Python loader switches it on
- * unless PAGEDLLM_DISABLE_AMX=1): mode 0 switches them off, 1 on, -1 leaves them; returns 1
- * where they run now, else 0. */
+/* The prompt rows of linear_w8a8, linear_q8a8, linear_q4a8 and linear_kquant on AMX, where
+ * the CPU has AMX-BF16 and Linux grants the tiles (off until switched on; the Python loader
+ * switches it on unless PAGEDLLM_DISABLE_AMX=1): mode 0 switches them off, 1 on, -1 leaves
+ * them; returns 1 where they run now, else 0. */
 int gemm_amx(int mode);
 /* GGUF Q8_0 blocks [N][K/32] (K a multiple of 32) -> q8a8 panels: w8a8's codes and per group
  * of 32 k the columns' float16 d. Returns -1 (nothing written) where a code is -128 and this
@@ -274,10 +274,11 @@ void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed, const uint16
 int64_t kquant_row_bytes(int64_t type, int64_t K);
 /* y [M, N] = x [M, K] (row stride ldx) w.T + bias (null or float32 [>= N]), x quantized to
  * int8 per row and group of 32 once per call; the parts all as stored or all in panels (then
- * each row's bits do not depend on M). Returns -1 (nothing written) where a part's type or K
+ * each row's bits do not depend on M, and rows prompt_from .. M - 1 are as linear_q4a8's;
+ * as stored, prompt_from is not read). Returns -1 (nothing written) where a part's type or K
  * is not taken, the parts mix the two layouts, or their rows do not add up to N. */
 int linear_kquant(const float* x, int64_t ldx, const KQuantWeight* w, const float* bias, float* y, int64_t M, int64_t N,
-                  int64_t K);
+                  int64_t K, int64_t prompt_from);
 /* `rows` rows of GGUF blocks of type `type` (kquant_row_bytes(type, K) bytes each) -> the
  * panels linear_kquant reads for every M where the part's type carries PAGEDLLM_KQUANT_PANELS
  * (kquant_panels.h): kquant_panel_bytes(type, rows, K) bytes (the blocks of rows rounded up
@@ -369,7 +370,7 @@ int lora_sgmv(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, con
 
 /* A step of T tokens: B decodes (one token each) first, then P requests of several tokens
  * (speculative verification, then prefill chunks from row prompt_from: the prompt rows of
- * the linear_w8a8, linear_q8a8 and linear_q4a8 layers; T for none). stream [T, hidden]: embeddings in, residual
+ * the int8 layers, as linear_q4a8's; T for none). stream [T, hidden]: embeddings in, residual
  * stream out; cos_sin: two [T, 2, rotary_dim] tables (global, local); groups: one per KV cache group;
  * seq_lens [B]: the decodes' keys; spans [3, P]: per multi-token request its first row, its
  * row count and its keys after the step (null when P is 0); out [T, hidden]: the final norm's

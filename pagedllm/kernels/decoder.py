@@ -47,8 +47,8 @@ def decode_layers(
         prefill_block_tables, spans: the multi-token requests': per group [P, max_blocks]
             int64, and [3, P] int64 rows (first row, row count, keys after the step), as
             ``layers.attention.AttentionMetadata`` holds them; None when P is 0.
-        prompt_from: the first row of the prompt chunks, which w8a8, q8a8 and w4a8 layers
-            compute on their prompt kernel (``kernels.linear.linear_w8a8``); None: none.
+        prompt_from: the first row of the prompt chunks, which the int8 layers compute on
+            their prompt kernel (``kernels.linear.linear_w8a8``); None: none.
 
     Returns:
         [T, hidden] float32: the final norm's output.

@@ -140,9 +140,16 @@ def panels(weight: StoredWeight) -> PanelWeight | None:
     return PanelWeight(parts, weight.in_features)
 
 
-def linear(x: torch.Tensor, weight: StoredWeight | PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: StoredWeight | PanelWeight,
+    bias: torch.Tensor | None = None,
+    prompt_from: int | None = None,
+) -> torch.Tensor:
     """``x @ w.T + bias``: x [M, in_features] float32 (rows at any stride) -> [M, out_features]
-    float32, x quantized to int8 per row and group of 32 once per call.
+    float32, x quantized to int8 per row and group of 32 once per call. A weight in panels takes
+    rows from ``prompt_from`` on (None: none) as prompt tokens, as ``linear.linear_q4a8`` does
+    (AMX's bfloat16 tiles where ``linear.amx_tiles()``).
 
     Args:
         bias: float32 [>= out_features] (a panel-padded bias too), or None.
@@ -161,7 +168,8 @@ def linear(x: torch.Tensor, weight: StoredWeight | PanelWeight, bias: torch.Tens
     m, n = x.shape[0], weight.out_features
     y = x.new_empty(m, n)
     status = lib.linear_kquant(
-        x.data_ptr(), x.stride(0), ctypes.byref(weight.desc), _ptr_or_none(bias), y.data_ptr(), m, n, weight.in_features
+        x.data_ptr(), x.stride(0), ctypes.byref(weight.desc), _ptr_or_none(bias), y.data_ptr(),
+        m, n, weight.in_features, m if prompt_from is None else prompt_from,
     )
     if status != 0:
         raise ValueError(f"the K-quant GEMM refused a weight of parts {[part[0] for part in weight.parts]}")

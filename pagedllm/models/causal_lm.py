@@ -74,8 +74,8 @@ class CausalLM(nn.Module):
             attn_metadata: per layer, the step's paged-attention metadata (layers of one
                 KV cache group share one; see ``worker/kv_cache.build_attention_metadata``).
             prompt_from: the first of the trailing rows that are prompt chunks, which linear
-                layers with a prompt kernel (``W8A8Linear``, ``Q8A8Linear``, ``W4A8Linear``)
-                compute on it; None: none.
+                layers with a prompt kernel (``layers.quantization.linear.prompt_rows``) compute
+                on it; None: none.
 
         Returns:
             [T, hidden_size] final hidden states (after the last norm), in the model's dtype.

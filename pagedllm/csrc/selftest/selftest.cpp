@@ -732,7 +732,7 @@ void test_kquant(int64_t M) {
     }
     KQuantWeight kw{};
     kw.num_parts = 1, kw.parts[0].type = type, kw.parts[0].rows = N, kw.parts[0].blocks = w.data();
-    const int status = linear_kquant(x.data(), K, &kw, nullptr, y.data(), M, N, K);
+    const int status = linear_kquant(x.data(), K, &kw, nullptr, y.data(), M, N, K, M);
     std::snprintf(name, sizeof name, "linear_kquant %s, %d rows", names[t], int(M));
     check(name, status == 0 ? max_error(y, ref) : 1e9f, 1e-4f);
     // The same rows repacked into panels: within the same bound, and row by row (one at a time,
@@ -741,7 +741,7 @@ void test_kquant(int64_t M) {
     const int packed = kquant_pack_panels(type, w.data(), N, K, panels.data());
     kw.parts[0].type = type | PAGEDLLM_KQUANT_PANELS, kw.parts[0].blocks = panels.data();
     std::vector<float> yp(M * N);
-    for (int64_t m = 0; m < M; ++m) linear_kquant(x.data() + m * K, K, &kw, nullptr, yp.data() + m * N, 1, N, K);
+    for (int64_t m = 0; m < M; ++m) linear_kquant(x.data() + m * K, K, &kw, nullptr, yp.data() + m * N, 1, N, K, 1);
     std::snprintf(name, sizeof name, "linear_kquant %s panels, %d rows", names[t], int(M));
     check(name, packed == 0 ? max_error(yp, ref) : 1e9f, 1e-4f);
     if (M >= 8) {
@@ -880,9 +880,9 @@ void test_moe_kquant() {
       std::sort(order.begin(), order.begin() + top);  // summed in ascending expert order
       for (int64_t j = 0; j < top; ++j) {
         const int64_t e = order[j];
-        linear_kquant(x.data() + t * H, H, &gu_w[e], nullptr, h.data(), 1, 2 * I, H);
+        linear_kquant(x.data() + t * H, H, &gu_w[e], nullptr, h.data(), 1, 2 * I, H, 1);
         silu_and_mul(h.data(), 2 * I, 1, I);
-        linear_kquant(h.data(), 2 * I, &d_w[e], nullptr, out.data(), 1, H, I);
+        linear_kquant(h.data(), 2 * I, &d_w[e], nullptr, out.data(), 1, H, I, 1);
         for (int64_t n = 0; n < H; ++n) ref[t * H + n] += float(p[e] / sum) * out[n];
       }
     }

@@ -42,9 +42,9 @@ _prompt_from: int | None = None  # set by prompt_rows
 
 @contextlib.contextmanager
 def prompt_rows(first: int | None) -> Iterator[None]:
-    """Within it, ``W8A8Linear``, ``Q8A8Linear`` and ``W4A8Linear`` layers called on a step's
-    rows take rows ``first`` on as prompt tokens, on their prompt kernel, as the one-call decoder
-    does (``CausalLM.forward``). A caller that passes a layer other rows (an expert's tokens)
+    """Within it, the int8 layers (``W8A8Linear``, ``Q8A8Linear``, ``W4A8Linear``, ``KQuantLinear``)
+    called on a step's rows take rows ``first`` on as prompt tokens, on their prompt kernel, as
+    the one-call decoder does (``CausalLM.forward``). A caller that passes a layer other rows (an expert's tokens)
     sets None: no prompt rows."""
     global _prompt_from
     was, _prompt_from = _prompt_from, first
@@ -248,8 +248,9 @@ class KQuantLinear(QuantizedLinear):
         self.register_buffer("padded_bias", None if bias is None else pad_to_panels(bias.detach().float()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype."""
-        return kquant.linear(x.float(), self.stored, self.padded_bias).to(x.dtype)
+        """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype; the
+        step's prompt rows (``prompt_rows``) on the prompt kernel (weights in panels)."""
+        return kquant.linear(x.float(), self.stored, self.padded_bias, _prompt_from).to(x.dtype)
 
     def native_desc(self) -> kernels.LinearDesc:
         """This layer for the one-call decoder (``kernels.decoder.decode_layers``)."""
