@@ -4,8 +4,9 @@ For each row count M (``--rows``) and each GEMM of one decoder layer of the chos
 shapes (q/k/v fused, o, gate/up fused, down; ``--shapes``), the time of:
 - ``f32``: our packed float32 GEMM (``linear_f32``), the reference every ratio divides;
 - ``w8a8``, ``w4a8``: our int8-activation GEMMs (``linear_w8a8``, ``linear_q4a8``), the
-  activations' quantization included; these and ``q8a8`` as a prompt's rows take them, so on
-  a CPU with AMX-BF16 their bfloat16 tiles (``PAGEDLLM_DISABLE_AMX=1``: the int8 tiles);
+  activations' quantization included; these and the GGUF kinds below as a prompt's rows take
+  them, so on a CPU with AMX-BF16 their bfloat16 tiles (``PAGEDLLM_DISABLE_AMX=1``: the int8
+  tiles; the K-quants' ``stored`` layout has none);
 - ``q8a8``: GGUF Q8_0 blocks on w8a8's panels (``linear_q8a8``: the layer an all-Q8_0 weight
   takes, a tied lm_head);
 - ``q8_0``, ``q5_0``, ``q4_k``, ``q5_k``, ``q6_k``: the K-quant GEMM on GGUF blocks
@@ -99,7 +100,7 @@ def _kernels(kinds: list[str], n: int, k: int, panels: bool = True) -> dict[str,
                 else:
                     stored = kquant.StoredWeight([(qtype, blocks)], k)
                     weight = (kquant.panels(stored) if panels else None) or stored
-                    fns[kind] = lambda x, wt=weight: kquant.linear(x, wt)
+                    fns[kind] = lambda x, wt=weight: kquant.linear(x, wt, prompt_from=0)
         elif kind == "torch":
             fns[kind] = lambda x, wt=w.T.contiguous(): torch.mm(x, wt)
         elif kind == "int_mm":
