@@ -1,12 +1,12 @@
-// The GEMMs of w8a8's, q8a8's and w4a8's prompt rows on Intel AMX tiles in bfloat16 (amx.h).
+// The int8 formats' GEMMs for prompt rows on Intel AMX tiles in bfloat16 (amx.h).
 //
 // Per 32-column panel (the threads split the panels): its weights are decoded once into
 // bfloat16 laid out as AMX's B operand (per group of 32 k and half panel, 16 rows of k pairs x
-// 16 columns x 2): w4a8's d q + m, q8a8's d q, w8a8's codes q (its column scales multiply the
-// sums), then
-// every 32 rows of x (converted once per call to bfloat16,
-// zero padded to whole tiles and groups) take 4 tile products per group: rows 0-15 and 16-31
-// by columns 0-15 and 16-31, float32 sums kept in 4 tiles over all of K and stored once.
+// 16 columns x 2): w4a8's d q + m, q8a8's d q, a K-quant panel's ws (q + shift) + off, w8a8's
+// codes q (its column scales multiply the sums); then every 32 rows of x (converted once per
+// call to bfloat16, zero padded to whole tiles and groups) take 4 tile products per group:
+// rows 0-15 and 16-31 by columns 0-15 and 16-31, float32 sums kept in 4 tiles over all of K
+// and stored once.
 #include "amx.h"
 
 #include <atomic>

@@ -157,11 +157,9 @@ int linear_kquant(const float* x, int64_t ldx, const KQuantWeight* w, const floa
   if (!as_stored && !fits(*w, N, K, true)) return -1;
   if (M <= 0 || N == 0) return 0;
   if (!as_stored) {
-    prompt_from = std::clamp<int64_t>(prompt_from, 0, M);
-    if (prompt_from < M && amx::active()) {
-      amx::linear_kquant(x + prompt_from * ldx, ldx, *w, bias, y + prompt_from * N, M - prompt_from, N, K);
-      M = prompt_from;
-    }
+    M = amx::prompt_rows(x, ldx, y, N, M, prompt_from, [&](const float* xp, float* yp, int64_t rows) {
+      amx::linear_kquant(xp, ldx, *w, bias, yp, rows, N, K);
+    });
     if (M > 0) panels(x, ldx, *w, bias, y, M, N, K);
     return 0;
   }

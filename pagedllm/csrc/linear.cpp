@@ -50,16 +50,6 @@ void for_panels(int64_t N, const float* bias, F f) {
   par::parallel_for(panels, [&](int64_t p) { f(p, N - p * NB < NB ? N - p * NB : NB, bias ? bias + p * NB : nullptr); });
 }
 
-// Rows prompt_from .. M - 1 of x (clamped to [0, M]) through amx_gemm(x rows, y rows, count)
-// where the AMX tiles run (amx.h); returns the rows left for the vector tiles: M, or prompt_from.
-template <typename F>
-int64_t amx_prompt_rows(const float* x, int64_t ldx, float* y, int64_t M, int64_t N, int64_t prompt_from, F amx_gemm) {
-  prompt_from = std::clamp<int64_t>(prompt_from, 0, M);
-  if (prompt_from == M || !amx::active()) return M;
-  amx_gemm(x + prompt_from * ldx, y + prompt_from * N, M - prompt_from);
-  return prompt_from;
-}
-
 // From this many rows linear_w8a8 widens each weight panel to int16 once per chunk of rows
 // and runs tile_w8a8_wide (ISAs with kGemmRowsI8Wide > 0); below, widening the panels costs
 // more than the faster tile saves (docs/benchmarks.md, "Int8 prefill GEMMs").
@@ -133,7 +123,7 @@ void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float
 // tiles instead where they run (pagedllm_abi.h).
 void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const float* bias, float* y,
                  int64_t M, int64_t N, int64_t K, int64_t prompt_from) {
-  M = amx_prompt_rows(x, ldx, y, M, N, prompt_from, [&](const float* xp, float* yp, int64_t rows) {
+  M = amx::prompt_rows(x, ldx, y, N, M, prompt_from, [&](const float* xp, float* yp, int64_t rows) {
     amx::linear_w8a8(xp, ldx, packed, wscale, bias, yp, rows, N, K);
   });
   if (M == 0) return;
@@ -194,7 +184,7 @@ int linear_pack_q8_0(const uint8_t* blocks, int8_t* packed, uint16_t* d, int64_t
 // from prompt_from on go to the AMX tiles instead where they run (pagedllm_abi.h).
 void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed, const uint16_t* d, const float* bias, float* y,
                  int64_t M, int64_t N, int64_t K, int64_t prompt_from) {
-  M = amx_prompt_rows(x, ldx, y, M, N, prompt_from, [&](const float* xp, float* yp, int64_t rows) {
+  M = amx::prompt_rows(x, ldx, y, N, M, prompt_from, [&](const float* xp, float* yp, int64_t rows) {
     amx::linear_q8a8(xp, ldx, packed, d, bias, yp, rows, N, K);
   });
   if (M == 0) return;
@@ -242,7 +232,7 @@ void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, ui
 // prompt_from on go to the AMX tiles instead where they run (pagedllm_abi.h).
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K, int64_t prompt_from) {
-  M = amx_prompt_rows(x, ldx, y, M, N, prompt_from, [&](const float* xp, float* yp, int64_t rows) {
+  M = amx::prompt_rows(x, ldx, y, N, M, prompt_from, [&](const float* xp, float* yp, int64_t rows) {
     amx::linear_q4a8(xp, ldx, packed, bias, yp, rows, N, K);
   });
   if (M == 0) return;
