@@ -27,6 +27,12 @@ def ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def prompt_row(rows: int, prompt_from: int | None) -> int:
+    """The C GEMMs' ``prompt_from`` for a call of ``rows`` rows: the first row that is a prompt
+    token, or ``rows`` where None (no prompt rows)."""
+    return rows if prompt_from is None else prompt_from
+
+
 def ptr_or_none(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 

@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from pagedllm.kernels import abi
-from pagedllm.kernels.args import check_cpu, check_index, ptr, require
+from pagedllm.kernels.args import check_cpu, check_index, prompt_row, ptr, require
 
 LayerDesc, DecoderDesc, LoRAStep, _StepGroup = (
     abi.STRUCTS[name] for name in ("LayerDesc", "DecoderDesc", "LoRAStep", "StepGroup")
@@ -97,7 +97,7 @@ def decode_layers(
     rope = (ctypes.c_void_p * 2)(ptr(cos_sin[0]), ptr(cos_sin[1]))
     status = lib.decode_layers(
         ctypes.byref(decoder), ptr(stream), rope, groups, ptr(seq_lens) if b else None, ptr(spans) if p else None,
-        t, b, p, t if prompt_from is None else prompt_from, ptr(out),
+        t, b, p, prompt_row(t, prompt_from), ptr(out),
     )
     if status != 0:
         raise ValueError(

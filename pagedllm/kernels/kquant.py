@@ -17,6 +17,7 @@ import ctypes
 import torch
 
 from pagedllm.kernels import abi
+from pagedllm.kernels.args import prompt_row
 from pagedllm.kernels.library import native_library
 
 # The block formats the GEMM reads as stored, by ggml type id.
@@ -169,7 +170,7 @@ def linear(
     y = x.new_empty(m, n)
     status = lib.linear_kquant(
         x.data_ptr(), x.stride(0), ctypes.byref(weight.desc), _ptr_or_none(bias), y.data_ptr(),
-        m, n, weight.in_features, m if prompt_from is None else prompt_from,
+        m, n, weight.in_features, prompt_row(m, prompt_from),
     )
     if status != 0:
         raise ValueError(f"the K-quant GEMM refused a weight of parts {[part[0] for part in weight.parts]}")

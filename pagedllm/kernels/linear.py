@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from pagedllm.kernels import abi
-from pagedllm.kernels.args import matrix, ptr, ptr_or_none, require
+from pagedllm.kernels.args import matrix, prompt_row, ptr, ptr_or_none, require
 
 PANEL = abi.CONSTANTS["PAGEDLLM_PANEL"]  # output columns per packed panel
 QUANT_GROUP = abi.CONSTANTS["PAGEDLLM_QUANT_GROUP"]  # input features per scale, of weights and activations
@@ -186,8 +186,7 @@ def linear_w8a8(
     """
     x = _rows(x)
     _check_w8a8(packed, out_features, x.shape[1], bias)
-    rows = x.shape[0]
-    return _gemm(require().linear_w8a8, x, packed, bias, out_features, rows if prompt_from is None else prompt_from)
+    return _gemm(require().linear_w8a8, x, packed, bias, out_features, prompt_row(x.shape[0], prompt_from))
 
 
 def linear_q4a8(
@@ -209,8 +208,7 @@ def linear_q4a8(
     """
     x = _rows(x)
     _check_q4a8(packed, out_features, x.shape[1], bias)
-    rows = x.shape[0]
-    return _gemm(require().linear_q4a8, x, (packed,), bias, out_features, rows if prompt_from is None else prompt_from)
+    return _gemm(require().linear_q4a8, x, (packed,), bias, out_features, prompt_row(x.shape[0], prompt_from))
 
 
 def linear_q8a8(
@@ -231,8 +229,7 @@ def linear_q8a8(
     """
     x = _rows(x)
     _check_q8a8(packed, out_features, x.shape[1], bias)
-    rows = x.shape[0]
-    return _gemm(require().linear_q8a8, x, packed, bias, out_features, rows if prompt_from is None else prompt_from)
+    return _gemm(require().linear_q8a8, x, packed, bias, out_features, prompt_row(x.shape[0], prompt_from))
 
 
 def linear_desc(

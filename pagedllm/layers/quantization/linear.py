@@ -42,10 +42,10 @@ _prompt_from: int | None = None  # set by prompt_rows
 
 @contextlib.contextmanager
 def prompt_rows(first: int | None) -> Iterator[None]:
-    """Within it, the int8 layers (``W8A8Linear``, ``Q8A8Linear``, ``W4A8Linear``, ``KQuantLinear``)
-    called on a step's rows take rows ``first`` on as prompt tokens, on their prompt kernel, as
-    the one-call decoder does (``CausalLM.forward``). A caller that passes a layer other rows (an expert's tokens)
-    sets None: no prompt rows."""
+    """Within it, the int8 layers (``W8A8Linear``, ``Q8A8Linear``, ``W4A8Linear``,
+    ``KQuantLinear``) called on a step's rows take rows ``first`` on as prompt tokens, on their
+    prompt kernel, as the one-call decoder does (``CausalLM.forward``). A caller that passes a
+    layer other rows (an expert's tokens) sets None: no prompt rows."""
     global _prompt_from
     was, _prompt_from = _prompt_from, first
     try:
