@@ -9,8 +9,8 @@
 // The G = Hq / Hkv query heads that share a KV head read its keys and values once; a context
 // of kSplitFrom keys or more is split into pieces merged at the end (so that one request keeps
 // the threads busy). Work goes to threads by (request, piece), every KV head of
-// it together (each slot read whole), or by (request, piece, KV head) when there are fewer
-// pairs than threads. Keys are taken in tiles of 16 positions (from a
+// it together (each slot read whole), a few pairs a claim, each pair's last tile prefetching
+// the next one's first; or by (request, piece, KV head) when there are fewer pairs than threads. Keys are taken in tiles of 16 positions (from a
 // multiple of 16; rows looked up in the block table, so any block size works) with an online
 // softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"); each K and
 // V row is read once, and each key scored asks for the K and V rows of the key in its lane two
@@ -254,6 +254,10 @@ inline void add_weighted_values(const T* v_cache, const int64_t* rows, int lo, i
 // request's output does not depend on what it is batched with.
 constexpr int64_t kPiece = 1024, kSplitFrom = 256;
 
+// (request, piece) pairs a thread claims at once in decode_attention: each but the first has its
+// first tile prefetched; more would leave a longer tail where one thread works alone.
+constexpr int64_t kChunkUnits = 4;
+
 template <typename T, int D, int G>
 inline void start_head(const float* q, float scale, HeadState<T, D, G>& st) {
   for (int g = 0; g < G; ++g) {
@@ -317,41 +321,52 @@ inline void attend_tile(const T* k_cache, const T* v_cache, const int64_t* rows,
   add_weighted_values<D, G>(v_cache, rows, lo, hi, p, st.acc);
 }
 
+// The row offsets of the tile of key positions [t0, t0 + 16) of a block table's keys
+// [first, end): position p's slot times `stride` (a head adds its own offset), the keys outside
+// [first, end) clamped into it, so that every row read is one of the range's.
+inline void tile_rows(const int64_t* table, int64_t BS, int64_t stride, int64_t first, int64_t end, int64_t t0,
+                      int64_t* off) {
+  const int64_t lo = t0 > first ? t0 : first, last = (t0 + kTile < end ? t0 + kTile : end) - 1;
+  if (lo / BS == last / BS) {
+    const int64_t base = (table[lo / BS] * BS + lo % BS - lo) * stride;  // + stride * position
+    for (int s = 0; s < kTile; ++s) off[s] = base + stride * (t0 + s < lo ? lo : t0 + s > last ? last : t0 + s);
+  } else {
+    for (int s = 0; s < kTile; ++s) {
+      const int64_t x = t0 + s < lo ? lo : t0 + s > last ? last : t0 + s;
+      off[s] = (table[x / BS] * BS + x % BS) * stride;
+    }
+  }
+}
+
+// The first tile of keys [first, end) (tile_rows from the multiple of 16 at or below first).
+inline void first_tile_rows(const int64_t* table, int64_t BS, int64_t stride, int64_t first, int64_t end,
+                            int64_t* off) {
+  tile_rows(table, BS, stride, first, end, first - first % kTile, off);
+}
+
 // Keys [first, end) of a block table in tiles: fn(t0, rows, ahead) per tile of 16 positions
 // from a multiple of 16 (so that with blocks of 16, 32, ... a tile lies in one block), rows
-// being its keys' slot offsets (position p's slot times `stride`; a head adds its own offset),
-// the keys outside [first, end) clamped into it, so that every row read is one of the
-// range's; ahead: the same of the tile kAhead tiles on (null past the range), whose rows the
-// tile's keys prefetch one key at a time (tile_scores): one prefetch per line read, spread
-// over the arithmetic. A tile's lines asked for at once (hundreds of prefetches in a burst, to
-// L2 three tiles ahead and to L1 one ahead) ran 2-3x slower from DRAM and from L3 alike
-// (docs/benchmarks.md, "AMD EPYC Zen 5, session 22").
+// being its keys' slot offsets (tile_rows); ahead: the same of the tile kAhead tiles on, whose
+// rows the tile's keys prefetch one key at a time (tile_scores): one prefetch per line read,
+// spread over the arithmetic; past the range, the last tile's ahead is `next` (the first
+// tile of the range its thread attends next, or null). A tile's lines asked for at once
+// (hundreds of prefetches in a burst, to L2 three tiles ahead and to L1 one ahead) ran 2-3x
+// slower from DRAM and from L3 alike (docs/benchmarks.md, "AMD EPYC Zen 5, session 22").
 constexpr int kAhead = 1;  // tiles between a key read and the key it prefetches (docs/benchmarks.md, session 27)
 template <typename Fn>
-inline void for_tiles(const int64_t* table, int64_t BS, int64_t stride, int64_t first, int64_t end, Fn fn) {
-  auto look_up = [&](int64_t t0, int64_t* off) {
-    const int64_t lo = t0 > first ? t0 : first, last = (t0 + kTile < end ? t0 + kTile : end) - 1;
-    if (lo / BS == last / BS) {
-      const int64_t base = (table[lo / BS] * BS + lo % BS - lo) * stride;  // + stride * position
-      for (int s = 0; s < kTile; ++s) off[s] = base + stride * (t0 + s < lo ? lo : t0 + s > last ? last : t0 + s);
-    } else {
-      for (int s = 0; s < kTile; ++s) {
-        const int64_t x = t0 + s < lo ? lo : t0 + s > last ? last : t0 + s;
-        off[s] = (table[x / BS] * BS + x % BS) * stride;
-      }
-    }
-  };
+inline void for_tiles(const int64_t* table, int64_t BS, int64_t stride, int64_t first, int64_t end,
+                      const int64_t* next, Fn fn) {
   // Rows of tiles t .. t + kAhead (a ring): t is used, t + kAhead prefetched.
   constexpr int kRing = 4;
   static_assert(kAhead < kRing);
   alignas(64) int64_t rows[kRing][kTile];
   const int64_t t_first = first - first % kTile;
   for (int i = 0; i < kAhead; ++i)
-    if (t_first + i * kTile < end) look_up(t_first + i * kTile, rows[i]);
+    if (t_first + i * kTile < end) tile_rows(table, BS, stride, first, end, t_first + i * kTile, rows[i]);
   for (int64_t t0 = t_first, t = 0; t0 < end; t0 += kTile, ++t) {
-    const int64_t* ahead = nullptr;
+    const int64_t* ahead = t0 + kTile < end ? nullptr : next;
     if (t0 + kAhead * kTile < end) {
-      look_up(t0 + kAhead * kTile, rows[(t + kAhead) % kRing]);
+      tile_rows(table, BS, stride, first, end, t0 + kAhead * kTile, rows[(t + kAhead) % kRing]);
       ahead = rows[(t + kAhead) % kRing];
     }
     fn(t0, rows[t % kRing], ahead);
@@ -366,7 +381,7 @@ inline void attend(const float* q, const T* k_cache, const T* v_cache, const int
   HeadState<T, D, G> st;  // local, so that it stays in registers where it fits
   start_head<T, D, G>(q, scale, st);
   const T *kc = k_cache + h * RW, *vc = v_cache + h * RW;
-  for_tiles(table, BS, stride, first, end, [&](int64_t t0, const int64_t* rows, const int64_t* ahead) {
+  for_tiles(table, BS, stride, first, end, nullptr, [&](int64_t t0, const int64_t* rows, const int64_t* ahead) {
     attend_tile<T, D, G>(kc, vc, rows, ahead, t0, first, end, st);
   });
   r = st;
@@ -375,13 +390,14 @@ inline void attend(const float* q, const T* k_cache, const T* v_cache, const int
 // Every KV head of a request over keys [first, end), tile by tile: a tile's slots are read
 // whole (all Hkv heads' rows, one stream through the block) instead of one head's rows in
 // every Hkv-th piece of it. Each head's state takes the same operations in the same order
-// as in attend, so the results are the same bit for bit.
+// as in attend, so the results are the same bit for bit. next: for_tiles'.
 template <typename T, int D, int G>
 inline void attend_heads(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t BS,
-                         int64_t Hkv, float scale, int64_t first, int64_t end, HeadState<T, D, G>* r) {
+                         int64_t Hkv, float scale, int64_t first, int64_t end, const int64_t* next,
+                         HeadState<T, D, G>* r) {
   constexpr int64_t RW = kv::row_width<T>(D);
   for (int64_t h = 0; h < Hkv; ++h) start_head<T, D, G>(q + h * G * D, scale, r[h]);
-  for_tiles(table, BS, Hkv * RW, first, end, [&](int64_t t0, const int64_t* rows, const int64_t* ahead) {
+  for_tiles(table, BS, Hkv * RW, first, end, next, [&](int64_t t0, const int64_t* rows, const int64_t* ahead) {
     for (int64_t h = 0; h < Hkv; ++h)
       attend_tile<T, D, G>(k_cache + h * RW, v_cache + h * RW, rows, ahead, t0, first, end, r[h]);
   });
@@ -454,27 +470,54 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
       for (int c = 0; c < ND; ++c) store(slot + 2 + 16 * c, r.acc[g][c]);
     }
   };
-  const int64_t step = fused ? Hkv : 1;  // items per unit of work
-  par::parallel_for(item_start[B] / step, [&](int64_t unit) {
-    const int64_t item = unit * step;
-    const int64_t b = std::upper_bound(starts, starts + B + 1, item) - starts - 1;
-    const int64_t n = (starts[b + 1] - starts[b]) / Hkv, h = (item - starts[b]) % Hkv, i = (item - starts[b]) / Hkv;
-    const int64_t S = seq_lens[b], f = first_key(b);
-    auto boundary = [&](int64_t j) { return j == 0 ? f : j == n ? S : (f + (S - f) * j / n) / kTile * kTile; };
-    const int64_t lo = boundary(i), hi = boundary(i + 1);
-    if (fused) {
+  // Unit of work u: its first item, request b (of n pieces), KV head h, piece i, keys [lo, hi).
+  struct Unit {
+    int64_t item, b, n, h, i, lo, hi;
+  };
+  const int64_t step = fused ? Hkv : 1;  // items per unit
+  auto unit_at = [&](int64_t u) {
+    Unit w;
+    w.item = u * step;
+    w.b = std::upper_bound(starts, starts + B + 1, w.item) - starts - 1;
+    w.n = (starts[w.b + 1] - starts[w.b]) / Hkv;
+    w.h = (w.item - starts[w.b]) % Hkv;
+    w.i = (w.item - starts[w.b]) / Hkv;
+    const int64_t S = seq_lens[w.b], f = first_key(w.b);
+    auto boundary = [&](int64_t j) { return j == 0 ? f : j == w.n ? S : (f + (S - f) * j / w.n) / kTile * kTile; };
+    w.lo = boundary(w.i);
+    w.hi = boundary(w.i + 1);
+    return w;
+  };
+  if (fused) {
+    // Units in chunks of at most kChunkUnits (fewer where there are under four chunks a
+    // thread): a unit's last tile prefetches the first tile of the chunk's next unit.
+    par::parallel_chunks(item_start[B] / step, [&](int64_t begin, int64_t end) {
       static thread_local std::vector<HeadState<T, D, G>> states;
       states.resize(Hkv);
-      attend_heads<T, D, G>(q + b * Hq * D, k_cache, v_cache, block_tables + b * max_blocks, BS, Hkv, scale, lo, hi,
-                            states.data());
-      for (int64_t k = 0; k < Hkv; ++k) finish(item + k, b, n, k, states[k]);
-    } else {
+      alignas(64) int64_t next_rows[kTile];
+      Unit w = unit_at(begin);
+      for (int64_t u = begin; u < end; ++u) {
+        const bool more = u + 1 < end;
+        Unit next = w;
+        if (more) {
+          next = unit_at(u + 1);
+          first_tile_rows(block_tables + next.b * max_blocks, BS, stride, next.lo, next.hi, next_rows);
+        }
+        attend_heads<T, D, G>(q + w.b * Hq * D, k_cache, v_cache, block_tables + w.b * max_blocks, BS, Hkv, scale,
+                              w.lo, w.hi, more ? next_rows : nullptr, states.data());
+        for (int64_t k = 0; k < Hkv; ++k) finish(w.item + k, w.b, w.n, k, states[k]);
+        w = next;
+      }
+    }, 2, std::min<int64_t>(kChunkUnits, (item_start[B] / step + 4 * par::team_size() - 1) / (4 * par::team_size())));
+  } else {
+    par::parallel_for(item_start[B], [&](int64_t u) {
+      const Unit w = unit_at(u);
       HeadState<T, D, G> r;
-      attend<T, D, G>(q + (b * Hq + h * G) * D, k_cache, v_cache, block_tables + b * max_blocks, BS, stride, h,
-                      scale, lo, hi, r);
-      finish(item, b, n, h, r);
-    }
-  }, 2, fused ? 1 : split ? Hkv : 1);
+      attend<T, D, G>(q + (w.b * Hq + w.h * G) * D, k_cache, v_cache, block_tables + w.b * max_blocks, BS, stride,
+                      w.h, scale, w.lo, w.hi, r);
+      finish(w.item, w.b, w.n, w.h, r);
+    }, 2, split ? Hkv : 1);
+  }
   if (!split) return;
   // Merge each split (request, KV head)'s pieces, in piece order: weights rescaled to the
   // largest max.
