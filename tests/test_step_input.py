@@ -95,3 +95,20 @@ def test_a_step_runs_decodes_then_other_outputs_then_prompt_chunks() -> None:
     assert [(r.req_id, len(r.token_ids)) for r in step.requests] == [("b", 1), ("a", 3), ("c", 5)]
     assert (step.num_decodes, step.num_prompt_rows) == (1, 5)
     assert step.logit_rows == [0, 8, 1, 2, 3] and plan.num_verify == 3
+
+
+def test_a_steps_logit_rows_are_a_view_where_consecutive_and_the_rows_asked_for_otherwise() -> None:
+    """The runner takes a step's logit rows of the hidden states without indexing by a list
+    (which starts torch's thread team every step): consecutive rows are a view of the same
+    storage, any other choice the same values as ``t[js]``."""
+    import torch
+
+    from pagedllm.worker.model_runner import _rows
+
+    t = torch.arange(40.0).view(8, 5)
+    for js in ([0, 1, 2, 3, 4, 5, 6, 7], [2, 3, 4], [7]):
+        rows = _rows(t, js)
+        assert torch.equal(rows, t[js]) and rows.data_ptr() == t[js[0]].data_ptr()
+    assert _rows(t, []).shape == (0, 5)
+    for js in ([0, 2, 5], [6, 1], [3, 3]):
+        assert torch.equal(_rows(t, js), t[js])

@@ -128,7 +128,7 @@ class ModelRunner:
             torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), self.kv_caches, meta,
             len(token_ids) - step.num_prompt_rows,
         )
-        return self.model.compute_logits(hidden[step.logit_rows]) if step.logit_rows else None
+        return self.model.compute_logits(_rows(hidden, step.logit_rows)) if step.logit_rows else None
 
     def start_masks(self, plan: SamplePlan) -> None:
         """Start filling the grammar masks of ``plan``'s sampled rows in the background (rank 0,
@@ -353,5 +353,14 @@ def _with_grammar_masks(meta: SamplingMetadata, reqs: list[ScheduledRequest], vo
 
 
 def _rows(t: torch.Tensor, js: list[int]) -> torch.Tensor:
-    """Rows ``js`` of ``t``: ``t`` itself when they are all of its rows in order (no copy)."""
-    return t if js == list(range(t.shape[0])) else t[js]
+    """Rows ``js`` of ``t``, in that order: a view where they are consecutive (``t`` itself for
+    all of its rows), else a copy by ``index_select``, which gathers a few rows in this thread.
+
+    Why: ``t[js]`` starts torch's thread team on every step (a decode step's logit rows are
+    consecutive), and where torch was imported before pagedllm set OpenMP's wait policy
+    (``pagedllm/__init__.py``) that team then spins on the cores the kernels' team needs.
+    """
+    first = js[0] if js else 0
+    if js == list(range(first, first + len(js))):
+        return t[first : first + len(js)]
+    return t.index_select(0, torch.tensor(js, dtype=torch.long))
