@@ -1,4 +1,5 @@
-"""The offline batch API, in vLLM's shape: ``LLM(...).generate(prompts, sampling_params)``."""
+"""The offline batch API, in vLLM's shape: ``LLM(...).generate(prompts, sampling_params)``. Its
+arguments are checked and made into the engine's inputs by ``llm_inputs``; this module runs them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -17,15 +18,13 @@ from pagedllm.platforms.cpu import dtype_settings, lora_dtype_setting
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.beam_search import BeamSearchOutput, beam_search
-from pagedllm.entrypoints.chat_template import chat_prompt
+from pagedllm.entrypoints.llm_inputs import Message, check_one_adapter_per_id, per_prompt, prompt_list, render_chats
 from pagedllm.entrypoints.vllm_only import hint
 from pagedllm.live_view.trace import write_trace
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.errors import InvalidParamError
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams, check_text
-
-Message = dict[str, Any]
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -168,16 +167,7 @@ class LLM:
                 callback). Calls from other threads are not refused: they run one at a time.
             OSError: with ``trace``, if the trace file cannot be written (after generating).
         """
-        if isinstance(prompts, Mapping):  # one prompt dict
-            prompts = [prompts]
-        if not isinstance(prompts, Sequence):  # None, a generator: not a prompt nor a list of them
-            raise InvalidParamError(
-                "prompt", f"prompts must be a prompt (a str, a list of token ids or a prompt dict) or a list of them, "
-                f"got {type(prompts).__name__}"
-            )
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+        return self._generate(prompt_list(prompts), sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
@@ -245,48 +235,11 @@ class LLM:
                 nothing is run then. Each is an ``InvalidParamError`` naming the field
                 (``messages.0.content``).
         """
-        if not isinstance(messages, list):
-            raise InvalidParamError("messages", "messages must be a list of messages or a list of conversations, "
-                                    f"got {type(messages).__name__}")
-        single = bool(messages) and isinstance(messages[0], dict)
-        conversations = [messages] if single else messages
-        paths = ["messages"] if single else [f"messages.{i}" for i in range(len(conversations))]
-        for conv, path in zip(conversations, paths, strict=True):
-            _check_conversation(conv, path)
-        if chat_template_content_format not in ("auto", "string", "openai"):
-            raise InvalidParamError("chat_template_content_format", 'chat_template_content_format must be "auto", '
-                                    f'"string" or "openai", got {chat_template_content_format!r:.80}')
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise InvalidParamError("tools", f"tools must be a list of tool dicts, got {tools!r:.80}")
-        for flag, value in (("add_generation_prompt", add_generation_prompt),
-                            ("continue_final_message", continue_final_message)):
-            if not isinstance(value, bool):  # a truthy "false" would render the opposite prompt
-                raise InvalidParamError(flag, f"{flag} must be a bool, got {value!r:.80}")
-        if continue_final_message and add_generation_prompt:
-            raise InvalidParamError(
-                "continue_final_message", "continue_final_message needs add_generation_prompt=False: the prompt "
-                "either opens a new assistant turn or continues the last message"
-            )
-        extra = {} if chat_template_kwargs is None else chat_template_kwargs
-        named = {"chat_template", "tools", "add_generation_prompt", "continue_final_message", "conversation",
-                 "tokenize", "content_format"}
-        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra) or named & set(extra):
-            raise InvalidParamError(
-                "chat_template_kwargs", f"chat_template_kwargs must be a dict of template variables other than "
-                f"{sorted(named)}, got {extra!r:.80}"
-            )
-        rendered = []
-        for conv, path in zip(conversations, paths, strict=True):
-            try:
-                rendered.append(
-                    chat_prompt(
-                        self.engine.tokenizer, conv, add_generation_prompt, chat_template=chat_template, tools=tools,
-                        continue_final_message=continue_final_message, content_format=chat_template_content_format,
-                        **extra,
-                    )
-                )
-            except Exception as e:  # jinja's own errors, or a TypeError, for what a template refuses
-                raise InvalidParamError(path, f"the chat template cannot render {path}: {e}") from e
+        rendered = render_chats(
+            self.engine.tokenizer, messages, chat_template=chat_template, content_format=chat_template_content_format,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         return self._generate(
             [ids for _, ids in rendered], sampling_params, use_tqdm, [text for text, _ in rendered], lora_request
         )
@@ -330,10 +283,9 @@ class LLM:
                 "use_tqdm", f"use_tqdm must be a bool or a callable that makes a tqdm bar, got {type(use_tqdm).__name__}"
             )
         default = self.get_default_sampling_params() if sampling_params is None else sampling_params
-        params = _per_prompt(default, SamplingParams,
-                             "sampling_params", len(prompts))
-        loras = _per_prompt(lora_request, LoRARequest, "lora_request", len(prompts))
-        _check_one_adapter_per_id(loras)
+        params = per_prompt(default, SamplingParams, "sampling_params", len(prompts))
+        loras = per_prompt(lora_request, LoRARequest, "lora_request", len(prompts))
+        check_one_adapter_per_id(loras)
         # Validate everything before queueing anything.
         ids = [str(next(self._counter)) for _ in prompts]
         prepared = [
@@ -376,59 +328,3 @@ class LLM:
         if self.trace is not None:
             write_trace(self.engine.live_view, self.trace)
         return [done[i] for i in request_ids]
-
-
-def _per_prompt(value: object, kind: type, field: str, num_prompts: int) -> list:
-    """``value`` for each of ``num_prompts`` prompts: one ``kind`` (or None) for all, or a list
-    or tuple of exactly one per prompt (its items are checked by the engine).
-
-    Raises:
-        InvalidParamError (param ``field``): anything else, or a list of another length.
-    """
-    if value is None or isinstance(value, kind):
-        return [value] * num_prompts
-    if not isinstance(value, (list, tuple)):
-        raise InvalidParamError(
-            field, f"{field} must be a {kind.__name__} or a list of one per prompt, got {type(value).__name__}"
-        )
-    if len(value) != num_prompts:
-        raise InvalidParamError(field, f"got {num_prompts} prompts but {len(value)} {field}")
-    return list(value)
-
-
-def _check_one_adapter_per_id(loras: list) -> None:
-    """Raise InvalidParamError (``lora_request``) if two adapters of a batch share an id but
-    not their name and path: a step loads one adapter per id, so the requests of one would run
-    with the other's weights. Items that are not ``LoRARequest``s are left to the engine."""
-    seen: dict[int, LoRARequest] = {}
-    for i, lora in enumerate(loras):
-        if not isinstance(lora, LoRARequest):
-            continue
-        first = seen.setdefault(lora.id, lora)
-        if first != lora:
-            raise InvalidParamError(
-                "lora_request", f"lora_request {i} ({lora.name!r}, {lora.path!r}) has the id {lora.id} of another "
-                f"adapter of the batch ({first.name!r}, {first.path!r}): an id names one adapter"
-            )
-
-
-def _check_conversation(conversation: object, path: str) -> None:
-    """Raise InvalidParamError unless ``conversation`` is a list of messages with valid text."""
-    if not isinstance(conversation, list):
-        raise InvalidParamError(path, f"{path} must be a list of messages, got {type(conversation).__name__}")
-    for i, message in enumerate(conversation):
-        where = f"{path}.{i}"
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidParamError(where, f"{where} must be a dict with a str role, got {message!r:.80}")
-        content = message.get("content")
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if not isinstance(part, dict):
-                    raise InvalidParamError(f"{where}.content.{j}", f'{where}.content.{j} must be a '
-                                            f'{{"type": "text", "text": str}} part, got {type(part).__name__}')
-                if part.get("type") != "text":  # images, audio: this engine serves text models only
-                    raise InvalidParamError(f"{where}.content.{j}.type", f'{where}.content.{j}.type must be "text", '
-                                            f'got {part.get("type")!r:.80}')
-                check_text(part.get("text"), f"{where}.content.{j}.text")
-        elif content is not None:
-            check_text(content, f"{where}.content")
