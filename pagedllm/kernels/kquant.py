@@ -17,7 +17,7 @@ import ctypes
 import torch
 
 from pagedllm.kernels import abi
-from pagedllm.kernels.args import prompt_row
+from pagedllm.kernels.args import prompt_row, ptr_or_none, require
 from pagedllm.kernels.library import native_library
 
 # The block formats the GEMM reads as stored, by ggml type id.
@@ -128,9 +128,7 @@ def panels(weight: StoredWeight) -> PanelWeight | None:
     Raises:
         RuntimeError: no native library here.
     """
-    lib = native_library()
-    if lib is None:
-        raise RuntimeError("no native kernels here (pagedllm/csrc did not build, or PAGEDLLM_DISABLE_NATIVE=1)")
+    lib = require()
     parts = []
     for qtype, blocks in weight.parts:
         rows, k = blocks.shape[0], weight.in_features
@@ -159,9 +157,7 @@ def linear(
         RuntimeError: no native library here.
         ValueError: x or bias do not fit the weight.
     """
-    lib = native_library()
-    if lib is None:
-        raise RuntimeError("no native kernels here (pagedllm/csrc did not build, or PAGEDLLM_DISABLE_NATIVE=1)")
+    lib = require()
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != weight.in_features or x.device.type != "cpu":
         raise ValueError(f"x: need float32 [M, {weight.in_features}] on the CPU, got {x.dtype} {list(x.shape)}")
     _check_bias(bias, weight.out_features)
@@ -169,7 +165,7 @@ def linear(
     m, n = x.shape[0], weight.out_features
     y = x.new_empty(m, n)
     status = lib.linear_kquant(
-        x.data_ptr(), x.stride(0), ctypes.byref(weight.desc), _ptr_or_none(bias), y.data_ptr(),
+        x.data_ptr(), x.stride(0), ctypes.byref(weight.desc), ptr_or_none(bias), y.data_ptr(),
         m, n, weight.in_features, prompt_row(m, prompt_from),
     )
     if status != 0:
@@ -186,7 +182,7 @@ def linear_desc(weight: StoredWeight | PanelWeight, bias: torch.Tensor | None) -
     """
     _check_bias(bias, weight.out_features)
     return _LinearDesc(
-        LINEAR_KQUANT, weight.out_features, weight.in_features, ctypes.addressof(weight.desc), None, _ptr_or_none(bias)
+        LINEAR_KQUANT, weight.out_features, weight.in_features, ctypes.addressof(weight.desc), None, ptr_or_none(bias)
     )
 
 
@@ -199,9 +195,7 @@ def dequantize(qtype: int, blocks: torch.Tensor, in_features: int, rows: torch.T
         RuntimeError: no native library here.
         ValueError: blocks not of the type's row size, or rows not int64 within [0, R).
     """
-    lib = native_library()
-    if lib is None:
-        raise RuntimeError("no native kernels here (pagedllm/csrc did not build, or PAGEDLLM_DISABLE_NATIVE=1)")
+    lib = require()
     size = row_bytes(qtype, in_features)
     if size == 0 or blocks.dim() != 2 or blocks.shape[1] != size or blocks.dtype != torch.uint8:
         raise ValueError(f"blocks: need uint8 [R, {size}] for type {qtype}, got {blocks.dtype} {list(blocks.shape)}")
@@ -212,14 +206,10 @@ def dequantize(qtype: int, blocks: torch.Tensor, in_features: int, rows: torch.T
         rows = rows.contiguous()
     count = len(blocks) if rows is None else rows.numel()
     out = torch.empty(count, in_features)
-    lib.kquant_dequantize(qtype, blocks.data_ptr(), _ptr_or_none(rows), count, in_features, out.data_ptr())
+    lib.kquant_dequantize(qtype, blocks.data_ptr(), ptr_or_none(rows), count, in_features, out.data_ptr())
     return out
 
 
 def _check_bias(bias: torch.Tensor | None, n: int) -> None:
     if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1 or bias.numel() < n or not bias.is_contiguous()):
         raise ValueError(f"bias: need contiguous float32 [>= {n}], got {bias.dtype} {list(bias.shape)}")
-
-
-def _ptr_or_none(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
