@@ -2,7 +2,7 @@
 adapter runs) against (x A.T) B.T in float64, a run alone or cut into pieces giving the same
 bits; a fused ``LoRALinear`` through the native kernel and through its PyTorch matmuls; and the
 dtype A and B are kept in (``--lora-dtype``). Adapters served end to end:
-``test_lora_end_to_end.py``."""
+``test_lora_end_to_end*.py``."""
 
 from __future__ import annotations
 

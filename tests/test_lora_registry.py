@@ -1,7 +1,7 @@
 """The server's LoRA adapter registry (``serving_lora``) without a model: loads read and check
 the files off the event loop and a name is taken once; ``--lora-modules`` takes ``name=path``
 and vLLM's JSON form; an adapter's parent in /v1/models. The server serving adapters:
-``test_lora_end_to_end.py``."""
+``test_lora_end_to_end_loading.py``."""
 
 from __future__ import annotations
 
