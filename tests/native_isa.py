@@ -1,4 +1,5 @@
-"""Run kernel tests on each ISA's library: every ISA this CPU executes, best first."""
+"""Run kernel tests on each ISA's library: every ISA this CPU executes, best first. ``ZEN3``: an
+AMD Zen 3's CPU features (AVX2, no AVX-512), a CPU the ISA and build tests pretend to be."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from pagedllm.kernels.library import available_isas, build_error, native_library, use_isa
 
 ISAS = available_isas()
+ZEN3 = frozenset("avx2 fma f16c bmi2".split())  # as /proc/cpuinfo names them
 
 
 @contextmanager
