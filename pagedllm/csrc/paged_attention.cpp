@@ -8,13 +8,14 @@
 // keys at positions < seq_len - window are never touched), 0: all.
 // The G = Hq / Hkv query heads that share a KV head read its keys and values once; a context
 // of kSplitFrom keys or more is split into pieces merged at the end (so that one request keeps
-// the threads busy). Work goes to threads by (request, piece), every KV head of
-// it together (each slot read whole), a few pairs a claim, each pair's last tile prefetching
-// the next one's first; or by (request, piece, KV head) when there are fewer pairs than threads. Keys are taken in tiles of 16 positions (from a
-// multiple of 16; rows looked up in the block table, so any block size works) with an online
-// softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"); each K and
-// V row is read once, and each key scored asks for the K and V rows of the key in its lane two
-// tiles on (one key's lines at a time, spread over the arithmetic).
+// the threads busy). Work goes to threads by (request, piece), every KV head of it together
+// (each slot read whole), a few pairs a claim, each pair's last tile prefetching the next
+// one's first; or by (request, piece, KV head) when there are fewer pairs than threads. Keys
+// are taken in tiles of 16 positions (from a multiple of 16; rows looked up in the block
+// table, so any block size works) with an online softmax (Milakov & Gimelshein 2018, "Online
+// normalizer calculation for softmax"); each K and V row is read once, and each key scored
+// asks for the K and V rows of the key in its lane kAhead tiles on (one key's lines at a
+// time, spread over the arithmetic).
 // - Scores: each key's dot product with a query head is left as a vector of 16 partial sums,
 //   and the tile's 16 vectors are summed by a transpose-and-add tree into one vector holding
 //   its 16 scores (about 3 uops a key, against ~10 for a horizontal sum each), on which the
