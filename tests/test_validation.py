@@ -285,6 +285,7 @@ def test_generate_refuses_what_is_not_one_per_prompt(llm: LLM, params: object, l
     ([{"role": "user", "content": [{"text": "Hi"}]}], {}, "messages.0.content.0.type"),
     ([[{"role": "user", "content": "Hi"}]] * 2, {"chat_template": "{{ raise_exception('no') }}"}, "messages.0"),
     ([{"role": "user", "content": "Hi"}], {"chat_template": "{% for %}"}, "messages"),
+    ([{"role": "user", "content": "Hi"}], {"chat_template": 5}, "chat_template"),  # was named "messages"
 ])
 def test_chat_refuses_malformed_messages(llm: LLM, messages: object, kwargs: dict, param: str) -> None:
     with pytest.raises(InvalidParamError) as e:

@@ -93,8 +93,9 @@ def render_chats(
     Raises:
         InvalidParamError: naming the field (``messages.0.content``): ``messages`` that are not
             a conversation or a list of them, a message without a str role, a content that is
-            not text, a ``content_format`` other than "auto", "string" or "openai", ``tools``
-            that are not a list of dicts, a flag that is not a bool or both flags set,
+            not text, a ``chat_template`` that is not a str, a ``content_format`` other than
+            "auto", "string" or "openai", ``tools`` that are not a list of dicts, a flag that is
+            not a bool or both flags set,
             ``chat_template_kwargs`` that are not a dict of names other than the arguments'; or,
             naming the conversation, the template's own error for one it cannot render.
     """
@@ -109,6 +110,8 @@ def render_chats(
     if content_format not in ("auto", "string", "openai"):
         raise InvalidParamError("chat_template_content_format", 'chat_template_content_format must be "auto", '
                                 f'"string" or "openai", got {content_format!r:.80}')
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise InvalidParamError("chat_template", f"chat_template must be a template's text, got {chat_template!r:.80}")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise InvalidParamError("tools", f"tools must be a list of tool dicts, got {tools!r:.80}")
     for flag, value in (("add_generation_prompt", add_generation_prompt),
