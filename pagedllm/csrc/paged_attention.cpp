@@ -339,12 +339,6 @@ inline void tile_rows(const int64_t* table, int64_t BS, int64_t stride, int64_t 
   }
 }
 
-// The first tile of keys [first, end) (tile_rows from the multiple of 16 at or below first).
-inline void first_tile_rows(const int64_t* table, int64_t BS, int64_t stride, int64_t first, int64_t end,
-                            int64_t* off) {
-  tile_rows(table, BS, stride, first, end, first - first % kTile, off);
-}
-
 // Keys [first, end) of a block table in tiles: fn(t0, rows, ahead) per tile of 16 positions
 // from a multiple of 16 (so that with blocks of 16, 32, ... a tile lies in one block), rows
 // being its keys' slot offsets (tile_rows); ahead: the same of the tile kAhead tiles on, whose
@@ -492,24 +486,24 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
   if (fused) {
     // Units in chunks of at most kChunkUnits (fewer where there are under four chunks a
     // thread): a unit's last tile prefetches the first tile of the chunk's next unit.
-    par::parallel_chunks(item_start[B] / step, [&](int64_t begin, int64_t end) {
+    const int64_t units = item_start[B] / step;
+    par::parallel_chunks(units, [&](int64_t begin, int64_t end) {
       static thread_local std::vector<HeadState<T, D, G>> states;
       states.resize(Hkv);
       alignas(64) int64_t next_rows[kTile];
-      Unit w = unit_at(begin);
       for (int64_t u = begin; u < end; ++u) {
-        const bool more = u + 1 < end;
-        Unit next = w;
-        if (more) {
-          next = unit_at(u + 1);
-          first_tile_rows(block_tables + next.b * max_blocks, BS, stride, next.lo, next.hi, next_rows);
+        const Unit w = unit_at(u);
+        const int64_t* next = nullptr;
+        if (u + 1 < end) {
+          const Unit v = unit_at(u + 1);
+          tile_rows(block_tables + v.b * max_blocks, BS, stride, v.lo, v.hi, v.lo - v.lo % kTile, next_rows);
+          next = next_rows;
         }
         attend_heads<T, D, G>(q + w.b * Hq * D, k_cache, v_cache, block_tables + w.b * max_blocks, BS, Hkv, scale,
-                              w.lo, w.hi, more ? next_rows : nullptr, states.data());
+                              w.lo, w.hi, next, states.data());
         for (int64_t k = 0; k < Hkv; ++k) finish(w.item + k, w.b, w.n, k, states[k]);
-        w = next;
       }
-    }, 2, std::min<int64_t>(kChunkUnits, (item_start[B] / step + 4 * par::team_size() - 1) / (4 * par::team_size())));
+    }, 2, std::min(kChunkUnits, par::default_grain(units)));
   } else {
     par::parallel_for(item_start[B], [&](int64_t u) {
       const Unit w = unit_at(u);

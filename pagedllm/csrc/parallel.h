@@ -27,19 +27,22 @@ __attribute__((visibility("hidden"))) void run(int64_t n, int64_t grain, Body bo
 // The team size a parallel_for started now would have (1 inside a parallel_for).
 __attribute__((visibility("hidden"))) int team_size();
 
-// f(begin, end) over chunks of [0, n), `grain` items each (0: about four chunks per thread,
-// so a slow thread's last chunk is short), split over the team when n >= min_n (else one
-// call over all of [0, n)). A chunk's items run on one thread in order, so f may prepare an
-// item while it handles the one before (decode attention prefetches the next one's keys).
+// Items per chunk that split n items into about four chunks per thread, so that a slow
+// thread's last chunk is short.
+inline int64_t default_grain(int64_t n) {
+  const int64_t chunks = 4 * static_cast<int64_t>(team_size());
+  return (n + chunks - 1) / chunks;
+}
+
+// f(begin, end) over chunks of [0, n), `grain` items each (0: default_grain(n)), split over
+// the team when n >= min_n (else one call over all of [0, n)). A chunk's items run on one
+// thread in order, so f may prepare an item while it handles the one before (decode attention
+// prefetches the next one's keys).
 template <typename F>
 void parallel_chunks(int64_t n, const F& f, int64_t min_n = 2, int64_t grain = 0) {
   if (n <= 0) return;
   if (n < min_n) return f(int64_t{0}, n);
-  if (grain <= 0) {
-    const int64_t chunks = 4 * static_cast<int64_t>(team_size());
-    grain = (n + chunks - 1) / chunks;
-  }
-  run(n, grain, [](const void* ctx, int64_t begin, int64_t end) { (*static_cast<const F*>(ctx))(begin, end); }, &f);
+  run(n, grain > 0 ? grain : default_grain(n), [](const void* ctx, int64_t begin, int64_t end) { (*static_cast<const F*>(ctx))(begin, end); }, &f);
 }
 
 // f(i) for every i in [0, n), as parallel_chunks splits it.
