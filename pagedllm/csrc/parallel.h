@@ -42,7 +42,8 @@ template <typename F>
 void parallel_chunks(int64_t n, const F& f, int64_t min_n = 2, int64_t grain = 0) {
   if (n <= 0) return;
   if (n < min_n) return f(int64_t{0}, n);
-  run(n, grain > 0 ? grain : default_grain(n), [](const void* ctx, int64_t begin, int64_t end) { (*static_cast<const F*>(ctx))(begin, end); }, &f);
+  run(n, grain > 0 ? grain : default_grain(n),
+      [](const void* ctx, int64_t begin, int64_t end) { (*static_cast<const F*>(ctx))(begin, end); }, &f);
 }
 
 // f(i) for every i in [0, n), as parallel_chunks splits it.
