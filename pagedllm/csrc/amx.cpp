@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "aligned.h"
 #include "gemm.h"
 #include "kquant_panels.h"
 #include "parallel.h"
@@ -211,12 +212,12 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t ldy, int64_
   const int64_t G = (K + QG - 1) / QG, Kp = G * QG, Mp = (M + 2 * kTile - 1) / (2 * kTile) * (2 * kTile);
   // Kept from call to call (the caller's thread's): fresh pages for every call cost as much
   // as a layer's GEMM here.
-  static thread_local std::vector<uint16_t> xb;
+  static thread_local aligned::vector<uint16_t> xb;  // tile rows on cache lines (aligned.h)
   if (xb.size() < static_cast<size_t>(Mp * Kp)) xb.resize(static_cast<size_t>(Mp * Kp));
   uint16_t* xs = xb.data();  // (the helper threads' own xb is another vector)
   to_bf16(x, ldx, M, K, Mp, G, xs);
   par::parallel_for(panels, [&](int64_t p) {
-    static thread_local std::vector<uint16_t> wb;
+    static thread_local aligned::vector<uint16_t> wb;
     wb.resize(static_cast<size_t>(G * kGroupB));
     const PanelOut o = panel(p, wb.data());
     _tile_loadconfig(&kConfig);

@@ -17,8 +17,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <vector>
 
+#include "aligned.h"
 #include "head_dims.h"
 #include "moe.h"
 #include "pagedllm_abi.h"
@@ -137,7 +137,7 @@ int decode_layers(const DecoderDesc* m, float* stream, const float* const* cos_s
   const int64_t qkv_parts[3] = {q_width, kv_width, kv_width}, o_part[1] = {H}, gate_up_parts[2] = {I, I};
   // LoRA's runs address all T rows: with adapters the MLP takes one pass.
   const int64_t mlp_passes = m->lora ? 1 : std::max<int64_t>(1, T / kMlpRows), mlp_rows = (T + mlp_passes - 1) / mlp_passes;
-  std::vector<float> normed(T * H), qkv(T * qkv_width), q(B * q_width), attn(T * q_width), y(T * H),
+  aligned::vector<float> normed(T * H), qkv(T * qkv_width), q(B * q_width), attn(T * q_width), y(T * H),
       gate_up(mlp_rows * 2 * I);
   using Attention = decltype(&paged_decode_attention_f32);
   const Attention attention = m->cache_kind == PAGEDLLM_CACHE_BF16   ? paged_decode_attention_bf16
