@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "aligned.h"
 #include "gemm.h"
 #include "kquant.h"
 #include "kquant_panels.h"
@@ -55,8 +56,8 @@ int prefill(const float* x, int64_t ldx, const KQuantWeight& w, const float* bia
       const Span& sp = panels[i];
       const KQuantPart& part = w.parts[sp.part];
       const int64_t ncols = sp.n1 - sp.n0;
-      thread_local std::vector<uint8_t> codes;
-      thread_local std::vector<float> ws, off;
+      thread_local aligned::vector<uint8_t> codes;
+      thread_local aligned::vector<float> ws, off;
       codes.resize(static_cast<size_t>(K * PANEL));
       ws.resize(static_cast<size_t>(2 * G * PANEL)), off.resize(ws.size());
       float* out = y + m0 * N + sp.col;

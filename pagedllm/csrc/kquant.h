@@ -24,6 +24,7 @@
 #include <cstring>
 #include <vector>
 
+#include "aligned.h"
 #include "gemm.h"
 #include "pagedllm_abi.h"
 #include "parallel.h"
@@ -288,9 +289,9 @@ inline bool fits(const KQuantWeight& w, int64_t N, int64_t K, bool panels = fals
 // chunk scales [M][kp / CHUNK * XS], and where vec::kDotXSums xsum128 [M][kp / 4].
 struct QuantizedX {
   int64_t kp, lf;
-  std::vector<int8_t> codes;
-  std::vector<float> f, xs;
-  std::vector<int32_t> xsum128;
+  aligned::vector<int8_t> codes;
+  aligned::vector<float> f, xs;
+  aligned::vector<int32_t> xsum128;
 
   QuantizedX() : kp(0), lf(0) {}
   QuantizedX(const float* x, int64_t ldx, int64_t M, int64_t K)

@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "aligned.h"
 #include "gemm.h"
 #include "kquant.h"
 
@@ -260,13 +261,13 @@ inline void panel_times_x(const KQuantPart& part, const Span& sp, int64_t K, con
       constexpr int64_t kPlanes = PanelLayout<F>::kPlanes;
       const int64_t tiles = (rows + kGemmRowsQ4 - 1) / kGemmRowsQ4;
       if (tiles < 2 || tiles * (1 + kPlanes) < kKQuantRecordFrom) return run(packed, packed);
-      thread_local std::vector<float> ws, off;
+      thread_local aligned::vector<float> ws, off;
       ws.resize(static_cast<size_t>(G * F::kPieces * PANEL)), off.resize(ws.size());
       const ScaleRows scales{ws.data(), off.data()};
       if constexpr (kPlanes == 0) {
         run(RecordingPanel<F>{packed, ws.data(), off.data(), nullptr}, PackedCodes<F>{scales, packed});
       } else {
-        thread_local std::vector<uint8_t> bytes;
+        thread_local aligned::vector<uint8_t> bytes;
         bytes.resize(static_cast<size_t>(K * PANEL));
         run(RecordingPanel<F>{packed, ws.data(), off.data(), bytes.data()}, BytePanel{scales, bytes.data()});
       }

@@ -44,6 +44,7 @@
 #include <cmath>
 #include <vector>
 
+#include "aligned.h"
 #include "gemm.h"
 #include "kquant.h"
 #include "kquant_panels.h"
@@ -233,7 +234,7 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
   std::vector<int64_t> next(start.begin(), start.end() - 1);
   for (int64_t s = 0; s < R; ++s) token_of[row_of[s] = next[choice[s]]++] = s / k;
 
-  std::vector<float> xs(R * H), h(R * 2 * I), out(R * H);
+  aligned::vector<float> xs(R * H), h(R * 2 * I), out(R * H);
   par::parallel_for(
       R, [&](int64_t r) { std::copy(x + token_of[r] * ldx, x + token_of[r] * ldx + H, xs.data() + r * H); },
       kParallelRows);

@@ -39,6 +39,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "aligned.h"
 #include "head_dims.h"
 #include "kv_rows.h"
 #include "pagedllm_abi.h"
@@ -446,7 +447,7 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
   const bool fused = item_start[B] / Hkv >= par::team_size();
   // A split item's partial: per query head its max, sum of weights and D weighted values.
   constexpr int64_t kSlot = G * (D + 2);
-  static thread_local std::vector<float> partials;
+  static thread_local aligned::vector<float> partials;
   if (split && partials.size() < size_t(item_start[B] * kSlot)) partials.resize(item_start[B] * kSlot);
   const int64_t* starts = item_start.data();
   float* slots = partials.data();
