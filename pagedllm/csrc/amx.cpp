@@ -205,6 +205,18 @@ struct PanelOut {
   const float* bias;
 };
 
+// During group g of a block's K loop, asks for write access to rows 2 g and 2 g + 1 of its y
+// (rows [0, rows) from y, stride ldy; 32 columns, two lines each), so that the block's stores
+// find their lines in L1, where each waited for the line's read from L3 (~25% of a 256-row
+// gate/up GEMM's time, docs/benchmarks.md, session 43). With fewer than 16 groups the last
+// rows are not asked for.
+inline void want_rows(float* y, int64_t ldy, int64_t rows, int64_t g) {
+  for (int64_t r = 2 * g; r < 2 * g + 2 && r < rows; ++r) {
+    __builtin_prefetch(y + r * ldy, 1, 3);
+    __builtin_prefetch(y + r * ldy + kTile, 1, 3);
+  }
+}
+
 // y = x w^T by panels on AMX tiles, for the M rows of x [M, K]: panel(i, b) writes panel i's
 // weights into b as B tiles (unpack_q4's layout) and returns where its outputs go.
 template <typename Panel>
@@ -231,10 +243,13 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t ldy, int64_
     }
     for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile) {
       const uint16_t* a = xs + m0 * Kp;  // two A tiles' rows: [2][G][16][32]
-      if (M - m0 <= kTile) {  // the last rows fit one A tile: half the products (a short prompt)
+      float* const y = o.y + m0 * ldy;
+      const int64_t rows = std::min<int64_t>(2 * kTile, M - m0);
+      if (rows <= kTile) {  // the last rows fit one A tile: half the products (a short prompt)
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t g = 0; g < G; ++g) {
+          want_rows(y, ldy, rows, g);
           _tile_loadd(4, a + g * kTileX, 64);
           _tile_loadd(6, wb.data() + g * kGroupB, 64);
           _tile_loadd(7, wb.data() + g * kGroupB + kBRows * NB, 64);
@@ -247,6 +262,7 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t ldy, int64_
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t g = 0; g < G; ++g) {
+          want_rows(y, ldy, rows, g);
           _tile_loadd(4, a + g * kTileX, 64);
           _tile_loadd(5, a + (G + g) * kTileX, 64);
           _tile_loadd(6, wb.data() + g * kGroupB, 64);
@@ -261,8 +277,8 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t ldy, int64_
       }
       _tile_stored(0, &sums[0][0], NB * 4);
       _tile_stored(1, &sums[0][kTile], NB * 4);
-      for (int64_t r = 0; r < 2 * kTile && m0 + r < M; ++r) {
-        float* out = o.y + (m0 + r) * ldy;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* out = y + r * ldy;
         _mm512_mask_storeu_ps(out, live[0], _mm512_fmadd_ps(_mm512_load_ps(&sums[r][0]), ws[0], b[0]));
         _mm512_mask_storeu_ps(out + kTile, live[1], _mm512_fmadd_ps(_mm512_load_ps(&sums[r][kTile]), ws[1], b[1]));
       }
