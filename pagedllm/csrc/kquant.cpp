@@ -19,8 +19,8 @@
 #include <cstring>
 #include <vector>
 
-#include "amx.h"
 #include "aligned.h"
+#include "amx.h"
 #include "gemm.h"
 #include "kquant.h"
 #include "kquant_panels.h"
