@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from pagedllm.kernels import abi
+from pagedllm.kernels import abi, huge_pages
 from pagedllm.kernels.args import prompt_row, ptr_or_none, require
 from pagedllm.kernels.library import native_library
 
@@ -132,7 +132,7 @@ def panels(weight: StoredWeight) -> PanelWeight | None:
     parts = []
     for qtype, blocks in weight.parts:
         rows, k = blocks.shape[0], weight.in_features
-        packed = torch.empty(int(lib.kquant_panel_bytes(qtype, rows, k)), dtype=torch.uint8)
+        packed = huge_pages.empty(int(lib.kquant_panel_bytes(qtype, rows, k)), torch.uint8)
         if lib.kquant_pack_panels(qtype, blocks.data_ptr(), rows, k, packed.data_ptr()) != 0:
             return None
         parts.append((qtype, packed, rows))

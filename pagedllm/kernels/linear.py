@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.kernels import abi
+from pagedllm.kernels import abi, huge_pages
 from pagedllm.kernels.args import matrix, prompt_row, ptr, ptr_or_none, require
 
 PANEL = abi.CONSTANTS["PAGEDLLM_PANEL"]  # output columns per packed panel
@@ -50,7 +50,7 @@ def linear_pack_f32(weight: torch.Tensor) -> torch.Tensor:
     lib = require()
     w32 = matrix(weight, "weight").float().contiguous()
     n, k = w32.shape
-    packed = torch.empty(-(-n // PANEL) * PANEL * k)
+    packed = huge_pages.empty(-(-n // PANEL) * PANEL * k, torch.float32)
     lib.linear_pack_f32(ptr(w32), ptr(packed), n, k)
     return packed
 
@@ -88,8 +88,8 @@ def linear_pack_w8a8(weight: torch.Tensor, row_max: torch.Tensor | None = None) 
         if not bool(torch.isfinite(row_max).all()) or bool((row_max < own_max).any()):
             raise ValueError("row_max: non-finite, or below some row's own max|w| (its codes would pass 127)")
     panels, groups = -(-n // PANEL), -(-k // QUANT_GROUP)
-    packed = torch.empty(panels * PANEL * groups * QUANT_GROUP, dtype=torch.int8)
-    wscale = torch.empty(panels * PANEL)
+    packed = huge_pages.empty(panels * PANEL * groups * QUANT_GROUP, torch.int8)
+    wscale = huge_pages.empty(panels * PANEL, torch.float32)
     scale_max = own_max if row_max is None else row_max  # own_max: the kernel need not find it again
     lib.linear_pack_w8a8(ptr(w32), ptr(scale_max), ptr(packed), ptr(wscale), n, k)
     return packed, wscale
@@ -116,8 +116,8 @@ def linear_pack_q8_0(blocks: torch.Tensor, in_features: int) -> Q8A8Packed | Non
     blocks = matrix(blocks, "blocks").contiguous()
     n = blocks.shape[0]
     panels = -(-n // PANEL)
-    packed = torch.empty(panels * PANEL * in_features, dtype=torch.int8)
-    d = torch.empty(panels * groups * PANEL, dtype=torch.float16)
+    packed = huge_pages.empty(panels * PANEL * in_features, torch.int8)
+    d = huge_pages.empty(panels * groups * PANEL, torch.float16)
     if lib.linear_pack_q8_0(ptr(blocks), ptr(packed), ptr(d), n, in_features) != 0:
         return None
     return packed, d
@@ -146,7 +146,7 @@ def linear_pack_q4a8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
         )
     codes = codes.contiguous()
     d16, m16 = (t.to(torch.float16).contiguous().view(torch.int16) for t in (scales, mins))
-    packed = torch.empty(-(-n // PANEL) * groups * Q4A8_GROUP_BYTES, dtype=torch.uint8)
+    packed = huge_pages.empty(-(-n // PANEL) * groups * Q4A8_GROUP_BYTES, torch.uint8)
     lib.linear_pack_q4a8(ptr(codes), ptr(d16), ptr(m16), ptr(packed), n, k)
     return packed
 

@@ -1,0 +1,62 @@
+"""Memory for packed weights in 2 MiB pages.
+
+A decode step streams every packed weight from memory once. In 4 KiB pages the CPU's
+hardware prefetchers stop at each page's end and each page costs a TLB walk; in 2 MiB pages a
+layer's panels are one run. So the packing functions (``kernels.linear``, ``kernels.kquant``)
+take their output tensors from anonymous mappings that Linux is asked to back with transparent
+huge pages (``madvise(MADV_HUGEPAGE)``, granted where THP is in "madvise" or "always" mode;
+"never" leaves plain pages). Tensors share 64 MiB mappings in allocation order (a model's
+layers one after another), each 64-byte aligned; a mapping is unmapped once no tensor in it is
+left. Elsewhere (no ``MADV_HUGEPAGE``, or ``PAGEDLLM_HUGE_PAGES=0``) they are plain
+``torch.empty`` tensors. Measured: docs/benchmarks.md, "session 44".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+
+import torch
+
+_HUGE = 2 << 20  # bytes of a huge page
+_SHARED = 64 << 20  # bytes of a mapping that tensors share
+_ALIGN = 64  # bytes: a cache line
+
+_lock = threading.Lock()
+_current: tuple[mmap.mmap, int, int] | None = None  # the mapping being filled, next free offset, end
+
+
+def enabled() -> bool:
+    """Whether packed weights are placed in mappings asked to be huge pages here."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("PAGEDLLM_HUGE_PAGES", "1") != "0"
+
+
+def _mapping(nbytes: int) -> tuple[mmap.mmap, int, int]:
+    """A fresh anonymous mapping with room for nbytes from its first 2 MiB boundary: (mapping,
+    that boundary's offset, end offset)."""
+    size = -(-nbytes // _HUGE) * _HUGE + _HUGE
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    return buf, -address % _HUGE, size
+
+
+def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized 1-D CPU tensor of ``numel`` elements of ``dtype`` (numel >= 0), 64-byte
+    aligned, in huge-page mappings where ``enabled()``, else from ``torch.empty``. The tensor
+    keeps its mapping alive."""
+    nbytes = numel * dtype.itemsize
+    if nbytes == 0 or not enabled():
+        return torch.empty(numel, dtype=dtype)
+    global _current
+    with _lock:
+        if nbytes > _SHARED // 4:  # a large weight (an lm_head) gets a mapping of its own
+            buf, offset, _ = _mapping(nbytes)
+        else:
+            if _current is None or _current[1] + nbytes > _current[2]:
+                _current = _mapping(_SHARED - _HUGE)
+            buf, offset, end = _current
+            _current = (buf, -(-(offset + nbytes) // _ALIGN) * _ALIGN, end)
+    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
