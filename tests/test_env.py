@@ -65,3 +65,16 @@ def test_env_says_whether_prompt_rows_take_amx(
     assert rows["int8 layers' prompt rows on AMX tiles"].strip() == (
         "no: PAGEDLLM_DISABLE_AMX=1" if amx else "no: this CPU has no AMX-BF16"
     )
+
+
+def test_env_says_whether_packed_weights_take_huge_pages(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PAGEDLLM_DISABLE_HUGE_PAGES", "1")
+    main(["env"])
+    rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert rows["packed weights in 2 MiB pages"].strip() == "no: PAGEDLLM_DISABLE_HUGE_PAGES=1"
+    monkeypatch.delenv("PAGEDLLM_DISABLE_HUGE_PAGES")
+    main(["env"])
+    rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert rows["packed weights in 2 MiB pages"].strip().startswith(("asked for", "no: this system"))

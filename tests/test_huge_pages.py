@@ -61,7 +61,7 @@ def test_mappings_are_advised_as_huge_pages() -> None:
 
 
 def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
+    monkeypatch.setenv("PAGEDLLM_DISABLE_HUGE_PAGES", "1")
     assert not huge_pages.enabled()
     t = huge_pages.empty(1000, torch.int8)
     assert t.shape == (1000,) and t.dtype == torch.int8

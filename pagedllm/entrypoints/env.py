@@ -52,6 +52,7 @@ def report(load: bool = False) -> list[tuple[str, str]]:
         rows.append((f"kernels {variant}", _variant_state(variant, variant in runnable)))
     rows.append(("kernels chosen", _chosen(runnable, load)))
     rows.append(("int8 layers' prompt rows on AMX tiles", _amx(flags, load)))
+    rows.append(("packed weights in 2 MiB pages", _huge_pages()))
     rows += [
         ("pagedllm cache (kernels, models)", str(build.cache_dir())),
         ("huggingface cache", os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))),
@@ -117,6 +118,23 @@ def _amx(flags: frozenset[str], load: bool) -> str:
     if library.active_isa() != "avx512_bf16":
         return "no: the avx512_bf16 kernels do not run"
     return "yes" if linear.amx_tiles() else "no: Linux does not grant this process the tiles"
+
+
+def _huge_pages() -> str:
+    """Whether packed weights go to mappings advised as huge pages (``kernels.huge_pages``), and
+    what Linux's transparent huge pages setting makes of the advice."""
+    from pagedllm.kernels import build, huge_pages
+
+    if build.env_switch("PAGEDLLM_DISABLE_HUGE_PAGES"):
+        return "no: PAGEDLLM_DISABLE_HUGE_PAGES=1"
+    if not huge_pages.enabled():
+        return "no: this system has no MADV_HUGEPAGE"
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "asked for; transparent huge pages' setting unknown"
+    granted = "granted" if mode in ("always", "madvise") else "not granted: plain pages"
+    return f"asked for; transparent huge pages {mode!r}: {granted}"
 
 
 def _cpu_model() -> str:

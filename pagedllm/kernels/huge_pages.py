@@ -7,18 +7,20 @@ take their output tensors from anonymous mappings that Linux is asked to back wi
 huge pages (``madvise(MADV_HUGEPAGE)``, granted where THP is in "madvise" or "always" mode;
 "never" leaves plain pages). Tensors share 64 MiB mappings in allocation order (a model's
 layers one after another), each 64-byte aligned; a mapping is unmapped once no tensor in it is
-left. Elsewhere (no ``MADV_HUGEPAGE``, or ``PAGEDLLM_HUGE_PAGES=0``) they are plain
-``torch.empty`` tensors. Measured: docs/benchmarks.md, "session 44".
+left but the one being filled. Elsewhere (no ``MADV_HUGEPAGE``: not Linux, or Python before
+3.8), and with ``PAGEDLLM_DISABLE_HUGE_PAGES=1``, they are plain ``torch.empty`` tensors.
+Measured: docs/benchmarks.md, "Intel Xeon with AMX, session 44".
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import threading
 
 import torch
+
+from pagedllm.kernels import build
 
 _HUGE = 2 << 20  # bytes of a huge page
 _SHARED = 64 << 20  # bytes of a mapping that tensors share
@@ -29,8 +31,12 @@ _current: tuple[mmap.mmap, int, int] | None = None  # the mapping being filled, 
 
 
 def enabled() -> bool:
-    """Whether packed weights are placed in mappings asked to be huge pages here."""
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("PAGEDLLM_HUGE_PAGES", "1") != "0"
+    """Whether packed weights go to mappings advised as huge pages here.
+
+    Raises:
+        ValueError: ``PAGEDLLM_DISABLE_HUGE_PAGES`` is neither 1, 0 nor empty (``build.env_switch``).
+    """
+    return hasattr(mmap, "MADV_HUGEPAGE") and not build.env_switch("PAGEDLLM_DISABLE_HUGE_PAGES")
 
 
 def _mapping(nbytes: int) -> tuple[mmap.mmap, int, int]:
