@@ -11,6 +11,12 @@ from pagedllm.kernels import library
 from pagedllm.kernels.isa import cpu_flags
 
 
+def _env_rows(capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
+    """`pagedllm env`'s rows, key -> value (padded as printed)."""
+    main(["env"])
+    return dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+
+
 def test_env_reports_without_compiling(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -18,8 +24,7 @@ def test_env_reports_without_compiling(
     monkeypatch.setenv("CXX", "no-such-c++")
     for name in ("PAGEDLLM_CPU_ISA", "PAGEDLLM_DISABLE_NATIVE"):
         monkeypatch.delenv(name, raising=False)
-    main(["env"])
-    rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    rows = _env_rows(capsys)
     rows = {key: value.strip() for key, value in rows.items()}
     assert {"pagedllm", "torch", "cpu", "cpu cores", "kernels chosen", "c++ compiler"} <= set(rows)
     best = library.available_isas()[0]
@@ -37,8 +42,7 @@ def test_env_reports_a_forced_isa_every_run_refuses(
     on which every command fails."""
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", forced)
     monkeypatch.delenv("PAGEDLLM_DISABLE_NATIVE", raising=False)
-    main(["env"])
-    rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    rows = _env_rows(capsys)
     assert rows["kernels chosen"].strip().startswith(f"none: PAGEDLLM_CPU_ISA={forced!r} is {what}")
 
 
@@ -50,8 +54,7 @@ def test_env_takes_a_forced_isa_in_any_case(
     monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", "SCALAR")
     monkeypatch.delenv("PAGEDLLM_DISABLE_NATIVE", raising=False)
-    main(["env"])
-    rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    rows = _env_rows(capsys)
     assert rows["kernels chosen"].strip().startswith("scalar, ")
 
 
@@ -59,8 +62,7 @@ def test_env_says_whether_prompt_rows_take_amx(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("PAGEDLLM_DISABLE_AMX", "1")
-    main(["env"])
-    rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    rows = _env_rows(capsys)
     amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
     assert rows["int8 layers' prompt rows on AMX tiles"].strip() == (
         "no: PAGEDLLM_DISABLE_AMX=1" if amx else "no: this CPU has no AMX-BF16"
@@ -71,10 +73,8 @@ def test_env_says_whether_packed_weights_take_huge_pages(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("PAGEDLLM_DISABLE_HUGE_PAGES", "1")
-    main(["env"])
-    rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    rows = _env_rows(capsys)
     assert rows["packed weights in 2 MiB pages"].strip() == "no: PAGEDLLM_DISABLE_HUGE_PAGES=1"
     monkeypatch.delenv("PAGEDLLM_DISABLE_HUGE_PAGES")
-    main(["env"])
-    rows = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    rows = _env_rows(capsys)
     assert rows["packed weights in 2 MiB pages"].strip().startswith(("asked for", "no: this system"))
