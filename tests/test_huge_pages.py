@@ -4,6 +4,7 @@ their mappings, in mappings advised as huge pages on Linux, plain tensors when s
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -53,7 +54,10 @@ def test_tensors_keep_their_values_and_mappings() -> None:
         assert int(t.min()) == int(t.max()) == i % 251
 
 
-@pytest.mark.skipif(not huge_pages.enabled(), reason="no MADV_HUGEPAGE here")
+@pytest.mark.skipif(
+    not huge_pages.enabled() or not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
+    reason="no MADV_HUGEPAGE, or a kernel without transparent huge pages",
+)
 def test_mappings_are_advised_as_huge_pages() -> None:
     small, large = huge_pages.empty(1000, torch.float32), huge_pages.empty(20 << 20, torch.uint8)
     for t in (small, large):

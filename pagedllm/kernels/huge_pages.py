@@ -5,10 +5,11 @@ hardware prefetchers stop at each page's end and each page costs a TLB walk; in 
 layer's panels are one run. So the packing functions (``kernels.linear``, ``kernels.kquant``)
 take their output tensors from anonymous mappings that Linux is asked to back with transparent
 huge pages (``madvise(MADV_HUGEPAGE)``, granted where THP is in "madvise" or "always" mode;
-"never" leaves plain pages). Tensors share 64 MiB mappings in allocation order (a model's
-layers one after another), each 64-byte aligned; a mapping is unmapped once no tensor in it is
-left but the one being filled. Elsewhere (no ``MADV_HUGEPAGE``: not Linux, or Python before
-3.8), and with ``PAGEDLLM_DISABLE_HUGE_PAGES=1``, they are plain ``torch.empty`` tensors.
+"never", or a kernel without THP, leaves plain pages). Tensors share 64 MiB mappings in
+allocation order (a model's layers one after another), each 64-byte aligned; a mapping is
+unmapped once no tensor in it is left but the one being filled. Where Python's ``mmap`` has no
+``MADV_HUGEPAGE`` (not Linux), and with ``PAGEDLLM_DISABLE_HUGE_PAGES=1``, they are plain
+``torch.empty`` tensors.
 Measured: docs/benchmarks.md, "Intel Xeon with AMX, session 44".
 """
 
@@ -44,7 +45,10 @@ def _mapping(nbytes: int) -> tuple[mmap.mmap, int, int]:
     that boundary's offset, end offset)."""
     size = -(-nbytes // _HUGE) * _HUGE + _HUGE
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without THP (EINVAL): plain pages
+        pass
     address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     return buf, -address % _HUGE, size
 
