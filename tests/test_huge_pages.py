@@ -4,6 +4,7 @@ their mappings, in mappings advised as huge pages on Linux, plain tensors when s
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 
 import pytest
@@ -69,5 +70,5 @@ def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not huge_pages.enabled()
     t = huge_pages.empty(1000, torch.int8)
     assert t.shape == (1000,) and t.dtype == torch.int8
-    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+    if hasattr(mmap, "MADV_HUGEPAGE"):
         assert "hg" not in _vm_flags(t.data_ptr())
