@@ -267,3 +267,41 @@ def test_bench_attention_prefill_counts_causal_pairs():
     fns, flops, _ = _case("smollm2-135m", 20, 2, 16, False, ["bfloat16"], True, torch.Generator().manual_seed(0))
     assert flops == 2 * 2 * heads * head_dim * 2 * (20 * 21 // 2)
     fns["bfloat16"]()
+
+
+def _amx_here() -> bool:
+    from pagedllm.kernels import linear
+
+    return library.available() and library.active_isa() == "avx512_bf16" and linear.amx_tiles()
+
+
+@pytest.mark.skipif(not _amx_here(), reason="no AMX tiles here")
+def test_prefill_scores_on_amx_tiles_stay_within_the_pair_bound():
+    """Where AMX runs, a bfloat16 cache's prefill scores come from the tile unit (the same
+    bfloat16 pairs summed in another order); with the tiles on and off, a prompt's causal
+    attention lies within bfloat16_pair_bound of float32 attention over the same K/V."""
+    from pagedllm.kernels import linear
+
+    gen = torch.Generator().manual_seed(7)
+    block_size, d, h, hkv, n = 16, 64, 9, 3, 100
+    blocks = -(-n // block_size)
+    k = torch.randn(blocks * block_size, hkv, d, generator=gen).bfloat16()
+    v = torch.randn(blocks * block_size, hkv, d, generator=gen).bfloat16()
+    k_cache, v_cache = (x.view(blocks, block_size, hkv, d) for x in (k, v))
+    table = torch.arange(blocks).view(1, blocks)
+    q = torch.randn(n, h, d, generator=gen)
+    scale = d**-0.5
+    kf, vf = (x[:n].float().repeat_interleave(h // hkv, dim=1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, kf) * scale
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf).reshape(n, h * d)
+    bound = bfloat16_pair_bound(q, k[:n].float(), v[:n].float(), scale)
+    spans = torch.tensor([[0], [n], [n]], dtype=torch.int64)
+    try:
+        for on in (True, False):
+            linear.amx_tiles(on)
+            out = torch.empty(n, h * d)
+            paged_prefill_attention(q, k_cache, v_cache, table, spans, scale, 0, out)
+            assert bool(((out - ref).abs() <= bound).all()), f"AMX tiles {'on' if on else 'off'}"
+    finally:
+        linear.amx_tiles(True)

@@ -24,8 +24,9 @@
 
 namespace amx {
 
-// Whether the AMX path runs: the CPU has AMX-TILE and AMX-BF16, Linux granted the tile data
-// (arch_prctl ARCH_REQ_XCOMP_PERM, asked once per process), and gemm_amx switched it on.
+// Whether the AMX path runs (these GEMMs, and prefill attention's bfloat16 scores): the CPU
+// has AMX-TILE and AMX-BF16, Linux granted the tile data (arch_prctl ARCH_REQ_XCOMP_PERM,
+// asked once per process), and gemm_amx switched it on.
 // (Hidden, as parallel.h's: the library exports the header's C functions and nothing else.)
 __attribute__((visibility("hidden"))) bool active();
 

@@ -20,7 +20,9 @@
 //   (vec.h's kBf16Dot) and an even block size, both products take pairs, twice the
 //   multiply-adds per instruction: q.K pairs a key's consecutive elements, p.V consecutive
 //   keys. The queries (pre-scaled) and the softmax weights are rounded to bfloat16, as the
-//   bfloat16 K/V are stored (fp8 rows: code times scale, rounded).
+//   bfloat16 K/V are stored (fp8 rows: code times scale, rounded). Where Intel AMX runs
+//   (amx::active()) and D is a multiple of 32, q.K's pairs are summed on the tiles instead
+//   (amx_scores16, below).
 // - int8: a score is an integer dot product. Each query vector is quantized once
 //   (kv::quantize_query: D codes of q * scale and one code scale per lane), and
 //   score = float(query codes . key codes) * (key row scale * the lane's code scale), the dot
@@ -41,6 +43,12 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__AVX512BF16__)
+#define PREFILL_AMX 1
+#include <immintrin.h>
+#endif
+
+#include "amx.h"
 #include "gemm.h"
 #include "head_dims.h"
 #include "kv_rows.h"
@@ -67,6 +75,38 @@ constexpr int kIntChains = kChains / 2;
 // multiple of kGroup (the decode kernel's tiles), and steps keys a span of kMaxBlock at a time.
 constexpr int kGroup = 16;
 static_assert(kMaxBlock % kGroup == 0, "an int8 span is whole groups");
+
+#ifdef PREFILL_AMX
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+// Pair mode's scores on Intel AMX tiles (where amx::active(), D a multiple of 32): the block's
+// prepared K rows are an A operand as they lie ([key][D / 2] pairs), a tile's transposed query
+// pairs ([D / 2][16 lanes]) a B operand, so one tile of sums holds 16 keys' scores for the 16
+// lanes, key by key as the vector loop leaves them. The products are the same bfloat16 pairs,
+// summed in float32 in the tile unit's order (not the vector loop's: other bits, as far from
+// exact), and a score depends only on its key's row and its lane's query, not on the rest of the
+// tile or the block. Tile 0: the sums; 1: 16 K rows by 32 elements; 2: 16 query pairs by 16 lanes.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16};
+};
+const AmxConfig kAmxConfig;
+void amx_start() { _tile_loadconfig(&kAmxConfig); }
+void amx_stop() { _tile_release(); }
+// out[j][lane] = sum over d of K row j . lane's query, for the 16 rows at k (stride bytes apart).
+__attribute__((noinline)) void amx_scores16(const uint32_t* k, int64_t stride, const uint32_t* qt, int64_t D,
+                                            float* out) {
+  _tile_zero(0);
+  for (int64_t c = 0; c < D / 32; ++c) {
+    _tile_loadd(1, k + 16 * c, stride);
+    _tile_loadd(2, qt + 16 * kLanes * c, 4 * kLanes);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, out, 4 * kLanes);
+}
+#pragma GCC pop_options
+#endif
 
 // One head's row as D float32 values.
 template <typename T>
@@ -114,11 +154,26 @@ struct Block {
 // keys than its own range computes exactly what it would on its own range: a dropped key adds
 // 0 to the sum and to every output element.
 template <int NT, int D, bool P, bool I>
-void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_t nk, F32x16 win_v) {
+void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_t nk, F32x16 win_v,
+            [[maybe_unused]] bool amx_scores) {
   constexpr int64_t kStep = I ? kGroup : kChains;  // a multiple of kChains
   const int64_t nkc = (nk + kStep - 1) / kStep * kStep;
   F32x16 s[NT][kMaxBlock];
-  for (int64_t i = 0; i < nkc; i += kChains) {
+  int64_t scored = 0;  // keys whose scores are in s
+#ifdef PREFILL_AMX
+  if constexpr (P && !I && D % 32 == 0) {
+    if (amx_scores) {  // rows nkc .. the next multiple of 16 give sums that are never read
+      alignas(64) float sums[16][kLanes];
+      for (int64_t i0 = 0; i0 < nkc; i0 += 16)
+        for (int u = 0; u < NT; ++u) {
+          amx_scores16(b.k[i0], sizeof(b.k[0]), t[u]->qt[0], D, sums[0]);
+          for (int j = 0; j < 16 && i0 + j < nkc; ++j) s[u][i0 + j] = load(sums[j]);
+        }
+      scored = nkc;
+    }
+  }
+#endif
+  for (int64_t i = scored; i < nkc; i += kChains) {
     if constexpr (I) {  // int32 sums of the key's quads (broadcast) times the lanes' quads
       for (int h = 0; h < kChains; h += kIntChains) {
         I32x16 a[NT][kIntChains];
@@ -280,11 +335,12 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
 
 // attend<n> for a count n in [1, kTiles] known only at run time.
 template <int D, bool P, bool I, int N = kTiles>
-void attend_n(int n, Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_t nk, F32x16 win_v) {
+void attend_n(int n, Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_t nk, F32x16 win_v,
+              bool tiles) {
   if constexpr (N > 1) {
-    if (n < N) return attend_n<D, P, I, N - 1>(n, t, b, k0, nk, win_v);
+    if (n < N) return attend_n<D, P, I, N - 1>(n, t, b, k0, nk, win_v, tiles);
   }
-  attend<N, D, P, I>(t, b, k0, nk, win_v);
+  attend<N, D, P, I>(t, b, k0, nk, win_v, tiles);
 }
 
 // Rows k0 .. k0 + nk - 1 of a block (k, v: the first key's row of the head; stride: elements
@@ -378,7 +434,15 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
   std::vector<int64_t> first_item(R + 1, 0);
   const auto tiles_of = [&](int64_t r) { return (query_lens[r] * G + kLanes - 1) / kLanes; };
   for (int64_t r = 0; r < R; ++r) first_item[r + 1] = first_item[r] + Hkv * ((tiles_of(r) + kTiles - 1) / kTiles);
+#ifdef PREFILL_AMX
+  const bool amx_scores = P && !I && D % 32 == 0 && amx::active();  // pair mode's scores on AMX tiles
+#else
+  constexpr bool amx_scores = false;
+#endif
   par::parallel_for(first_item[R], [&](int64_t item) {
+#ifdef PREFILL_AMX
+    if (amx_scores) amx_start();
+#endif
     const int64_t r = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
     const int64_t groups = (first_item[r + 1] - first_item[r]) / Hkv;
     const int64_t h = (item - first_item[r]) / groups, group = (item - first_item[r]) % groups;
@@ -466,13 +530,13 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
         alignas(64) int64_t rows[kMaxBlock];
         for (int64_t x = k0; x < k1; ++x) rows[x - g0] = (table[x / BS] * BS + x % BS) * stride + h * RW;
         prepare_codes(b, k_cache, v_cache, rows, k0 - g0, nk, nkc);
-        attend_n<D, P, I>(na, active, b, g0, nk, win_v);
+        attend_n<D, P, I>(na, active, b, g0, nk, win_v, false);
       } else {
         if constexpr (P) k0 &= ~int64_t(1);  // absolute pairs of keys for p.V (BS is even: still in the block)
         const int64_t nk = k1 - k0, nkc = (nk + kChains - 1) / kChains * kChains;
         const int64_t first = table[blk] * BS * stride + h * RW + (k0 - blk * BS) * stride;
         prepare(b, k_cache + first, v_cache + first, stride, nk, nkc);
-        attend_n<D, P, I>(na, active, b, k0, nk, win_v);
+        attend_n<D, P, I>(na, active, b, k0, nk, win_v, amx_scores);
       }
     }
     for (int u = 0; u < nt; ++u) {
@@ -486,6 +550,9 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
         for (int d = 0; d < D; ++d) dst[d] = t.ot[d][lane] * inv[lane];
       }
     }
+#ifdef PREFILL_AMX
+    if (amx_scores) amx_stop();
+#endif
   }, 2, 1);
 }
 

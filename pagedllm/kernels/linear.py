@@ -29,7 +29,8 @@ Q8_0_BLOCK_BYTES = 2 + QUANT_GROUP  # a GGUF Q8_0 block: float16 d, then QUANT_G
 
 def amx_tiles(enable: bool | None = None) -> bool:
     """Whether the prompt rows of ``linear_w8a8``, ``linear_q8a8``, ``linear_q4a8`` and
-    ``kquant.linear`` run Intel AMX tiles in bfloat16 (csrc/amx.h): the CPU has AMX-BF16, Linux
+    ``kquant.linear`` run Intel AMX tiles in bfloat16 (csrc/amx.h), and with them the scores of
+    ``attention.paged_prefill_attention`` over a bfloat16 cache: the CPU has AMX-BF16, Linux
     granted its tile state, and neither ``PAGEDLLM_DISABLE_AMX=1`` (read when the library loads)
     nor ``enable=False`` switched them off (``enable=True``: on again).
 
