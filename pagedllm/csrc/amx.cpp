@@ -79,9 +79,9 @@ constexpr int kTile = 16;                  // rows (and float32 columns) of a ti
 constexpr int64_t kBRows = QG / 2;         // B rows per group: pairs of k
 constexpr int64_t kGroupB = 2 * kBRows * NB;  // bfloat16 of one group's B, both halves
 
-// Tiles 0-3: C, float32 sums of rows 16 i .. 16 i + 15 by columns 16 j .. 16 j + 15 (tile
-// 2 i + j); 4, 5: A, 16 rows of x by one group's 32 k; 6, 7: B, one group's 16 k pairs by 16
-// columns (half j of the panel).
+// The GEMM's tiles (start_tiles' shape): 0-3: C, float32 sums of rows 16 i .. 16 i + 15 by
+// columns 16 j .. 16 j + 15 (tile 2 i + j); 4, 5: A, 16 rows of x by one group's 32 k; 6, 7: B,
+// one group's 16 k pairs by 16 columns (half j of the panel).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -93,6 +93,13 @@ TileConfig make_config() {
   return c;
 }
 const TileConfig kConfig = make_config();
+
+}  // namespace
+
+void start_tiles() { _tile_loadconfig(&kConfig); }
+void stop_tiles() { _tile_release(); }
+
+namespace {
 
 constexpr int64_t kTileX = kTile * QG;  // bfloat16 of one A tile: 16 rows by one group's 32 k
 
@@ -232,7 +239,7 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t ldy, int64_
     static thread_local aligned::vector<uint16_t> wb;
     wb.resize(static_cast<size_t>(G * kGroupB));
     const PanelOut o = panel(p, wb.data());
-    _tile_loadconfig(&kConfig);
+    start_tiles();
     alignas(64) float sums[2 * kTile][NB];
     const auto columns = [](int64_t n) { return static_cast<__mmask16>(n >= kTile ? 0xFFFF : n > 0 ? (1u << n) - 1 : 0); };
     const __mmask16 live[2] = {columns(o.ncols), columns(o.ncols - kTile)};  // y's columns in each half
@@ -283,7 +290,7 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t ldy, int64_
         _mm512_mask_storeu_ps(out + kTile, live[1], _mm512_fmadd_ps(_mm512_load_ps(&sums[r][kTile]), ws[1], b[1]));
       }
     }
-    _tile_release();
+    stop_tiles();
   });
 }
 

@@ -30,6 +30,12 @@ namespace amx {
 // (Hidden, as parallel.h's: the library exports the header's C functions and nothing else.)
 __attribute__((visibility("hidden"))) bool active();
 
+// The tile shape every AMX user here takes (8 tiles of 16 rows x 64 bytes), loaded on the
+// calling thread; stop_tiles gives the tile state back. Built where the GEMMs are (the
+// avx512_bf16 variant); call only where active().
+__attribute__((visibility("hidden"))) void start_tiles();
+__attribute__((visibility("hidden"))) void stop_tiles();
+
 // y = x w^T + bias (the operands of linear_w8a8, linear_q8a8, linear_q4a8, pagedllm_abi.h) for
 // M >= 1 rows on AMX tiles, each row's result independent of the others; call only where active().
 __attribute__((visibility("hidden"))) void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed,

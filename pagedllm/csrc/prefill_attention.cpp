@@ -85,16 +85,9 @@ static_assert(kMaxBlock % kGroup == 0, "an int8 span is whole groups");
 // lanes, key by key as the vector loop leaves them. The products are the same bfloat16 pairs,
 // summed in float32 in the tile unit's order (not the vector loop's: other bits, as far from
 // exact), and a score depends only on its key's row and its lane's query, not on the rest of the
-// tile or the block. Tile 0: the sums; 1: 16 K rows by 32 elements; 2: 16 query pairs by 16 lanes.
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16};
-};
-const AmxConfig kAmxConfig;
-void amx_start() { _tile_loadconfig(&kAmxConfig); }
-void amx_stop() { _tile_release(); }
-// out[j][lane] = sum over d of K row j . lane's query, for the 16 rows at k (stride bytes apart).
+// tile or the block. amx_scores16: out[j][lane] = sum over d of K row j . the lane's query, for
+// the 16 rows at k (stride bytes apart), on amx::start_tiles' tiles 0 (the sums), 1 (16 K rows
+// by 32 elements) and 2 (16 query pairs by 16 lanes).
 __attribute__((noinline)) void amx_scores16(const uint32_t* k, int64_t stride, const uint32_t* qt, int64_t D,
                                             float* out) {
   _tile_zero(0);
@@ -441,7 +434,7 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
 #endif
   par::parallel_for(first_item[R], [&](int64_t item) {
 #ifdef PREFILL_AMX
-    if (amx_scores) amx_start();
+    if (amx_scores) amx::start_tiles();
 #endif
     const int64_t r = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
     const int64_t groups = (first_item[r + 1] - first_item[r]) / Hkv;
@@ -551,7 +544,7 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
       }
     }
 #ifdef PREFILL_AMX
-    if (amx_scores) amx_stop();
+    if (amx_scores) amx::stop_tiles();
 #endif
   }, 2, 1);
 }
