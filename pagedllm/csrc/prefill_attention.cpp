@@ -76,6 +76,10 @@ constexpr int kIntChains = kChains / 2;
 constexpr int kGroup = 16;
 static_assert(kMaxBlock % kGroup == 0, "an int8 span is whole groups");
 
+// Whether a tile's scores may come from AMX tiles (amx_scores16): pair mode, D whole tiles of 32.
+template <int D, bool P, bool I>
+inline constexpr bool kAmxScores = P && !I && D % 32 == 0;
+
 #ifdef PREFILL_AMX
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
@@ -154,7 +158,7 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
   F32x16 s[NT][kMaxBlock];
   int64_t scored = 0;  // keys whose scores are in s
 #ifdef PREFILL_AMX
-  if constexpr (P && !I && D % 32 == 0) {
+  if constexpr (kAmxScores<D, P, I>) {
     if (amx_scores) {  // rows nkc .. the next multiple of 16 give sums that are never read
       alignas(64) float sums[16][kLanes];
       for (int64_t i0 = 0; i0 < nkc; i0 += 16)
@@ -329,11 +333,11 @@ void attend(Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_
 // attend<n> for a count n in [1, kTiles] known only at run time.
 template <int D, bool P, bool I, int N = kTiles>
 void attend_n(int n, Tile<D, P, I>* const* t, const Block<D, P, I>& b, int64_t k0, int64_t nk, F32x16 win_v,
-              bool tiles) {
+              bool amx_scores) {
   if constexpr (N > 1) {
-    if (n < N) return attend_n<D, P, I, N - 1>(n, t, b, k0, nk, win_v, tiles);
+    if (n < N) return attend_n<D, P, I, N - 1>(n, t, b, k0, nk, win_v, amx_scores);
   }
-  attend<N, D, P, I>(t, b, k0, nk, win_v, tiles);
+  attend<N, D, P, I>(t, b, k0, nk, win_v, amx_scores);
 }
 
 // Rows k0 .. k0 + nk - 1 of a block (k, v: the first key's row of the head; stride: elements
@@ -428,7 +432,7 @@ void prefill_attention(const float* q, int64_t ldq, const T* k_cache, const T* v
   const auto tiles_of = [&](int64_t r) { return (query_lens[r] * G + kLanes - 1) / kLanes; };
   for (int64_t r = 0; r < R; ++r) first_item[r + 1] = first_item[r] + Hkv * ((tiles_of(r) + kTiles - 1) / kTiles);
 #ifdef PREFILL_AMX
-  const bool amx_scores = P && !I && D % 32 == 0 && amx::active();  // pair mode's scores on AMX tiles
+  const bool amx_scores = kAmxScores<D, P, I> && amx::active();
 #else
   constexpr bool amx_scores = false;
 #endif
