@@ -132,11 +132,11 @@ inline void store_quad(const __m512 (&w)[4], __m512i order, uint16_t* out) {
   }
 }
 
-// One w4a8 panel's G groups of Q4_BYTES -> bfloat16 weights d q + m as B tiles take them:
-// [G][2 halves][16 k pairs][16 columns][2].
-void unpack_q4(const uint8_t* panel, int64_t G, uint16_t* b) {
+// Groups [g0, g1) of a w4a8 panel (groups of Q4_BYTES) -> bfloat16 weights d q + m as B tiles
+// take them: [group][2 halves][16 k pairs][16 columns][2] (groups at their own places in b).
+void unpack_q4(const uint8_t* panel, int64_t g0, int64_t g1, uint16_t* b) {
   const __m512i order = pair_order(), low4 = _mm512_set1_epi32(0x0F0F0F0F), byte = _mm512_set1_epi32(0xFF);
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* pg = panel + g * Q4_BYTES;
     const uint16_t* dm = reinterpret_cast<const uint16_t*>(pg + Q4_NIBBLES);
     for (int h = 0; h < 2; ++h) {
@@ -155,12 +155,12 @@ void unpack_q4(const uint8_t* panel, int64_t G, uint16_t* b) {
   }
 }
 
-// One w8a8 panel ([G * QG / 4][32][4] stored codes, gemm.h's stored_code) -> bfloat16 weights
-// laid out as unpack_q4's: the codes q (exact: |q| <= 127; w8a8's column scales apply to the
-// sums), or with d ([G][32] float16: q8a8's Q8_0 scales) d q.
-void unpack_w8a8(const int8_t* panel, const uint16_t* d, int64_t G, uint16_t* b) {
+// Groups [g0, g1) of a w8a8 panel ([G * QG / 4][32][4] stored codes, gemm.h's stored_code) ->
+// bfloat16 weights laid out as unpack_q4's: the codes q (exact: |q| <= 127; w8a8's column
+// scales apply to the sums), or with d ([G][32] float16: q8a8's Q8_0 scales) d q.
+void unpack_w8a8(const int8_t* panel, const uint16_t* d, int64_t g0, int64_t g1, uint16_t* b) {
   const __m512i order = pair_order(), flip = _mm512_set1_epi32(gemm::kDotXSums ? int(0x80808080) : 0);
-  for (int64_t g = 0; g < G; ++g)
+  for (int64_t g = g0; g < g1; ++g)
     for (int h = 0; h < 2; ++h) {
       uint16_t* out = b + g * kGroupB + h * kBRows * NB;
       const __m256i dh = d ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * NB + kTile * h)) : __m256i{};
@@ -176,14 +176,15 @@ void unpack_w8a8(const int8_t* panel, const uint16_t* d, int64_t G, uint16_t* b)
     }
 }
 
-// One K-quant panel (kquant_panels.h's layout; not Q8_0) -> bfloat16 weights ws (q + shift) +
-// off, laid out as unpack_q4's: the codes and scales as the vector tiles decode them.
+// Groups [g0, g1) of a K-quant panel (kquant_panels.h's layout; not Q8_0) -> bfloat16 weights
+// ws (q + shift) + off, laid out as unpack_q4's: the codes and scales as the vector tiles
+// decode them.
 template <class F>
-void unpack_kquant(const uint8_t* panel, int64_t G, uint16_t* b) {
+void unpack_kquant(const uint8_t* panel, int64_t g0, int64_t g1, uint16_t* b) {
   constexpr int P = F::kPieces, kQuads = QG / 4 / P;  // quads per piece
   const kquant::PackedPanel<F> src{panel};
   const __m512i order = pair_order(), byte = _mm512_set1_epi32(0xFF), shift = _mm512_set1_epi32(F::kCodeShift);
-  for (int64_t g = 0; g < G; ++g)
+  for (int64_t g = g0; g < g1; ++g)
     for (int piece = 0; piece < P; ++piece) {
       F32x16 ws[2], off[2] = {vec::zero(), vec::zero()};  // off stays zero where the shift is in the codes
       src.scales(g * P + piece, ws, off);
@@ -224,8 +225,11 @@ inline void want_rows(float* y, int64_t ldy, int64_t rows, int64_t g) {
   }
 }
 
-// y = x w^T by panels on AMX tiles, for the M rows of x [M, K]: panel(i, b) writes panel i's
-// weights into b as B tiles (unpack_q4's layout) and returns where its outputs go.
+// y = x w^T by panels on AMX tiles, for the M rows of x [M, K]: panel(i, b, g0, g1) writes
+// groups [g0, g1) of panel i's weights into b as B tiles (unpack_q4's layout) and returns where
+// its outputs go. A thread decodes the next panel of its chunk while the tile unit multiplies
+// the current one, a share after each group's products (the vector units are idle while the
+// tiles wait for each other: decoding apart cost about a fifth of a 256-row call).
 template <typename Panel>
 void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t ldy, int64_t panels, Panel panel) {
   const int64_t G = (K + QG - 1) / QG, Kp = G * QG, Mp = (M + 2 * kTile - 1) / (2 * kTile) * (2 * kTile);
@@ -235,59 +239,73 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t ldy, int64_
   if (xb.size() < static_cast<size_t>(Mp * Kp)) xb.resize(static_cast<size_t>(Mp * Kp));
   uint16_t* xs = xb.data();  // (the helper threads' own xb is another vector)
   to_bf16(x, ldx, M, K, Mp, G, xs);
-  par::parallel_for(panels, [&](int64_t p) {
-    static thread_local aligned::vector<uint16_t> wb;
-    wb.resize(static_cast<size_t>(G * kGroupB));
-    const PanelOut o = panel(p, wb.data());
+  const int64_t steps = Mp / (2 * kTile) * G;  // group products of a panel
+  par::parallel_chunks(panels, [&](int64_t begin, int64_t end) {
+    static thread_local aligned::vector<uint16_t> wbs[2];  // this panel's B tiles and the next one's
+    for (aligned::vector<uint16_t>& w : wbs) w.resize(static_cast<size_t>(G * kGroupB));
+    panel(begin, wbs[0].data(), 0, G);
     start_tiles();
-    alignas(64) float sums[2 * kTile][NB];
-    const auto columns = [](int64_t n) { return static_cast<__mmask16>(n >= kTile ? 0xFFFF : n > 0 ? (1u << n) - 1 : 0); };
-    const __mmask16 live[2] = {columns(o.ncols), columns(o.ncols - kTile)};  // y's columns in each half
-    __m512 b[2], ws[2];
-    for (int h = 0; h < 2; ++h) {
-      b[h] = o.bias ? _mm512_maskz_loadu_ps(live[h], o.bias + kTile * h) : _mm512_setzero_ps();
-      ws[h] = o.wscale ? _mm512_maskz_loadu_ps(live[h], o.wscale + kTile * h) : _mm512_set1_ps(1.f);
-    }
-    for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile) {
-      const uint16_t* a = xs + m0 * Kp;  // two A tiles' rows: [2][G][16][32]
-      float* const y = o.y + m0 * ldy;
-      const int64_t rows = std::min<int64_t>(2 * kTile, M - m0);
-      if (rows <= kTile) {  // the last rows fit one A tile: half the products (a short prompt)
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int64_t g = 0; g < G; ++g) {
-          want_rows(y, ldy, rows, g);
-          _tile_loadd(4, a + g * kTileX, 64);
-          _tile_loadd(6, wb.data() + g * kGroupB, 64);
-          _tile_loadd(7, wb.data() + g * kGroupB + kBRows * NB, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-      } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t g = 0; g < G; ++g) {
-          want_rows(y, ldy, rows, g);
-          _tile_loadd(4, a + g * kTileX, 64);
-          _tile_loadd(5, a + (G + g) * kTileX, 64);
-          _tile_loadd(6, wb.data() + g * kGroupB, 64);
-          _tile_loadd(7, wb.data() + g * kGroupB + kBRows * NB, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(2, &sums[kTile][0], NB * 4);
-        _tile_stored(3, &sums[kTile][kTile], NB * 4);
+    for (int64_t p = begin; p < end; ++p) {
+      const uint16_t* wb = wbs[(p - begin) % 2].data();
+      uint16_t* next = p + 1 < end ? wbs[(p - begin + 1) % 2].data() : nullptr;
+      int64_t step = 0, decoded = 0;  // of this panel's products; of the next panel's groups
+      const auto decode_share = [&] {
+        if (!next) return;
+        const int64_t upto = ++step * G / steps;
+        if (upto > decoded) panel(p + 1, next, decoded, upto), decoded = upto;
+      };
+      const PanelOut o = panel(p, nullptr, 0, 0);
+      alignas(64) float sums[2 * kTile][NB];
+      const auto columns = [](int64_t n) { return static_cast<__mmask16>(n >= kTile ? 0xFFFF : n > 0 ? (1u << n) - 1 : 0); };
+      const __mmask16 live[2] = {columns(o.ncols), columns(o.ncols - kTile)};  // y's columns in each half
+      __m512 b[2], ws[2];
+      for (int h = 0; h < 2; ++h) {
+        b[h] = o.bias ? _mm512_maskz_loadu_ps(live[h], o.bias + kTile * h) : _mm512_setzero_ps();
+        ws[h] = o.wscale ? _mm512_maskz_loadu_ps(live[h], o.wscale + kTile * h) : _mm512_set1_ps(1.f);
       }
-      _tile_stored(0, &sums[0][0], NB * 4);
-      _tile_stored(1, &sums[0][kTile], NB * 4);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* out = y + r * ldy;
-        _mm512_mask_storeu_ps(out, live[0], _mm512_fmadd_ps(_mm512_load_ps(&sums[r][0]), ws[0], b[0]));
-        _mm512_mask_storeu_ps(out + kTile, live[1], _mm512_fmadd_ps(_mm512_load_ps(&sums[r][kTile]), ws[1], b[1]));
+      for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile) {
+        const uint16_t* a = xs + m0 * Kp;  // two A tiles' rows: [2][G][16][32]
+        float* const y = o.y + m0 * ldy;
+        const int64_t rows = std::min<int64_t>(2 * kTile, M - m0);
+        if (rows <= kTile) {  // the last rows fit one A tile: half the products (a short prompt)
+          _tile_zero(0);
+          _tile_zero(1);
+          for (int64_t g = 0; g < G; ++g) {
+            want_rows(y, ldy, rows, g);
+            _tile_loadd(4, a + g * kTileX, 64);
+            _tile_loadd(6, wb + g * kGroupB, 64);
+            _tile_loadd(7, wb + g * kGroupB + kBRows * NB, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            decode_share();
+          }
+        } else {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t g = 0; g < G; ++g) {
+            want_rows(y, ldy, rows, g);
+            _tile_loadd(4, a + g * kTileX, 64);
+            _tile_loadd(5, a + (G + g) * kTileX, 64);
+            _tile_loadd(6, wb + g * kGroupB, 64);
+            _tile_loadd(7, wb + g * kGroupB + kBRows * NB, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+            decode_share();
+          }
+          _tile_stored(2, &sums[kTile][0], NB * 4);
+          _tile_stored(3, &sums[kTile][kTile], NB * 4);
+        }
+        _tile_stored(0, &sums[0][0], NB * 4);
+        _tile_stored(1, &sums[0][kTile], NB * 4);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* out = y + r * ldy;
+          _mm512_mask_storeu_ps(out, live[0], _mm512_fmadd_ps(_mm512_load_ps(&sums[r][0]), ws[0], b[0]));
+          _mm512_mask_storeu_ps(out + kTile, live[1], _mm512_fmadd_ps(_mm512_load_ps(&sums[r][kTile]), ws[1], b[1]));
+        }
       }
     }
     stop_tiles();
@@ -305,8 +323,8 @@ PanelOut nth(int64_t p, float* y, int64_t N, const float* wscale, const float* b
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K) {
   const int64_t G = (K + QG - 1) / QG;
-  gemm(x, ldx, M, K, N, (N + NB - 1) / NB, [&](int64_t p, uint16_t* b) {
-    unpack_q4(packed + p * G * Q4_BYTES, G, b);
+  gemm(x, ldx, M, K, N, (N + NB - 1) / NB, [&](int64_t p, uint16_t* b, int64_t g0, int64_t g1) {
+    unpack_q4(packed + p * G * Q4_BYTES, g0, g1, b);
     return nth(p, y, N, nullptr, bias);
   });
 }
@@ -314,8 +332,8 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
 void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const float* bias, float* y,
                  int64_t M, int64_t N, int64_t K) {
   const int64_t G = (K + QG - 1) / QG;
-  gemm(x, ldx, M, K, N, (N + NB - 1) / NB, [&](int64_t p, uint16_t* b) {
-    unpack_w8a8(packed + p * G * QG * NB, nullptr, G, b);
+  gemm(x, ldx, M, K, N, (N + NB - 1) / NB, [&](int64_t p, uint16_t* b, int64_t g0, int64_t g1) {
+    unpack_w8a8(packed + p * G * QG * NB, nullptr, g0, g1, b);
     return nth(p, y, N, wscale, bias);
   });
 }
@@ -323,8 +341,8 @@ void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float*
 void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed, const uint16_t* d, const float* bias, float* y,
                  int64_t M, int64_t N, int64_t K) {
   const int64_t G = K / QG;
-  gemm(x, ldx, M, K, N, (N + NB - 1) / NB, [&](int64_t p, uint16_t* b) {
-    unpack_w8a8(packed + p * G * QG * NB, d + p * G * NB, G, b);
+  gemm(x, ldx, M, K, N, (N + NB - 1) / NB, [&](int64_t p, uint16_t* b, int64_t g0, int64_t g1) {
+    unpack_w8a8(packed + p * G * QG * NB, d + p * G * NB, g0, g1, b);
     return nth(p, y, N, nullptr, bias);
   });
 }
@@ -338,7 +356,7 @@ void linear_kquant(const float* x, int64_t ldx, const KQuantWeight& w, const flo
   for (int64_t part = 0, col = 0; part < w.num_parts; col += w.parts[part++].rows)
     for (int64_t p = 0; p * NB < w.parts[part].rows; ++p) spans.push_back({part, p, col + p * NB});
   const int64_t G = K / QG;
-  gemm(x, ldx, M, K, N, static_cast<int64_t>(spans.size()), [&](int64_t i, uint16_t* b) {
+  gemm(x, ldx, M, K, N, static_cast<int64_t>(spans.size()), [&](int64_t i, uint16_t* b, int64_t g0, int64_t g1) {
     const Span& s = spans[i];
     const KQuantPart& part = w.parts[s.part];
     const uint8_t* blocks = static_cast<const uint8_t*>(part.blocks);
@@ -347,9 +365,9 @@ void linear_kquant(const float* x, int64_t ldx, const KQuantWeight& w, const flo
       if constexpr (F::kSigned) {  // linear.cpp's q8a8 panels: every panel's codes, then every panel's d
         const int64_t num_panels = (part.rows + NB - 1) / NB;
         const uint16_t* d = reinterpret_cast<const uint16_t*>(blocks + num_panels * K * NB);
-        unpack_w8a8(reinterpret_cast<const int8_t*>(blocks) + s.panel * K * NB, d + s.panel * G * NB, G, b);
+        unpack_w8a8(reinterpret_cast<const int8_t*>(blocks) + s.panel * K * NB, d + s.panel * G * NB, g0, g1, b);
       } else {
-        unpack_kquant<F>(blocks + s.panel * (K / kquant::PanelLayout<F>::kUnit) * kquant::unit_bytes<F>, G, b);
+        unpack_kquant<F>(blocks + s.panel * (K / kquant::PanelLayout<F>::kUnit) * kquant::unit_bytes<F>, g0, g1, b);
       }
     });
     return PanelOut{y + s.col, std::min<int64_t>(NB, part.rows - s.panel * NB), nullptr, bias ? bias + s.col : nullptr};
