@@ -226,19 +226,20 @@ def test_the_header_declares_the_stored_weight() -> None:
 def test_prompt_rows_on_amx_tiles(native_isa: str) -> None:
     """Where the library runs AMX (Intel, AMX-BF16), a weight in panels takes its prompt rows
     (``prompt_from``) on the bfloat16 tiles, every format and a weight of two parts (a fused
-    projection): x and gguf's dequantized weights rounded to bfloat16, their products summed in
+    projection, 11 panels): x and gguf's dequantized weights rounded to bfloat16, their products summed in
     float32, equal to that in float64 to float32's rounding and nearer the float64 product than
     the int8 scheme; each row's bits the same however many rows share the call, the rows before
     ``prompt_from`` the int8 scheme's."""
     if not linear_kernels.amx_tiles():
         pytest.skip("no AMX tiles on this CPU or library (or PAGEDLLM_DISABLE_AMX=1)")
     for qtype, k in ((Q.Q4_K, 512), (Q.Q5_K, 256), (Q.Q6_K, 512), (Q.Q5_0, 128), (Q.Q8_0, 128)):
-        parts = [(int(qtype), random_gguf_blocks(qtype, n, k, seed=n)) for n in (40, 24)]
+        # 11 panels: a thread decodes its next panel while it multiplies the current one
+        parts = [(int(qtype), random_gguf_blocks(qtype, n, k, seed=n)) for n in (296, 24)]
         if qtype == Q.Q8_0:
             parts = [(t, without_minus_128(blocks)) for t, blocks in parts]
         weight = kquant.panels(kquant.StoredWeight(parts, k))
         w = torch.cat([gguf_values(qtype, blocks, k) for _, blocks in parts])
-        bias = torch.randn(64)
+        bias = torch.randn(320)
         x = torch.randn(70, k + 3)[:, :k]
         y, vector = kquant.linear(x, weight, bias, prompt_from=0), kquant.linear(x, weight, bias)
         ref = x.bfloat16().double() @ w.bfloat16().double().T + bias.double()

@@ -85,7 +85,7 @@ def test_w4a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
 
 
 @pytest.mark.parametrize("kind", ["w4a8", "w8a8", "q8a8"])
-@pytest.mark.parametrize("n,k", INT8_SHAPES)
+@pytest.mark.parametrize("n,k", [*INT8_SHAPES, (1250, 96)])  # 40 panels: a thread decodes the next while it multiplies
 def test_prompt_rows_on_amx_tiles(n, k, kind, native_isa) -> None:
     """Where the library runs AMX (Intel, AMX-BF16), a step's prompt rows (``prompt_rows``)
     are x rounded to bfloat16 times the weights in bfloat16 (w4a8's ``d * q + m``, q8a8's

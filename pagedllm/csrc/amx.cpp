@@ -3,10 +3,10 @@
 // Per 32-column panel (the threads split the panels): its weights are decoded once into
 // bfloat16 laid out as AMX's B operand (per group of 32 k and half panel, 16 rows of k pairs x
 // 16 columns x 2): w4a8's d q + m, q8a8's d q, a K-quant panel's ws (q + shift) + off, w8a8's
-// codes q (its column scales multiply the sums); then every 32 rows of x (converted once per
-// call to bfloat16, zero padded to whole tiles and groups) take 4 tile products per group:
-// rows 0-15 and 16-31 by columns 0-15 and 16-31, float32 sums kept in 4 tiles over all of K
-// and stored once.
+// codes q (its column scales multiply the sums), by the thread during its previous panel's
+// products; then every 32 rows of x (converted once per call to bfloat16, zero padded to
+// whole tiles and groups) take 4 tile products per group: rows 0-15 and 16-31 by columns 0-15
+// and 16-31, float32 sums kept in 4 tiles over all of K and stored once.
 #include "amx.h"
 
 #include <atomic>
@@ -228,8 +228,8 @@ inline void want_rows(float* y, int64_t ldy, int64_t rows, int64_t g) {
 // y = x w^T by panels on AMX tiles, for the M rows of x [M, K]: panel(i, b, g0, g1) writes
 // groups [g0, g1) of panel i's weights into b as B tiles (unpack_q4's layout) and returns where
 // its outputs go. A thread decodes the next panel of its chunk while the tile unit multiplies
-// the current one, a share after each group's products (the vector units are idle while the
-// tiles wait for each other: decoding apart cost about a fifth of a 256-row call).
+// the current one, a share after each group's products: decoding and multiplying in turn left
+// each unit idle while the other worked (docs/benchmarks.md, session 45).
 template <typename Panel>
 void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t ldy, int64_t panels, Panel panel) {
   const int64_t G = (K + QG - 1) / QG, Kp = G * QG, Mp = (M + 2 * kTile - 1) / (2 * kTile) * (2 * kTile);
