@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from pagedllm.entrypoints.beam_search import beam_search_score
 from pagedllm.errors import InvalidParamError
 
@@ -90,3 +90,20 @@ def test_bad_input_is_refused_before_any_step(llm: LLM) -> None:
     with pytest.raises(InvalidParamError) as e:  # the second prompt fills the context: nothing runs
         llm.beam_search([PROMPT, list(range(1, 300))], BeamSearchParams(beam_width=2, max_tokens=4))
     assert e.value.param == "prompt" and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "prompts,lora_request",
+    [
+        ([PROMPT, PROMPT], [None]),  # one adapter for two prompts
+        (PROMPT, "an-adapter"),  # not a LoRARequest
+        ([PROMPT, PROMPT], [LoRARequest("a", 1, "/a"), LoRARequest("b", 1, "/b")]),  # one id, two adapters
+        (None, None),  # not a prompt
+    ],
+)
+def test_prompts_and_adapters_are_checked_as_generate_checks_them(llm: LLM, prompts, lora_request) -> None:
+    """The prompts and ``lora_request`` go through ``LLM.generate``'s own checks, before any step."""
+    with pytest.raises(InvalidParamError) as e:
+        llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4), lora_request=lora_request)
+    assert e.value.param == ("prompt" if prompts is None else "lora_request")
+    assert not llm.engine.has_unfinished_requests()

@@ -6,12 +6,13 @@ finished. Scores are vLLM's ``get_beam_search_score``."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from pagedllm.entrypoints.llm_inputs import check_one_adapter_per_id, per_prompt, prompt_list
 from pagedllm.errors import InvalidParamError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import Logprob
@@ -66,15 +67,11 @@ def beam_search(
     """
     if not isinstance(params, BeamSearchParams):
         raise InvalidParamError("params", f"params must be a BeamSearchParams, got {type(params).__name__}")
-    if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    if not isinstance(prompts, Sequence):
-        raise InvalidParamError("prompt", f"prompts must be a prompt or a list of them, got {type(prompts).__name__}")
+    prompts = prompt_list(prompts)
+    loras = per_prompt(lora_request, LoRARequest, "lora_request", len(prompts))
+    check_one_adapter_per_id(loras)
     processor = llm.engine.processor
     eos = set() if params.ignore_eos else set(processor.eos_token_ids)
-    loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
-    if len(loras) != len(prompts):
-        raise InvalidParamError("lora_request", f"got {len(prompts)} prompts but {len(loras)} lora_request")
     step = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
     prompt_ids, live, done = [], [], []
     for prompt, lora in zip(prompts, loras, strict=True):
