@@ -104,14 +104,19 @@ class FakeModel:
                     t += 1
             assert t == len(slots)
         hidden: list[int] = []  # per token of the step, the history hash its query read back last
+        first_rows = [sum(query_lens[:j]) for j in range(len(query_lens))]
         for j, (r, hashes) in enumerate(zip(step.requests, expected)):
             seen: dict[int, int] = {}
             for g, group in enumerate(self.groups):
                 meta = metas[group.layers[0]]
-                if j < meta.num_decodes:
-                    table = meta.decode_block_tables[j].tolist()
+                if j < step.num_decodes:  # a decode query per row, each over the keys up to its position
+                    rows = range(first_rows[j], first_rows[j] + query_lens[j])
+                    assert meta.decode_seq_lens[rows.start : rows.stop].tolist() == list(
+                        range(seq_lens[j] - query_lens[j] + 1, seq_lens[j] + 1)
+                    )
+                    table = meta.decode_block_tables[rows.stop - 1].tolist()
                 else:
-                    table = meta.prefills[j - meta.num_decodes].block_ids.tolist()
+                    table = meta.prefills[j - step.num_decodes].block_ids.tolist()
                 held = sched.kv_cache.req_blocks[r.req_id][g]
                 first = r.num_computed_before
                 lo = max(0, first - group.window + 1) if group.window else 0

@@ -194,6 +194,49 @@ def test_a_request_attends_the_same_alone_and_in_a_batch(isa, cache_dtype):
 
 
 @pytest.mark.parametrize("window", [0, 23])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["f32", "bf16", "int8"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_rows_past_the_prompt_attend_as_decode_steps_at_their_positions(isa, cache_dtype, window):
+    """A speculative verification's rows (its last known token and drafts) and a recomputed run
+    of outputs take the decode kernel one query per row, beside plain decodes and before a prompt
+    chunk: each row's output is bit for bit what a decode step at its position computes over the
+    same cache (the two kernels sum in other orders, so anything else could flip a greedy
+    near-tie between a run with speculation and one without), whatever the context (one piece
+    or several) and the window."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, d, h, hkv = 16, 64, 6, 2
+    # (keys cached before the step, rows this step): a decode, a verification of 4 drafts, a
+    # long one in pieces, a recomputed run of 3 outputs; then a prompt chunk.
+    reqs = [(40, 1), (299, 5), (1030, 3), (17, 3), (8, 12)]
+    seq_lens = [c + n for c, n in reqs]
+    blocks = [-(-s // block_size) for s in seq_lens]
+    order = torch.randperm(sum(blocks), generator=gen).tolist()
+    tables, start = [], 0
+    for n in blocks:
+        tables.append(order[start : start + n])
+        start += n
+    k_cache, _ = _cache_rows(torch.randn(sum(blocks), block_size, hkv, d, generator=gen), cache_dtype, gen)
+    v_cache, _ = _cache_rows(torch.randn(sum(blocks), block_size, hkv, d, generator=gen), cache_dtype, gen)
+    meta = AttentionMetadata.build([n for _, n in reqs], seq_lens, tables, block_size, num_decodes=4)
+    rows = sum(n for _, n in reqs)
+    assert meta.num_decodes == rows - 12 and meta.prefills[0].query_start == rows - 12
+    assert meta.decode_seq_lens.tolist() == [s - n + 1 + i for (_, n), s in zip(reqs[:4], seq_lens) for i in range(n)]
+    q = torch.randn(meta.num_decodes, h, d, generator=gen)
+    with on_isa(isa):
+        steps = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                       d**-0.5, window)
+        row = 0
+        for (_, n), s, table in zip(reqs[:4], seq_lens, tables):
+            for i in range(n):  # the decode step at this row's position, alone
+                keys = s - n + 1 + i
+                alone = paged_decode_attention(q[row : row + 1], k_cache, v_cache,
+                                               torch.tensor([table[: -(-keys // block_size)]]),
+                                               torch.tensor([keys]), d**-0.5, window)
+                assert torch.equal(alone, steps[row : row + 1]), (keys, i)
+                row += 1
+
+
+@pytest.mark.parametrize("window", [0, 23])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_prompt_attends_the_same_in_one_call_and_in_chunks(isa, cache_dtype, window):

@@ -106,6 +106,27 @@ def spec_llm(request: pytest.FixtureRequest, tiny_draft: str) -> tuple[str, LLM]
         assert draft.kv_cache.pool.num_free_blocks == draft.kv_cache.pool.num_blocks and not draft.seqs
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_greedy_outputs_identical_with_speculation_by_default(kv_cache_dtype: str) -> None:
+    """The default dtype (int8 activations, a bfloat16 or int8 K/V cache), n-gram drafts: the
+    verified rows attend as decode steps do (``AttentionMetadata.build``), so the greedy tokens
+    are the same with speculation as without. These chat prompts flipped a near-tie under
+    speculation when verification took the prefill kernel (token 19-39 of 40)."""
+    from pagedllm.bench.spec import COPY_PROMPTS, OPEN_PROMPTS
+
+    prompts = [COPY_PROMPTS[1], COPY_PROMPTS[2], COPY_PROMPTS[5], OPEN_PROMPTS[3]]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    args = {"kv_cache_memory": "128MiB", "kv_cache_dtype": kv_cache_dtype}
+    plain = LLM(**args)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.shutdown()
+    llm = LLM(**args, speculative_config=NGRAM)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert llm.engine.core.stats().spec_num_accepted_tokens > 0
+    assert pool_is_whole(llm)
+
+
 def test_greedy_outputs_identical_with_speculation(spec_llm: tuple[str, LLM], expected) -> None:
     proposer, llm = spec_llm
     got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)

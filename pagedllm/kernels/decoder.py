@@ -29,8 +29,9 @@ def decode_layers(
     prompt_from: int | None = None,
 ) -> torch.Tensor:
     """Every layer of a decoder and its final norm, for one step's T tokens, in one native call:
-    B decodes (one token each) first, then P requests of several tokens each (speculative
-    verification, then prefill chunks; causal from their offsets).
+    B decode queries first (each row past its request's prompt: a decode's token, a speculative
+    verification's rows, each over the keys up to its position), then P prompt chunks (causal
+    from their offsets).
 
     Args:
         decoder: the model's weights, sizes and K/V caches (``models/native_decoder.py``);
@@ -42,9 +43,9 @@ def decode_layers(
             contiguous (``RotaryEmbedding.cos_sin[positions]``; the same tensor twice without
             sliding-window layers).
         slot_mappings: per KV cache group (``decoder.num_groups``), [T] int64.
-        block_tables, seq_lens: the decodes': per group [B, max_blocks] int64, and [B] int64;
-            None when B is 0.
-        prefill_block_tables, spans: the multi-token requests': per group [P, max_blocks]
+        block_tables, seq_lens: the decode queries': per group [B, max_blocks] int64, and [B]
+            int64 (keys each attends); None when B is 0.
+        prefill_block_tables, spans: the prompt chunks': per group [P, max_blocks]
             int64, and [3, P] int64 rows (first row, row count, keys after the step), as
             ``layers.attention.AttentionMetadata`` holds them; None when P is 0.
         prompt_from: the first row of the prompt chunks, which the int8 layers compute on

@@ -5,13 +5,16 @@ Serving with PagedAttention", §4. A step's tokens are flattened (no padding to 
 request); new K/V are written into the cache through the slot mapping, then each query
 attends over its request's cached context.
 
-Two paths, chosen per request by its query length, each a native kernel reading K/V in
-place through the block tables (``csrc/``) or PyTorch (``PagedAttention`` picks once):
-- decode (one query token): all such requests in one call. PyTorch batches them into one
-  SDPA call over their gathered blocks, padded to the longest context and masked,
-  grouped-query heads folded into the query-length axis (K/V never repeated per head).
-- prefill or chunked prefill (several query tokens): all such requests in one call, causal
-  with the chunk's offset into its context. PyTorch: one SDPA call per request.
+Two paths, chosen per request, each a native kernel reading K/V in place through the block
+tables (``csrc/``) or PyTorch (``PagedAttention`` picks once):
+- decode (rows past the prompt: a decode's one token, a speculative verification's last known
+  token and drafts, a recomputed run of outputs): every such row is a query of its own over the
+  keys up to its position, all in one call, so that a row attends exactly as a decode step at
+  its position would. PyTorch batches them into one SDPA call over their gathered blocks,
+  padded to the longest context and masked, grouped-query heads folded into the query-length
+  axis (K/V never repeated per head).
+- prefill (a prompt's chunks, of any length): all such requests in one call, causal with the
+  chunk's offset into its context. PyTorch: one SDPA call per request.
 
 An 8-bit cache (int8, float8_e4m3fn; rows of codes and a scale, ``core/kv_cache_config.py``)
 is quantized once, when this step's K/V are written, and read as stored on both paths: the
@@ -49,15 +52,15 @@ class PrefillMeta:
 class AttentionMetadata:
     """Per-step inputs shared by every attention layer.
 
-    Decode requests (query length 1, the decode kernel's) come first in the flattened tokens;
-    the rest (prefill chunks, of any length, and speculative verification) take the prefill
-    kernel.
+    The decode kernel's queries come first in the flattened tokens, one per row of the leading
+    requests (``build``'s ``num_decodes``), each with its request's block table and the keys up
+    to its own position; the rest (prompt chunks) take the prefill kernel.
     """
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) per token
-    num_decodes: int
+    num_decodes: int  # the leading rows that are decode queries
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64, padded with 0
-    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64: keys each decode query attends
     prefills: list[PrefillMeta]
     # The prefills for the native kernel: [P, max_blocks] int64 block tables padded with 0, and
     # [3, P] int64 rows (query_start, query_len, seq_len); None without prefills.
@@ -83,13 +86,17 @@ class AttentionMetadata:
             seq_lens: context length per request after this step (num_computed + query_len).
             block_tables: block ids per request, covering at least ``seq_len`` tokens.
             block_size: tokens per block.
-            num_decodes: the leading requests that are decodes (query length 1 each); the
-                rest may have any length (a prompt's one-token chunk takes the prefill kernel,
+            num_decodes: the leading requests whose rows take the decode kernel, of any query
+                length: each row is a query of its own over the keys up to its position
+                (``seq_len - query_len + 1 + i`` for row i), which makes a verification's or a
+                recomputed output's row attend bit for bit as the decode step at its position
+                did or would. The rest take the prefill kernel (a prompt's one-token chunk too,
                 as its other chunks do). None: every leading request of query length 1, and no
                 later one of length 1.
 
         Raises:
-            ValueError: the decodes are not the leading requests of query length 1.
+            ValueError: num_decodes is not a number of requests, or (None) a request of query
+                length 1 follows a longer one.
         """
         slots: list[int] = []
         for q, s, table in zip(query_lens, seq_lens, block_tables):
@@ -101,17 +108,21 @@ class AttentionMetadata:
                 num_decodes += 1
             if any(q == 1 for q in query_lens[num_decodes:]):
                 raise ValueError("decode requests (query length 1) must come first")
-        elif not 0 <= num_decodes <= len(query_lens) or any(q != 1 for q in query_lens[:num_decodes]):
-            raise ValueError(f"num_decodes {num_decodes}: the leading requests must have query length 1")
+        elif not 0 <= num_decodes <= len(query_lens):
+            raise ValueError(f"num_decodes {num_decodes}: not a number of the step's {len(query_lens)} requests")
 
         decode_tables = lens = None
+        decode_rows = sum(query_lens[:num_decodes])
         if num_decodes:
-            max_blocks = max(-(-s // block_size) for s in seq_lens[:num_decodes])
-            padded = [t[: -(-s // block_size)] for t, s in zip(block_tables, seq_lens[:num_decodes])]
+            # One query per row: row i of a request attends its first seq_len - query_len + 1 + i keys.
+            row_lens = [s - q + 1 + i for q, s in zip(query_lens[:num_decodes], seq_lens) for i in range(q)]
+            row_tables = [t for q, t in zip(query_lens[:num_decodes], block_tables) for _ in range(q)]
+            row_blocks = [-(-s // block_size) for s in row_lens]
+            max_blocks = max(row_blocks)
             decode_tables = torch.tensor(
-                [t + [0] * (max_blocks - len(t)) for t in padded], dtype=torch.long
+                [t[:n] + [0] * (max_blocks - n) for t, n in zip(row_tables, row_blocks)], dtype=torch.long
             )
-            lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.long)
+            lens = torch.tensor(row_lens, dtype=torch.long)
 
         prefills = []
         prefill_tables = spans = None
@@ -122,7 +133,7 @@ class AttentionMetadata:
                 [t[:n] + [0] * (width - n) for t, n in zip(block_tables[num_decodes:], prefill_blocks)],
                 dtype=torch.long,
             )
-            start = num_decodes
+            start = decode_rows
             for i, n in enumerate(prefill_blocks):
                 q, s = query_lens[num_decodes + i], seq_lens[num_decodes + i]
                 prefills.append(PrefillMeta(start, q, s, prefill_tables[i, :n]))
@@ -130,7 +141,7 @@ class AttentionMetadata:
             spans = torch.tensor([[p.query_start, p.query_len, p.seq_len] for p in prefills], dtype=torch.long).T.contiguous()
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
-            num_decodes=num_decodes,
+            num_decodes=decode_rows,
             decode_block_tables=decode_tables,
             decode_seq_lens=lens,
             prefills=prefills,

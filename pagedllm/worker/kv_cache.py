@@ -71,7 +71,7 @@ def build_attention_metadata(
 
     Args:
         block_tables: per request, its block table in each group.
-        num_decodes: the leading requests that are decodes (``AttentionMetadata.build``).
+        num_decodes: the leading requests whose rows take the decode kernel (``AttentionMetadata.build``).
     """
     per_layer: list[AttentionMetadata] = [None] * num_layers  # type: ignore[list-item]
     for g, group in enumerate(groups):

@@ -35,16 +35,17 @@ class StepInput(msgspec.Struct, array_like=True):
     """One step for every rank, or the order to stop.
 
     Attributes:
-        requests: the scheduled requests in forward order: decodes first, then the others
-            past their prompts (speculative verification, a recomputed request's outputs),
-            then prompt chunks; each kind ordered by LoRA adapter id (the base model's first),
-            so each adapter's tokens form runs.
+        requests: the scheduled requests in forward order: those past their prompts first
+            (decodes, speculative verification, a recomputed request's outputs), then prompt
+            chunks; each kind ordered by LoRA adapter id (the base model's first), so each
+            adapter's tokens form runs.
         block_updates: changes to the block tables of those requests, applied in order.
         finished_req_ids: requests whose tables are dropped, before the updates apply.
         logit_rows: rows of the step's hidden states the logits are computed for, in order.
         shutdown: leave the step loop (every other field empty).
-        num_decodes: the leading requests that are decodes: one token past the prompt
-            (``is_decode``).
+        num_decodes: the leading requests, those past their prompts (not ``in_prompt``),
+            whose every row is a query of the decode attention kernel
+            (``AttentionMetadata.build``).
         num_prompt_rows: the trailing rows that are prompt chunks' (``in_prompt``), which
             linear layers with a prompt kernel compute on it (``kernels.linear.linear_w8a8``).
     """
@@ -80,31 +81,25 @@ class SamplePlan:
     num_verify: int = 0
 
 
-def is_decode(s: ScheduledRequest) -> bool:
-    """Whether a scheduled request takes the decode attention kernel: one token past its prompt.
-    A prompt's tokens always take the prefill kernel, a one-token chunk too (the last token
-    after a prefix-cache hit, or a chunk cut at the budget), so that a prompt token's attention
-    is computed alike whatever the chunks: the decode kernel sums in another order, which
-    int8 activations can turn into a flipped near-tie (README, "Linear layers")."""
-    return s.num_new_tokens == 1 and s.num_computed_before >= s.request.num_prompt_tokens
-
-
 def in_prompt(s: ScheduledRequest) -> bool:
     """Whether a scheduled request's tokens are a chunk of its prompt (from its first token on,
     after a prefix-cache hit, or after a preemption with its outputs recomputed behind it): they
-    take the prompt kernels whatever the chunking, so a prompt's bits do not depend on it
-    (README, "Linear layers"); decode and speculative rows never do."""
+    take the prompt kernels whatever the chunking, a one-token chunk too, so a prompt's bits do
+    not depend on it (README, "Linear layers"). The other requests' rows (a decode's, a
+    speculative verification's, a recomputed run of outputs) take the decode attention kernel,
+    each row a query of its own, so that every token past the prompt is computed as a decode
+    step computes it: the two attention kernels sum in other orders, which int8 activations
+    can turn into a flipped near-tie."""
     return s.num_computed_before < s.request.num_prompt_tokens
 
 
 def forward_order(sched: SchedulerOutput) -> list[int]:
-    """The indices of ``sched.scheduled`` in the step's row order: decodes first (the attention
-    batches them in one call), prompt chunks last (one run of rows for their kernels), the
-    other requests between; within each, by LoRA adapter id (one run per adapter)."""
+    """The indices of ``sched.scheduled`` in the step's row order: the requests past their
+    prompts first (the decode attention kernel's rows, in one call), prompt chunks last (one run
+    of rows for their kernels); within each, by LoRA adapter id (one run per adapter)."""
     def key(i: int) -> tuple[int, int]:
         s = sched.scheduled[i]
-        kind = 0 if is_decode(s) else 2 if in_prompt(s) else 1
-        return kind, 0 if s.request.lora_request is None else s.request.lora_request.id
+        return int(in_prompt(s)), 0 if s.request.lora_request is None else s.request.lora_request.id
 
     return sorted(range(len(sched.scheduled)), key=key)
 
@@ -146,7 +141,7 @@ def build_step(sched: SchedulerOutput) -> tuple[StepInput, SamplePlan]:
             sample_idx.append(num_tokens - 1)
             plan.sample.append((i, s))
     plan.num_sample, plan.num_verify = len(sample_idx), len(verify_idx)
-    num_decodes = sum(is_decode(s) for s in sched.scheduled)
+    num_decodes = sum(not in_prompt(s) for s in sched.scheduled)
     num_prompt_rows = sum(s.num_new_tokens for s in sched.scheduled if in_prompt(s))
     step = StepInput(
         requests, updates, sched.finished_req_ids, sample_idx + verify_idx + prompt_idx,
