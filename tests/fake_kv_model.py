@@ -19,6 +19,8 @@ Test modules import from here, never from one another.
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 
 from pagedllm.core.kv_cache_groups import KVCacheGroup
@@ -92,7 +94,7 @@ class FakeModel:
         seq_lens = [r.num_computed_before + len(r.token_ids) for r in step.requests]
         metas = build_attention_metadata(
             self.groups, self.num_layers, query_lens, seq_lens, [self.mirror[r.req_id] for r in step.requests], bs,
-            step.num_decodes,
+            step.num_decode_requests,
         )
         for g, group in enumerate(self.groups):  # every layer writes the step's K/V, then attends
             meta = metas[group.layers[0]]
@@ -104,19 +106,19 @@ class FakeModel:
                     t += 1
             assert t == len(slots)
         hidden: list[int] = []  # per token of the step, the history hash its query read back last
-        first_rows = [sum(query_lens[:j]) for j in range(len(query_lens))]
+        first_rows = list(itertools.accumulate(query_lens, initial=0))
         for j, (r, hashes) in enumerate(zip(step.requests, expected)):
             seen: dict[int, int] = {}
             for g, group in enumerate(self.groups):
                 meta = metas[group.layers[0]]
-                if j < step.num_decodes:  # a decode query per row, each over the keys up to its position
+                if j < step.num_decode_requests:  # a decode query per row, each over the keys up to its position
                     rows = range(first_rows[j], first_rows[j] + query_lens[j])
                     assert meta.decode_seq_lens[rows.start : rows.stop].tolist() == list(
                         range(seq_lens[j] - query_lens[j] + 1, seq_lens[j] + 1)
                     )
                     table = meta.decode_block_tables[rows.stop - 1].tolist()
                 else:
-                    table = meta.prefills[j - step.num_decodes].block_ids.tolist()
+                    table = meta.prefills[j - step.num_decode_requests].block_ids.tolist()
                 held = sched.kv_cache.req_blocks[r.req_id][g]
                 first = r.num_computed_before
                 lo = max(0, first - group.window + 1) if group.window else 0

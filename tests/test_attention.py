@@ -217,7 +217,7 @@ def test_rows_past_the_prompt_attend_as_decode_steps_at_their_positions(isa, cac
         start += n
     k_cache, _ = _cache_rows(torch.randn(sum(blocks), block_size, hkv, d, generator=gen), cache_dtype, gen)
     v_cache, _ = _cache_rows(torch.randn(sum(blocks), block_size, hkv, d, generator=gen), cache_dtype, gen)
-    meta = AttentionMetadata.build([n for _, n in reqs], seq_lens, tables, block_size, num_decodes=4)
+    meta = AttentionMetadata.build([n for _, n in reqs], seq_lens, tables, block_size, num_decode_requests=4)
     rows = sum(n for _, n in reqs)
     assert meta.num_decodes == rows - 12 and meta.prefills[0].query_start == rows - 12
     assert meta.decode_seq_lens.tolist() == [s - n + 1 + i for (_, n), s in zip(reqs[:4], seq_lens) for i in range(n)]

@@ -82,8 +82,7 @@ def test_a_step_holds_tokens_positions_and_only_new_blocks() -> None:
 
 
 def test_a_step_runs_the_requests_past_their_prompts_then_prompt_chunks() -> None:
-    """Decodes and speculative verifications first (the decode kernel's rows, ``num_decodes``
-    requests), prompt chunks last (the prompt kernels' rows, ``num_prompt_rows``)."""
+    """Decodes and speculative verifications first (the decode kernel's rows, ``num_decode_requests``), prompt chunks last (the prompt kernels' rows, ``num_prompt_rows``)."""
     sched = Scheduler(KVCacheManager(32, BLOCK_SIZE, False), 4, 64, 128)
     for rid in ("a", "b"):
         sched.add_request(Request(rid, list(range(3, 9)), SamplingParams(max_tokens=8, ignore_eos=True), [], 128))
@@ -93,7 +92,7 @@ def test_a_step_runs_the_requests_past_their_prompts_then_prompt_chunks() -> Non
     step, plan = build_step(out := sched.schedule())
     assert [s.request.request_id for s in out.scheduled] == ["a", "b", "c"]
     assert [(r.req_id, len(r.token_ids)) for r in step.requests] == [("a", 3), ("b", 1), ("c", 5)]
-    assert (step.num_decodes, step.num_prompt_rows) == (2, 5)
+    assert (step.num_decode_requests, step.num_prompt_rows) == (2, 5)
     assert step.logit_rows == [3, 8, 0, 1, 2] and plan.num_verify == 3
 
 

@@ -53,7 +53,7 @@ class AttentionMetadata:
     """Per-step inputs shared by every attention layer.
 
     The decode kernel's queries come first in the flattened tokens, one per row of the leading
-    requests (``build``'s ``num_decodes``), each with its request's block table and the keys up
+    requests (``build``'s ``num_decode_requests``), each with its request's block table and the keys up
     to its own position; the rest (prompt chunks) take the prefill kernel.
     """
 
@@ -77,7 +77,7 @@ class AttentionMetadata:
         seq_lens: list[int],
         block_tables: list[list[int]],
         block_size: int,
-        num_decodes: int | None = None,
+        num_decode_requests: int | None = None,
     ) -> AttentionMetadata:
         """Build the metadata for one step.
 
@@ -86,8 +86,8 @@ class AttentionMetadata:
             seq_lens: context length per request after this step (num_computed + query_len).
             block_tables: block ids per request, covering at least ``seq_len`` tokens.
             block_size: tokens per block.
-            num_decodes: the leading requests whose rows take the decode kernel, of any query
-                length: each row is a query of its own over the keys up to its position
+            num_decode_requests: the leading requests whose rows take the decode kernel, of any
+                query length: each row is a query of its own over the keys up to its position
                 (``seq_len - query_len + 1 + i`` for row i), which makes a verification's or a
                 recomputed output's row attend bit for bit as the decode step at its position
                 did or would. The rest take the prefill kernel (a prompt's one-token chunk too,
@@ -95,28 +95,30 @@ class AttentionMetadata:
                 later one of length 1.
 
         Raises:
-            ValueError: num_decodes is not a number of requests, or (None) a request of query
-                length 1 follows a longer one.
+            ValueError: num_decode_requests is not a number of the step's requests, or (None) a
+                request of query length 1 follows a longer one.
         """
         slots: list[int] = []
         for q, s, table in zip(query_lens, seq_lens, block_tables):
             for pos in range(s - q, s):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
-        if num_decodes is None:
-            num_decodes = 0
-            while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-                num_decodes += 1
-            if any(q == 1 for q in query_lens[num_decodes:]):
+        if num_decode_requests is None:
+            num_decode_requests = 0
+            while num_decode_requests < len(query_lens) and query_lens[num_decode_requests] == 1:
+                num_decode_requests += 1
+            if any(q == 1 for q in query_lens[num_decode_requests:]):
                 raise ValueError("decode requests (query length 1) must come first")
-        elif not 0 <= num_decodes <= len(query_lens):
-            raise ValueError(f"num_decodes {num_decodes}: not a number of the step's {len(query_lens)} requests")
+        elif not 0 <= num_decode_requests <= len(query_lens):
+            raise ValueError(
+                f"num_decode_requests {num_decode_requests}: not a number of the step's {len(query_lens)} requests"
+            )
 
         decode_tables = lens = None
-        decode_rows = sum(query_lens[:num_decodes])
-        if num_decodes:
+        decode_rows = sum(query_lens[:num_decode_requests])
+        if num_decode_requests:
             # One query per row: row i of a request attends its first seq_len - query_len + 1 + i keys.
-            row_lens = [s - q + 1 + i for q, s in zip(query_lens[:num_decodes], seq_lens) for i in range(q)]
-            row_tables = [t for q, t in zip(query_lens[:num_decodes], block_tables) for _ in range(q)]
+            row_lens = [s - q + 1 + i for q, s in zip(query_lens[:num_decode_requests], seq_lens) for i in range(q)]
+            row_tables = [t for q, t in zip(query_lens[:num_decode_requests], block_tables) for _ in range(q)]
             row_blocks = [-(-s // block_size) for s in row_lens]
             max_blocks = max(row_blocks)
             decode_tables = torch.tensor(
@@ -126,16 +128,16 @@ class AttentionMetadata:
 
         prefills = []
         prefill_tables = spans = None
-        if num_decodes < len(query_lens):
-            prefill_blocks = [-(-s // block_size) for s in seq_lens[num_decodes:]]
+        if num_decode_requests < len(query_lens):
+            prefill_blocks = [-(-s // block_size) for s in seq_lens[num_decode_requests:]]
             width = max(prefill_blocks)
             prefill_tables = torch.tensor(
-                [t[:n] + [0] * (width - n) for t, n in zip(block_tables[num_decodes:], prefill_blocks)],
+                [t[:n] + [0] * (width - n) for t, n in zip(block_tables[num_decode_requests:], prefill_blocks)],
                 dtype=torch.long,
             )
             start = decode_rows
             for i, n in enumerate(prefill_blocks):
-                q, s = query_lens[num_decodes + i], seq_lens[num_decodes + i]
+                q, s = query_lens[num_decode_requests + i], seq_lens[num_decode_requests + i]
                 prefills.append(PrefillMeta(start, q, s, prefill_tables[i, :n]))
                 start += q
             spans = torch.tensor([[p.query_start, p.query_len, p.seq_len] for p in prefills], dtype=torch.long).T.contiguous()

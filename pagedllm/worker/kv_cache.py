@@ -65,17 +65,19 @@ def build_attention_metadata(
     seq_lens: list[int],
     block_tables: list[list[list[int]]],
     block_size: int,
-    num_decodes: int | None = None,
+    num_decode_requests: int | None = None,
 ) -> list[AttentionMetadata]:
     """The step's attention metadata for each layer: one per KV cache group, shared by its layers.
 
     Args:
         block_tables: per request, its block table in each group.
-        num_decodes: the leading requests whose rows take the decode kernel (``AttentionMetadata.build``).
+        num_decode_requests: the leading requests whose rows take the decode kernel
+            (``AttentionMetadata.build``).
     """
     per_layer: list[AttentionMetadata] = [None] * num_layers  # type: ignore[list-item]
     for g, group in enumerate(groups):
-        meta = AttentionMetadata.build(query_lens, seq_lens, [t[g] for t in block_tables], block_size, num_decodes)
+        tables = [t[g] for t in block_tables]
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, num_decode_requests)
         for layer in group.layers:
             per_layer[layer] = meta
     return per_layer

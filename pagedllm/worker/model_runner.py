@@ -120,7 +120,7 @@ class ModelRunner:
             seq_lens.append(r.num_computed_before + n)
         meta = build_attention_metadata(
             self.groups, self.config.num_layers, query_lens, seq_lens,
-            [self.tables[r.req_id] for r in step.requests], self.block_size, step.num_decodes,
+            [self.tables[r.req_id] for r in step.requests], self.block_size, step.num_decode_requests,
         )
         if self.lora is not None:
             self.lora.begin_step(step.requests)

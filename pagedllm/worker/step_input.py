@@ -43,7 +43,7 @@ class StepInput(msgspec.Struct, array_like=True):
         finished_req_ids: requests whose tables are dropped, before the updates apply.
         logit_rows: rows of the step's hidden states the logits are computed for, in order.
         shutdown: leave the step loop (every other field empty).
-        num_decodes: the leading requests, those past their prompts (not ``in_prompt``),
+        num_decode_requests: the leading requests, those past their prompts (not ``in_prompt``),
             whose every row is a query of the decode attention kernel
             (``AttentionMetadata.build``).
         num_prompt_rows: the trailing rows that are prompt chunks' (``in_prompt``), which
@@ -55,7 +55,7 @@ class StepInput(msgspec.Struct, array_like=True):
     finished_req_ids: list[str] = []
     logit_rows: list[int] = []
     shutdown: bool = False
-    num_decodes: int = 0
+    num_decode_requests: int = 0
     num_prompt_rows: int = 0
 
 
@@ -141,11 +141,11 @@ def build_step(sched: SchedulerOutput) -> tuple[StepInput, SamplePlan]:
             sample_idx.append(num_tokens - 1)
             plan.sample.append((i, s))
     plan.num_sample, plan.num_verify = len(sample_idx), len(verify_idx)
-    num_decodes = sum(not in_prompt(s) for s in sched.scheduled)
+    num_decode_requests = sum(not in_prompt(s) for s in sched.scheduled)
     num_prompt_rows = sum(s.num_new_tokens for s in sched.scheduled if in_prompt(s))
     step = StepInput(
         requests, updates, sched.finished_req_ids, sample_idx + verify_idx + prompt_idx,
-        num_decodes=num_decodes, num_prompt_rows=num_prompt_rows,
+        num_decode_requests=num_decode_requests, num_prompt_rows=num_prompt_rows,
     )
     return step, plan
 
