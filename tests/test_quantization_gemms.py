@@ -167,6 +167,40 @@ def test_w8a8_rows_do_not_depend_on_the_batch(k, native_isa) -> None:
     assert torch.equal(batch[:31], linear_kernels.linear_w8a8(x[:31], packed, None, n))
 
 
+@pytest.mark.parametrize("kind", ["f32", "w8a8", "w4a8", "q8a8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_over_blocks_of_panels_equal_the_rows_in_small_calls(kind, threads, native_isa) -> None:
+    """From 128 rows a thread runs each tile of rows over a block of up to 8 panels before the
+    next tile (csrc/linear.cpp's for_panel_tiles); below, each panel over all rows. The tiles'
+    arithmetic is the same either way: 150 rows over 35 panels (the last of 12 columns, with a
+    bias) equal the same rows in calls of 100 and 50, bit for bit, on one and two threads
+    (blocks of 8 + 1 panels and of 5)."""
+    gen = torch.Generator().manual_seed(3)
+    n, k, m = 1100, 96, 150
+    w, b = torch.randn(n, k, generator=gen), torch.randn(-(-n // 32) * 32, generator=gen)
+    if kind == "f32":
+        packed = linear_kernels.linear_pack_f32(w)
+        gemm = lambda x: linear_kernels.linear_f32(x, packed, b, n)  # noqa: E731
+    elif kind == "w8a8":
+        packed8 = linear_kernels.linear_pack_w8a8(w)
+        gemm = lambda x: linear_kernels.linear_w8a8(x, packed8, b, n)  # noqa: E731
+    elif kind == "w4a8":
+        qw = quantize_q4a8(w)
+        packed4 = linear_kernels.linear_pack_q4a8(qw.q, qw.scales, qw.mins)
+        gemm = lambda x: linear_kernels.linear_q4a8(x, packed4, b, n)  # noqa: E731
+    else:
+        packed_q8 = linear_kernels.linear_pack_q8_0(quantizer_blocks(n, k, seed=3), k)
+        gemm = lambda x: linear_kernels.linear_q8a8(x, packed_q8, b, n)  # noqa: E731
+    x = torch.randn(m, k, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole, parts = gemm(x), torch.cat([gemm(x[:100]), gemm(x[100:])])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(whole, parts)
+
+
 def test_w8a8_slice_with_the_whole_rows_maxima_is_the_whole_rows_codes(native_isa) -> None:
     """A tensor-parallel rank's slice of each row (here the last 64 of 96 inputs), packed with
     the whole rows' max|w|, computes what the whole weight does on inputs zero outside the slice,

@@ -50,6 +50,31 @@ void for_panels(int64_t N, const float* bias, F f) {
   par::parallel_for(panels, [&](int64_t p) { f(p, N - p * NB < NB ? N - p * NB : NB, bias ? bias + p * NB : nullptr); });
 }
 
+// Panels a tile of rows runs over before the next tile of rows, from kPanelBlockRows rows: its
+// rows of y are then written in runs of up to 8 x 128 bytes, not 128 bytes at rows 4 N bytes
+// apart, each line of y fetched for ownership on its own and, at a thousand rows, pushing the
+// activations' codes out of L2 (docs/benchmarks.md, session 47). A block's weights (8 panels,
+// 150-400 KiB for SmolLM2's layers) stay in L2 for the chunk's later tiles; a decode step's
+// few rows keep reading one panel from L1.
+constexpr int64_t kPanelBlock = 8, kPanelBlockRows = 128;
+
+// tile(R, m, p, ncols, bias of the panel or null) for rows [0, rows) in micro-tiles of MR
+// rows (panel_rows) and every 32-column panel p (ncols of them real): the panels split over
+// the threads in ranges, each range in blocks (kPanelBlock), each block's tiles of rows in
+// order, each tile over the block's panels. The tiles' arithmetic does not depend on the order.
+template <int MR, typename Tile>
+void for_panel_tiles(int64_t N, int64_t rows, const float* bias, Tile tile) {
+  const int64_t panels = (N + NB - 1) / NB, block = rows >= kPanelBlockRows ? kPanelBlock : 1;
+  par::parallel_chunks(panels, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = begin; p0 < end; p0 += block) {
+      const int64_t p1 = std::min(end, p0 + block);
+      panel_rows<MR>(rows, [&](auto r, int64_t m) {
+        for (int64_t p = p0; p < p1; ++p) tile(r, m, p, std::min(NB, N - p * NB), bias ? bias + p * NB : nullptr);
+      });
+    }
+  });
+}
+
 // From this many rows linear_w8a8 widens each weight panel to int16 once per chunk of rows
 // and runs tile_w8a8_wide (ISAs with kGemmRowsI8Wide > 0); below, widening the panels costs
 // more than the faster tile saves (docs/benchmarks.md, "Int8 prefill GEMMs").
@@ -136,12 +161,10 @@ void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float*
   const int64_t chunk = chunk_rows_i8(kq);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
-      panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
-        tile_w8a8<decltype(r)::value, true>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
-                                            packed + p * kq * 4 * NB, G, xq.xsum128.data() + (m0 + m) * G,
-                                            wscale + p * NB, b, y + (m0 + m) * N + p * NB, N, ncols);
-      });
+    for_panel_tiles<kGemmRowsI8>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b) {
+      tile_w8a8<decltype(r)::value, true>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
+                                          packed + p * kq * 4 * NB, G, xq.xsum128.data() + (m0 + m) * G,
+                                          wscale + p * NB, b, y + (m0 + m) * N + p * NB, N, ncols);
     });
   }
 }
@@ -193,12 +216,10 @@ void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed, const uint16
   const int64_t chunk = chunk_rows_i8(kq);  // as linear_w8a8
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
-      panel_rows<kGemmRowsI8>(rows, [&](auto r, int64_t m) {
-        tile_w8a8<decltype(r)::value, false>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
-                                             packed + p * kq * 4 * NB, G, xq.xsum128.data() + (m0 + m) * G,
-                                             d + p * G * NB, b, y + (m0 + m) * N + p * NB, N, ncols);
-      });
+    for_panel_tiles<kGemmRowsI8>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b) {
+      tile_w8a8<decltype(r)::value, false>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
+                                           packed + p * kq * 4 * NB, G, xq.xsum128.data() + (m0 + m) * G,
+                                           d + p * G * NB, b, y + (m0 + m) * N + p * NB, N, ncols);
     });
   }
 }
@@ -241,12 +262,10 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
   const int64_t chunk = chunk_rows_i8(kq);  // as linear_w8a8
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
-      panel_rows<kGemmRowsQ4>(rows, [&](auto r, int64_t m) {
-        tile_q4a8<decltype(r)::value>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
-                                      xq.sum.data() + (m0 + m) * G, packed + p * G * Q4_BYTES, G, b,
-                                      y + (m0 + m) * N + p * NB, N, ncols);
-      });
+    for_panel_tiles<kGemmRowsQ4>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b) {
+      tile_q4a8<decltype(r)::value>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
+                                    xq.sum.data() + (m0 + m) * G, packed + p * G * Q4_BYTES, G, b,
+                                    y + (m0 + m) * N + p * NB, N, ncols);
     });
   }
 }
@@ -260,11 +279,9 @@ void linear_f32(const float* x, int64_t ldx, const float* packed, const float* b
   const int64_t chunk = chunk_rows_f32(K);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    for_panels(N, bias, [&](int64_t p, int64_t ncols, const float* b) {
-      panel_rows<kGemmRowsF32>(rows, [&](auto r, int64_t m) {
-        tile_f32<decltype(r)::value>(x + (m0 + m) * ldx, ldx, packed + p * K * NB, K, b, y + (m0 + m) * N + p * NB,
-                                     N, ncols);
-      });
+    for_panel_tiles<kGemmRowsF32>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b) {
+      tile_f32<decltype(r)::value>(x + (m0 + m) * ldx, ldx, packed + p * K * NB, K, b, y + (m0 + m) * N + p * NB, N,
+                                   ncols);
     });
   }
 }
