@@ -90,6 +90,26 @@ def test_preempts_most_recently_admitted_and_recomputes():
     assert_pool_whole(sched)
 
 
+def test_a_recompute_stops_at_the_prompt_end():
+    """After a preemption, the request's prompt is one chunk and its outputs the next step's
+    rows (past the prompt: computed as they were, by the decode kernel), never one chunk
+    holding both."""
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a, b = make_request("a", 8, max_tokens=12), make_request("b", 8, max_tokens=12)
+    sched.add_request(a)
+    sched.add_request(b)
+    chunks, preempted = [], False  # b's (tokens computed before, new tokens) after its preemption
+    while sched.num_unfinished:
+        out = step(sched)
+        preempted |= b in out.preempted
+        chunks += [(s.num_computed_before, s.num_new_tokens) for s in out.scheduled if s.request is b and preempted]
+    first = chunks.index((0, 8))  # the recompute's prompt chunk
+    assert chunks[first + 1][0] == 8 and chunks[first + 1][1] > 1  # then every output so far at once
+    assert all(before >= 8 or before + n <= 8 for before, n in chunks)
+    assert b.num_output_tokens == 12
+    assert_pool_whole(sched)
+
+
 def test_a_prompt_waits_until_the_pool_holds_all_of_it():
     """10 blocks of 4 slots, 8 tokens a step: "a" (8 prompt tokens, 12 more decoded, up to 5
     blocks) runs; "b" (32 prompt tokens, 8 blocks) would fit its first chunk beside it, but not

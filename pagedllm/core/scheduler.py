@@ -235,8 +235,13 @@ class Scheduler:
                            else RequestError(f"scheduling failed: {type(error).__name__}: {error}")))
 
     def _num_new(self, request: Request, budget: int) -> int:
-        """The tokens ``request`` computes this step from its ``num_computed_tokens`` on."""
+        """The tokens ``request`` computes this step from its ``num_computed_tokens`` on. A
+        chunk that starts in the prompt ends at its end at the latest: after a preemption the
+        outputs are recomputed in the next step, as rows past the prompt (step_input's
+        ``in_prompt``), on the kernels that computed them the first time."""
         num_new = request.num_tokens - request.num_computed_tokens
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            num_new = min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         return min(num_new, budget)
