@@ -52,10 +52,10 @@ void for_panels(int64_t N, const float* bias, F f) {
 
 // Panels a tile of rows runs over before the next tile of rows, from kPanelBlockRows rows: its
 // rows of y are then written in runs of up to 8 x 128 bytes, not 128 bytes at rows 4 N bytes
-// apart, each line of y fetched for ownership on its own and, at a thousand rows, pushing the
-// activations' codes out of L2 (docs/benchmarks.md, session 47). A block's weights (8 panels,
-// 150-400 KiB for SmolLM2's layers) stay in L2 for the chunk's later tiles; a decode step's
-// few rows keep reading one panel from L1.
+// apart, each line of y fetched for ownership on its own (in a harness, those stores cost a
+// w4a8 tile loop over 1024 rows 13-17% of its time: docs/benchmarks.md, session 47). The
+// block's weights (160-440 KiB of w4a8 or q8a8 for SmolLM2's layers) stay in L2 for the
+// chunk's later tiles; a decode step's few rows keep reading one panel from L1.
 constexpr int64_t kPanelBlock = 8, kPanelBlockRows = 128;
 
 // tile(R, m, p, ncols, bias of the panel or null) for rows [0, rows) in micro-tiles of MR
