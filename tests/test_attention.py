@@ -13,7 +13,8 @@ from pagedllm.kernels.attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from pagedllm.layers.attention import AttentionMetadata, PagedAttention
+from pagedllm.layers.attention import PagedAttention
+from pagedllm.layers.attention_metadata import AttentionMetadata
 
 
 def _dense(q, k, v, scale, window=0):

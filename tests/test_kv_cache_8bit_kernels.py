@@ -12,7 +12,8 @@ from pagedllm.core.kv_cache_config import QUANTIZED_KV_DTYPES as EIGHT_BIT
 from pagedllm.kernels import abi
 from pagedllm.kernels import attention as kernels
 from pagedllm.kernels.attention import attention_in_bfloat16_pairs
-from pagedllm.layers.attention import AttentionMetadata, PagedAttention, _write_kv_torch
+from pagedllm.layers.attention import PagedAttention, _write_kv_torch
+from pagedllm.layers.attention_metadata import AttentionMetadata
 from tests.native_isa import ISAS, on_isa
 from tests.utils import assert_int8_attention, bfloat16_pair_bound
 

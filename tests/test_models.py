@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from pagedllm.config import ModelConfig
-from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.linear import PackedLinear
 from pagedllm.layers.rotary import ApplyRotary, RotaryEmbedding
 from pagedllm.models.llama import LlamaForCausalLM

@@ -47,7 +47,7 @@ def decode_layers(
             int64 (keys each attends); None when B is 0.
         prefill_block_tables, spans: the prompt chunks': per group [P, max_blocks]
             int64, and [3, P] int64 rows (first row, row count, keys after the step), as
-            ``layers.attention.AttentionMetadata`` holds them; None when P is 0.
+            ``layers.attention_metadata.AttentionMetadata`` holds them; None when P is 0.
         prompt_from: the first row of the prompt chunks, which the int8 layers compute on
             their prompt kernel (``kernels.linear.linear_w8a8``); None: none.
 

@@ -10,7 +10,8 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.distributed.sharding import ModelShard
-from pagedllm.layers.attention import AttentionMetadata, KVCache
+from pagedllm.layers.attention import KVCache
+from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.lora import LoRABatch
 from pagedllm.layers.quantization.linear import prompt_rows
 from pagedllm.layers.vocab_parallel import VocabParallelEmbedding, gather_logits

@@ -28,7 +28,8 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import ModelShard, shard_weights
 from pagedllm.layers.activation import GeluTanhAndMul
-from pagedllm.layers.attention import AttentionMetadata, KVCache
+from pagedllm.layers.attention import KVCache
+from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.causal_lm import CausalLM

@@ -31,7 +31,8 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.distributed.sharding import ModelShard, shard_weights
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.attention import AttentionMetadata, KVCache, PagedAttention
+from pagedllm.layers.attention import KVCache, PagedAttention
+from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.key_scales import applies, key_scales, qk_factors
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import ApplyRotary, RotaryEmbedding

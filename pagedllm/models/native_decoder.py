@@ -27,7 +27,8 @@ from pagedllm.kernels import attention, library
 from pagedllm.kernels.decoder import DecoderDesc, LayerDesc, LoRAStep, decode_layers
 from pagedllm.kernels.lora import DTYPE_CODES as LORA_DTYPES
 from pagedllm.kernels.lora import MAX_PARTS
-from pagedllm.layers.attention import AttentionMetadata, KVCache
+from pagedllm.layers.attention import KVCache
+from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.lora import LoRABatch, LoRALinear
 
 

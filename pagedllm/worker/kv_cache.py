@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.core.kv_cache_groups import KVCacheGroup, layers_per_block
-from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.attention_metadata import AttentionMetadata
 
 
 def allocate_kv_caches(kv: KVCacheConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
