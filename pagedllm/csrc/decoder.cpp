@@ -1,8 +1,9 @@
 // A whole decoder over one step's tokens in one call: decodes, speculative verification (each
 // of its rows a decode query over the keys up to its position) and prefill chunks side by side;
-// Llama, SmolLM2, Qwen2/3, Mistral, Phi-3, their mixtures of experts and Gemma 3. Per layer: residual add + RMSNorm, the fused q/k/v GEMM, the q/k head norms
-// (Gemma 3), RoPE, the K/V write, paged decode attention (with the layer's sliding window),
-// paged prefill attention (causal, from each request's offset) for the prompt chunks,
+// Llama, SmolLM2, Qwen2/3, Mistral, Phi-3, their mixtures of experts and Gemma 3. Per layer:
+// residual add + RMSNorm, the fused q/k/v GEMM, the q/k head norms (Gemma 3), RoPE, the K/V
+// write, paged decode attention (with the layer's sliding window), paged prefill attention
+// (causal, from each request's offset) for the prompt chunks,
 // o_proj (and its norm, Gemma 3), residual add + RMSNorm, gate/up GEMM, SiLU- or GELU-and-mul,
 // down_proj (and its norm, Gemma 3), or a mixture-of-experts block in their place (moe.cpp);
 // then the final norm. It calls the same kernels, in the same order and on the same inputs,

@@ -84,13 +84,12 @@ class SamplePlan:
 def in_prompt(s: ScheduledRequest) -> bool:
     """Whether a scheduled request's tokens are a chunk of its prompt (from its first token on,
     after a prefix-cache hit, or recomputed after a preemption; the scheduler ends such a chunk
-    at the prompt's end, so it holds no outputs): they
-    take the prompt kernels whatever the chunking, a one-token chunk too, so a prompt's bits do
-    not depend on it (README, "Linear layers"). The other requests' rows (a decode's, a
-    speculative verification's, a recomputed run of outputs) take the decode attention kernel,
-    each row a query of its own, so that every token past the prompt is computed as a decode
-    step computes it: the two attention kernels sum in other orders, which int8 activations
-    can turn into a flipped near-tie."""
+    at the prompt's end, so it holds no outputs): they take the prompt kernels whatever the
+    chunking, a one-token chunk too, so a prompt's bits do not depend on it (README, "Linear
+    layers"). The other requests' rows (a decode's, a speculative verification's, a recomputed
+    run of outputs) take the decode attention kernel, each row a query of its own, so that
+    every token past the prompt is computed as a decode step computes it: the two attention
+    kernels sum in other orders, which int8 activations can turn into a flipped near-tie."""
     return s.num_computed_before < s.request.num_prompt_tokens
 
 
