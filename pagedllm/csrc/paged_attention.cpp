@@ -58,11 +58,14 @@ inline void load_row(const T* p, F32x16* v) {
   for (int c = 0; c < D / 16; ++c) v[c] = kv::load16(p + 16 * c);
 }
 
-// Every line of a head's row at p, asked for ahead into L1 (prefetcht0).
+// Every line of a head's row at p, asked for ahead into L2 (prefetcht1), not L1: a core keeps
+// few misses of L1 in flight (its fill buffers), and with every line of a tile asked into L1
+// those, not DRAM, bounded the stream (docs/benchmarks.md, "AMD EPYC Zen 4, session 48"); the
+// load a tile later finds the line in L2.
 template <int D, typename T>
 inline void prefetch_row(const T* p) {
   for (int64_t line = 0; line < kv::row_width<T>(D) * int64_t(sizeof(T)); line += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(p) + line, 0, 3);
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + line, 0, 2);
 }
 
 // Whether both products take bfloat16 pairs (vec.h's kBf16Dot) over rows of T: q.K a bfloat16
