@@ -71,11 +71,13 @@ struct PackedPanel {
     return w;
   }
 
-  // Quad q of a unit asks for its share of the lines of the unit kAhead on.
+  // Quad q of a unit asks for its share of the lines of the unit kAhead on (gemm.h's
+  // prefetch_weights for a tile of R rows).
+  template <int R>
   void prefetch(int64_t quad) const {
     const int64_t q = quad % kQuads;
     const uint8_t* ahead = panel + (quad / kQuads + kAhead) * kBytes;
-    for (int64_t l = q * kLines / kQuads; l < (q + 1) * kLines / kQuads; ++l) __builtin_prefetch(ahead + 64 * l);
+    for (int64_t l = q * kLines / kQuads; l < (q + 1) * kLines / kQuads; ++l) gemm::prefetch_weights<R>(ahead + 64 * l);
   }
 
   void scales(int64_t piece, F32x16 (&ws)[2], F32x16 (&off)[2]) const {
@@ -125,7 +127,8 @@ struct RecordingPanel {
     if (bytes) store_q4w(bytes + quad * 4 * PANEL, w);
     return w;
   }
-  void prefetch(int64_t quad) const { packed.prefetch(quad); }
+  template <int R>
+  void prefetch(int64_t quad) const { packed.template prefetch<R>(quad); }
   void scales(int64_t piece, F32x16 (&w)[2], F32x16 (&o)[2]) const {
     o[0] = o[1] = zero();  // stored as zero where the offset is in the codes (kShift: Q5_0, Q6_K)
     packed.scales(piece, w, o);
@@ -139,6 +142,7 @@ template <class F>
 struct PackedCodes : gemm::ScaleRows {
   PackedPanel<F> packed;
   Q4W codes(int64_t quad) const { return packed.codes(quad); }
+  template <int R>
   void prefetch(int64_t) const {}
 };
 
