@@ -21,7 +21,7 @@ def test_adapters_load_off_the_event_loop_and_a_name_is_taken_once() -> None:
     import time
     from types import SimpleNamespace
 
-    from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+    from pagedllm.entrypoints.openai.errors import OpenAIError
     from pagedllm.entrypoints.openai.serving_lora import ServingLoRA
 
     loop_thread = threading.get_ident()

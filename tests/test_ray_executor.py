@@ -15,7 +15,8 @@ import transformers
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.executor import ray_executor
-from pagedllm.executor.executor import WorkerDiedError, create_executor
+from pagedllm.executor.executor import WorkerDiedError
+from pagedllm.executor.factory import create_executor
 from pagedllm.models.loader import load_tokenizer, resolve_model
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 50)), [33] * 20]

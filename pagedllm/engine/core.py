@@ -24,7 +24,7 @@ from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, Engine
 from pagedllm.outputs import RequestError
 from pagedllm.live_view.recorder import StepRecorder
 from pagedllm.distributed.sharding import check_tensor_parallel_size
-from pagedllm.executor.executor import create_executor
+from pagedllm.executor.factory import create_executor
 from pagedllm.kernels.attention import MAX_PREFILL_BLOCK
 from pagedllm.models.loader import load_config, load_tokenizer, resolve_model
 from pagedllm.models.safetensors_loader import sampling_defaults

@@ -156,21 +156,3 @@ class Executor:
         self._stop_workers(_STOP_TIMEOUT_S)
         self.driver.close()
         self.driver = None
-
-
-def create_executor(config: EngineConfig, kv: KVCacheConfig) -> Executor:
-    """The executor ``config.distributed_executor_backend`` names ("uni", "mp" or "ray").
-
-    Raises:
-        ImportError: for "ray" without the ``ray`` package (install ``pagedllm[ray]``).
-    """
-    backend = config.distributed_executor_backend
-    if backend == "mp":
-        from pagedllm.executor.multiproc_executor import MultiprocExecutor
-
-        return MultiprocExecutor(config, kv)
-    if backend == "ray":
-        from pagedllm.executor.ray_executor import RayExecutor
-
-        return RayExecutor(config, kv)
-    return Executor(config, kv)

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineDeadError
-from pagedllm.entrypoints.openai.errors import error_response, http_error
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, http_error
 from pagedllm.entrypoints.openai.middleware import BearerAuthMiddleware, BodySizeLimitMiddleware, CorsPolicy
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -44,7 +44,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.live_view_routes import live_view_router
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, guard_sse
+from pagedllm.entrypoints.openai.serving_engine import guard_sse
 from pagedllm.entrypoints.openai.lora_modules import LoRAModule
 from pagedllm.entrypoints.openai.serving_lora import ServingLoRA
 

@@ -1,12 +1,45 @@
-"""OpenAI error bodies: an HTTP error's, and a request the engine failed mid-generation
-(vLLM's ``GenerationError``)."""
+"""OpenAI error bodies: the error every handler raises (``OpenAIError``), an HTTP error's, and a
+request the engine failed mid-generation (vLLM's ``GenerationError``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fastapi.responses import JSONResponse
 
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.response_bodies import ErrorInfo, ErrorResponse
 from pagedllm.outputs import RequestOutput
+
+
+def _printable(text: str) -> str:
+    # Messages and params can quote client text; a lone surrogate would make the body unencodable.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class OpenAIError(Exception):
+    """An error answered with OpenAI's body ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = _printable(message)
+        self.type = type_
+        self.param = None if param is None else _printable(param)
+
+    @classmethod
+    def bad_request(cls, error: ValueError, fields: Mapping[str, str] = {}) -> OpenAIError:
+        """A 400 for invalid input; ``param`` is the field an ``InvalidParamError`` names, or
+        the request's own name for it in ``fields`` (engine parameter -> request field, where
+        they differ), which then heads the message too."""
+        param = getattr(error, "param", None)
+        if param in fields:
+            return cls(400, f"{fields[param]}: {error}", param=fields[param])
+        return cls(400, str(error), param=param)
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status)
+        return ErrorResponse(error=info).model_dump()
+
 
 _ERROR_TYPES = {401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                 413: "RequestTooLargeError", 503: "ServiceUnavailableError"}

@@ -14,7 +14,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.live_view.frames import ViewerFrames
 from pagedllm.live_view.trace import trace_events
 from pagedllm.live_view.view import LiveView

@@ -14,8 +14,7 @@ from urllib.parse import parse_qs
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedllm.entrypoints.openai.errors import error_response, http_error
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, http_error
 
 # Routes anyone may call with --api-key set: probes and monitoring, which change nothing.
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})

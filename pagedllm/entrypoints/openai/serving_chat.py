@@ -28,9 +28,9 @@ from pagedllm.entrypoints.openai.response_bodies import (
     UsageInfo,
     random_id,
 )
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
-    OpenAIError,
     OpenAIServing,
     gather_final,
     sse,

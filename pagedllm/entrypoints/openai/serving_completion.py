@@ -20,10 +20,10 @@ from pagedllm.entrypoints.openai.response_bodies import (
     UsageInfo,
     random_id,
 )
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.serving_engine import (
     MAX_N,
     SSE_DONE,
-    OpenAIError,
     OpenAIServing,
     gather_final,
     merge,

@@ -13,8 +13,8 @@ from pydantic import BaseModel
 
 from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
 from pagedllm.engine.processor import PromptType
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import RequestModel, SamplingRequest
-from pagedllm.entrypoints.openai.response_bodies import ErrorInfo, ErrorResponse
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.lora_request import LoRARequest
@@ -29,36 +29,6 @@ logger = logging.getLogger("pagedllm")
 
 # Each sample is an engine request; a cap keeps one HTTP request from flooding the engine.
 MAX_N = 256
-
-
-def _printable(text: str) -> str:
-    # Messages and params can quote client text; a lone surrogate would make the body unencodable.
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-class OpenAIError(Exception):
-    """An error answered with OpenAI's body ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = _printable(message)
-        self.type = type_
-        self.param = None if param is None else _printable(param)
-
-    @classmethod
-    def bad_request(cls, error: ValueError, fields: Mapping[str, str] = {}) -> OpenAIError:
-        """A 400 for invalid input; ``param`` is the field an ``InvalidParamError`` names, or
-        the request's own name for it in ``fields`` (engine parameter -> request field, where
-        they differ), which then heads the message too."""
-        param = getattr(error, "param", None)
-        if param in fields:
-            return cls(400, f"{fields[param]}: {error}", param=fields[param])
-        return cls(400, str(error), param=param)
-
-    def body(self) -> dict:
-        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status)
-        return ErrorResponse(error=info).model_dump()
 
 
 def sse(payload: BaseModel | dict) -> str:

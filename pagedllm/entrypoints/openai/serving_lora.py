@@ -13,7 +13,7 @@ import itertools
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.lora_modules import LoRAModule
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.errors import LoRAError
 from pagedllm.lora_request import LoRARequest
 
