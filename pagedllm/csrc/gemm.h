@@ -28,17 +28,17 @@ constexpr int64_t Q4_NIBBLES = QG / 4 * 64;        // bytes of codes per panel a
 constexpr int64_t Q4_BYTES = Q4_NIBBLES + 4 * NB;  // + d and m, float16 per column
 static_assert(Q4_BYTES == PAGEDLLM_Q4A8_GROUP_BYTES, "pagedllm_abi.h declares another w4a8 layout");
 
-// A tile of R rows asks for a line of its panel ahead: into L2 (prefetcht1) where R <=
-// kStreamRows, into L1 (prefetcht0) above. So few rows use the weights faster than memory
-// brings them, and a core keeps few misses of L1 in flight (its fill buffers) but many of L2:
-// asked into L1, batch-1 GEMMs read their weights 12-30% slower. A taller tile is bound by its
-// arithmetic, and its loads would wait on L2 (16 rows 2-5% slower asked into L2).
+// The locality a tile of R rows asks for a line of its panel ahead with
+// (__builtin_prefetch(p, 0, kWeightLocality<R>)): into L2 (prefetcht1) where R <= kStreamRows,
+// into L1 (prefetcht0) above. So few rows use the weights faster than memory brings them, and a
+// core keeps few misses of L1 in flight (its fill buffers) but many of L2: asked into L1,
+// batch-1 GEMMs read their weights 5-30% slower. A taller tile is bound by its arithmetic, and
+// its loads would wait on L2 (16 rows 2-5% slower asked into L2). A constant, not a function: a
+// call GCC left out of line cost the float32 tile its registers (2.6x slower).
 // docs/benchmarks.md, "AMD EPYC Zen 4, session 48".
 constexpr int kStreamRows = 4;
 template <int R>
-inline void prefetch_weights(const void* p) {
-  __builtin_prefetch(p, 0, R <= kStreamRows ? 2 : 3);
-}
+constexpr int kWeightLocality = R <= kStreamRows ? 2 : 3;
 
 template <int R>
 inline void store(F32x16 (&acc)[R][2], float* y, int64_t ldy, int64_t ncols) {
@@ -63,8 +63,8 @@ inline void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K,
   F32x16 acc[R][2];
   init<R>(acc, bias);
   for (int64_t k = 0; k < K; ++k) {
-    prefetch_weights<R>(panel + (k + 8) * NB);
-    prefetch_weights<R>(panel + (k + 8) * NB + 16);
+    __builtin_prefetch(panel + (k + 8) * NB, 0, kWeightLocality<R>);
+    __builtin_prefetch(panel + (k + 8) * NB + 16, 0, kWeightLocality<R>);
     const F32x16 w0 = load(panel + k * NB), w1 = load(panel + k * NB + 16);
     for (int r = 0; r < R; ++r) {
       const F32x16 a = set1(x[r * ldx + k]);
@@ -138,8 +138,8 @@ inline void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const 
       const int8_t* w = pg + k * 4 * NB;
       // Both lines of the quad 4 groups on: a batch-1 GEMV streams the panel from memory
       // (asking for every other line left it 15-25% slower, docs/benchmarks.md, session 31).
-      prefetch_weights<R>(pg + (k + 4 * quads) * 4 * NB);
-      prefetch_weights<R>(pg + (k + 4 * quads) * 4 * NB + 2 * NB);
+      __builtin_prefetch(pg + (k + 4 * quads) * 4 * NB, 0, kWeightLocality<R>);
+      __builtin_prefetch(pg + (k + 4 * quads) * 4 * NB + 2 * NB, 0, kWeightLocality<R>);
       for (int r = 0; r < R; ++r) {
         const DotX a = dot_prepare(x + r * ldx + g * quads + k);
         acc[r][0] = dot(acc[r][0], a, w);
@@ -177,7 +177,7 @@ inline void tile_w8a8_wide(const int32_t* x, int64_t ldx, const float* xscale, c
     I32x16 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero_i32();
     const int16_t* pg = panel + g * pairs * 2 * NB;
-    prefetch_weights<R>(pg + 2 * pairs * 2 * NB);
+    __builtin_prefetch(pg + 2 * pairs * 2 * NB, 0, kWeightLocality<R>);
     for (int64_t k = 0; k < pairs; ++k) {
       const auto w0 = dot_wide_load(pg + k * 2 * NB), w1 = dot_wide_load(pg + k * 2 * NB + NB);
       for (int r = 0; r < R; ++r) {
@@ -202,12 +202,12 @@ inline void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const 
   init<R>(out, bias);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* pg = panel + g * Q4_BYTES;
-    prefetch_weights<R>(pg + 4 * Q4_BYTES);
+    __builtin_prefetch(pg + 4 * Q4_BYTES, 0, kWeightLocality<R>);
     Q4Sum acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = q4sum_zero();
 #pragma GCC unroll 8
     for (int64_t k = 0; k < quads; ++k) {
-      if (k % 2 == 0) prefetch_weights<R>(pg + 4 * Q4_BYTES + 64 * (k / 2 + 1));
+      if (k % 2 == 0) __builtin_prefetch(pg + 4 * Q4_BYTES + 64 * (k / 2 + 1), 0, kWeightLocality<R>);
       const Q4W w = dot_q4_load(pg + k * 64);
       for (int r = 0; r < R; ++r) dot_q4(acc[r][0], acc[r][1], dot_q4_prepare(x + r * ldx + g * quads + k), w);
     }

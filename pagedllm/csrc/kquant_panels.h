@@ -71,13 +71,14 @@ struct PackedPanel {
     return w;
   }
 
-  // Quad q of a unit asks for its share of the lines of the unit kAhead on (gemm.h's
-  // prefetch_weights for a tile of R rows).
+  // Quad q of a unit asks for its share of the lines of the unit kAhead on (for a tile of R
+  // rows: gemm.h's kWeightLocality).
   template <int R>
   void prefetch(int64_t quad) const {
     const int64_t q = quad % kQuads;
     const uint8_t* ahead = panel + (quad / kQuads + kAhead) * kBytes;
-    for (int64_t l = q * kLines / kQuads; l < (q + 1) * kLines / kQuads; ++l) gemm::prefetch_weights<R>(ahead + 64 * l);
+    for (int64_t l = q * kLines / kQuads; l < (q + 1) * kLines / kQuads; ++l)
+      __builtin_prefetch(ahead + 64 * l, 0, gemm::kWeightLocality<R>);
   }
 
   void scales(int64_t piece, F32x16 (&ws)[2], F32x16 (&off)[2]) const {
