@@ -14,8 +14,8 @@
 // are taken in tiles of 16 positions (from a multiple of 16; rows looked up in the block
 // table, so any block size works) with an online softmax (Milakov & Gimelshein 2018, "Online
 // normalizer calculation for softmax"); each K and V row is read once, and each key scored
-// asks for the K and V rows of the key in its lane kAhead tiles on (one key's lines at a
-// time, spread over the arithmetic).
+// asks for the K and V rows of the key in its lane kAhead tiles on, into L2 (one key's lines
+// at a time, spread over the arithmetic).
 // - Scores: each key's dot product with a query head is left as a vector of 16 partial sums,
 //   and the tile's 16 vectors are summed by a transpose-and-add tree into one vector holding
 //   its 16 scores (about 3 uops a key, against ~10 for a horizontal sum each), on which the
