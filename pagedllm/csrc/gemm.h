@@ -29,16 +29,16 @@ constexpr int64_t Q4_BYTES = Q4_NIBBLES + 4 * NB;  // + d and m, float16 per col
 static_assert(Q4_BYTES == PAGEDLLM_Q4A8_GROUP_BYTES, "pagedllm_abi.h declares another w4a8 layout");
 
 // The locality a tile of R rows asks for a line of its panel ahead with
-// (__builtin_prefetch(p, 0, kWeightLocality<R>)): into L2 (prefetcht1) where R <= kStreamRows,
-// into L1 (prefetcht0) above. So few rows use the weights faster than memory brings them, and a
-// core keeps few misses of L1 in flight (its fill buffers) but many of L2: asked into L1,
-// batch-1 GEMMs read their weights 5-30% slower. A taller tile is bound by its arithmetic, and
-// its loads would wait on L2 (16 rows 2-5% slower asked into L2). A constant, not a function: a
-// call GCC left out of line cost the float32 tile its registers (2.6x slower).
+// (__builtin_prefetch(p, 0, kWeightLocality<R>)): into L2 (prefetcht1) for one row, into L1
+// (prefetcht0) for more. A single row (a batch-1 GEMV) uses the weights faster than memory
+// brings them, and a core keeps few misses of L1 in flight (its fill buffers) but many of L2:
+// asked into L1, batch-1 GEMMs read their weights 5-30% slower. More rows are bound by their
+// arithmetic, and their loads would wait on L2 (16 rows 2-5% slower asked into L2); AVX2's and
+// NEON's prefill tiles are 2-3 rows, and AVX-512's K-quant tiles 4. A constant, not a function:
+// a call GCC left out of line cost the float32 tile its registers (2.6x slower).
 // docs/benchmarks.md, "AMD EPYC Zen 4, session 48".
-constexpr int kStreamRows = 4;
 template <int R>
-constexpr int kWeightLocality = R <= kStreamRows ? 2 : 3;
+constexpr int kWeightLocality = R == 1 ? 2 : 3;
 
 template <int R>
 inline void store(F32x16 (&acc)[R][2], float* y, int64_t ldy, int64_t ncols) {
