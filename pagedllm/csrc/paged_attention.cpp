@@ -60,9 +60,9 @@ inline void load_row(const T* p, F32x16* v) {
 
 // Every line of a head's row at p, asked for ahead into L2 (prefetcht1), not L1: a core keeps
 // few misses of L1 in flight (its fill buffers), and on a Zen 4, with every line of a tile
-// asked into L1, those and not DRAM bounded the stream (K/V from DRAM 1.5x faster into L2; the
-// same on session 45's Intel host; docs/benchmarks.md, "AMD EPYC Zen 4, session 48"). The load
-// a tile later finds the line in L2.
+// asked into L1, those and not DRAM bounded the stream (K/V from DRAM 1.5x faster into L2; on
+// session 45's Intel host with AMX no different; docs/benchmarks.md, "AMD EPYC Zen 4, session
+// 48"). The load a tile later finds the line in L2.
 template <int D, typename T>
 inline void prefetch_row(const T* p) {
   for (int64_t line = 0; line < kv::row_width<T>(D) * int64_t(sizeof(T)); line += 64)
