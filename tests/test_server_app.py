@@ -87,7 +87,7 @@ def stand_in_engine() -> SimpleNamespace:
 @pytest.fixture(scope="module")
 def app(stand_in_engine: SimpleNamespace) -> TestClient:
     """The app in this process over the stand-in engine."""
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.app import build_app
 
     return TestClient(build_app(stand_in_engine, (MODEL,)))
 
@@ -96,7 +96,7 @@ def test_several_served_model_names(stand_in_engine: SimpleNamespace, monkeypatc
     """vLLM's --served-model-name a b (it was a usage error, or "b" taken for the model): a
     request may give any of the names, /v1/models lists each, another name is a 404 naming them."""
     from pagedllm.entrypoints.openai import api_server, cli_args
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.app import build_app
 
     served = []
     monkeypatch.setattr(cli_args, "run_serve", lambda args: served.append(args.served_model_name))
@@ -160,7 +160,7 @@ def test_cors_preflight_before_the_key_and_headers_on_every_answer(
     """vLLM's --allowed-origins: a browser page of an allowed origin gets its preflight answered
     without the key (a browser sends none with it), and the CORS headers on a 401 too, so it
     sees why; another origin's preflight is refused. Without the flag, no CORS headers at all."""
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.app import build_app
     from pagedllm.entrypoints.openai.middleware import CorsPolicy
 
     page = "http://ui.example:3000"
@@ -290,7 +290,7 @@ def test_a_model_without_a_chat_template_says_so(stand_in_engine: SimpleNamespac
     import copy
     import logging
 
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.app import build_app
 
     tokenizer = copy.copy(stand_in_engine.tokenizer._tokenizer)
     tokenizer.chat_template = None

@@ -6,20 +6,18 @@ finished. Scores are vLLM's ``get_beam_search_score``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
 
+from pagedllm.engine.processor import Processor
 from pagedllm.entrypoints.llm_inputs import check_one_adapter_per_id, per_prompt, prompt_list
 from pagedllm.errors import InvalidParamError
 from pagedllm.lora_request import LoRARequest
-from pagedllm.outputs import Logprob
+from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
-
-if TYPE_CHECKING:
-    from pagedllm.entrypoints.llm import LLM
 
 
 @dataclass
@@ -53,13 +51,16 @@ def beam_search_score(tokens: list[int], cum_logprob: float, eos_token_ids: set[
 
 
 def beam_search(
-    llm: LLM,
+    processor: Processor,
+    generate: Callable[..., list[RequestOutput]],
+    tokenizer: Any,
     prompts: Any,
     params: BeamSearchParams,
     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     use_tqdm: bool = False,
 ) -> list[BeamSearchOutput]:
-    """``LLM.beam_search``: the best beams of each prompt, in input order.
+    """``LLM.beam_search`` on its engine's ``processor``, its ``generate`` and ``tokenizer``:
+    the best beams of each prompt, in input order.
 
     Raises:
         InvalidParamError: ``params`` not a ``BeamSearchParams``, or a prompt or
@@ -70,7 +71,6 @@ def beam_search(
     prompts = prompt_list(prompts)
     loras = per_prompt(lora_request, LoRARequest, "lora_request", len(prompts))
     check_one_adapter_per_id(loras)
-    processor = llm.engine.processor
     eos = set() if params.ignore_eos else set(processor.eos_token_ids)
     step = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
     prompt_ids, live, done = [], [], []
@@ -91,8 +91,8 @@ def beam_search(
         batch = [beam for beams in live for beam in beams]
         if not batch:
             break
-        outputs = llm.generate([{"prompt_token_ids": b.tokens} for b in batch], step, use_tqdm=False,
-                               lora_request=[b.lora_request for b in batch])
+        outputs = generate([{"prompt_token_ids": b.tokens} for b in batch], step, use_tqdm=False,
+                           lora_request=[b.lora_request for b in batch])
         results = iter(outputs)
         for k, beams in enumerate(live):
             candidates = []
@@ -103,7 +103,6 @@ def beam_search(
                                              beam.cum_logprob + logprob.logprob, lora_request=beam.lora_request)
                     (done[k] if token in eos else candidates).append(new)
             live[k] = sorted(candidates, key=score, reverse=True)[: params.beam_width]
-    tokenizer = llm.get_tokenizer()
     results = []
     for ids, beams, finished in zip(prompt_ids, live, done, strict=True):
         best = sorted(finished + beams, key=score, reverse=True)[: params.beam_width]

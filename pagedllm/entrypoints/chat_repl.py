@@ -23,7 +23,7 @@ def run_repl(args: argparse.Namespace) -> None:
     from pagedllm import LLM
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.entrypoints.chat_template import chat_prompt, load_chat_template
-    from pagedllm.entrypoints.cli import sampling_params
+    from pagedllm.entrypoints.sampling_args import sampling_params
 
     llm = LLM(**EngineArgs.from_cli_args(args).kwargs())
     engine, params = llm.engine, sampling_params(args)

@@ -184,7 +184,8 @@ class LLM:
             ValueError: ``params`` not a ``BeamSearchParams``, or any prompt or ``lora_request``
                 ``generate`` refuses (an ``InvalidParamError`` naming the field); nothing runs then.
         """
-        return beam_search(self, prompts, params, lora_request, use_tqdm)
+        return beam_search(self.engine.processor, self.generate, self.get_tokenizer(), prompts, params, lora_request,
+                           use_tqdm)
 
     def chat(
         self,

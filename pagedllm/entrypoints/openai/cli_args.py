@@ -258,7 +258,7 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from pagedllm.config_values import parse_memory
     from pagedllm.engine.async_llm import AsyncLLM
-    from pagedllm.entrypoints.openai.api_server import ApiServer, build_app
+    from pagedllm.entrypoints.openai.app import ApiServer, build_app
     from pagedllm.entrypoints.openai.connections import http_protocol
     from pagedllm.entrypoints.openai.middleware import CorsPolicy
 

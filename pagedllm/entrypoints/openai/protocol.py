@@ -12,8 +12,6 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
-from pagedllm.entrypoints.openai.tools import check_tool_names, check_tools
 from pagedllm.errors import InvalidParamError
 from pagedllm.sampling_params import check_text
 
@@ -121,7 +119,6 @@ class SamplingRequest(RequestModel):
             raise InvalidParamError("stream_options", "stream_options is only allowed with stream: true")
         if self.cache_salt == "":  # as vLLM: a salt meant to isolate must be one
             raise InvalidParamError("cache_salt", "cache_salt must be a non-empty string if given")
-        structured_outputs_params(self)
 
     @property
     def include_usage(self) -> bool:
@@ -204,6 +201,18 @@ class ChatTool(RequestModel):
     function: FunctionDefinition
 
 
+def check_tool_names(tools: list[ChatTool]) -> list[str]:
+    """The function names of ``tools``, in order.
+
+    Raises:
+        InvalidParamError: two tools of one name.
+    """
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidParamError("tools", "tools: function names must be unique")
+    return names
+
+
 class NamedFunction(RequestModel):
     name: str
 
@@ -233,7 +242,6 @@ class ChatCompletionRequest(SamplingRequest):
         if (value := getattr(self, name)) is not None and value < 1:  # no echo here: nothing scores a prompt
             raise InvalidParamError(name, f"{name} must be at least 1, got {value}")
         check_messages(self.messages)
-        check_tools(self)
 
     @property
     def parallel_calls(self) -> bool:

@@ -14,8 +14,9 @@ from pydantic import BaseModel
 from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.errors import OpenAIError
-from pagedllm.entrypoints.openai.protocol import RequestModel, SamplingRequest
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, RequestModel, SamplingRequest
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_params
+from pagedllm.entrypoints.openai.tools import check_tools
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
@@ -91,13 +92,18 @@ class OpenAIServing:
         return model or self.served_model_names[0]
 
     def check_request(self, req: RequestModel) -> None:
-        """The request's own checks (text, field combinations), then its model.
+        """The request's own checks (text, field combinations), its structured output (compiled)
+        and tools, then its model.
 
         Raises:
             OpenAIError: 400 naming the field at fault; 404 for another model.
         """
         try:
             req.check()
+            if isinstance(req, SamplingRequest):
+                structured_outputs_params(req)
+            if isinstance(req, ChatCompletionRequest):
+                check_tools(req)
         except ValueError as e:
             raise OpenAIError.bad_request(e) from None
         self.check_model(getattr(req, "model", None))

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pagedllm.entrypoints.openai.protocol import SamplingRequest
 from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output import StructuredOutputsParams, backend
 from pagedllm.structured_output.params import KINDS
-
-if TYPE_CHECKING:
-    from pagedllm.entrypoints.openai.protocol import SamplingRequest
 
 # vLLM's older per-kind fields -> StructuredOutputsParams field.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

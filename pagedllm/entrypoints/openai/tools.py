@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pagedllm.entrypoints import generic_tools
 from pagedllm.entrypoints.chat_template import call_arguments, joined_text
 from pagedllm.entrypoints.openai.model_json import loads
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool, check_tool_names
 from pagedllm.errors import InvalidParamError
 from pagedllm.structured_output import StructuredOutputsParams, backend
-
-if TYPE_CHECKING:
-    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
 
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar")
@@ -33,18 +31,6 @@ def tool_call_id() -> str:
 
 def _parameters(tool: ChatTool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else generic_tools.NO_ARGUMENTS
-
-
-def check_tool_names(tools: list[ChatTool]) -> list[str]:
-    """The function names of ``tools``, in order.
-
-    Raises:
-        InvalidParamError: two tools of one name.
-    """
-    names = [t.function.name for t in tools]
-    if len(set(names)) != len(names):
-        raise InvalidParamError("tools", "tools: function names must be unique")
-    return names
 
 
 def check_tools(req: ChatCompletionRequest) -> None:
