@@ -18,6 +18,7 @@ def test_probes_run_their_loops(isa):
         assert lib.probe_add_chain(1003) == 1000  # whole groups of 8 dependent adds
         assert math.isfinite(lib.probe_fma_f32(1000))
         assert lib.probe_dot_i8(1000) == 0  # zero weights: every dot product is 0
+        assert math.isfinite(lib.probe_dot_fma_i8(1000, 3)) and lib.probe_dot_fma_i8(1000, 5) == -1
 
 
 def test_peak_model():

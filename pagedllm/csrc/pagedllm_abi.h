@@ -387,6 +387,10 @@ int64_t probe_add_chain(int64_t n);
 float probe_fma_f32(int64_t n);
 /* Per thread 8 n vector-layer int8 dots on independent chains: 1024 n int8 OP per thread. */
 int64_t probe_dot_i8(int64_t n);
+/* Per thread 8 n int8 dots as probe_dot_i8's with `fmas` (0-4) float32 FMAs of their own after
+ * every 8, on independent chains: where both issue on the same pipes the time is the sum of
+ * each alone. Returns a lane of the result (-1 for fmas out of range). */
+float probe_dot_fma_i8(int64_t n, int64_t fmas);
 
 /* --- the kernels' thread team (parallel.cpp) --- */
 

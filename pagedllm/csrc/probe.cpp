@@ -39,6 +39,45 @@ inline I32x16 in_place(I32x16 acc) {
   return acc;
 }
 
+// probe_dot_fma_i8's chains: int8 dots on kMixDots, float32 FMAs on kMixFmas of their own,
+// with the operands in registers (AVX2's and NEON's F32x16 take two and four registers, so 4 +
+// 1 chains; a dot's chain there is one add, so 4 cover its latency). A round is kMixRound dots
+// over the chains in turn, every index a constant.
+constexpr int kMixDots = kF32Regs >= 32 ? 16 : 4, kMixFmas = kF32Regs >= 32 ? 4 : 1;
+constexpr int kMixRound = std::max(8, kMixDots);
+
+// 8 n int8 dots (as probe_dot_i8's, n rounded down to whole rounds) and F float32 FMAs after
+// every 8, per thread.
+template <int F>
+float dot_fma_mix(int64_t n) {
+  float total = 0.f;
+#pragma omp parallel reduction(+ : total)
+  {
+    alignas(64) int8_t w[64] = {};
+    alignas(64) int8_t codes[16];
+    store_i8(codes, round_i32(zero()));
+    const DotX x = dot_prepare(reinterpret_cast<const int32_t*>(codes));
+    I32x16 acc[kMixDots];
+    F32x16 facc[kMixFmas];
+    for (int c = 0; c < kMixDots; ++c) acc[c] = zero_i32();
+    for (int c = 0; c < kMixFmas; ++c) facc[c] = set1(0.001f * c);
+    const F32x16 a = set1(0.999f);
+    const int8_t* wp = w;
+    for (int64_t i = 0; i < 8 * n / kMixRound; ++i) {
+      __asm__ volatile("" : "+r"(wp));
+#pragma GCC unroll 16
+      for (int k = 0; k < kMixRound; ++k) acc[k % kMixDots] = in_place(dot(acc[k % kMixDots], x, wp));
+#pragma GCC unroll 8
+      for (int k = 0; k < F * kMixRound / 8; ++k) facc[k % kMixFmas] = fma(facc[k % kMixFmas], a, a);
+    }
+    F32x16 s = facc[0];
+    for (int c = 1; c < kMixFmas; ++c) s = add(s, facc[c]);
+    for (int c = 0; c < kMixDots; ++c) s = add(s, to_f32(acc[c]));
+    total += reduce_add(s);
+  }
+  return total;
+}
+
 }  // namespace
 
 extern "C" {
@@ -107,6 +146,17 @@ int64_t probe_dot_i8(int64_t n) {
     total += static_cast<int64_t>(reduce_add(s));
   }
   return total;
+}
+
+float probe_dot_fma_i8(int64_t n, int64_t fmas) {
+  switch (fmas) {
+    case 0: return dot_fma_mix<0>(n);
+    case 1: return dot_fma_mix<1>(n);
+    case 2: return dot_fma_mix<2>(n);
+    case 3: return dot_fma_mix<3>(n);
+    case 4: return dot_fma_mix<4>(n);
+    default: return -1.f;
+  }
 }
 
 }  // extern "C"
