@@ -122,11 +122,13 @@ inline int8_t stored_code(int8_t q) { return kDotXSums ? static_cast<int8_t>(q ^
 // kDotXSums); panel: [kq][32][4] stored codes (stored_code). kColumnScales (w8a8): wscale
 // [32] float32, one per column, y[r, n] = wscale[n] * sum_g xscale[r, g] * (sum_k x w) + bias[n];
 // else (Q8_0's blocks) wscale [G][32] float32 or float16, y[r, n] = sum_g xscale[r, g] *
-// wscale[g, n] * (sum_k x w) + bias[n] (a multiply more per group and accumulator).
+// wscale[g, n] * (sum_k x w) + bias[n] (a multiply more per group and accumulator). ahead:
+// null, or the next panel (and, for Q8_0, its scales) to ask for into L2 group by group as
+// this tile walks its own (linear.cpp's for_panel_tiles).
 template <int R, bool kColumnScales, typename WS = float>
 inline void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const int8_t* panel, int64_t G,
                       const int32_t* xsum128, const WS* wscale, const float* bias, float* y, int64_t ldy,
-                      int64_t ncols) {
+                      int64_t ncols, const int8_t* ahead = nullptr, const WS* ahead_scales = nullptr) {
   constexpr int64_t quads = QG / 4;
   F32x16 out[R][2];
   init<R>(out, kColumnScales ? nullptr : bias);
@@ -134,6 +136,11 @@ inline void tile_w8a8(const int32_t* x, int64_t ldx, const float* xscale, const 
     I32x16 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = dot_init(kDotXSums ? xsum128 + r * G + g : nullptr);
     const int8_t* pg = panel + g * quads * 4 * NB;
+    if (ahead) {
+      for (int64_t line = 0; line < quads * 4 * NB; line += 64)
+        __builtin_prefetch(ahead + g * quads * 4 * NB + line, 0, 2);
+      if (!kColumnScales) __builtin_prefetch(ahead_scales + g * NB, 0, 2);
+    }
     for (int64_t k = 0; k < quads; ++k) {
       const int8_t* w = pg + k * 4 * NB;
       // Both lines of the quad 4 groups on: a batch-1 GEMV streams the panel from memory
@@ -194,15 +201,18 @@ inline void tile_w8a8_wide(const int32_t* x, int64_t ldx, const float* xscale, c
 // x: R rows of kq quads of s8 codes (stride ldx, in int32), groups of QG/4 quads; xscale, xsum:
 // R rows of G (stride G), xsum = xscale * the group's code sum; panel: G groups of Q4_BYTES.
 // y[r, n] = sum_g xscale[r, g] * d[g, n] * (sum_k x q) + xsum[r, g] * m[g, n] + bias[n].
+// ahead: as tile_w8a8's.
 template <int R>
 inline void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const uint8_t* panel,
-                      int64_t G, const float* bias, float* y, int64_t ldy, int64_t ncols) {
+                      int64_t G, const float* bias, float* y, int64_t ldy, int64_t ncols, const uint8_t* ahead = nullptr) {
   constexpr int64_t quads = QG / 4;
   F32x16 out[R][2];
   init<R>(out, bias);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* pg = panel + g * Q4_BYTES;
     __builtin_prefetch(pg + 4 * Q4_BYTES, 0, kWeightLocality<R>);
+    if (ahead)
+      for (int64_t line = 0; line < Q4_BYTES; line += 64) __builtin_prefetch(ahead + g * Q4_BYTES + line, 0, 2);
     Q4Sum acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = q4sum_zero();
 #pragma GCC unroll 8

@@ -58,10 +58,16 @@ void for_panels(int64_t N, const float* bias, F f) {
 // chunk's later tiles; a decode step's few rows keep reading one panel from L1.
 constexpr int64_t kPanelBlock = 8, kPanelBlockRows = 128;
 
-// tile(R, m, p, ncols, bias of the panel or null) for rows [0, rows) in micro-tiles of MR
-// rows (panel_rows) and every 32-column panel p (ncols of them real): the panels split over
+// tile(R, m, p, ncols, bias of the panel or null, next) for rows [0, rows) in micro-tiles of
+// MR rows (panel_rows) and every 32-column panel p (ncols of them real): the panels split over
 // the threads in ranges, each range in blocks (kPanelBlock), each block's tiles of rows in
 // order, each tile over the block's panels. The tiles' arithmetic does not depend on the order.
+// next: a panel for the tile to ask for into L2 as it goes (its `ahead`), or -1. With one
+// panel at a time (a decode step's rows), the panel's second tile asks for the range's next
+// panel: the first tile of a panel streams it from memory and the others reread it from L1,
+// so without this each panel's first tile waited on memory while nothing was in flight during
+// the others (in a harness over 30 layers, batch 8-16 w4a8 GEMMs 1.10x, the Q8_0 lm_head
+// 1.17-1.45x; docs/benchmarks.md, session 49). A lone tile (up to MR rows) streams alone.
 template <int MR, typename Tile>
 void for_panel_tiles(int64_t N, int64_t rows, const float* bias, Tile tile) {
   const int64_t panels = (N + NB - 1) / NB, block = rows >= kPanelBlockRows ? kPanelBlock : 1;
@@ -69,7 +75,9 @@ void for_panel_tiles(int64_t N, int64_t rows, const float* bias, Tile tile) {
     for (int64_t p0 = begin; p0 < end; p0 += block) {
       const int64_t p1 = std::min(end, p0 + block);
       panel_rows<MR>(rows, [&](auto r, int64_t m) {
-        for (int64_t p = p0; p < p1; ++p) tile(r, m, p, std::min(NB, N - p * NB), bias ? bias + p * NB : nullptr);
+        const int64_t next = block == 1 && m == MR && p0 + 1 < end ? p0 + 1 : -1;
+        for (int64_t p = p0; p < p1; ++p)
+          tile(r, m, p, std::min(NB, N - p * NB), bias ? bias + p * NB : nullptr, next);
       });
     }
   });
@@ -161,10 +169,12 @@ void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float*
   const int64_t chunk = chunk_rows_i8(kq);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    for_panel_tiles<kGemmRowsI8>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b) {
+    for_panel_tiles<kGemmRowsI8>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b,
+                                                    int64_t next) {
       tile_w8a8<decltype(r)::value, true>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
                                           packed + p * kq * 4 * NB, G, xq.xsum128.data() + (m0 + m) * G,
-                                          wscale + p * NB, b, y + (m0 + m) * N + p * NB, N, ncols);
+                                          wscale + p * NB, b, y + (m0 + m) * N + p * NB, N, ncols,
+                                          next < 0 ? nullptr : packed + next * kq * 4 * NB);
     });
   }
 }
@@ -216,10 +226,13 @@ void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed, const uint16
   const int64_t chunk = chunk_rows_i8(kq);  // as linear_w8a8
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    for_panel_tiles<kGemmRowsI8>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b) {
+    for_panel_tiles<kGemmRowsI8>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b,
+                                                    int64_t next) {
       tile_w8a8<decltype(r)::value, false>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
                                            packed + p * kq * 4 * NB, G, xq.xsum128.data() + (m0 + m) * G,
-                                           d + p * G * NB, b, y + (m0 + m) * N + p * NB, N, ncols);
+                                           d + p * G * NB, b, y + (m0 + m) * N + p * NB, N, ncols,
+                                           next < 0 ? nullptr : packed + next * kq * 4 * NB,
+                                           next < 0 ? nullptr : d + next * G * NB);
     });
   }
 }
@@ -262,10 +275,11 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
   const int64_t chunk = chunk_rows_i8(kq);  // as linear_w8a8
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    for_panel_tiles<kGemmRowsQ4>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b) {
+    for_panel_tiles<kGemmRowsQ4>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b,
+                                                    int64_t next) {
       tile_q4a8<decltype(r)::value>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
                                     xq.sum.data() + (m0 + m) * G, packed + p * G * Q4_BYTES, G, b,
-                                    y + (m0 + m) * N + p * NB, N, ncols);
+                                    y + (m0 + m) * N + p * NB, N, ncols, next < 0 ? nullptr : packed + next * G * Q4_BYTES);
     });
   }
 }
@@ -279,7 +293,8 @@ void linear_f32(const float* x, int64_t ldx, const float* packed, const float* b
   const int64_t chunk = chunk_rows_f32(K);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    for_panel_tiles<kGemmRowsF32>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b) {
+    for_panel_tiles<kGemmRowsF32>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b,
+                                                     int64_t) {
       tile_f32<decltype(r)::value>(x + (m0 + m) * ldx, ldx, packed + p * K * NB, K, b, y + (m0 + m) * N + p * NB, N,
                                    ncols);
     });
