@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> None:
             print(f"peak {unit:15s} theoretical / in registers: {theory_text} / {m / 1e9:8.1f}")
         w4a8_ceiling = threads * 1024 * steps8 / _best_seconds(lambda: lib.probe_dot_fma_i8(steps8, 3), args.repeats)
         print(f"w4a8 tile's ceiling (3 FMAs per 8 dots) : {w4a8_ceiling / 1e9:8.1f} GOP/s int8  "
-              f"({100 * w4a8_ceiling / i8_measured:5.1f}% of the int8 peak, {w4a8_ceiling / f32_measured:.2f}x float32's)")
+              f"({100 * w4a8_ceiling / i8_measured:5.1f}% of the int8 peak, "
+              f"{w4a8_ceiling / f32_measured:.2f}x float32's)")
 
     def kernel(label: str, kind: str, ops_per_s: float, ceiling: float = 0.0) -> None:
         line = f"{label:32s}: {ops_per_s / 1e9:8.1f} G{'FLOP' if kind == 'f32' else 'OP'}/s"
@@ -129,7 +130,8 @@ def run(args: argparse.Namespace) -> None:
         kernel("linear_f32 (native)", "f32", flops / _best_seconds(lambda: kernels.linear_f32(x, packed, None, n), args.repeats))
         packed8 = kernels.linear_pack_w8a8(w)
         kernel("linear_w8a8 (native)", "i8", flops / _best_seconds(lambda: kernels.linear_w8a8(x, packed8, None, n), args.repeats))
-        codes = torch.randint(0, 16, (n, n), dtype=torch.uint8, generator=gen)  # the speed does not depend on the values
+        # Random codes and scales: the speed does not depend on the values.
+        codes = torch.randint(0, 16, (n, n), dtype=torch.uint8, generator=gen)
         scales = torch.full((n, (n + 31) // 32), 0.01)
         packed4 = kernels.linear_pack_q4a8(codes, scales, -8 * scales)
         kernel("linear_q4a8 (native, w4a8)", "i8",

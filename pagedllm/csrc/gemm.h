@@ -204,7 +204,8 @@ inline void tile_w8a8_wide(const int32_t* x, int64_t ldx, const float* xscale, c
 // ahead: as tile_w8a8's.
 template <int R>
 inline void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const uint8_t* panel,
-                      int64_t G, const float* bias, float* y, int64_t ldy, int64_t ncols, const uint8_t* ahead = nullptr) {
+                      int64_t G, const float* bias, float* y, int64_t ldy, int64_t ncols,
+                      const uint8_t* ahead = nullptr) {
   constexpr int64_t quads = QG / 4;
   F32x16 out[R][2];
   init<R>(out, bias);

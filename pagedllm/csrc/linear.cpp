@@ -279,7 +279,8 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
                                                     int64_t next) {
       tile_q4a8<decltype(r)::value>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
                                     xq.sum.data() + (m0 + m) * G, packed + p * G * Q4_BYTES, G, b,
-                                    y + (m0 + m) * N + p * NB, N, ncols, next < 0 ? nullptr : packed + next * G * Q4_BYTES);
+                                    y + (m0 + m) * N + p * NB, N, ncols,
+                                    next < 0 ? nullptr : packed + next * G * Q4_BYTES);
     });
   }
 }
