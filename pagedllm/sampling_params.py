@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Mapping
 
 import msgspec
@@ -24,6 +25,9 @@ MAX_BAD_WORDS = 1024
 MAX_STOP_STRINGS = 256
 MAX_STOP_STRING_CHARS = 1024
 MAX_LOGIT_BIAS = 100.0
+# A logit_bias key as JSON carries it: a token id in ASCII decimal digits, no sign, space or
+# leading zero (int() would also take "5_0", " 5 ", "+5", "05" and other scripts' digits).
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,18}")
 
 
 def check_text(value: object, field: str) -> str:
@@ -53,15 +57,15 @@ def _nested(parent: str, param: str) -> str:
 
 def _check_int(field: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidParamError(field, f"{field} must be an integer, got {value!r}")
+        raise InvalidParamError(field, f"{field} must be an integer, got {value!r:.100}")
     if not -_INT64 <= value < _INT64:
-        raise InvalidParamError(field, f"{field} must fit in 64 bits, got {value}")
+        raise InvalidParamError(field, f"{field} must fit in 64 bits, got one of {value.bit_length()} bits")
     return value
 
 
 def _check_float(field: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidParamError(field, f"{field} must be a number, got {value!r}")
+        raise InvalidParamError(field, f"{field} must be a number, got {value!r:.100}")
     try:
         value = float(value)
     except OverflowError:  # an int beyond float's range
@@ -255,15 +259,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def _checked_logit_bias(bias: object) -> dict[int, float]:
         if not isinstance(bias, Mapping):
             raise InvalidParamError("logit_bias", f"logit_bias must map token ids to biases, got {bias!r:.200}")
-        checked = {}
+        checked: dict[int, float] = {}
         for key, value in bias.items():
-            try:
-                token = int(key) if isinstance(key, str) else key
-            except ValueError:
-                token = key
-            _check_int("logit_bias", token)
+            if isinstance(key, str):  # JSON's keys: a token id in decimal, as OpenAI writes them
+                if not _TOKEN_ID_KEY.fullmatch(key):
+                    raise InvalidParamError(
+                        "logit_bias", f"logit_bias keys must be token ids in decimal digits (\"50\"), got {key!r:.60}"
+                    )
+                token = int(key)
+            else:
+                token = _check_int("logit_bias", key)
             if token < 0:
-                raise InvalidParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+                raise InvalidParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r:.60}")
+            if token in checked:
+                raise InvalidParamError("logit_bias", f"logit_bias names token {token} twice")
             value = _check_float("logit_bias", value)
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                 raise InvalidParamError(

@@ -26,8 +26,9 @@ def test_chat_replies_within_a_short_context(monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """`chat --max-model-len 128` refused every turn (prompt + the default --max-tokens 512 >
     128): a reply now takes what the context has left, and a conversation grown past the
-    context is refused naming /reset."""
-    lines = iter(["Tell me a long story about a dragon.", "Go on, in detail. " * 30, "/reset", "Hi!"])
+    context is refused naming /reset. A mistyped command is answered, not sent; /quit quits."""
+    lines = iter(["Tell me a long story about a dragon.", "Go on, in detail. " * 30, "/reset", "/rest", "Hi!",
+                  "/quit", "not read"])
 
     def fake_input(prompt: str) -> str:
         try:
@@ -41,6 +42,8 @@ def test_chat_replies_within_a_short_context(monkeypatch: pytest.MonkeyPatch,
     assert err.count("error: ") == 1, err  # the second turn only, longer than the context with the first
     assert "longer than this model's maximum context length of 128 tokens (/reset clears the conversation)" in err
     assert "[conversation cleared]" in err and len(out.strip().splitlines()) >= 2  # the first reply, then "Hi!"'s
+    assert "[unknown command /rest: /reset clears the conversation, /exit quits]" in err
+    assert next(lines) == "not read"
 
 
 def test_stream_reply_interrupted_aborts_and_frees_blocks(capsys: pytest.CaptureFixture[str]) -> None:

@@ -69,3 +69,13 @@ def test_core_startup_error_is_reported() -> None:
             client.wait_ready()
     finally:
         client.shutdown()
+
+
+def test_a_core_still_starting_is_stopped_without_the_grace_wait(caplog: pytest.LogCaptureFixture) -> None:
+    """The front end failed first (`serve --model` of an unknown name, found while the core still
+    imports): the core reads no input before its handshake, so it is killed at once, not asked
+    to stop and waited for (which used to end in "did not stop within 5 s; killing it")."""
+    client = SyncMPClient(EngineConfig(kv_cache_memory=64 * 1024**2, max_model_len=512))
+    client.shutdown()
+    assert not client.proc.is_alive()
+    assert "did not stop" not in caplog.text

@@ -96,6 +96,16 @@ def test_grammars_that_cannot_finish_are_refused(checker: GrammarChecker, fields
     assert info.value.param == params.kind
 
 
+@pytest.mark.parametrize("regex", ["a{1000000}", "(ab){500000}"])
+def test_a_limit_hit_once_output_starts_is_refused_up_front(checker: GrammarChecker, regex: str) -> None:
+    """Its first mask computes; at its second byte the lexer builds too many expressions, which
+    would fail the request while it generates, after a stream's 200 (shared/cases' kind)."""
+    with pytest.raises(InvalidParamError, match="too many expressions") as info:
+        checker.check("regex", regex)
+    assert info.value.param == "regex"
+    assert checker.check("regex", "a{1000}")  # a long repetition that stays within the limits
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [({"json": {"type": "string", "pattern": "(("}},

@@ -94,13 +94,14 @@ def test_no_token_left_streamed_ends_with_an_error_event(http: httpx.Client) -> 
     assert error["param"] == param and error["code"] == 400
 
 
-# Past llguidance's lexer limit at the first tokens (the compile check passes them): found while
-# generating. The first request fails at its token, a repeat at its cached matcher's mask.
+# Past llguidance's lexer limit after 9 digits (one token each), beyond the 8 bytes the compile
+# check walks (which refuses "(a{996}){1000}" alone): found while generating, at the 10th token.
+# The first request fails at its token, a repeat at its cached matcher's mask.
 LEXER_LIMIT = [
-    ({"guided_regex": "(a{996}){1000}"}, "guided_regex"),
+    ({"guided_regex": "[0-9]{9}(a{996}){1000}"}, "guided_regex"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "string", "pattern": "^(b{995}){1000}$"}}}}, "response_format.json_schema.schema"),
-    ({"structured_outputs": {"regex": "(c{994}){1000}"}}, "structured_outputs.regex"),
+        "type": "string", "pattern": "^[0-9]{9}(b{995}){1000}$"}}}}, "response_format.json_schema.schema"),
+    ({"structured_outputs": {"regex": "[0-9]{9}(c{994}){1000}"}}, "structured_outputs.regex"),
 ]
 
 
@@ -108,13 +109,13 @@ LEXER_LIMIT = [
 def test_a_grammar_failing_while_generating_is_a_400_naming_the_field_every_time(
     http: httpx.Client, canary: str, fields: dict, param: str
 ) -> None:
-    body = {"model": MODEL, "prompt": "aaaa bbbb cccc", "max_tokens": 8} | fields
+    body = {"model": MODEL, "prompt": "aaaa bbbb cccc", "max_tokens": 16} | fields
     for _ in range(2):
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 400, r.text[:500]
         error = r.json()["error"]
         assert error["param"] == param and "the grammar failed while generating" in error["message"], error
-    with http.stream("POST", "/v1/chat/completions", json=_chat(**fields, max_tokens=8, stream=True)) as r:
+    with http.stream("POST", "/v1/chat/completions", json=_chat(**fields, max_tokens=16, stream=True)) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][len("data: "):])["error"]

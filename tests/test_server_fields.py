@@ -60,6 +60,8 @@ REFUSED = [
     ("/v1/completions", _completion(logit_bias={"5": 101}), "logit_bias"),
     ("/v1/completions", _completion(logit_bias={"abc": 1}), "logit_bias"),
     ("/v1/completions", _completion(logit_bias={str(10**9): 1}), "logit_bias"),
+    ("/v1/completions", _completion(logit_bias={"5_0": 1}), "logit_bias"),
+    ("/v1/completions", _completion(logit_bias={"05": 1, "5": -1}), "logit_bias"),
     ("/v1/completions", _completion(allowed_token_ids=[]), "allowed_token_ids"),
     ("/v1/completions", _completion(allowed_token_ids=[10**9]), "allowed_token_ids"),
     # Text that is not Unicode scalar values never reaches the tokenizer.
@@ -101,7 +103,7 @@ def test_refused_fields_keep_the_server_serving(http: httpx.Client, greedy_befor
         assert r.headers.get("connection") != "close"
         ok = http.post("/tokenize", json={"prompt": "hi"})
         assert ok.status_code == 200 and _local_port(ok) == _local_port(r)
-    assert http.get("/health").status_code == 200
+    assert http.get("/health").status_code == 200 and http.head("/health").status_code == 200
     assert _greedy(http) == greedy_before
 
 
@@ -113,6 +115,18 @@ def test_nan_temperature_does_not_reach_the_engine(http: httpx.Client, greedy_be
     assert r.json()["error"]["param"] == "temperature"
     assert metric(http, "prompt_tokens_total") == before
     assert _greedy(http) == greedy_before
+
+
+def test_error_bodies_quote_client_text_briefly(http: httpx.Client) -> None:
+    # A model name, a field's name or a logit_bias key of 50,000 characters (this server takes
+    # bodies of up to 64 KiB; a default one 16 MiB): the error names it, but its body is not the
+    # client's text sent back.
+    huge = "f" * 50_000
+    for body, status in [(_completion(model=huge), 404), (_completion(**{huge: 1}), 400),
+                         (_completion(logit_bias={huge: 1}), 400)]:
+        r = _raw(http, "/v1/completions", body)
+        assert r.status_code == status, r.text[:300]
+        assert len(r.content) < 3000 and "fffff" in r.json()["error"]["message"]
 
 
 def test_hint_fields_are_accepted(http: httpx.Client) -> None:

@@ -83,10 +83,12 @@ def test_choices_beyond_the_parsers_row_limit(llm):
 
 
 def test_a_grammar_past_a_lexer_limit_fails_its_request_alone(llm):
-    """A regex that compiles but outgrows llguidance's lexer at its first tokens: finish_reason
-    "error" naming ``structured_outputs`` (the request's own fault), the first time (its token
-    fails) and again (its cached matcher's mask fails); its neighbour is served."""
-    bad = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(a{997}){1000}"))
+    """A regex that compiles but outgrows llguidance's lexer at its 10th token (after 9 digits:
+    past the bytes the compile check walks): finish_reason "error" naming ``structured_outputs``
+    (the request's own fault), the first time (its token fails) and again (its cached matcher's
+    mask fails); its neighbour is served."""
+    bad = SamplingParams(temperature=0, max_tokens=16,
+                         structured_outputs=StructuredOutputsParams(regex="[0-9]{9}(a{997}){1000}"))
     for _ in range(2):
         failed, fine = llm.generate(["Say aaaa", "Today's date is"], [bad, regex_params(temperature=0)], use_tqdm=False)
         assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].error_param == "structured_outputs"

@@ -67,6 +67,13 @@ def test_bool_fields_must_be_booleans(field: str, value: object) -> None:
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {5: math.nan}}, "logit_bias"),
         ({"logit_bias": [5]}, "logit_bias"),
+        # Keys that int() reads but that are no token id as JSON writes one; a token named twice.
+        ({"logit_bias": {"5_0": 1.0}}, "logit_bias"),
+        ({"logit_bias": {" 5 ": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"+5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"05": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"\u0665": 1.0}}, "logit_bias"),  # ARABIC-INDIC DIGIT FIVE
+        ({"logit_bias": {"5": 1.0, 5: -1.0}}, "logit_bias"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [1, -3]}, "allowed_token_ids"),
         ({"bad_words": ["\udfff"]}, "bad_words"),

@@ -64,6 +64,7 @@ class MPClient:
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._call_ids = itertools.count()
         self._closed = False
+        self._ready = False  # the handshake arrived: the core reads its input from then on
         # spawn, not fork: the front end may already hold threads (tokenizers, asyncio).
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
@@ -92,6 +93,7 @@ class MPClient:
         ready = msgspec.msgpack.decode(self._output.recv(), type=EngineCoreReady)
         if ready.error is not None:
             raise RuntimeError(f"{self.name} failed to start: {ready.error}")
+        self._ready = True
         return ready
 
     @property
@@ -135,11 +137,16 @@ class MPClient:
         return call_id
 
     def shutdown(self) -> None:
-        """Ask the core to stop, wait for it, kill it if it does not; remove the sockets."""
+        """Ask the core to stop, wait for it, kill it if it does not; remove the sockets. A core
+        still starting (the front end failed first: an unknown model, a bad chat template) reads
+        no input yet: it is killed at once."""
         if self._closed:
             return
         self._closed = True
-        if self.proc.is_alive():
+        if self.proc.is_alive() and not self._ready:
+            self.proc.kill()
+            self.proc.join()
+        elif self.proc.is_alive():
             try:
                 self._input.send_multipart((bytes([RequestType.SHUTDOWN]), b""), zmq.NOBLOCK)
             except zmq.Again:

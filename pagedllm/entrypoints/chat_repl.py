@@ -1,12 +1,15 @@
 """``pagedllm chat``: an interactive chat that streams the reply as it is generated.
 
 Ctrl-C while a reply streams stops it (the request is aborted, its KV blocks freed) and
-returns to the prompt; Ctrl-C or Ctrl-D at the prompt, or /exit, ends the chat with status 0.
+returns to the prompt; Ctrl-C or Ctrl-D at the prompt, or /exit (/quit), ends the chat with
+status 0. Any other line of one word after a slash is a mistyped command: answered with the
+commands, not sent to the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 from types import FrameType
@@ -16,6 +19,8 @@ import msgspec
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
+
+_COMMAND = re.compile(r"/\w+")
 
 
 def run_repl(args: argparse.Namespace) -> None:
@@ -40,11 +45,14 @@ def run_repl(args: argparse.Namespace) -> None:
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)  # end the prompt's line
             return
-        if line.strip() == "/exit":
+        if line.strip() in ("/exit", "/quit"):
             return
         if line.strip() == "/reset":
             history = history[:1] if args.system else []
             print("[conversation cleared" + (", system prompt kept]" if args.system else "]"), file=sys.stderr)
+            continue
+        if _COMMAND.fullmatch(line.strip()):  # a mistyped command is not a message to the model
+            print(f"[unknown command {line.strip()}: /reset clears the conversation, /exit quits]", file=sys.stderr)
             continue
         if not line.strip():
             continue

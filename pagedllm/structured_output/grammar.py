@@ -17,6 +17,10 @@ from pagedllm.errors import InvalidParamError
 _JSON_OPTIONS = {"whitespace_flexible": False}
 # Longest error message passed on to a client; llguidance's can echo the whole grammar.
 MAX_ERROR_CHARS = 300
+# Bytes of output compile_check walks after the first mask: some limits are hit only once output
+# starts (a{1000000}'s lexer expressions, after its first byte), and would fail the request
+# while it generates, after a stream's 200.
+CHECKED_BYTES = 8
 
 
 def parser_limits() -> llguidance.LLParserLimits:
@@ -81,10 +85,11 @@ _byte_tokenizer: llguidance.LLTokenizer | None = None
 
 def compile_check(kind: str, text: str) -> str:
     """Compile a constraint as the engine will, against a byte vocabulary, and compute its
-    first mask; return its grammar text (what ``Compiler.compile`` takes).
+    first mask, then the masks of ``CHECKED_BYTES`` bytes of output (each the lowest byte the
+    mask allows); return its grammar text (what ``Compiler.compile`` takes).
 
     Finds what a compile without a vocabulary misses: rules that can never finish (``a: a
-    "x"``, a schema that is its own ``$ref``) and parser limits hit at the first token.
+    "x"``, a schema that is its own ``$ref``) and parser limits hit in the first bytes.
 
     Raises:
         InvalidParamError: ``param`` is ``kind``; a short message, never the grammar.
@@ -98,8 +103,13 @@ def compile_check(kind: str, text: str) -> str:
     if _byte_tokenizer is None:
         _byte_tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()), n_vocab=257, eos_token=256)
     matcher = llguidance.LLMatcher(_byte_tokenizer, grammar, log_level=0, limits=parser_limits())
-    if not matcher.is_error():
-        matcher.compute_bitmask()
+    for _ in range(1 + CHECKED_BYTES):
+        if matcher.is_error():
+            break
+        allowed = int.from_bytes(matcher.compute_bitmask()[:32], "little")  # bytes 0-255, not the end
+        if matcher.is_error() or not allowed:
+            break
+        matcher.consume_token((allowed & -allowed).bit_length() - 1)
     if matcher.is_error():
         error = short_error(matcher.get_error())
         if "NoExtensionBias" in error:

@@ -190,7 +190,7 @@ def build_app(
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health() -> Response:
         # As vLLM: 503 once any engine core is dead, so that a supervisor replaces the server (a
         # dead core is not restarted); with data parallelism the other cores serve meanwhile.

@@ -11,8 +11,16 @@ from pagedllm.entrypoints.openai.response_bodies import ErrorInfo, ErrorResponse
 from pagedllm.outputs import RequestOutput
 
 
-def _printable(text: str) -> str:
-    # Messages and params can quote client text; a lone surrogate would make the body unencodable.
+# The longest message and param an error body carries: both can quote client text (a field's
+# name, a model name, a value), which the body must not echo back at any length.
+MAX_MESSAGE_CHARS, MAX_PARAM_CHARS = 2000, 200
+
+
+def _printable(text: str, limit: int) -> str:
+    """``text`` at most ``limit`` characters (then a count of the rest), a lone surrogate escaped
+    (it would make the body unencodable)."""
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text) - limit} characters more)"
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
@@ -22,9 +30,9 @@ class OpenAIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.message = _printable(message)
+        self.message = _printable(message, MAX_MESSAGE_CHARS)
         self.type = type_
-        self.param = None if param is None else _printable(param)
+        self.param = None if param is None else _printable(param, MAX_PARAM_CHARS)
 
     @classmethod
     def bad_request(cls, error: ValueError, fields: Mapping[str, str] = {}) -> OpenAIError:

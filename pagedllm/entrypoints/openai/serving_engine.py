@@ -82,7 +82,7 @@ class OpenAIServing:
             return self.loras.resolve(model)
         if model and model not in self.served_model_names:
             served = ", ".join(f"`{n}`" for n in self.served_model_names)
-            raise OpenAIError(404, f"the model `{model}` does not exist; this server serves {served}",
+            raise OpenAIError(404, f"the model `{model:.200}` does not exist; this server serves {served}",
                               "NotFoundError", "model")
         return None
 
