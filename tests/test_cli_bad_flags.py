@@ -174,3 +174,17 @@ def test_sizes_past_memory_end_in_one_line(capsys: pytest.CaptureFixture[str]) -
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert "error: what the flags ask for does not fit in this machine's memory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "--promt", "hi"], "pagedllm generate: error: unrecognized arguments: --promt; did you mean --prompt?"),
+    (["generate", "--prompt", "x", "--max-tok", "3"], "unrecognized arguments: --max-tok; did you mean --max-tokens?"),
+    (["--versoin"], "pagedllm: error: unrecognized arguments: --versoin; did you mean --version?"),
+])
+def test_a_mistyped_flag_is_named_before_a_missing_one(argv: list[str], message: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """--promt was reported as --prompt missing, --versoin as the command missing; a prefix
+    (--max-tok) was taken for the flag it begins, as vLLM does not."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

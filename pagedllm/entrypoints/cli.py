@@ -10,6 +10,7 @@ command logs its first line before they load.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import sys
@@ -36,10 +37,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose ``--help`` shows every flag's default, subcommands included
-    (subparsers are made with the parent's class)."""
+    (subparsers are made with the parent's class); flags only as written in full (as vLLM's:
+    ``--max-tok`` is no ``--max-tokens``, so a flag added later never changes an old command)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
@@ -213,13 +216,43 @@ def _out_of_memory(error: BaseException) -> bool:
     return isinstance(error, MemoryError) or any(w in text for w in words)
 
 
+def _unknown_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The (sub)command's parser ``argv`` names (its leading words that name subcommands) and
+    the ``--`` flags in ``argv`` it does not take."""
+    flags_seen = False
+    unknown = []
+    for word in argv:
+        if word.startswith("--"):
+            flags_seen = True
+            if word.split("=", 1)[0] not in parser._option_string_actions:
+                unknown.append(word)
+        elif not flags_seen and parser._subparsers is not None:
+            choices = parser._subparsers._group_actions[0].choices
+            if word in choices:
+                parser = choices[word]
+    return parser, unknown
+
+
+def _closest(parser: argparse.ArgumentParser, word: str) -> str:
+    """"; did you mean --x?" for the flag of ``parser`` nearest a mistyped ``word``, else ""."""
+    flag = word.split("=", 1)[0]
+    near = difflib.get_close_matches(flag, [f for f in parser._option_string_actions if f.startswith("--")], 1, 0.75)
+    return f"; did you mean {near[0]}?" if near else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # under the command's usage, whose --help lists its flags (the top level's does not)
-        hints = "".join(hint(word) for word in unknown if word.startswith("--"))
-        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}{hints}")
+    # Unknown flags first, under the command's usage, whose --help lists its flags (the top
+    # level's does not): a mistyped flag (--promt) is named, not reported as a required one
+    # missing (--prompt).
+    command, unknown = _unknown_flags(parser, argv)
+    if not unknown:
+        args, unknown = parser.parse_known_args(argv)
+        command = getattr(args, "command_parser", parser)
+    if unknown:
+        hints = "".join(hint(word) or _closest(command, word) for word in unknown if word.startswith("--"))
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hints}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "chat" and not args.verbose:  # the REPL streams: log lines would cut into replies
         logging.getLogger().setLevel(logging.WARNING)
