@@ -74,7 +74,7 @@ def test_env_says_whether_packed_weights_take_huge_pages(
 ) -> None:
     monkeypatch.setenv("PAGEDLLM_DISABLE_HUGE_PAGES", "1")
     rows = _env_rows(capsys)
-    assert rows["packed weights in 2 MiB pages"].strip() == "no: PAGEDLLM_DISABLE_HUGE_PAGES=1"
+    assert rows["packed weights and K/V caches in 2 MiB pages"].strip() == "no: PAGEDLLM_DISABLE_HUGE_PAGES=1"
     monkeypatch.delenv("PAGEDLLM_DISABLE_HUGE_PAGES")
     rows = _env_rows(capsys)
-    assert rows["packed weights in 2 MiB pages"].strip().startswith(("asked for", "no: this system"))
+    assert rows["packed weights and K/V caches in 2 MiB pages"].strip().startswith(("asked for", "no: this system"))

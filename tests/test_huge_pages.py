@@ -1,5 +1,6 @@
-"""Packed weights' memory (``kernels.huge_pages``): aligned tensors that keep their values and
-their mappings, in mappings advised as huge pages on Linux, plain tensors when switched off."""
+"""Packed weights' and the K/V caches' memory (``kernels.huge_pages``): aligned tensors that
+keep their values and their mappings, in mappings advised as huge pages on Linux, plain
+tensors when switched off."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import huge_pages
+from pagedllm.worker.kv_cache import zeroed_memory
 
 
 def _vm_flags(address: int) -> list[str]:
@@ -61,8 +63,10 @@ def test_tensors_keep_their_values_and_mappings() -> None:
 )
 def test_mappings_are_advised_as_huge_pages() -> None:
     small, large = huge_pages.empty(1000, torch.float32), huge_pages.empty(20 << 20, torch.uint8)
-    for t in (small, large):
+    kv = zeroed_memory(8 << 20)  # the K/V caches' memory
+    for t in (small, large, kv):
         assert "hg" in _vm_flags(t.data_ptr())
+    assert int(kv.max()) == 0
 
 
 def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,3 +76,4 @@ def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert t.shape == (1000,) and t.dtype == torch.int8
     if hasattr(mmap, "MADV_HUGEPAGE"):
         assert "hg" not in _vm_flags(t.data_ptr())
+        assert "hg" not in _vm_flags(zeroed_memory(4 << 20).data_ptr())

@@ -52,7 +52,7 @@ def report(load: bool = False) -> list[tuple[str, str]]:
         rows.append((f"kernels {variant}", _variant_state(variant, variant in runnable)))
     rows.append(("kernels chosen", _chosen(runnable, load)))
     rows.append(("int8 layers' prompt rows on AMX tiles", _amx(flags, load)))
-    rows.append(("packed weights in 2 MiB pages", _huge_pages()))
+    rows.append(("packed weights and K/V caches in 2 MiB pages", _huge_pages()))
     rows += [
         ("pagedllm cache (kernels, models)", str(build.cache_dir())),
         ("huggingface cache", os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))),
@@ -121,8 +121,8 @@ def _amx(flags: frozenset[str], load: bool) -> str:
 
 
 def _huge_pages() -> str:
-    """Whether packed weights go to mappings advised as huge pages (``kernels.huge_pages``), and
-    what Linux's transparent huge pages setting makes of the advice."""
+    """Whether packed weights and the K/V caches go to mappings advised as huge pages
+    (``kernels.huge_pages``), and what Linux's transparent huge pages setting makes of the advice."""
     from pagedllm.kernels import build, huge_pages
 
     if build.env_switch("PAGEDLLM_DISABLE_HUGE_PAGES"):

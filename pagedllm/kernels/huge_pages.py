@@ -1,4 +1,4 @@
-"""Memory for packed weights in 2 MiB pages.
+"""Memory for packed weights and the K/V caches in 2 MiB pages.
 
 A decode step streams every packed weight from memory once. In 4 KiB pages the CPU's
 hardware prefetchers stop at each page's end and each page costs a TLB walk; in 2 MiB pages a
@@ -7,10 +7,13 @@ take their output tensors from anonymous mappings that Linux is asked to back wi
 huge pages (``madvise(MADV_HUGEPAGE)``, granted where THP is in "madvise" or "always" mode;
 "never", or a kernel without THP, leaves plain pages). Tensors share 64 MiB mappings in
 allocation order (a model's layers one after another), each 64-byte aligned; a mapping is
-unmapped once no tensor in it is left but the one being filled. Where Python's ``mmap`` has no
-``MADV_HUGEPAGE`` (not Linux), and with ``PAGEDLLM_DISABLE_HUGE_PAGES=1``, they are plain
-``torch.empty`` tensors.
-Measured: docs/benchmarks.md, "Intel Xeon with AMX, session 44".
+unmapped once no tensor in it is left but the one being filled. The K/V caches' mapping
+(``worker.kv_cache``) takes the same advice (``advise``): a decode step reads each request's
+blocks wherever the pool put them, a few KiB each, and in 4 KiB pages most blocks cost a TLB
+walk. Where Python's ``mmap`` has no ``MADV_HUGEPAGE`` (not Linux), and with
+``PAGEDLLM_DISABLE_HUGE_PAGES=1``, both are plain pages.
+Measured: docs/benchmarks.md, "Intel Xeon with AMX, session 44" (weights) and "AMD EPYC Zen 4,
+session 50" (K/V).
 """
 
 from __future__ import annotations
@@ -40,15 +43,23 @@ def enabled() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and not build.env_switch("PAGEDLLM_DISABLE_HUGE_PAGES")
 
 
+def advise(buf: mmap.mmap) -> None:
+    """Ask Linux to back the anonymous mapping ``buf`` (not yet touched) with 2 MiB pages where
+    ``enabled()``; a kernel without THP leaves plain pages."""
+    if not enabled():
+        return
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without THP (EINVAL): plain pages
+        pass
+
+
 def _mapping(nbytes: int) -> tuple[mmap.mmap, int, int]:
     """A fresh anonymous mapping with room for nbytes from its first 2 MiB boundary: (mapping,
     that boundary's offset, end offset)."""
     size = -(-nbytes // _HUGE) * _HUGE + _HUGE
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel built without THP (EINVAL): plain pages
-        pass
+    advise(buf)
     address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     return buf, -address % _HUGE, size
 
