@@ -86,6 +86,13 @@ def test_malformed_and_oversized_bodies(http: httpx.Client) -> None:
     _check_error(http.post("/v1/completions", content=b'{"prompt": "hi', headers=headers), 400,
                  "malformed JSON body: Unterminated string starting at (at character 11)")
     _check_error(http.post("/v1/completions", content=b"[1, 2]", headers=headers), 400, "must be a JSON object")
+    # What FastAPI answers only "There was an error parsing the body" for, said:
+    _check_error(http.post("/v1/completions", content=b'{"prompt": "h\xffi"}', headers=headers), 400,
+                 "the request body is not UTF-8: byte 0xff at offset 13")
+    _check_error(http.post("/v1/completions", content=b"[" * 5000 + b"]" * 5000, headers=headers), 400,
+                 "nests JSON arrays or objects too deeply")
+    _check_error(http.post("/v1/completions", content=b'{"max_tokens": ' + b"9" * 5000 + b"}", headers=headers), 400,
+                 "an integer of more digits")
     text = {"Content-Type": "text/plain"}
     _check_error(http.post("/v1/completions", content=b"hello", headers=text), 400, "must be a JSON object")
     _check_error(http.post("/v1/completions", json=_completion(prompt="x " * MAX_BODY)), 413, str(MAX_BODY))

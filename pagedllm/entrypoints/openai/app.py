@@ -117,6 +117,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
 
 
+def _body_fault(cause: BaseException | None) -> str | None:
+    """What is wrong with a body that FastAPI could not parse and answered only "There was an
+    error parsing the body" for (the error it raised from), else None."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not UTF-8: byte {cause.object[cause.start]:#04x} at offset {cause.start}"
+    if isinstance(cause, RecursionError):
+        return "the request body nests JSON arrays or objects too deeply"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return "the request body holds an integer of more digits than JSON numbers here may have (4300)"
+    return None
+
+
 def build_app(
     engine: AsyncLLM,
     served_model_names: tuple[str, ...],
@@ -262,7 +274,7 @@ def build_app(
 
     @app.exception_handler(HTTPException)
     async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(http_error(exc.status_code, str(exc.detail)))
+        return error_response(http_error(exc.status_code, _body_fault(exc.__cause__) or str(exc.detail)))
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
