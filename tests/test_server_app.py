@@ -300,3 +300,30 @@ def test_a_model_without_a_chat_template_says_so(stand_in_engine: SimpleNamespac
     assert "has no chat template" in caplog.text and "tool section" not in caplog.text
     _check_error(client.post("/v1/chat/completions", json=_chat()), 400, "the model has no chat template: start")
     assert client.post("/tokenize", json={"model": MODEL, "prompt": "Hi"}).status_code == 200
+
+
+def test_echoed_logprobs_index_the_text_past_an_added_bos(stand_in_engine: SimpleNamespace) -> None:
+    """A tokenizer that adds a BOS (gemma-3's): the echoed text is the prompt as sent, without
+    "<bos>", so the BOS's token string is "" and every text_offset indexes the text (they
+    counted the special token's characters, and ran backwards where the output began). A prompt
+    sent as token ids is echoed decoded, special token and all, and keeps its string."""
+    from pagedllm.entrypoints.openai.protocol import CompletionRequest
+    from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+    serving = OpenAIServingCompletion(stand_in_engine, (MODEL,))
+    tok = serving.tokenizer
+    special = tok.convert_tokens_to_ids("<|endoftext|>")  # standing in for a BOS
+    ids, out_ids = tok.encode("The capital of France is"), tok.encode(" Paris.")
+
+    def entry(t: int) -> dict[int, Logprob]:
+        return {t: Logprob(-1.0, 1, tok.decode([t]))}
+
+    c = CompletionOutput(0, " Paris.", out_ids, "length", logprobs=[entry(t) for t in out_ids])
+    for prompt, first in (("The capital of France is", ""), (None, "<|endoftext|>")):
+        out = RequestOutput("r", prompt, [special, *ids], [c], prompt_logprobs=[None, *map(entry, ids)])
+        req = CompletionRequest.model_validate({"prompt": prompt or [special, *ids], "echo": True, "logprobs": 0})
+        choice = serving._choice(req, out, c, 0, c.text, c.logprobs)
+        lp = choice.logprobs
+        assert lp.tokens[0] == first and "".join(lp.tokens) == choice.text
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]

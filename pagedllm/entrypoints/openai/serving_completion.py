@@ -174,24 +174,31 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.logprobs is not None:
             lp = CompletionLogprobs()
             if echo:
-                self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], req.logprobs, text_offset)
+                # The first token's share of the prompt's text: "" for a special token the
+                # tokenizer added (a BOS), which the prompt's text does not hold.
+                first = token_shares(self.tokenizer, out.prompt_token_ids[:1])[0] if out.prompt_token_ids else ""
+                first = first if prompt_text.startswith(first) else ""
+                self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], req.logprobs, text_offset, first)
             self._add_logprobs(lp, c.token_ids, logprobs or [], req.logprobs, text_offset + len(prompt_text))
         return CompletionChoice(index=index, text=prompt_text + text, logprobs=lp, finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason)
 
     def _add_logprobs(
         self, lp: CompletionLogprobs, token_ids: list[int], entries: list[dict[int, Logprob] | None], n: int,
-        offset: int,
+        offset: int, first: str | None = None,
     ) -> None:
         """Append one entry per token, the first at text ``offset``. Each ``top_logprobs`` holds
         the sampled token and the ``n`` most likely ones, as OpenAI and vLLM: up to n + 1
         entries (with n = 0, the sampled token alone). The first prompt position has no
-        logprob (nothing precedes it): None, as OpenAI; its string is its share of the
-        prompt's text, as every other token's (``token_shares``), so that the tokens join to
-        the text and ``text_offset`` indexes it."""
+        logprob (nothing precedes it): None, as OpenAI; its string is ``first``, the caller's
+        share of the prompt's text for it (None: the token's own, ``token_shares``), so that the
+        tokens join to the text and ``text_offset`` indexes it."""
         for tid, entry in zip(token_ids, entries):
             chosen = None if entry is None else entry.get(tid)
-            token = token_shares(self.tokenizer, [tid])[0] if entry is None else self.token_str(tid, chosen)
+            if entry is not None:
+                token = self.token_str(tid, chosen)
+            else:
+                token = first if first is not None else token_shares(self.tokenizer, [tid])[0]
             lp.tokens.append(token)
             lp.token_logprobs.append(None if chosen is None else chosen.logprob)
             top = None
