@@ -58,6 +58,25 @@ def test_generate_json_schema_from_file(tmp_path, capsys: pytest.CaptureFixture[
     assert record["finish_reason"] == "stop" and json.loads(record["text"])["color"] in ("red", "green", "blue")
 
 
+def test_chat_without_a_chat_template_says_so_before_a_turn(tmp_path, tokenizer_dir, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A model without a chat template (Gemma 3's GGUF): ``generate --chat`` and ``chat`` stop
+    once it has loaded, naming --chat-template (``chat`` asked for a turn, then failed in
+    transformers' words; ``generate --chat`` blamed the message)."""
+    from tests.models_util import save_checkpoint, tiny_llama
+
+    llama = tiny_llama(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+    save_checkpoint(llama, tmp_path, tokenizer_dir)
+    (tmp_path / "chat_template.jinja").unlink()
+    monkeypatch.setattr("builtins.input", lambda prompt: pytest.fail("chat asked for a turn"))
+    for argv in (["generate", "--chat", "--prompt", "Hi"], ["chat"]):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--model", str(tmp_path), "--dtype", "float32", "--kv-cache-memory", "64MiB"])
+        assert e.value.code == 2
+        assert f"{tmp_path} has no chat template: give one with --chat-template" in capsys.readouterr().err
+
+
 def test_generate_chat_with_an_inline_chat_template(capsys: pytest.CaptureFixture[str]) -> None:
     """``--chat-template`` on one line, ``\\n`` escapes decoded, replaces the model's template."""
     template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\\n{{ m['content'] }}<|im_end|>\\n{% endfor %}Reply:"

@@ -27,12 +27,14 @@ def run_repl(args: argparse.Namespace) -> None:
     """Read a user turn, stream the assistant's reply, repeat; /reset clears, /exit or EOF ends."""
     from pagedllm import LLM
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.entrypoints.chat_template import chat_prompt, load_chat_template
+    from pagedllm.entrypoints.chat_template import chat_prompt, has_chat_template, load_chat_template
     from pagedllm.entrypoints.sampling_args import sampling_params
 
     llm = LLM(**EngineArgs.from_cli_args(args).kwargs())
     engine, params = llm.engine, sampling_params(args)
     template = load_chat_template(args.chat_template)
+    if not has_chat_template(engine.tokenizer, template):
+        raise ValueError(f"{args.model} has no chat template: give one with --chat-template FILE|TEMPLATE")
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})

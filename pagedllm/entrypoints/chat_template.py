@@ -66,6 +66,12 @@ def load_chat_template(value: str | None) -> str | None:
     return text
 
 
+def has_chat_template(tokenizer: Any, template: str | None) -> bool:
+    """Whether a conversation can be rendered: a template given (``load_chat_template``'s), or
+    the model's own (its tokenizer's ``chat_template``; a base model often has none)."""
+    return template is not None or getattr(tokenizer, "chat_template", None) is not None
+
+
 def _special_pattern(tokenizer: Any) -> re.Pattern[str] | None:
     """Any of the tokenizer's special tokens, spelled out; None if it has none. Built once per tokenizer."""
     if tokenizer not in _SPECIALS:

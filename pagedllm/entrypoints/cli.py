@@ -59,13 +59,17 @@ class Parser(argparse.ArgumentParser):
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from pagedllm import LLM
-    from pagedllm.entrypoints.chat_template import load_chat_template
+    from pagedllm.entrypoints.chat_template import has_chat_template, load_chat_template
 
     llm = LLM(**EngineArgs.from_cli_args(args).kwargs())
     params = sampling_params(args)
     if args.chat:
+        template = load_chat_template(args.chat_template)
+        if not has_chat_template(llm.engine.tokenizer, template):
+            raise ValueError(f"{args.model} has no chat template: give one with --chat-template FILE|TEMPLATE, "
+                             "or leave out --chat")
         conversations = [[{"role": "user", "content": p}] for p in args.prompt]
-        outputs = llm.chat(conversations, params, chat_template=load_chat_template(args.chat_template))
+        outputs = llm.chat(conversations, params, chat_template=template)
     else:
         outputs = llm.generate(args.prompt, params)
     for out in outputs:

@@ -11,7 +11,7 @@ import msgspec
 
 from pagedllm.engine.async_llm import AsyncLLM, PreparedRequest
 from pagedllm.engine.core_client import EngineDeadError
-from pagedllm.entrypoints.chat_template import chat_prompt
+from pagedllm.entrypoints.chat_template import chat_prompt, has_chat_template
 from pagedllm.entrypoints.generic_tools import generic_conversation, supports_tools
 from pagedllm.entrypoints.openai.errors import generation_error
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool, FunctionCall, ToolCall
@@ -72,7 +72,7 @@ class OpenAIServingChat(OpenAIServing):
         self.chat_template = chat_template
         self.generic_tools = not supports_tools(self.tokenizer, chat_template)
         self.tool_parser = GenericToolParser if self.generic_tools else tool_parser
-        self.has_template = chat_template is not None or getattr(self.tokenizer, "chat_template", None) is not None
+        self.has_template = has_chat_template(self.tokenizer, chat_template)
         if not self.has_template:
             logger.warning("%s has no chat template: chat completions are refused (400) unless the server is started "
                            "with --chat-template", served_model_names[0])
