@@ -20,6 +20,9 @@ Ceilings, each the best of ``--repeats`` runs at the process's thread count:
 - memory bandwidth, bytes/s: a read-only pass (``torch.sum``) over a float32 tensor much
   larger than the last-level cache. A decode step at batch 1 reads every weight once, so
   bytes per token / bandwidth is its floor.
+The load average closes the report, as ``bench step``'s: each figure is taken at its own
+moment, so on a busy machine (or vCPUs sharing a core with another tenant) one probe can
+catch a slow moment its neighbour did not, and a fraction can pass 100%.
 """
 
 from __future__ import annotations
@@ -140,3 +143,4 @@ def run(args: argparse.Namespace) -> None:
     big = torch.ones(args.memory_mib * 2**20 // 4)
     t = _best_seconds(lambda: big.sum(), args.repeats)
     print(f"memory read ({args.memory_mib} MiB, torch.sum)  : {big.numel() * 4 / t / 1e9:8.1f} GB/s")
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
