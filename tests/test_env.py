@@ -27,6 +27,12 @@ def test_env_reports_without_compiling(
     rows = _env_rows(capsys)
     rows = {key: value.strip() for key, value in rows.items()}
     assert {"pagedllm", "torch", "cpu", "cpu cores", "kernels chosen", "c++ compiler"} <= set(rows)
+    # What a bug report about loading or templates needs; the CPU's family and model (the name
+    # may be only "AMD EPYC").
+    assert "transformers " in rows["libraries"] and "gguf " in rows["libraries"]
+    assert "SmolLM2-135M-Instruct" in rows["packaged models installed"]
+    if Path("/proc/cpuinfo").exists() and "family" in Path("/proc/cpuinfo").read_text():
+        assert ", family " in rows["cpu"]
     best = library.available_isas()[0]
     assert rows[f"kernels {best}"] == "not built" or rows[f"kernels {best}"].startswith("shipped")
     assert rows["kernels chosen"].startswith(f"{best}, ")

@@ -10,6 +10,7 @@ command logs its first line before they load.
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import json
 import logging
@@ -27,12 +28,19 @@ logger = logging.getLogger("pagedllm")
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each flag's default once: a help text that states its default in words
-    ("... (default: the model argument)") is left as it is."""
+    ("... (default: the model argument)") is left as it is. A list default is shown as the
+    flag takes it, comma separated (``1,8``, not ``[1, 8]``)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if "(default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        if isinstance(action.default, (list, tuple)):
+            action = copy.copy(action)
+            action.default = ",".join(map(str, action.default))
+        return super()._expand_help(action)
 
 
 class Parser(argparse.ArgumentParser):

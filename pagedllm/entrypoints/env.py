@@ -29,6 +29,7 @@ def report(load: bool = False) -> list[tuple[str, str]]:
 
     import pagedllm
     from pagedllm.kernels import build, isa, library
+    from pagedllm.models.loader import installed_models
 
     machine = platform.machine()
     flags = isa.cpu_flags()
@@ -40,6 +41,8 @@ def report(load: bool = False) -> list[tuple[str, str]]:
         ("pagedllm", f"{pagedllm.__version__} ({Path(pagedllm.__file__).parent})"),
         ("python", f"{sys.version.split()[0]} ({sys.executable})"),
         ("torch", f"{torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"),
+        ("libraries", _versions(("transformers", "tokenizers", "gguf", "llguidance", "fastapi"))),
+        ("packaged models installed", ", ".join(installed_models()) or "none"),
         ("os", platform.platform()),
         ("cpu", f"{_cpu_model()} ({machine})"),
         ("cpu features needed (-x = missing)", " ".join(f if f in flags else f"-{f}" for f in used) or "none"),
@@ -138,13 +141,33 @@ def _huge_pages() -> str:
 
 
 def _cpu_model() -> str:
+    """The first CPU's model name, with its family, model and stepping where Linux gives them
+    (what tells a Zen 3 from a Zen 4 when the name is only "AMD EPYC")."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
+            key, _, value = line.partition(":")
+            if not key.strip() and fields:
+                break  # the first CPU's block ends
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name") or platform.processor() or "unknown"
+    ids = ", ".join(f"{k.replace('cpu ', '')} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields)
+    return f"{name}, {ids}" if ids else name
+
+
+def _versions(names) -> str:
+    """``name version`` of each installed distribution of ``names``, comma separated."""
+    from importlib import metadata
+
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join(found)
 
 
 def _ranges(cpus: list[int]) -> str:

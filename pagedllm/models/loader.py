@@ -142,6 +142,11 @@ def resolve_model(model: str) -> ResolvedModel:
     )
 
 
+def installed_models() -> list[str]:
+    """The packaged models (``resolve_model``'s aliases) whose pip packages are all installed here."""
+    return [p.name for p in _PACKAGES if all(importlib.util.find_spec(module) for module, _ in p.parts)]
+
+
 def _packaged_file(package: _Package) -> Path:
     """The verified model file of a package: in place for one part, else assembled in the cache."""
     sources = []
