@@ -59,7 +59,8 @@ def _check_int(field: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidParamError(field, f"{field} must be an integer, got {value!r:.100}")
     if not -_INT64 <= value < _INT64:
-        raise InvalidParamError(field, f"{field} must fit in 64 bits, got one of {value.bit_length()} bits")
+        shown = value if value.bit_length() <= 128 else f"an integer of {value.bit_length()} bits"
+        raise InvalidParamError(field, f"{field} must fit in 64 bits, got {shown}")
     return value
 
 

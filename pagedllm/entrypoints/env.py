@@ -157,7 +157,7 @@ def _cpu_model() -> str:
     return f"{name}, {ids}" if ids else name
 
 
-def _versions(names) -> str:
+def _versions(names: tuple[str, ...]) -> str:
     """``name version`` of each installed distribution of ``names``, comma separated."""
     from importlib import metadata
 
