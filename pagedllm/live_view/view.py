@@ -5,15 +5,43 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_config import KVCacheConfig
 from pagedllm.live_view.block_map import BlockMap
 from pagedllm.live_view.records import StepRecord
 
-if TYPE_CHECKING:  # the view reads the engine's messages; it never builds them
-    from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+
+# What the view reads of the engine's messages (engine/messages.py's EngineCoreRequest,
+# EngineCoreOutput, EngineCoreOutputs), by shape: the view sits below the engine and never
+# builds them.
+class ArrivingRequest(Protocol):
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+
+class RequestTokens(Protocol):
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def new_token_ids(self) -> list[int]: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+
+
+class CoreMessage(Protocol):
+    @property
+    def outputs(self) -> Sequence[RequestTokens]: ...
+    @property
+    def timestamp(self) -> float: ...
+    @property
+    def step(self) -> StepRecord | None: ...
 
 DEFAULT_STEPS = 4096  # ring buffer length: the last few thousand steps
 DEFAULT_REQUESTS = 512  # request timelines kept (finished ones are dropped oldest first)
@@ -63,7 +91,7 @@ class RequestTimeline:
 
 
 class LiveView:
-    """Everything the dashboard and the trace export show, fed with every ``EngineCoreOutputs``.
+    """Everything the dashboard and the trace export show, fed with every message from the core.
 
     Args:
         num_blocks: blocks in the KV cache pool.
@@ -109,7 +137,7 @@ class LiveView:
                    cache_dtype=kv.dtype)
 
     # -- feeding -------------------------------------------------------------------------
-    def on_arrival(self, requests: list[EngineCoreRequest]) -> None:
+    def on_arrival(self, requests: Sequence[ArrivingRequest]) -> None:
         """Start the timelines of newly queued engine-core requests."""
         for r in requests:
             self.requests[r.request_id] = RequestTimeline(r.request_id, r.arrival_time, len(r.prompt_token_ids))
@@ -127,7 +155,7 @@ class LiveView:
         if finished:
             self._changed(set(), finished)
 
-    def on_outputs(self, out: EngineCoreOutputs) -> None:
+    def on_outputs(self, out: CoreMessage) -> None:
         """Apply one message from the core: its step record (if any) and its new tokens."""
         record = out.step
         blocks: set[int] = set()
