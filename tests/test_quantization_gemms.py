@@ -84,6 +84,42 @@ def test_w4a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
         assert (y - exact).norm() / exact.norm() < 0.1  # 4-bit weights: about 4% on Gaussian ones
 
 
+@pytest.mark.parametrize("n,k", INT8_SHAPES)
+def test_w4a8_linear_on_q4_0_blocks_takes_the_symmetric_tile(n, k, native_isa) -> None:
+    """GGUF Q4_0's blocks (every m = -8 d in float16): the layer runs the symmetric tile, whose
+    -8 goes into the integer sums, ``sum_g xs d (sum x q - 8 sum x)``: equal to that in float64
+    to float32's rounding of its own terms (no cancelling m term), on every ISA's kernels, each
+    row's bits the same in any batch, in the one-call decoder's descriptor too; a weight with
+    one other m takes the general tile."""
+    gen = torch.Generator().manual_seed(k + 1)
+    groups, pad = -(-k // 32), -k % 32
+    d = (torch.rand(n, groups, generator=gen) * 0.02 + 1e-3).half().float()
+    qw = Int4Weight(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen), d, -8 * d)
+    b = torch.randn(n, generator=gen)
+    layer = W4A8Linear(qw, b)
+    assert layer.symmetric and layer.native_desc().kind == linear_kernels.LINEAR_Q4A8_SYMMETRIC
+    wq = torch.nn.functional.pad(qw.q.double() - 8, (0, pad)).view(n, groups, 32)
+    m = 64 if k != 200 else 1402
+    x = torch.randn(m, k + 5, generator=gen)[:, :k] * torch.linspace(0.1, 3, k)
+    # x's codes as the kernel rounds them (float32 x times 127 / the group's largest), so that a
+    # value at a tie in one rounding and not the other cannot move a code.
+    g = torch.nn.functional.pad(x, (0, pad)).view(m, groups, 32)
+    amax = g.abs().amax(-1)
+    xq = torch.round(g * (127 / amax).unsqueeze(-1)).double()
+    xs = (amax / 127).double()
+    terms = xs.unsqueeze(1) * d.double() * torch.einsum("mgk,ngk->mng", xq, wq)
+    ref, magnitude = terms.sum(-1) + b, terms.abs().sum(-1) + b.abs()
+    y = layer(x)
+    assert ((y.double() - ref).abs() <= 1e-6 * magnitude + 1e-6).all()
+    for first, last in ((0, 1), (5, 6), (3, 34), (m - 7, m)):
+        assert torch.equal(layer(x[first:last]), y[first:last])
+    general = linear_kernels.linear_q4a8(x, layer.packed, layer.padded_bias, n)
+    assert ((general.double() - ref).abs() <= 1e-5 * magnitude + 1e-5).all()
+    mins = qw.mins.clone()
+    mins[-1, -1] += 1e-3
+    assert not W4A8Linear(Int4Weight(qw.q, qw.scales, mins), b).symmetric
+
+
 @pytest.mark.parametrize("kind", ["w4a8", "w8a8", "q8a8"])
 @pytest.mark.parametrize("n,k", [*INT8_SHAPES, (1250, 96)])  # 40 panels: a thread decodes the next while it multiplies
 def test_prompt_rows_on_amx_tiles(n, k, kind, native_isa) -> None:

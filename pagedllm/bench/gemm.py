@@ -3,10 +3,11 @@
 For each row count M (``--rows``) and each GEMM of one decoder layer of the chosen model
 shapes (q/k/v fused, o, gate/up fused, down; ``--shapes``), the time of:
 - ``f32``: our packed float32 GEMM (``linear_f32``), the reference every ratio divides;
-- ``w8a8``, ``w4a8``: our int8-activation GEMMs (``linear_w8a8``, ``linear_q4a8``), the
-  activations' quantization included; these and the GGUF kinds below as a prompt's rows take
-  them, so on a CPU with AMX-BF16 their bfloat16 tiles (``PAGEDLLM_DISABLE_AMX=1``: the int8
-  tiles; the K-quants' ``stored`` layout has none);
+- ``w8a8``, ``w4a8``: our int8-activation GEMMs (``linear_w8a8``, ``linear_q4a8``: GGUF Q4_1's
+  arithmetic), the activations' quantization included; these and the GGUF kinds below as a
+  prompt's rows take them, so on a CPU with AMX-BF16 their bfloat16 tiles
+  (``PAGEDLLM_DISABLE_AMX=1``: the int8 tiles; the K-quants' ``stored`` layout has none);
+- ``q4_0``: ``linear_q4a8`` on GGUF Q4_0's blocks (every m = -8 d, ``symmetric``);
 - ``q8a8``: GGUF Q8_0 blocks on w8a8's panels (``linear_q8a8``: the layer an all-Q8_0 weight
   takes, a tied lm_head);
 - ``q8_0``, ``q5_0``, ``q4_k``, ``q5_k``, ``q6_k``: the K-quant GEMM on GGUF blocks
@@ -37,7 +38,7 @@ MODEL_SHAPES = {
     "smollm2-135m": (576, 1536, 9, 3, 64),
     "qwen2.5-0.5b": (896, 4864, 14, 2, 64),
 }
-KINDS = ("f32", "w8a8", "w4a8", "q8a8", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k", "torch", "int_mm")
+KINDS = ("f32", "w8a8", "w4a8", "q4_0", "q8a8", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k", "torch", "int_mm")
 
 
 def layer_gemms(model: str) -> list[tuple[str, int, int]]:
@@ -80,12 +81,13 @@ def _kernels(kinds: list[str], n: int, k: int, panels: bool = True) -> dict[str,
         elif kind == "w8a8":
             packed8 = lin.linear_pack_w8a8(w)
             fns[kind] = lambda x, p=packed8: lin.linear_w8a8(x, p, None, n, prompt_from=0)
-        elif kind == "w4a8":  # random codes and scales: the speed does not depend on the values
+        elif kind in ("w4a8", "q4_0"):  # random codes and scales: the speed does not depend on the values
             groups = -(-k // lin.QUANT_GROUP)
             codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
             scale = torch.full((n, groups), 0.01)
             packed4 = lin.linear_pack_q4a8(codes, scale, -8 * scale)
-            fns[kind] = lambda x, p=packed4: lin.linear_q4a8(x, p, None, n, prompt_from=0)
+            sym = kind == "q4_0"
+            fns[kind] = lambda x, p=packed4, s=sym: lin.linear_q4a8(x, p, None, n, prompt_from=0, symmetric=s)
         elif kind in ("q8a8", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k"):
             qtype = kquant.abi.CONSTANTS[f"PAGEDLLM_GGML_{'Q8_0' if kind == 'q8a8' else kind.upper()}"]
             size = kquant.row_bytes(qtype, k)

@@ -8,15 +8,17 @@ Ceilings, each the best of ``--repeats`` runs at the process's thread count:
   come from); SMT siblings share one core's vector units, so threads on siblings add nothing;
 - measured peaks: the vector layer's own float32 FMA and int8 dot in registers on every
   thread (``probe_fma_f32``, ``probe_dot_i8``: no memory traffic);
-- the w4a8 tile's ceiling: the same dots with 3 float32 FMAs after every 8
-  (``probe_dot_fma_i8``), the multiplies its epilogue takes per accumulator and group of 32 k
-  (Q4_1 x Q8_1: the two scales' product and two FMAs, one for the minimum). Where dots and
-  float multiplies issue on the same pipes (AMD Zen 4) this runs at 8/11 of the int8 peak,
-  and no w4a8 GEMM can pass it; where apart, at the peak;
+- the w4a8 tiles' ceilings: the same dots with 3 float32 FMAs after every 8
+  (``probe_dot_fma_i8``), the multiplies the epilogue takes per accumulator and group of 32 k
+  on GGUF Q4_1's blocks (Q4_1 x Q8_1: the two scales' product and two FMAs, one for the
+  minimum), and with 2 on Q4_0's (the minimum's FMA gone: ``linear_q4a8``'s ``symmetric``).
+  Where dots and float multiplies issue on the same pipes (AMD Zen 4) these run at 8/11 and
+  8/10 of the int8 peak, and no w4a8 GEMM can pass them; where apart, at the peak;
 - kernels: our packed float32 GEMM (``linear_f32``), w8a8 GEMM (``linear_w8a8``) and w4a8
-  GEMM (``linear_q4a8``; two ops per multiply-add, the activation quantization included) on an
-  M = N = K = ``--size`` shape, PyTorch's ``torch.mm`` (oneDNN) on the same shape, each as a
-  fraction of both peaks (w4a8 also of its tile's ceiling);
+  GEMM on Q4_1's and on Q4_0's arithmetic (``linear_q4a8``; two ops per multiply-add, the
+  activation quantization included) on an M = N = K = ``--size`` shape, PyTorch's
+  ``torch.mm`` (oneDNN) on the same shape, each as a fraction of both peaks (w4a8 also of its
+  tile's ceiling);
 - memory bandwidth, bytes/s: a read-only pass (``torch.sum``) over a float32 tensor much
   larger than the last-level cache. A decode step at batch 1 reads every weight once, so
   bytes per token / bandwidth is its floor.
@@ -98,6 +100,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"CPU ISA in use: {isa or 'none (PyTorch only)'}; {threads} threads on {cores} physical cores")
     lib = native_library()
     peaks: dict[str, tuple[float, float]] = {}  # kind -> (theoretical, measured) ops/s
+    ceilings: dict[int, float] = {}  # float32 FMAs per 8 int8 dots -> the mix's ops/s
     if lib is not None:
         clock = _PROBE_STEPS / _best_seconds(lambda: lib.probe_add_chain(_PROBE_STEPS), args.repeats)
         f32_measured = threads * 256 * _PROBE_STEPS / _best_seconds(lambda: lib.probe_fma_f32(_PROBE_STEPS), args.repeats)
@@ -111,10 +114,12 @@ def run(args: argparse.Namespace) -> None:
             t, m = peaks[kind]
             theory_text = f"{t / 1e9:8.1f}" if t else "     n/a"
             print(f"peak {unit:15s} theoretical / in registers: {theory_text} / {m / 1e9:8.1f}")
-        w4a8_ceiling = threads * 1024 * steps8 / _best_seconds(lambda: lib.probe_dot_fma_i8(steps8, 3), args.repeats)
-        print(f"w4a8 tile's ceiling (3 FMAs per 8 dots) : {w4a8_ceiling / 1e9:8.1f} GOP/s int8  "
-              f"({100 * w4a8_ceiling / i8_measured:5.1f}% of the int8 peak, "
-              f"{w4a8_ceiling / f32_measured:.2f}x float32's)")
+        for fmas, blocks in ((3, "Q4_1"), (2, "Q4_0")):
+            ceilings[fmas] = threads * 1024 * steps8 / _best_seconds(lambda f=fmas: lib.probe_dot_fma_i8(steps8, f), args.repeats)
+            label = f"w4a8 tile's ceiling, {blocks} ({fmas} FMAs/8 dots)"
+            print(f"{label:42s}: {ceilings[fmas] / 1e9:8.1f} GOP/s int8  "
+                  f"({100 * ceilings[fmas] / i8_measured:5.1f}% of the int8 peak, "
+                  f"{ceilings[fmas] / f32_measured:.2f}x float32's)")
 
     def kernel(label: str, kind: str, ops_per_s: float, ceiling: float = 0.0) -> None:
         line = f"{label:32s}: {ops_per_s / 1e9:8.1f} G{'FLOP' if kind == 'f32' else 'OP'}/s"
@@ -137,9 +142,11 @@ def run(args: argparse.Namespace) -> None:
         codes = torch.randint(0, 16, (n, n), dtype=torch.uint8, generator=gen)
         scales = torch.full((n, (n + 31) // 32), 0.01)
         packed4 = kernels.linear_pack_q4a8(codes, scales, -8 * scales)
-        kernel("linear_q4a8 (native, w4a8)", "i8",
-               flops / _best_seconds(lambda: kernels.linear_q4a8(x, packed4, None, n, prompt_from=0), args.repeats),
-               w4a8_ceiling)
+        for fmas, blocks in ((3, "Q4_1"), (2, "Q4_0")):
+            seconds = _best_seconds(
+                lambda s=fmas == 2: kernels.linear_q4a8(x, packed4, None, n, prompt_from=0, symmetric=s), args.repeats
+            )
+            kernel(f"linear_q4a8 (native, w4a8, {blocks})", "i8", flops / seconds, ceilings[fmas])
     big = torch.ones(args.memory_mib * 2**20 // 4)
     t = _best_seconds(lambda: big.sum(), args.repeats)
     print(f"memory read ({args.memory_mib} MiB, torch.sum)  : {big.numel() * 4 / t / 1e9:8.1f} GB/s")

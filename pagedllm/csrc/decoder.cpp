@@ -36,7 +36,9 @@ void linear(const LinearDesc& l, const float* x, int64_t ldx, float* y, int64_t 
       linear_w8a8(x, ldx, static_cast<const int8_t*>(l.w), l.wscale, l.bias, y, M, l.n, l.k, prompt_from);
       break;
     case PAGEDLLM_LINEAR_Q4A8:
-      linear_q4a8(x, ldx, static_cast<const uint8_t*>(l.w), l.bias, y, M, l.n, l.k, prompt_from);
+    case PAGEDLLM_LINEAR_Q4A8_SYMMETRIC:
+      linear_q4a8(x, ldx, static_cast<const uint8_t*>(l.w), l.bias, y, M, l.n, l.k,
+                  l.kind == PAGEDLLM_LINEAR_Q4A8_SYMMETRIC, prompt_from);
       break;
     case PAGEDLLM_LINEAR_Q8A8:
       linear_q8a8(x, ldx, static_cast<const int8_t*>(l.w), reinterpret_cast<const uint16_t*>(l.wscale), l.bias, y, M,
@@ -80,7 +82,7 @@ bool supported(const DecoderDesc* m, int64_t P) {
     if (layer.moe && !moe_supported(*layer.moe)) return false;
     for (const LinearDesc* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
       if (layer.moe && (l == &layer.gate_up || l == &layer.down)) continue;
-      if (l->kind < PAGEDLLM_LINEAR_F32 || l->kind > PAGEDLLM_LINEAR_Q8A8) return false;
+      if (l->kind < 0 || l->kind >= PAGEDLLM_LINEAR_KINDS) return false;
       const KQuantWeight* w = static_cast<const KQuantWeight*>(l->w);
       if (l->kind == PAGEDLLM_LINEAR_KQUANT && !kquant::fits(*w, l->n, l->k) && !kquant::fits(*w, l->n, l->k, true))
         return false;

@@ -201,10 +201,15 @@ inline void tile_w8a8_wide(const int32_t* x, int64_t ldx, const float* xscale, c
 // x: R rows of kq quads of s8 codes (stride ldx, in int32), groups of QG/4 quads; xscale, xsum:
 // R rows of G (stride G), xsum = xscale * the group's code sum; panel: G groups of Q4_BYTES.
 // y[r, n] = sum_g xscale[r, g] * d[g, n] * (sum_k x q) + xsum[r, g] * m[g, n] + bias[n].
-// ahead: as tile_w8a8's.
-template <int R>
-inline void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const uint8_t* panel,
-                      int64_t G, const float* bias, float* y, int64_t ldy, int64_t ncols,
+// kSymmetric (every m = -8 d: GGUF Q4_0): xcsum, R rows of G (stride G), the group's code sum
+// (quantize_rows' csum), starts the int32 sums at -8 xcsum, and m and xsum are not read:
+// y[r, n] = sum_g xscale[r, g] * d[g, n] * (sum_k x (q - 8)) + bias[n], a multiply and an FMA
+// a group and accumulator where m's term took a third (on AVX-512 VNNI these share the pipes
+// of the dot products: docs/benchmarks.md, "AMD EPYC Zen 4, session 51"). ahead: as
+// tile_w8a8's.
+template <int R, bool kSymmetric = false>
+inline void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const int32_t* xcsum,
+                      const uint8_t* panel, int64_t G, const float* bias, float* y, int64_t ldy, int64_t ncols,
                       const uint8_t* ahead = nullptr) {
   constexpr int64_t quads = QG / 4;
   F32x16 out[R][2];
@@ -223,11 +228,21 @@ inline void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const 
       for (int r = 0; r < R; ++r) dot_q4(acc[r][0], acc[r][1], dot_q4_prepare(x + r * ldx + g * quads + k), w);
     }
     const uint16_t* dm = reinterpret_cast<const uint16_t*>(pg + Q4_NIBBLES);
-    const F32x16 d0 = load_f16(dm), d1 = load_f16(dm + 16), m0 = load_f16(dm + NB), m1 = load_f16(dm + NB + 16);
-    for (int r = 0; r < R; ++r) {
-      const F32x16 s = set1(xscale[r * G + g]), t = set1(xsum[r * G + g]);
-      out[r][0] = fma(to_f32(q4sum_i32(acc[r][0])), mul(d0, s), fma(m0, t, out[r][0]));
-      out[r][1] = fma(to_f32(q4sum_i32(acc[r][1])), mul(d1, s), fma(m1, t, out[r][1]));
+    const F32x16 d0 = load_f16(dm), d1 = load_f16(dm + 16);
+    if constexpr (kSymmetric) {
+      for (int r = 0; r < R; ++r) {
+        const F32x16 s = set1(xscale[r * G + g]);
+        const I32x16 start = splat_i32(-8 * xcsum[r * G + g]);
+        out[r][0] = fma(to_f32(q4sum_add(start, acc[r][0])), mul(d0, s), out[r][0]);
+        out[r][1] = fma(to_f32(q4sum_add(start, acc[r][1])), mul(d1, s), out[r][1]);
+      }
+    } else {
+      const F32x16 m0 = load_f16(dm + NB), m1 = load_f16(dm + NB + 16);
+      for (int r = 0; r < R; ++r) {
+        const F32x16 s = set1(xscale[r * G + g]), t = set1(xsum[r * G + g]);
+        out[r][0] = fma(to_f32(q4sum_i32(acc[r][0])), mul(d0, s), fma(m0, t, out[r][0]));
+        out[r][1] = fma(to_f32(q4sum_i32(acc[r][1])), mul(d1, s), fma(m1, t, out[r][1]));
+      }
     }
   }
   store<R>(out, y, ldy, ncols);

@@ -261,11 +261,12 @@ void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, ui
 }
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed from linear_pack_q4a8;
-// bias: null or float32 padded to ceil(N/32)*32. Each row of x is quantized on the fly as
-// for linear_w8a8, with each group's code sum (llama.cpp's Q8_1 activations); rows from
-// prompt_from on go to the AMX tiles instead where they run (pagedllm_abi.h).
+// bias: null or float32 padded to ceil(N/32)*32; symmetric: nonzero where every m is -8 d
+// (tile_q4a8's kSymmetric). Each row of x is quantized on the fly as for linear_w8a8, with each
+// group's code sum (llama.cpp's Q8_1 activations); rows from prompt_from on go to the AMX tiles
+// instead where they run (pagedllm_abi.h).
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
-                 int64_t K, int64_t prompt_from) {
+                 int64_t K, int64_t symmetric, int64_t prompt_from) {
   M = amx::prompt_rows(x, ldx, y, N, M, prompt_from, [&](const float* xp, float* yp, int64_t rows) {
     amx::linear_q4a8(xp, ldx, packed, bias, yp, rows, N, K);
   });
@@ -273,16 +274,23 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
   const QuantizedRows xq = quantize_rows<true>(x, ldx, M, K);
   const int64_t chunk = chunk_rows_i8(kq);  // as linear_w8a8
-  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-    const int64_t rows = std::min(chunk, M - m0);
-    for_panel_tiles<kGemmRowsQ4>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b,
-                                                    int64_t next) {
-      tile_q4a8<decltype(r)::value>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + (m0 + m) * G,
-                                    xq.sum.data() + (m0 + m) * G, packed + p * G * Q4_BYTES, G, b,
-                                    y + (m0 + m) * N + p * NB, N, ncols,
-                                    next < 0 ? nullptr : packed + next * G * Q4_BYTES);
-    });
-  }
+  const auto run = [&]<bool kSymmetric>() {
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t rows = std::min(chunk, M - m0);
+      for_panel_tiles<kGemmRowsQ4>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b,
+                                                      int64_t next) {
+        const int64_t at = (m0 + m) * G;
+        tile_q4a8<decltype(r)::value, kSymmetric>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + at,
+                                                  xq.sum.data() + at, xq.csum.data() + at, packed + p * G * Q4_BYTES,
+                                                  G, b, y + (m0 + m) * N + p * NB, N, ncols,
+                                                  next < 0 ? nullptr : packed + next * G * Q4_BYTES);
+      });
+    }
+  };
+  if (symmetric)
+    run.template operator()<true>();
+  else
+    run.template operator()<false>();
 }
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; bias: null or float32 padded to

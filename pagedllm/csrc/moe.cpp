@@ -136,13 +136,20 @@ void run_item(const LinearDesc& l, const Acts& a, const Item& it, float* y, int6
       });
       break;
     }
-    default: {
+    default: {  // Q4A8, Q4A8_SYMMETRIC
       const uint8_t* panel = static_cast<const uint8_t*>(l.w) + p * G * Q4_BYTES;
-      panel_rows<kGemmRowsQ4>(it.rows, [&](auto r, int64_t m) {
-        const int64_t row = it.row0 + m;
-        tile_q4a8<decltype(r)::value>(a.q4.codes.data() + row * kq, kq, a.q4.scale.data() + row * G,
-                                      a.q4.sum.data() + row * G, panel, G, bias, out + m * ldy, ldy, ncols);
-      });
+      const auto tiles = [&]<bool kSymmetric>() {
+        panel_rows<kGemmRowsQ4>(it.rows, [&](auto r, int64_t m) {
+          const int64_t at = (it.row0 + m) * G;
+          tile_q4a8<decltype(r)::value, kSymmetric>(a.q4.codes.data() + (it.row0 + m) * kq, kq, a.q4.scale.data() + at,
+                                                    a.q4.sum.data() + at, a.q4.csum.data() + at, panel, G, bias,
+                                                    out + m * ldy, ldy, ncols);
+        });
+      };
+      if (l.kind == PAGEDLLM_LINEAR_Q4A8_SYMMETRIC)
+        tiles.template operator()<true>();
+      else
+        tiles.template operator()<false>();
     }
   }
 }
@@ -241,7 +248,8 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
   {
     const Acts a(xs.data(), H, R, H,
                  any_kind(m->gate_up, start, PAGEDLLM_LINEAR_W8A8) || any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q8A8),
-                 any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q4A8), any_kind(m->gate_up, start, PAGEDLLM_LINEAR_KQUANT),
+                 any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q4A8) || any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q4A8_SYMMETRIC),
+                 any_kind(m->gate_up, start, PAGEDLLM_LINEAR_KQUANT),
                  active_panels(m->gate_up, start));
     grouped_gemm(m->gate_up, start, a, h.data(), 2 * I);
   }
@@ -249,7 +257,8 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
   {
     const Acts a(h.data(), 2 * I, R, I,
                  any_kind(m->down, start, PAGEDLLM_LINEAR_W8A8) || any_kind(m->down, start, PAGEDLLM_LINEAR_Q8A8),
-                 any_kind(m->down, start, PAGEDLLM_LINEAR_Q4A8), any_kind(m->down, start, PAGEDLLM_LINEAR_KQUANT),
+                 any_kind(m->down, start, PAGEDLLM_LINEAR_Q4A8) || any_kind(m->down, start, PAGEDLLM_LINEAR_Q4A8_SYMMETRIC),
+                 any_kind(m->down, start, PAGEDLLM_LINEAR_KQUANT),
                  active_panels(m->down, start));
     grouped_gemm(m->down, start, a, out.data(), H);
   }

@@ -12,7 +12,7 @@
 // blocks: of types and sizes the K-quant GEMM takes, as stored or in panels, kquant::fits).
 inline bool moe_supported(const MoeDesc& m) {
   auto fits = [](const LinearDesc& l, int64_t n, int64_t k) {
-    if (l.kind < PAGEDLLM_LINEAR_F32 || l.kind > PAGEDLLM_LINEAR_Q8A8 || l.n != n || l.k != k || !l.w) return false;
+    if (l.kind < 0 || l.kind >= PAGEDLLM_LINEAR_KINDS || l.n != n || l.k != k || !l.w) return false;
     if (l.kind != PAGEDLLM_LINEAR_KQUANT) return true;
     const KQuantWeight& w = *static_cast<const KQuantWeight*>(l.w);
     return kquant::fits(w, n, k) || kquant::fits(w, n, k, true);

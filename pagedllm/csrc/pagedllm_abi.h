@@ -35,6 +35,9 @@
 #define PAGEDLLM_LINEAR_Q4A8 2
 #define PAGEDLLM_LINEAR_KQUANT 3
 #define PAGEDLLM_LINEAR_Q8A8 4
+#define PAGEDLLM_LINEAR_Q4A8_SYMMETRIC 5
+/* Kinds are 0 .. PAGEDLLM_LINEAR_KINDS - 1. */
+#define PAGEDLLM_LINEAR_KINDS 6
 /* GGUF block formats the K-quant GEMM reads as the file stores them (ggml's type ids). */
 #define PAGEDLLM_GGML_Q5_0 6
 #define PAGEDLLM_GGML_Q8_0 8
@@ -96,7 +99,8 @@ typedef struct KQuantWeight {
 
 /* One packed linear layer: kind PAGEDLLM_LINEAR_F32 (w: linear_pack_f32's panels),
  * PAGEDLLM_LINEAR_W8A8 (w, wscale: linear_pack_w8a8's), PAGEDLLM_LINEAR_Q4A8 (w:
- * linear_pack_q4a8's), PAGEDLLM_LINEAR_KQUANT (w: a KQuantWeight) or PAGEDLLM_LINEAR_Q8A8
+ * linear_pack_q4a8's), PAGEDLLM_LINEAR_Q4A8_SYMMETRIC (the same, every m being -8 d: run as
+ * linear_q4a8's symmetric), PAGEDLLM_LINEAR_KQUANT (w: a KQuantWeight) or PAGEDLLM_LINEAR_Q8A8
  * (w, wscale: linear_pack_q8_0's codes and float16 d); bias null or float32 padded to whole
  * panels. */
 typedef struct LinearDesc {
@@ -248,12 +252,13 @@ void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float*
                  int64_t M, int64_t N, int64_t K, int64_t prompt_from);
 /* q [N, K] 4-bit codes (uint8), d and m [N, ceil(K/32)] float16 -> w4a8 panels. */
 void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K);
-/* Rows prompt_from .. M - 1 of x are prompt tokens (pass M for none): where gemm_amx runs they
- * take Intel AMX tiles in bfloat16 (amx.h: x and the weights rounded to bfloat16 instead of x
- * quantized to int8), the other rows the int8 tiles. Either way a row's result does not
- * depend on the call's other rows. */
+/* symmetric: nonzero only where every m is -8 d (GGUF Q4_0: m is then not read, and the -8
+ * is applied to the integer sums). Rows prompt_from .. M - 1 of x are prompt tokens (pass M
+ * for none): where gemm_amx runs they take Intel AMX tiles in bfloat16 (amx.h: x and the
+ * weights rounded to bfloat16 instead of x quantized to int8), the other rows the int8 tiles.
+ * Either way a row's result does not depend on the call's other rows. */
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
-                 int64_t K, int64_t prompt_from);
+                 int64_t K, int64_t symmetric, int64_t prompt_from);
 /* The prompt rows of linear_w8a8, linear_q8a8, linear_q4a8 and linear_kquant on AMX, where
  * the CPU has AMX-BF16 and Linux grants the tiles (off until switched on; the Python loader
  * switches it on unless PAGEDLLM_DISABLE_AMX=1): mode 0 switches them off, 1 on, -1 leaves

@@ -17,9 +17,10 @@ from pagedllm.kernels.args import matrix, prompt_row, ptr, ptr_or_none, require
 PANEL = abi.CONSTANTS["PAGEDLLM_PANEL"]  # output columns per packed panel
 QUANT_GROUP = abi.CONSTANTS["PAGEDLLM_QUANT_GROUP"]  # input features per scale, of weights and activations
 Q4A8_GROUP_BYTES = abi.CONSTANTS["PAGEDLLM_Q4A8_GROUP_BYTES"]  # per panel and group of a w4a8 weight
-LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8, LINEAR_Q8A8 = (
-    abi.CONSTANTS[f"PAGEDLLM_LINEAR_{k}"] for k in ("F32", "W8A8", "Q4A8", "Q8A8")
+LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8, LINEAR_Q8A8, LINEAR_Q4A8_SYMMETRIC = (
+    abi.CONSTANTS[f"PAGEDLLM_LINEAR_{k}"] for k in ("F32", "W8A8", "Q4A8", "Q8A8", "Q4A8_SYMMETRIC")
 )
+LINEAR_KINDS = abi.CONSTANTS["PAGEDLLM_LINEAR_KINDS"]  # kinds are 0 .. LINEAR_KINDS - 1
 LinearDesc = abi.STRUCTS["LinearDesc"]  # one packed layer (pagedllm_abi.h documents each field)
 
 W8A8Packed = tuple[torch.Tensor, torch.Tensor]  # int8 panels, wscale float32
@@ -152,6 +153,13 @@ def linear_pack_q4a8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     return packed
 
 
+def q4a8_symmetric(scales: torch.Tensor, mins: torch.Tensor) -> bool:
+    """Whether every ``mins`` is ``-8 * scales`` in float16, as the packing rounds them (GGUF
+    Q4_0's blocks): ``linear_q4a8`` may then take ``symmetric=True``."""
+    d16 = scales.to(torch.float16)
+    return bool(torch.equal(mins.to(torch.float16), d16 * -8))
+
+
 def linear_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ w.T + bias`` on ``linear_pack_f32``'s panels: x [M, K] float32 (rows at any
     stride) -> [M, out_features] float32.
@@ -191,7 +199,12 @@ def linear_w8a8(
 
 
 def linear_q4a8(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, prompt_from: int | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    prompt_from: int | None = None,
+    symmetric: bool = False,
 ) -> torch.Tensor:
     """``x @ w.T + bias`` on ``linear_pack_q4a8``'s panels, x quantized to int8 per row and
     group of 32 on the fly (llama.cpp's Q4_1 x Q8_1 dot product): x [M, K] float32 (rows at
@@ -202,6 +215,10 @@ def linear_q4a8(
 
     Args:
         bias: float32 padded to whole panels ([ceil(N / 32) * 32]), or None.
+        symmetric: every ``mins`` was ``-8 * scales`` (``q4a8_symmetric``; GGUF Q4_0): the
+            -8 is then applied to the integer sums and the mins are not read (one float
+            operation fewer per group of 32; other roundings, the same value). Wrong results
+            for other weights.
 
     Raises:
         RuntimeError: no native library here.
@@ -209,7 +226,9 @@ def linear_q4a8(
     """
     x = _rows(x)
     _check_q4a8(packed, out_features, x.shape[1], bias)
-    return _gemm(require().linear_q4a8, x, (packed,), bias, out_features, prompt_row(x.shape[0], prompt_from))
+    return _gemm(
+        require().linear_q4a8, x, (packed,), bias, out_features, int(symmetric), prompt_row(x.shape[0], prompt_from)
+    )
 
 
 def linear_q8a8(
@@ -241,7 +260,8 @@ def linear_desc(
     in_features: int,
 ) -> LinearDesc:
     """The LinearDesc of a packed layer: ``packed`` as ``linear_f32``, ``linear_w8a8``,
-    ``linear_q4a8`` or ``linear_q8a8`` take it (by ``kind``), checked as they check it. The caller keeps the
+    ``linear_q4a8`` (``LINEAR_Q4A8_SYMMETRIC``: with ``symmetric``) or ``linear_q8a8`` take it
+    (by ``kind``), checked as they check it. The caller keeps the
     tensors alive as long as the descriptor is used.
 
     Raises:
@@ -253,7 +273,7 @@ def linear_desc(
     elif kind == LINEAR_W8A8:
         _check_w8a8(packed, out_features, in_features, bias)
         w, wscale = packed
-    elif kind == LINEAR_Q4A8:
+    elif kind in (LINEAR_Q4A8, LINEAR_Q4A8_SYMMETRIC):
         _check_q4a8(packed, out_features, in_features, bias)
         w, wscale = packed, None
     elif kind == LINEAR_Q8A8:

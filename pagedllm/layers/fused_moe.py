@@ -24,13 +24,13 @@ from torch import nn
 from pagedllm.distributed.parallel_state import SINGLE, TPGroup
 from pagedllm.kernels import library
 from pagedllm.kernels.kquant import LINEAR_KQUANT
-from pagedllm.kernels.linear import LINEAR_F32, LINEAR_Q4A8, LINEAR_Q8A8, LINEAR_W8A8, linear_desc, linear_pack_f32
+from pagedllm.kernels.linear import LINEAR_F32, LINEAR_KINDS, linear_desc, linear_pack_f32
 from pagedllm.kernels.moe import NativeMoE, fused_moe
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.quantization.linear import prompt_rows
 
 # The layer kinds csrc/moe.cpp runs an expert on.
-_MOE_KINDS = (LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8, LINEAR_KQUANT, LINEAR_Q8A8)
+_MOE_KINDS = range(LINEAR_KINDS)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -148,25 +148,33 @@ void test_linear() {
     std::tie(d16[i], d[i]) = f16(1 + int(std::fabs(rng.normal()) * 300.f) % 1000, 12);
     std::tie(m16[i], mn[i]) = f16(int(rng.normal() * 300.f) % 1000, 10);
   }
-  for (int64_t m = 0; m < M; ++m) {
-    std::vector<int8_t> xc;
-    std::vector<float> xsc;
-    quantize(x.data() + m * K, K, xc, xsc);
-    for (int64_t n = 0; n < N; ++n) {
-      double s = b[n];
-      for (int64_t g = 0; g < G; ++g) {
-        int32_t dot = 0, sum = 0;
-        for (int64_t k = g * 32; k < K && k < (g + 1) * 32; ++k) dot += int32_t(xc[k]) * codes[n * K + k], sum += xc[k];
-        s += double(xsc[g]) * (double(d[n * G + g]) * dot + double(mn[n * G + g]) * sum);
+  const auto q4_reference = [&] {
+    for (int64_t m = 0; m < M; ++m) {
+      std::vector<int8_t> xc;
+      std::vector<float> xsc;
+      quantize(x.data() + m * K, K, xc, xsc);
+      for (int64_t n = 0; n < N; ++n) {
+        double s = b[n];
+        for (int64_t g = 0; g < G; ++g) {
+          int32_t dot = 0, sum = 0;
+          for (int64_t k = g * 32; k < K && k < (g + 1) * 32; ++k) dot += int32_t(xc[k]) * codes[n * K + k], sum += xc[k];
+          s += double(xsc[g]) * (double(d[n * G + g]) * dot + double(mn[n * G + g]) * sum);
+        }
+        ref[m * N + n] = float(s);
       }
-      ref[m * N + n] = float(s);
     }
-  }
+  };
   std::vector<uint8_t> q4(panels * G * (8 * 64 + 4 * 32));
-  linear_pack_q4a8(codes.data(), d16.data(), m16.data(), q4.data(), N, K);
-  std::fill(y.begin(), y.end(), 0.f);
-  linear_q4a8(xs_rows.data(), ldx, q4.data(), bias.data(), y.data(), M, N, K, M);
-  check("linear_q4a8", max_error(y, ref), 1e-4f);
+  for (const int64_t symmetric : {0, 1}) {
+    if (symmetric) {  // Q4_0's blocks, every m = -8 d: the -8 goes into the integer sums
+      for (int64_t i = 0; i < N * G; ++i) m16[i] = uint16_t(0x8000 | (d16[i] + (3 << 10))), mn[i] = -8.f * d[i];
+    }
+    q4_reference();
+    linear_pack_q4a8(codes.data(), d16.data(), m16.data(), q4.data(), N, K);
+    std::fill(y.begin(), y.end(), 0.f);
+    linear_q4a8(xs_rows.data(), ldx, q4.data(), bias.data(), y.data(), M, N, K, symmetric, M);
+    check(symmetric ? "linear_q4a8 symmetric" : "linear_q4a8", max_error(y, ref), 1e-4f);
+  }
 
   // q8a8: GGUF Q8_0 blocks (float16 d, 32 int8 codes in [-127, 127]) of K8 = 96 weights a row
   // (Q8_0 rows are whole blocks), x as for w8a8, against the same arithmetic in plain integers.

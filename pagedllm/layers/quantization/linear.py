@@ -182,8 +182,9 @@ class W4A8Linear(QuantizedLinear):
     kernel (``csrc/linear.cpp``'s w4a8 GEMM).
 
     Each group of 32 weights of a row is ``d * q + m`` with codes q in [0, 15] and d, m in
-    float16 (GGUF Q4_1 as stored; Q4_0 with m = -8 d); each row of ``x`` is quantized on the
-    fly per group of 32 as W8A8Linear does, with the group's code sum for the m term. It
+    float16 (GGUF Q4_1 as stored; Q4_0 with m = -8 d, run as ``symmetric``); each row of ``x``
+    is quantized on the fly per group of 32 as W8A8Linear does, with the group's code sum for
+    the m term. It
     reads 0.625 bytes per weight, half of w8a8's: the faster of the two where a step is bound
     by reading weights (decode of few tokens). Buffers: ``packed`` (uint8 panels, codes and
     float16 d, m interleaved per group), the bias in float32, padded to whole panels.
@@ -204,16 +205,18 @@ class W4A8Linear(QuantizedLinear):
         _require_native("w4a8")
         self.register_buffer("packed", kernels.linear_pack_q4a8(weight.q, weight.scales, weight.mins))
         self.register_buffer("padded_bias", None if bias is None else pad_to_panels(bias.detach().float()))
+        self.symmetric = kernels.q4a8_symmetric(weight.scales, weight.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype; the
         step's prompt rows (``prompt_rows``) on the prompt kernel."""
-        y = kernels.linear_q4a8(x.float(), self.packed, self.padded_bias, self.out_features, _prompt_from)
+        y = kernels.linear_q4a8(x.float(), self.packed, self.padded_bias, self.out_features, _prompt_from, self.symmetric)
         return y.to(x.dtype)
 
     def native_desc(self) -> kernels.LinearDesc:
         """This layer for the one-call decoder (``kernels.decoder.decode_layers``)."""
-        return kernels.linear_desc(kernels.LINEAR_Q4A8, self.packed, self.padded_bias, self.out_features, self.in_features)
+        kind = kernels.LINEAR_Q4A8_SYMMETRIC if self.symmetric else kernels.LINEAR_Q4A8
+        return kernels.linear_desc(kind, self.packed, self.padded_bias, self.out_features, self.in_features)
 
 
 def _require_native(mode: str) -> None:
