@@ -341,15 +341,17 @@ def _write_rope_scaling(writer: gguf.GGUFWriter, rope: dict, head_dim: int, cont
         writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
 
 
-def write_q4_gguf(path: Path, hf: torch.nn.Module) -> None:
+def write_q4_gguf(path: Path, hf: torch.nn.Module, q4_0: tuple[str, ...] = ()) -> None:
     """``write_gguf`` with every matrix quantized by gguf's reference quantizer: the embedding
-    Q8_0, the projections (and an untied output) Q4_1; vectors stay F32."""
+    Q8_0, the projections (and an untied output) Q4_1, those whose name ends in one of ``q4_0``
+    (e.g. ``"ffn_up.weight"``) Q4_0; vectors stay F32."""
     add_tensor = gguf.GGUFWriter.add_tensor
 
     def add_quantized(self, name: str, tensor: np.ndarray, **kwargs) -> None:
         if tensor.ndim != 2:
             return add_tensor(self, name, tensor, **kwargs)
-        qtype = _Q4_TYPES.get(name.removesuffix(".weight"), gguf.GGMLQuantizationType.Q4_1)
+        default = gguf.GGMLQuantizationType.Q4_0 if name.endswith(q4_0) else gguf.GGMLQuantizationType.Q4_1
+        qtype = _Q4_TYPES.get(name.removesuffix(".weight"), default)
         return add_tensor(self, name, gguf.quants.quantize(tensor.astype(np.float32), qtype), raw_dtype=qtype)
 
     with pytest.MonkeyPatch.context() as mp:

@@ -48,7 +48,8 @@ _KQUANT_TYPES = {
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     """Head size 64 (the decode kernel's smallest): qwen2 with q/k/v bias and 3 query heads
     per KV head; qwen3 with q/k head norms and head_dim 64 of hidden 128 / 4 heads; a 4-bit GGUF
-    llama (its blocks kept by w4a8, as ``--dtype auto`` does) and a K-quant one (its blocks run
+    llama (its blocks kept by w4a8, as ``--dtype auto`` does: Q4_1's, and in the MLP Q4_0's on
+    their symmetric tile) and a K-quant one (its blocks run
     as stored); gemma3 with 6 query heads on 1 KV head, sliding windows shorter than the requests."""
     root = tmp_path_factory.mktemp("native-decoder")
     torch.manual_seed(0)
@@ -72,7 +73,8 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
         vocab_size=250, hidden_size=256, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True,
     )
-    write_q4_gguf(root / "llama-q4.gguf", llama)
+    # The MLP's blocks Q4_0 (w4a8's symmetric tile), attention's Q4_1 (the general one).
+    write_q4_gguf(root / "llama-q4.gguf", llama, q4_0=("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
     llama_kquant = tiny_llama(
         vocab_size=250, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True,
@@ -126,6 +128,8 @@ def test_one_call_equals_the_modules(cases, isa: str, name: str, kv_dtype: torch
         if name == "llama-kquant":  # every projection from the file's blocks
             layers = [layer.self_attn.qkv_proj for layer in model.layers] + [layer.mlp.down_proj for layer in model.layers]
             assert all(isinstance(m, KQuantLinear) for m in layers)
+        if name == "llama-q4-w4a8":  # Q4_0's MLP on the symmetric tile, Q4_1's attention on the general one
+            assert all(layer.mlp.down_proj.symmetric and not layer.self_attn.qkv_proj.symmetric for layer in model.layers)
         calls = []
         decode_layers = decoder.decode_layers
         monkeypatch.setattr(native_decoder, "decode_layers", lambda *a: calls.append(out := decode_layers(*a)) or out)
