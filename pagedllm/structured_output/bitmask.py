@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: importing it compiles a kernel we do not use (torch._dynamo, seconds)
 import numpy as np
 import torch
 
@@ -53,25 +53,25 @@ def fill_bitmask(
         token t is allowed; R = sum(len(drafts[i]) + 1), one row per grammar without drafts.
     """
     num_rows = len(grammars) if drafts is None else sum(len(d) + 1 for d in drafts)
-    bitmask = llguidance.torch.allocate_token_bitmask(num_rows, vocab_size)
+    bitmask = llguidance.numpy.allocate_token_bitmask(num_rows, vocab_size)
     if drafts is None and len(grammars) > 1:
-        llguidance.torch.fill_next_token_bitmask_par(
+        llguidance.numpy.fill_next_token_bitmask_par(
             _parallel(), [(g.matcher, i) for i, g in enumerate(grammars)], bitmask
         )
-        return bitmask
+        return torch.from_numpy(bitmask)
     row = 0
     for i, grammar in enumerate(grammars):
         steps = () if drafts is None else drafts[i]
         consumed = 0
         for token in steps:
-            llguidance.torch.fill_next_token_bitmask(grammar.matcher, bitmask, row)
+            llguidance.numpy.fill_next_token_bitmask(grammar.matcher, bitmask, row)
             consumed += grammar.matcher.try_consume_tokens([token])  # 0 for a forbidden last draft
             row += 1
-        llguidance.torch.fill_next_token_bitmask(grammar.matcher, bitmask, row)
+        llguidance.numpy.fill_next_token_bitmask(grammar.matcher, bitmask, row)
         row += 1
         if consumed:
             grammar.matcher.rollback(consumed)
-    return bitmask
+    return torch.from_numpy(bitmask)
 
 
 class PendingMasks:
