@@ -86,8 +86,8 @@ def test_w4a8_linear_is_exact_for_its_scheme(n, k, native_isa) -> None:
 
 @pytest.mark.parametrize("n,k", INT8_SHAPES)
 def test_w4a8_linear_on_q4_0_blocks_takes_the_symmetric_tile(n, k, native_isa) -> None:
-    """GGUF Q4_0's blocks (every m = -8 d in float16): the layer runs the symmetric tile, whose
-    -8 goes into the integer sums, ``sum_g xs d (sum x q - 8 sum x)``: equal to that in float64
+    """GGUF Q4_0's blocks (every m = -8 d in float16): the layer packs them without m (the file's
+    4.5 bits a weight) and runs the symmetric tile, whose -8 goes into the integer sums, ``sum_g xs d (sum x q - 8 sum x)``: equal to that in float64
     to float32's rounding of its own terms (no cancelling m term), on every ISA's kernels, each
     row's bits the same in any batch, in the one-call decoder's descriptor too; a weight with
     one other m takes the general tile."""
@@ -113,14 +113,16 @@ def test_w4a8_linear_on_q4_0_blocks_takes_the_symmetric_tile(n, k, native_isa) -
     assert ((y.double() - ref).abs() <= 1e-6 * magnitude + 1e-6).all()
     for first, last in ((0, 1), (5, 6), (3, 34), (m - 7, m)):
         assert torch.equal(layer(x[first:last]), y[first:last])
-    general = linear_kernels.linear_q4a8(x, layer.packed, layer.padded_bias, n)
+    assert layer.packed.numel() == -(-n // 32) * groups * 576  # no mins: Q4_0's 4.5 bits a weight
+    with_mins = linear_kernels.linear_pack_q4a8(qw.q, qw.scales, qw.mins)
+    general = linear_kernels.linear_q4a8(x, with_mins, layer.padded_bias, n)
     assert ((general.double() - ref).abs() <= 1e-5 * magnitude + 1e-5).all()
     mins = qw.mins.clone()
     mins[-1, -1] += 1e-3
     assert not W4A8Linear(Int4Weight(qw.q, qw.scales, mins), b).symmetric
 
 
-@pytest.mark.parametrize("kind", ["w4a8", "w8a8", "q8a8"])
+@pytest.mark.parametrize("kind", ["w4a8", "q4_0", "w8a8", "q8a8"])
 @pytest.mark.parametrize("n,k", [*INT8_SHAPES, (1250, 96)])  # 40 panels: a thread decodes the next while it multiplies
 def test_prompt_rows_on_amx_tiles(n, k, kind, native_isa) -> None:
     """Where the library runs AMX (Intel, AMX-BF16), a step's prompt rows (``prompt_rows``)
@@ -136,11 +138,16 @@ def test_prompt_rows_on_amx_tiles(n, k, kind, native_isa) -> None:
         k = -(-k // 32) * 32  # Q8_0 rows are whole blocks of 32
     gen = torch.Generator().manual_seed(k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    if kind == "w4a8":
+    if kind in ("w4a8", "q4_0"):
         qw = quantize_q4a8(w)
+        if kind == "q4_0":  # GGUF Q4_0's blocks: packed without m, the symmetric tiles
+            qw = Int4Weight(qw.q, qw.scales, -8 * qw.scales)
         layer = W4A8Linear(qw, b)
+        assert layer.symmetric == (kind == "q4_0")
         wd = qw.scales.repeat_interleave(32, 1)[:, :k] * qw.q.float() + qw.mins.repeat_interleave(32, 1)[:, :k]
         weights = wd.bfloat16().double()
+        if kind == "q4_0":
+            w = wd  # no longer near w: F.linear of the blocks' own values is the reference
     elif kind == "w8a8":
         layer = W8A8Linear(w, b)
         amax = w.abs().amax(-1, keepdim=True)

@@ -31,7 +31,7 @@ import argparse
 import time
 from collections.abc import Callable
 
-from pagedllm.engine.arg_utils import positive_int, positive_int_list, thread_count
+from pagedllm.engine.arg_utils import choice_list, positive_int, positive_int_list, thread_count
 
 # Layer shapes per model: hidden, intermediate, attention heads, K/V heads, head dim.
 MODEL_SHAPES = {
@@ -53,10 +53,11 @@ def layer_gemms(model: str) -> list[tuple[str, int, int]]:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b", help=f"comma list of {', '.join(MODEL_SHAPES)}")
+    parser.add_argument("--shapes", type=choice_list(tuple(MODEL_SHAPES)), default="smollm2-135m,qwen2.5-0.5b",
+                        help=f"comma list of {', '.join(MODEL_SHAPES)}")
     parser.add_argument("--rows", type=positive_int_list, default="1,16,256,512,1024,2048",
                         help="comma list of M (rows of x)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
+    parser.add_argument("--kinds", type=choice_list(KINDS), default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--threads", type=thread_count, default=1)
     parser.add_argument("--kquant-layout", choices=("panels", "stored"), default="panels",
@@ -85,8 +86,8 @@ def _kernels(kinds: list[str], n: int, k: int, panels: bool = True) -> dict[str,
             groups = -(-k // lin.QUANT_GROUP)
             codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
             scale = torch.full((n, groups), 0.01)
-            packed4 = lin.linear_pack_q4a8(codes, scale, -8 * scale)
-            sym = kind == "q4_0"
+            sym = kind == "q4_0"  # packed without its mins, as a Q4_0 layer is
+            packed4 = lin.linear_pack_q4a8(codes, scale, None if sym else -8 * scale)
             fns[kind] = lambda x, p=packed4, s=sym: lin.linear_q4a8(x, p, None, n, prompt_from=0, symmetric=s)
         elif kind in ("q8a8", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k"):
             qtype = kquant.abi.CONSTANTS[f"PAGEDLLM_GGML_{'Q8_0' if kind == 'q8a8' else kind.upper()}"]
@@ -135,17 +136,14 @@ def run(args: argparse.Namespace) -> None:
     from pagedllm.kernels.library import active_isa
 
     torch.set_num_threads(args.threads)
-    kinds = [s.strip() for s in args.kinds.split(",") if s.strip()]
-    unknown = [k for k in kinds if k not in KINDS] + [s for s in args.shapes.split(",") if s not in MODEL_SHAPES]
-    if unknown:
-        raise ValueError(f"unknown kinds or shapes {unknown}; kinds: {', '.join(KINDS)}; shapes: {', '.join(MODEL_SHAPES)}")
+    kinds = list(args.kinds)
     if "f32" not in kinds:
         kinds.insert(0, "f32")
     heap = _heap_outputs()
     print(f"CPU ISA in use: {active_isa() or 'none'}; {args.threads} thread(s); process CPU time, "
           f"best of {args.repeats}; outputs {'from the heap' if heap else 'as the allocator gives them'}")
     print("G(FL)OP/s, and (x f32): our float32 GEMM's time over the kind's")
-    for model in args.shapes.split(","):
+    for model in args.shapes:
         gemms = [(name, n, k, _kernels(kinds, n, k, args.kquant_layout == "panels")) for name, n, k in layer_gemms(model)]
         for m in args.rows:
             gen = torch.Generator().manual_seed(m)

@@ -24,7 +24,8 @@ Ceilings, each the best of ``--repeats`` runs at the process's thread count:
   bytes per token / bandwidth is its floor.
 The load average closes the report, as ``bench step``'s: each figure is taken at its own
 moment, so on a busy machine (or vCPUs sharing a core with another tenant) one probe can
-catch a slow moment its neighbour did not, and a fraction can pass 100%.
+catch a slow moment its neighbour did not, and a fraction can pass 100%; where one passes
+105% (or the Q4_0 ceiling falls under Q4_1's) a last line says the figures disagree.
 """
 
 from __future__ import annotations
@@ -97,10 +98,12 @@ def run(args: argparse.Namespace) -> None:
 
     n, threads, isa = args.size, torch.get_num_threads(), active_isa()
     cores = physical_cores(threads)
+    big = torch.ones(args.memory_mib * 2**20 // 4)  # first: a size the machine cannot hold fails before the probes
     print(f"CPU ISA in use: {isa or 'none (PyTorch only)'}; {threads} threads on {cores} physical cores")
     lib = native_library()
     peaks: dict[str, tuple[float, float]] = {}  # kind -> (theoretical, measured) ops/s
     ceilings: dict[int, float] = {}  # float32 FMAs per 8 int8 dots -> the mix's ops/s
+    busy = [False]  # a figure past a ceiling measured beside it: the machine was busy during one of them
     if lib is not None:
         clock = _PROBE_STEPS / _best_seconds(lambda: lib.probe_add_chain(_PROBE_STEPS), args.repeats)
         f32_measured = threads * 256 * _PROBE_STEPS / _best_seconds(lambda: lib.probe_fma_f32(_PROBE_STEPS), args.repeats)
@@ -125,6 +128,7 @@ def run(args: argparse.Namespace) -> None:
         line = f"{label:32s}: {ops_per_s / 1e9:8.1f} G{'FLOP' if kind == 'f32' else 'OP'}/s"
         if kind in peaks:
             t, m = peaks[kind]
+            busy[0] |= any(ops_per_s > 1.05 * c for c in (t, m, ceiling) if c)
             line += f"  ({100 * ops_per_s / m:5.1f}% of measured" + (f", {100 * ops_per_s / t:5.1f}% of theoretical" if t else "")
             line += (f", {100 * ops_per_s / ceiling:5.1f}% of its tile's ceiling)" if ceiling else ")")
         print(line)
@@ -141,13 +145,17 @@ def run(args: argparse.Namespace) -> None:
         # Random codes and scales: the speed does not depend on the values.
         codes = torch.randint(0, 16, (n, n), dtype=torch.uint8, generator=gen)
         scales = torch.full((n, (n + 31) // 32), 0.01)
-        packed4 = kernels.linear_pack_q4a8(codes, scales, -8 * scales)
         for fmas, blocks in ((3, "Q4_1"), (2, "Q4_0")):
+            sym = blocks == "Q4_0"  # packed without its mins, as a Q4_0 layer is
+            packed4 = kernels.linear_pack_q4a8(codes, scales, None if sym else -8 * scales)
             seconds = _best_seconds(
-                lambda s=fmas == 2: kernels.linear_q4a8(x, packed4, None, n, prompt_from=0, symmetric=s), args.repeats
+                lambda s=sym, p=packed4: kernels.linear_q4a8(x, p, None, n, prompt_from=0, symmetric=s), args.repeats
             )
             kernel(f"linear_q4a8 (native, w4a8, {blocks})", "i8", flops / seconds, ceilings[fmas])
-    big = torch.ones(args.memory_mib * 2**20 // 4)
     t = _best_seconds(lambda: big.sum(), args.repeats)
     print(f"memory read ({args.memory_mib} MiB, torch.sum)  : {big.numel() * 4 / t / 1e9:8.1f} GB/s")
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    busy[0] |= any(t and m > 1.05 * t for t, m in peaks.values())
+    if busy[0] or (ceilings and (ceilings[2] < ceilings[3] or ceilings[3] > 1.05 * peaks["i8"][1])):
+        print("these figures disagree (a kernel past its peak, or a ceiling out of order): other work slowed some "
+              "probes and not others; run again on an idle machine (load average under the thread count)")

@@ -69,7 +69,7 @@ namespace amx {
 namespace {
 
 using gemm::NB;
-using gemm::Q4_BYTES;
+using gemm::q4_group_bytes;
 using vec::F32x16;
 using vec::Q4W;
 using gemm::Q4_NIBBLES;
@@ -132,16 +132,18 @@ inline void store_quad(const __m512 (&w)[4], __m512i order, uint16_t* out) {
   }
 }
 
-// Groups [g0, g1) of a w4a8 panel (groups of Q4_BYTES) -> bfloat16 weights d q + m as B tiles
-// take them: [group][2 halves][16 k pairs][16 columns][2] (groups at their own places in b).
-void unpack_q4(const uint8_t* panel, int64_t g0, int64_t g1, uint16_t* b) {
+// Groups [g0, g1) of a w4a8 panel (groups of q4_group_bytes(symmetric): with m, or
+// without where every m is -8 d) -> bfloat16 weights d q + m as B tiles take them: [group][2
+// halves][16 k pairs][16 columns][2] (groups at their own places in b).
+void unpack_q4(const uint8_t* panel, bool symmetric, int64_t g0, int64_t g1, uint16_t* b) {
   const __m512i order = pair_order(), low4 = _mm512_set1_epi32(0x0F0F0F0F), byte = _mm512_set1_epi32(0xFF);
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* pg = panel + g * Q4_BYTES;
+    const uint8_t* pg = panel + g * q4_group_bytes(symmetric);
     const uint16_t* dm = reinterpret_cast<const uint16_t*>(pg + Q4_NIBBLES);
     for (int h = 0; h < 2; ++h) {
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + kTile * h)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + NB + kTile * h)));
+      const __m512 m = symmetric ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f))
+                                 : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + NB + kTile * h)));
       uint16_t* out = b + g * kGroupB + h * kBRows * NB;
       for (int64_t q = 0; q < QG / 4; ++q) {  // quad q: lane c holds k = 4 q .. 4 q + 3 of columns c and 16 + c
         const __m512i bytes = _mm512_loadu_si512(pg + q * 64);
@@ -321,10 +323,10 @@ PanelOut nth(int64_t p, float* y, int64_t N, const float* wscale, const float* b
 }  // namespace
 
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
-                 int64_t K) {
+                 int64_t K, bool symmetric) {
   const int64_t G = (K + QG - 1) / QG;
   gemm(x, ldx, M, K, N, (N + NB - 1) / NB, [&](int64_t p, uint16_t* b, int64_t g0, int64_t g1) {
-    unpack_q4(packed + p * G * Q4_BYTES, g0, g1, b);
+    unpack_q4(packed + p * G * q4_group_bytes(symmetric), symmetric, g0, g1, b);
     return nth(p, y, N, nullptr, bias);
   });
 }
@@ -379,7 +381,7 @@ void linear_kquant(const float* x, int64_t ldx, const KQuantWeight& w, const flo
 #pragma GCC pop_options
 #else
 namespace amx {
-void linear_q4a8(const float*, int64_t, const uint8_t*, const float*, float*, int64_t, int64_t, int64_t) {}
+void linear_q4a8(const float*, int64_t, const uint8_t*, const float*, float*, int64_t, int64_t, int64_t, bool) {}
 void linear_w8a8(const float*, int64_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t) {}
 void linear_q8a8(const float*, int64_t, const int8_t*, const uint16_t*, const float*, float*, int64_t, int64_t,
                  int64_t) {}

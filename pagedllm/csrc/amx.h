@@ -39,7 +39,8 @@ __attribute__((visibility("hidden"))) void stop_tiles();
 // y = x w^T + bias (the operands of linear_w8a8, linear_q8a8, linear_q4a8, pagedllm_abi.h) for
 // M >= 1 rows on AMX tiles, each row's result independent of the others; call only where active().
 __attribute__((visibility("hidden"))) void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed,
-                                                      const float* bias, float* y, int64_t M, int64_t N, int64_t K);
+                                                      const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                                                      bool symmetric);
 __attribute__((visibility("hidden"))) void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed,
                                                       const float* wscale, const float* bias, float* y, int64_t M,
                                                       int64_t N, int64_t K);

@@ -26,7 +26,11 @@ constexpr int64_t NB = PAGEDLLM_PANEL;             // output columns per panel
 constexpr int64_t QG = PAGEDLLM_QUANT_GROUP;       // k per quantization group, of weights and of activations alike
 constexpr int64_t Q4_NIBBLES = QG / 4 * 64;        // bytes of codes per panel and group
 constexpr int64_t Q4_BYTES = Q4_NIBBLES + 4 * NB;  // + d and m, float16 per column
-static_assert(Q4_BYTES == PAGEDLLM_Q4A8_GROUP_BYTES, "pagedllm_abi.h declares another w4a8 layout");
+constexpr int64_t Q4S_BYTES = Q4_NIBBLES + 2 * NB;  // a symmetric weight's (every m = -8 d): + d only
+static_assert(Q4_BYTES == PAGEDLLM_Q4A8_GROUP_BYTES && Q4S_BYTES == PAGEDLLM_Q4A8_SYMMETRIC_GROUP_BYTES,
+              "pagedllm_abi.h declares another w4a8 layout");
+// Bytes per panel and group of a w4a8 weight, symmetric or not.
+constexpr int64_t q4_group_bytes(bool symmetric) { return symmetric ? Q4S_BYTES : Q4_BYTES; }
 
 // The locality a tile of R rows asks for a line of its panel ahead with
 // (__builtin_prefetch(p, 0, kWeightLocality<R>)): into L2 (prefetcht1) for one row, into L1
@@ -201,8 +205,9 @@ inline void tile_w8a8_wide(const int32_t* x, int64_t ldx, const float* xscale, c
 // x: R rows of kq quads of s8 codes (stride ldx, in int32), groups of QG/4 quads; xscale, xsum:
 // R rows of G (stride G), xsum = xscale * the group's code sum; panel: G groups of Q4_BYTES.
 // y[r, n] = sum_g xscale[r, g] * d[g, n] * (sum_k x q) + xsum[r, g] * m[g, n] + bias[n].
-// kSymmetric (every m = -8 d: GGUF Q4_0): xcsum, R rows of G (stride G), the group's code sum
-// (quantize_rows' csum), starts the int32 sums at -8 xcsum, and m and xsum are not read:
+// kSymmetric (every m = -8 d: GGUF Q4_0; the panel's groups are of Q4S_BYTES, without m):
+// xcsum, R rows of G (stride G), the group's code sum (quantize_rows' csum), starts the int32
+// sums at -8 xcsum, and xsum is not read:
 // y[r, n] = sum_g xscale[r, g] * d[g, n] * (sum_k x (q - 8)) + bias[n], a multiply and an FMA
 // a group and accumulator where m's term took a third (on AVX-512 VNNI these share the pipes
 // of the dot products: docs/benchmarks.md, "AMD EPYC Zen 4, session 51"). ahead: as
@@ -211,19 +216,19 @@ template <int R, bool kSymmetric = false>
 inline void tile_q4a8(const int32_t* x, int64_t ldx, const float* xscale, const float* xsum, const int32_t* xcsum,
                       const uint8_t* panel, int64_t G, const float* bias, float* y, int64_t ldy, int64_t ncols,
                       const uint8_t* ahead = nullptr) {
-  constexpr int64_t quads = QG / 4;
+  constexpr int64_t quads = QG / 4, GB = q4_group_bytes(kSymmetric);
   F32x16 out[R][2];
   init<R>(out, bias);
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* pg = panel + g * Q4_BYTES;
-    __builtin_prefetch(pg + 4 * Q4_BYTES, 0, kWeightLocality<R>);
+    const uint8_t* pg = panel + g * GB;
+    __builtin_prefetch(pg + 4 * GB, 0, kWeightLocality<R>);
     if (ahead)
-      for (int64_t line = 0; line < Q4_BYTES; line += 64) __builtin_prefetch(ahead + g * Q4_BYTES + line, 0, 2);
+      for (int64_t line = 0; line < GB; line += 64) __builtin_prefetch(ahead + g * GB + line, 0, 2);
     Q4Sum acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = q4sum_zero();
 #pragma GCC unroll 8
     for (int64_t k = 0; k < quads; ++k) {
-      if (k % 2 == 0) __builtin_prefetch(pg + 4 * Q4_BYTES + 64 * (k / 2 + 1), 0, kWeightLocality<R>);
+      if (k % 2 == 0) __builtin_prefetch(pg + 4 * GB + 64 * (k / 2 + 1), 0, kWeightLocality<R>);
       const Q4W w = dot_q4_load(pg + k * 64);
       for (int r = 0; r < R; ++r) dot_q4(acc[r][0], acc[r][1], dot_q4_prepare(x + r * ldx + g * quads + k), w);
     }

@@ -13,7 +13,9 @@
 //   q in [0, 15] (GGUF Q4_1; Q4_0 is m = -8 d), x symmetric as for w8a8 (llama.cpp's Q4_1 x
 //   Q8_1 dot product): y = sum_g xs (d sum(q x) + m sum(x)). Per panel and group, Q4_BYTES:
 //   QG/4 quads of 64 bytes of nibbles (vec.h's dot_q4_load layout), then d and m as float16
-//   [32] each: 0.625 bytes per weight, against w8a8's 1.0, for batches bound by memory.
+//   [32] each: 0.625 bytes per weight, against w8a8's 1.0, for batches bound by memory. A
+//   symmetric weight (every m = -8 d: GGUF Q4_0's blocks) keeps no m (Q4S_BYTES, 0.5625 bytes
+//   per weight, the file's own) and runs tile_q4a8's kSymmetric.
 // - GGUF Q8_0 with int8 activations (q8a8): w = d q per group of QG k of a row (d float16, as
 //   the file stores it), llama.cpp's Q8_0 x Q8_0 product: y = sum_g xs d sum(q x). w8a8's
 //   panels of codes, and per panel [G][32] float16 d: the file's 1.0625 bytes per weight, the
@@ -237,19 +239,20 @@ void linear_q8a8(const float* x, int64_t ldx, const int8_t* packed, const uint16
   }
 }
 
-// q: [N, K] codes in [0, 15] (one per byte); d, m: [N, ceil(K/QG)] float16 bits (w = d q + m)
-// -> packed [ceil(N/32)][ceil(K/QG)][Q4_BYTES], codes, d and m zero padded (a padded k has
-// code 0 and its x code is 0 too, so m counts only real k).
+// q: [N, K] codes in [0, 15] (one per byte); d, m: [N, ceil(K/QG)] float16 bits (w = d q + m),
+// m null for a symmetric weight (every m = -8 d) -> packed [ceil(N/32)][ceil(K/QG)][Q4_BYTES]
+// (Q4S_BYTES where symmetric: no m), codes, d and m zero padded (a padded k has code 0 and its
+// x code is 0 too, so m, or -8, counts only real k).
 void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K) {
-  const int64_t G = (K + QG - 1) / QG, panels = (N + NB - 1) / NB;
+  const int64_t G = (K + QG - 1) / QG, panels = (N + NB - 1) / NB, GB = q4_group_bytes(m == nullptr);
   par::parallel_for(panels, [&](int64_t p) {
     for (int64_t g = 0; g < G; ++g) {
-      uint8_t* pg = packed + (p * G + g) * Q4_BYTES;
+      uint8_t* pg = packed + (p * G + g) * GB;
       uint16_t* dm = reinterpret_cast<uint16_t*>(pg + Q4_NIBBLES);
       for (int64_t c = 0; c < NB; ++c) {
         const int64_t n = p * NB + c;
         dm[c] = n < N ? d[n * G + g] : 0;
-        dm[NB + c] = n < N ? m[n * G + g] : 0;
+        if (m) dm[NB + c] = n < N ? m[n * G + g] : 0;
       }
       for (int64_t i = 0; i < Q4_NIBBLES; ++i) {  // quad i / 64, byte i % 64 (vec.h's dot_q4_load layout)
         const int64_t k = g * QG + i / 64 * 4 + i % 4, c = i % 64 / 4;
@@ -261,14 +264,14 @@ void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, ui
 }
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; packed from linear_pack_q4a8;
-// bias: null or float32 padded to ceil(N/32)*32; symmetric: nonzero where every m is -8 d
-// (tile_q4a8's kSymmetric). Each row of x is quantized on the fly as for linear_w8a8, with each
+// bias: null or float32 padded to ceil(N/32)*32; symmetric: nonzero for panels packed with m
+// null (tile_q4a8's kSymmetric). Each row of x is quantized on the fly as for linear_w8a8, with each
 // group's code sum (llama.cpp's Q8_1 activations); rows from prompt_from on go to the AMX tiles
 // instead where they run (pagedllm_abi.h).
 void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K, int64_t symmetric, int64_t prompt_from) {
   M = amx::prompt_rows(x, ldx, y, N, M, prompt_from, [&](const float* xp, float* yp, int64_t rows) {
-    amx::linear_q4a8(xp, ldx, packed, bias, yp, rows, N, K);
+    amx::linear_q4a8(xp, ldx, packed, bias, yp, rows, N, K, symmetric != 0);
   });
   if (M == 0) return;
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
@@ -279,11 +282,11 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
       const int64_t rows = std::min(chunk, M - m0);
       for_panel_tiles<kGemmRowsQ4>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b,
                                                       int64_t next) {
-        const int64_t at = (m0 + m) * G;
+        const int64_t at = (m0 + m) * G, panel = G * q4_group_bytes(kSymmetric);
         tile_q4a8<decltype(r)::value, kSymmetric>(xq.codes.data() + (m0 + m) * kq, kq, xq.scale.data() + at,
-                                                  xq.sum.data() + at, xq.csum.data() + at, packed + p * G * Q4_BYTES,
-                                                  G, b, y + (m0 + m) * N + p * NB, N, ncols,
-                                                  next < 0 ? nullptr : packed + next * G * Q4_BYTES);
+                                                  xq.sum.data() + at, xq.csum.data() + at, packed + p * panel, G, b,
+                                                  y + (m0 + m) * N + p * NB, N, ncols,
+                                                  next < 0 ? nullptr : packed + next * panel);
       });
     }
   };

@@ -137,8 +137,8 @@ void run_item(const LinearDesc& l, const Acts& a, const Item& it, float* y, int6
       break;
     }
     default: {  // Q4A8, Q4A8_SYMMETRIC
-      const uint8_t* panel = static_cast<const uint8_t*>(l.w) + p * G * Q4_BYTES;
       const auto tiles = [&]<bool kSymmetric>() {
+        const uint8_t* panel = static_cast<const uint8_t*>(l.w) + p * G * q4_group_bytes(kSymmetric);
         panel_rows<kGemmRowsQ4>(it.rows, [&](auto r, int64_t m) {
           const int64_t at = (it.row0 + m) * G;
           tile_q4a8<decltype(r)::value, kSymmetric>(a.q4.codes.data() + (it.row0 + m) * kq, kq, a.q4.scale.data() + at,

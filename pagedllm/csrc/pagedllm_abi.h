@@ -27,8 +27,10 @@
 #define PAGEDLLM_PANEL 32
 /* Input features per quantization group, of int8 weights and activations alike. */
 #define PAGEDLLM_QUANT_GROUP 32
-/* Bytes per panel and group of a w4a8 weight: 512 of nibbles, then d and m float16 [32]. */
+/* Bytes per panel and group of a w4a8 weight: 512 of nibbles, then d and m float16 [32]; of
+ * a symmetric one (every m = -8 d: GGUF Q4_0), the nibbles and d. */
 #define PAGEDLLM_Q4A8_GROUP_BYTES 640
+#define PAGEDLLM_Q4A8_SYMMETRIC_GROUP_BYTES 576
 /* LinearDesc.kind */
 #define PAGEDLLM_LINEAR_F32 0
 #define PAGEDLLM_LINEAR_W8A8 1
@@ -99,8 +101,8 @@ typedef struct KQuantWeight {
 
 /* One packed linear layer: kind PAGEDLLM_LINEAR_F32 (w: linear_pack_f32's panels),
  * PAGEDLLM_LINEAR_W8A8 (w, wscale: linear_pack_w8a8's), PAGEDLLM_LINEAR_Q4A8 (w:
- * linear_pack_q4a8's), PAGEDLLM_LINEAR_Q4A8_SYMMETRIC (the same, every m being -8 d: run as
- * linear_q4a8's symmetric), PAGEDLLM_LINEAR_KQUANT (w: a KQuantWeight) or PAGEDLLM_LINEAR_Q8A8
+ * linear_pack_q4a8's), PAGEDLLM_LINEAR_Q4A8_SYMMETRIC (w: linear_pack_q4a8's with m null,
+ * run as linear_q4a8's symmetric), PAGEDLLM_LINEAR_KQUANT (w: a KQuantWeight) or PAGEDLLM_LINEAR_Q8A8
  * (w, wscale: linear_pack_q8_0's codes and float16 d); bias null or float32 padded to whole
  * panels. */
 typedef struct LinearDesc {
@@ -250,10 +252,11 @@ void linear_pack_w8a8(const float* w, const float* rowmax, int8_t* packed, float
 /* Rows prompt_from .. M - 1 of x: as linear_q4a8's below. */
 void linear_w8a8(const float* x, int64_t ldx, const int8_t* packed, const float* wscale, const float* bias, float* y,
                  int64_t M, int64_t N, int64_t K, int64_t prompt_from);
-/* q [N, K] 4-bit codes (uint8), d and m [N, ceil(K/32)] float16 -> w4a8 panels. */
+/* q [N, K] 4-bit codes (uint8), d and m [N, ceil(K/32)] float16 -> w4a8 panels; m null: a
+ * symmetric weight (every m = -8 d), whose panels hold no m. */
 void linear_pack_q4a8(const uint8_t* q, const uint16_t* d, const uint16_t* m, uint8_t* packed, int64_t N, int64_t K);
-/* symmetric: nonzero only where every m is -8 d (GGUF Q4_0: m is then not read, and the -8
- * is applied to the integer sums). Rows prompt_from .. M - 1 of x are prompt tokens (pass M
+/* symmetric: nonzero for panels packed with m null (every m = -8 d, GGUF Q4_0: the -8 is
+ * applied to the integer sums). Rows prompt_from .. M - 1 of x are prompt tokens (pass M
  * for none): where gemm_amx runs they take Intel AMX tiles in bfloat16 (amx.h: x and the
  * weights rounded to bfloat16 instead of x quantized to int8), the other rows the int8 tiles.
  * Either way a row's result does not depend on the call's other rows. */

@@ -17,6 +17,7 @@ from pagedllm.kernels.args import matrix, prompt_row, ptr, ptr_or_none, require
 PANEL = abi.CONSTANTS["PAGEDLLM_PANEL"]  # output columns per packed panel
 QUANT_GROUP = abi.CONSTANTS["PAGEDLLM_QUANT_GROUP"]  # input features per scale, of weights and activations
 Q4A8_GROUP_BYTES = abi.CONSTANTS["PAGEDLLM_Q4A8_GROUP_BYTES"]  # per panel and group of a w4a8 weight
+Q4A8_SYMMETRIC_GROUP_BYTES = abi.CONSTANTS["PAGEDLLM_Q4A8_SYMMETRIC_GROUP_BYTES"]  # of a symmetric one (no m)
 LINEAR_F32, LINEAR_W8A8, LINEAR_Q4A8, LINEAR_Q8A8, LINEAR_Q4A8_SYMMETRIC = (
     abi.CONSTANTS[f"PAGEDLLM_LINEAR_{k}"] for k in ("F32", "W8A8", "Q4A8", "Q8A8", "Q4A8_SYMMETRIC")
 )
@@ -125,9 +126,12 @@ def linear_pack_q8_0(blocks: torch.Tensor, in_features: int) -> Q8A8Packed | Non
     return packed, d
 
 
-def linear_pack_q4a8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+def linear_pack_q4a8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
     """4-bit weights ``w = scales * codes + mins`` per group of 32 input features -> ``linear_q4a8``'s
-    panels, uint8 [ceil(N / 32) * ceil(K / 32) * 640], zero padded to whole panels and groups.
+    panels, uint8 [ceil(N / 32) * ceil(K / 32) * 640], zero padded to whole panels and groups;
+    with ``mins`` None, a symmetric weight (every min ``-8 * scales``: GGUF Q4_0's blocks,
+    ``q4a8_symmetric``) in 576 bytes per panel and group, without the mins, for ``linear_q4a8``
+    with ``symmetric``.
 
     Args:
         codes: [N, K] uint8 in [0, 15] (higher bits are ignored).
@@ -141,21 +145,23 @@ def linear_pack_q4a8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     lib = require()
     n, k = matrix(codes, "codes").shape
     groups = -(-k // QUANT_GROUP)
-    if codes.dtype != torch.uint8 or scales.shape != (n, groups) or mins.shape != (n, groups):
+    if codes.dtype != torch.uint8 or scales.shape != (n, groups) or (mins is not None and mins.shape != (n, groups)):
         raise ValueError(
             f"w4a8 weights: need uint8 codes [N, K] and scales, mins [N, ceil(K / 32)]; got {codes.dtype} "
-            f"{list(codes.shape)}, {list(scales.shape)}, {list(mins.shape)}"
+            f"{list(codes.shape)}, {list(scales.shape)}, {None if mins is None else list(mins.shape)}"
         )
     codes = codes.contiguous()
-    d16, m16 = (t.to(torch.float16).contiguous().view(torch.int16) for t in (scales, mins))
-    packed = huge_pages.empty(-(-n // PANEL) * groups * Q4A8_GROUP_BYTES, torch.uint8)
-    lib.linear_pack_q4a8(ptr(codes), ptr(d16), ptr(m16), ptr(packed), n, k)
+    d16 = scales.to(torch.float16).contiguous().view(torch.int16)
+    m16 = None if mins is None else mins.to(torch.float16).contiguous().view(torch.int16)
+    packed = huge_pages.empty(-(-n // PANEL) * groups * _q4a8_group_bytes(mins is None), torch.uint8)
+    lib.linear_pack_q4a8(ptr(codes), ptr(d16), ptr_or_none(m16), ptr(packed), n, k)
     return packed
 
 
 def q4a8_symmetric(scales: torch.Tensor, mins: torch.Tensor) -> bool:
     """Whether every ``mins`` is ``-8 * scales`` in float16, as the packing rounds them (GGUF
-    Q4_0's blocks): ``linear_q4a8`` may then take ``symmetric=True``."""
+    Q4_0's blocks): the weight may then be packed without its mins (``linear_pack_q4a8``'s
+    ``mins=None``) and run as ``symmetric``."""
     d16 = scales.to(torch.float16)
     return bool(torch.equal(mins.to(torch.float16), d16 * -8))
 
@@ -215,17 +221,17 @@ def linear_q4a8(
 
     Args:
         bias: float32 padded to whole panels ([ceil(N / 32) * 32]), or None.
-        symmetric: every ``mins`` was ``-8 * scales`` (``q4a8_symmetric``; GGUF Q4_0): the
-            -8 is then applied to the integer sums and the mins are not read (one float
-            operation fewer per group of 32; other roundings, the same value). Wrong results
-            for other weights.
+        symmetric: ``packed`` came from ``linear_pack_q4a8`` with ``mins=None`` (every min
+            ``-8 * scales``: GGUF Q4_0): the -8 is applied to the integer sums (one float
+            operation fewer per group of 32 than the mins' term; other roundings, the same
+            value).
 
     Raises:
         RuntimeError: no native library here.
         ValueError: x, packed or bias do not fit each other.
     """
     x = _rows(x)
-    _check_q4a8(packed, out_features, x.shape[1], bias)
+    _check_q4a8(packed, out_features, x.shape[1], bias, symmetric)
     return _gemm(
         require().linear_q4a8, x, (packed,), bias, out_features, int(symmetric), prompt_row(x.shape[0], prompt_from)
     )
@@ -274,7 +280,7 @@ def linear_desc(
         _check_w8a8(packed, out_features, in_features, bias)
         w, wscale = packed
     elif kind in (LINEAR_Q4A8, LINEAR_Q4A8_SYMMETRIC):
-        _check_q4a8(packed, out_features, in_features, bias)
+        _check_q4a8(packed, out_features, in_features, bias, kind == LINEAR_Q4A8_SYMMETRIC)
         w, wscale = packed, None
     elif kind == LINEAR_Q8A8:
         _check_q8a8(packed, out_features, in_features, bias)
@@ -326,10 +332,15 @@ def _check_w8a8(packed: W8A8Packed, n: int, k: int, bias: torch.Tensor | None) -
         raise ValueError(f"w8a8 scales: need {rows} contiguous float32, got {wscale.numel()} {wscale.dtype}")
 
 
-def _check_q4a8(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> None:
-    """``linear_pack_q4a8``'s panels of an [n, k] weight, and a panel-padded bias."""
+def _q4a8_group_bytes(symmetric: bool) -> int:
+    return Q4A8_SYMMETRIC_GROUP_BYTES if symmetric else Q4A8_GROUP_BYTES
+
+
+def _check_q4a8(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, symmetric: bool) -> None:
+    """``linear_pack_q4a8``'s panels of an [n, k] weight (without mins where ``symmetric``), and
+    a panel-padded bias."""
     # Counted in elements per output column: one panel-group's bytes per 32 columns.
-    _check_packed(packed, torch.uint8, n, -(-k // QUANT_GROUP) * Q4A8_GROUP_BYTES // PANEL, bias)
+    _check_packed(packed, torch.uint8, n, -(-k // QUANT_GROUP) * _q4a8_group_bytes(symmetric) // PANEL, bias)
 
 
 def _check_q8a8(packed: Q8A8Packed, n: int, k: int, bias: torch.Tensor | None) -> None:

@@ -164,13 +164,13 @@ void test_linear() {
       }
     }
   };
-  std::vector<uint8_t> q4(panels * G * (8 * 64 + 4 * 32));
+  std::vector<uint8_t> q4(panels * G * PAGEDLLM_Q4A8_GROUP_BYTES);
   for (const int64_t symmetric : {0, 1}) {
-    if (symmetric) {  // Q4_0's blocks, every m = -8 d: the -8 goes into the integer sums
+    if (symmetric) {  // Q4_0's blocks, every m = -8 d: packed without m, the -8 into the integer sums
       for (int64_t i = 0; i < N * G; ++i) m16[i] = uint16_t(0x8000 | (d16[i] + (3 << 10))), mn[i] = -8.f * d[i];
     }
     q4_reference();
-    linear_pack_q4a8(codes.data(), d16.data(), m16.data(), q4.data(), N, K);
+    linear_pack_q4a8(codes.data(), d16.data(), symmetric ? nullptr : m16.data(), q4.data(), N, K);
     std::fill(y.begin(), y.end(), 0.f);
     linear_q4a8(xs_rows.data(), ldx, q4.data(), bias.data(), y.data(), M, N, K, symmetric, M);
     check(symmetric ? "linear_q4a8 symmetric" : "linear_q4a8", max_error(y, ref), 1e-4f);

@@ -203,9 +203,10 @@ class W4A8Linear(QuantizedLinear):
         n, k = weight.q.shape
         super().__init__(k, n, None)
         _require_native("w4a8")
-        self.register_buffer("packed", kernels.linear_pack_q4a8(weight.q, weight.scales, weight.mins))
+        self.symmetric = kernels.q4a8_symmetric(weight.scales, weight.mins)  # packed without mins
+        mins = None if self.symmetric else weight.mins
+        self.register_buffer("packed", kernels.linear_pack_q4a8(weight.q, weight.scales, mins))
         self.register_buffer("padded_bias", None if bias is None else pad_to_panels(bias.detach().float()))
-        self.symmetric = kernels.q4a8_symmetric(weight.scales, weight.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] float (rows may be strided) -> [T, out_features] in x's dtype; the
