@@ -167,6 +167,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         def bad(field: str, value: object, allowed: str) -> InvalidParamError:
             return InvalidParamError(field, f"{field} must be {allowed}, got {value!r:.200}")  # bounded echo
 
+        def described(field: str, what: str, allowed: str) -> InvalidParamError:  # what: a description, not echoed
+            return InvalidParamError(field, f"{field} must be {allowed}, got {what}")
+
         if self.stop is None:  # vLLM's default: no stop strings
             self.stop = []
         elif isinstance(self.stop, str):
@@ -219,12 +222,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise bad("prompt_logprobs", self.prompt_logprobs, f"in [0, {MAX_LOGPROBS}]")
         if isinstance(self.stop, (list, tuple)) and len(self.stop) > MAX_STOP_STRINGS:
-            raise bad("stop", f"{len(self.stop)} strings", f"at most {MAX_STOP_STRINGS} strings")
+            raise described("stop", f"{len(self.stop)}", f"at most {MAX_STOP_STRINGS} strings")
         if not isinstance(self.stop, (list, tuple)) or any(not check_text(s, "stop") for s in self.stop):
+            if isinstance(self.stop, (list, tuple)) and "" in self.stop:
+                raise described("stop", "an empty string", "a string or a list of non-empty strings")
             raise bad("stop", self.stop, "a string or a list of non-empty strings")
         if (longest := max(map(len, self.stop), default=0)) > MAX_STOP_STRING_CHARS:
-            raise bad("stop", f"a string of {longest} characters",
-                      f"strings of at most {MAX_STOP_STRING_CHARS} characters")
+            raise described("stop", f"a string of {longest} characters",
+                           f"strings of at most {MAX_STOP_STRING_CHARS} characters")
         if self.stop and not self.detokenize:  # stop strings are searched in the output's text
             raise InvalidParamError("stop", "stop strings need detokenize=True")
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)

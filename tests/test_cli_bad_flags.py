@@ -59,6 +59,12 @@ BAD_FLAGS = [
     (["bench", "gemm", "--rows", "1,x"], "argument --rows: must be an integer, got 'x'"),
     (["bench", "gemm", "--rows", "1,,2"], "argument --rows: must be a comma list with no empty item"),  # was 1,2
     (["bench", "gemm", "--threads", "100000"], "argument --threads: must be at most the"),  # was 100000 threads
+    (["genrate"], "invalid choice: 'genrate' (choose from 'generate', 'chat', 'bench', 'env', 'serve'); did you mean generate?"),
+    (["bench", "stp"], "; did you mean step?"),
+    (["generate", "--prompt", "hi", "--kv-cache-memory", "-5GiB"], "(a value that starts with '-' is written --kv-cache-memory=-VALUE)"),
+    (["bench", "gemm", "--kinds", ""], "argument --kinds: must be a comma list with no empty item"),  # was f32 alone
+    (["bench", "gemm", "--kinds", "f32,w4"], "argument --kinds: unknown w4; choose from f32, w8a8, w4a8, q4_0"),
+    (["generate", "--model", "/no/such/model.gguf", "--prompt", "hi"], "--model '/no/such/model.gguf': no such file"),
     (["serve", "--max-model-len", "1k"], "argument --max-model-len: must be an integer, got '1k'"),
     (["serve", "--port", "http"], "argument --port: must be an integer, got 'http'"),
     (["bench", "throughput", "--input-len-range", "10-5"], "argument --input-len-range: must be LO:HI (or N)"),

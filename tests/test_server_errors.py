@@ -89,6 +89,9 @@ def test_malformed_and_oversized_bodies(http: httpx.Client) -> None:
     # What FastAPI answers only "There was an error parsing the body" for, said:
     _check_error(http.post("/v1/completions", content=b'{"prompt": "h\xffi"}', headers=headers), 400,
                  "the request body is not UTF-8: byte 0xff at offset 13")
+    # a UTF-16 byte order mark: json's guess of the encoding must not move the offset (was 28)
+    _check_error(http.post("/v1/completions", content=b'\xff\xfe{"model":"x","prompt":"hi"}', headers=headers), 400,
+                 "the request body is not UTF-8: byte 0xff at offset 0")
     _check_error(http.post("/v1/completions", content=b"[" * 5000 + b"]" * 5000, headers=headers), 400,
                  "nests JSON arrays or objects too deeply")
     _check_error(http.post("/v1/completions", content=b'{"max_tokens": ' + b"9" * 5000 + b"}", headers=headers), 400,

@@ -120,6 +120,19 @@ def non_negative_int_list(text: str) -> list[int]:
     return [non_negative_int(item) for item in _items(text)]
 
 
+def choice_list(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """argparse type: a comma list of some of ``choices`` ("f32,w8a8"), at least one."""
+
+    def parse(text: str) -> list[str]:
+        items = _items(text)
+        unknown = [item for item in items if item not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(choices)}")
+        return items
+
+    return parse
+
+
 def finite_float(text: str) -> float:
     """argparse type: a finite float (NaN and infinities are refused)."""
     value = parse_float(text)
@@ -165,6 +178,21 @@ class _ModelOnce(argparse.Action):
             parser.error(f"the model is given twice: {given!r} and {values!r}; give it once, as MODEL or --model")
         namespace._model_given = values
         setattr(namespace, self.dest, values)
+
+
+def check_model_path(model: str) -> None:
+    """Refuse a model named by a path (it holds a "/" or ends in ".gguf": no installed alias
+    does) that does not exist, before anything loads; the loader checks the rest
+    (``models.loader.resolve_model``).
+
+    Raises:
+        ValueError: naming the path.
+    """
+    if ("/" in model or model.lower().endswith(".gguf")) and not Path(model).expanduser().exists():
+        raise ValueError(
+            f"model {model!r}: no such file or directory (a model is a .gguf file, an HF checkpoint "
+            "directory or an installed alias: pagedllm env lists those installed)"
+        )
 
 
 @dataclass
@@ -287,6 +315,7 @@ class EngineArgs:
         Raises:
             ValueError: for a bad value, the message opening with its setting's name (or its flag).
         """
+        check_model_path(self.model)
         check_dtype(self.dtype)
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_block_size(self.block_size)

@@ -14,6 +14,7 @@ import copy
 import difflib
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,7 +61,14 @@ class Parser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        """Exit 2 with the usage line, the message and where the flags are listed."""
+        """Exit 2 with the usage line, the message (with a hint where argparse's own misleads:
+        a value that looks like a flag, a mistyped command) and where the flags are listed."""
+        if message.startswith("argument --") and message.endswith(": expected one argument"):
+            flag = message.removeprefix("argument ").split(":")[0].split("/")[0]
+            message += f" (a value that starts with '-' is written {flag}=-VALUE)"
+        elif (choice := re.match(r"argument \w+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)) is not None:
+            near = difflib.get_close_matches(choice[1], re.findall(r"'([^']*)'", choice[2]), 1, 0.6)
+            message += f"; did you mean {near[0]}?" if near else ""
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists every flag)\n")
 

@@ -121,7 +121,14 @@ def _body_fault(cause: BaseException | None) -> str | None:
     """What is wrong with a body that FastAPI could not parse and answered only "There was an
     error parsing the body" for (the error it raised from), else None."""
     if isinstance(cause, UnicodeDecodeError):
-        return f"the request body is not UTF-8: byte {cause.object[cause.start]:#04x} at offset {cause.start}"
+        # json.loads guesses UTF-16 or UTF-32 from a body's first bytes (a byte order mark) and
+        # reports its offsets in that encoding: name the first byte that is not UTF-8 instead.
+        body, at = bytes(cause.object), cause.start
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            at = e.start
+        return f"the request body is not UTF-8: byte {body[at]:#04x} at offset {at}"
     if isinstance(cause, RecursionError):
         return "the request body nests JSON arrays or objects too deeply"
     if isinstance(cause, ValueError) and "digits" in str(cause):
