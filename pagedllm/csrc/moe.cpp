@@ -42,6 +42,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <vector>
 
 #include "aligned.h"
@@ -181,10 +182,15 @@ void grouped_gemm(const LinearDesc* layers, const std::vector<int64_t>& start, c
   par::parallel_for(n, [&](int64_t i) { run_item(layers[items[i].expert], a, items[i], y, ldy); }, 2, 1);
 }
 
-bool any_kind(const LinearDesc* layers, const std::vector<int64_t>& start, int64_t kind) {
-  for (size_t e = 0; e + 1 < start.size(); ++e)
-    if (start[e + 1] > start[e] && layers[e].kind == kind && (kind != PAGEDLLM_LINEAR_KQUANT || !is_panels(layers[e])))
+// Whether an active expert's layer is of one of `kinds` (KQUANT: GGUF blocks as stored, not in
+// panels).
+bool any_kind(const LinearDesc* layers, const std::vector<int64_t>& start, std::initializer_list<int64_t> kinds) {
+  for (size_t e = 0; e + 1 < start.size(); ++e) {
+    const int64_t kind = layers[e].kind;
+    if (start[e + 1] > start[e] && std::find(kinds.begin(), kinds.end(), kind) != kinds.end() &&
+        (kind != PAGEDLLM_LINEAR_KQUANT || !is_panels(layers[e])))
       return true;
+  }
   return false;
 }
 
@@ -247,18 +253,18 @@ int fused_moe(const MoeDesc* m, const float* x, int64_t ldx, int64_t T, float* y
       kParallelRows);
   {
     const Acts a(xs.data(), H, R, H,
-                 any_kind(m->gate_up, start, PAGEDLLM_LINEAR_W8A8) || any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q8A8),
-                 any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q4A8) || any_kind(m->gate_up, start, PAGEDLLM_LINEAR_Q4A8_SYMMETRIC),
-                 any_kind(m->gate_up, start, PAGEDLLM_LINEAR_KQUANT),
+                 any_kind(m->gate_up, start, {PAGEDLLM_LINEAR_W8A8, PAGEDLLM_LINEAR_Q8A8}),
+                 any_kind(m->gate_up, start, {PAGEDLLM_LINEAR_Q4A8, PAGEDLLM_LINEAR_Q4A8_SYMMETRIC}),
+                 any_kind(m->gate_up, start, {PAGEDLLM_LINEAR_KQUANT}),
                  active_panels(m->gate_up, start));
     grouped_gemm(m->gate_up, start, a, h.data(), 2 * I);
   }
   silu_and_mul(h.data(), 2 * I, R, I);
   {
     const Acts a(h.data(), 2 * I, R, I,
-                 any_kind(m->down, start, PAGEDLLM_LINEAR_W8A8) || any_kind(m->down, start, PAGEDLLM_LINEAR_Q8A8),
-                 any_kind(m->down, start, PAGEDLLM_LINEAR_Q4A8) || any_kind(m->down, start, PAGEDLLM_LINEAR_Q4A8_SYMMETRIC),
-                 any_kind(m->down, start, PAGEDLLM_LINEAR_KQUANT),
+                 any_kind(m->down, start, {PAGEDLLM_LINEAR_W8A8, PAGEDLLM_LINEAR_Q8A8}),
+                 any_kind(m->down, start, {PAGEDLLM_LINEAR_Q4A8, PAGEDLLM_LINEAR_Q4A8_SYMMETRIC}),
+                 any_kind(m->down, start, {PAGEDLLM_LINEAR_KQUANT}),
                  active_panels(m->down, start));
     grouped_gemm(m->down, start, a, out.data(), H);
   }

@@ -233,6 +233,7 @@ class OpenAIServingChat(OpenAIServing):
                     yield sse(error.body())
                     yield SSE_DONE
                     return  # leaving the stream aborts the other samples
+                events = []  # this output's events (one per choice), sent as one write
                 for c in out.outputs:
                     if c.index in finished or not (c.text or c.token_ids or c.finish_reason):
                         continue
@@ -242,9 +243,9 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
                     tool_stream = tool_streams.get(c.index)
                     if tool_stream is None:
-                        yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                                      logprobs=logprobs, finish_reason=c.finish_reason,
-                                                      stop_reason=c.stop_reason)], usage(c.index))
+                        events.append(chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                                              logprobs=logprobs, finish_reason=c.finish_reason,
+                                                              stop_reason=c.stop_reason)], usage(c.index)))
                         continue
                     deltas = tool_stream.update(c.text, c.finish_reason is not None)
                     finish_reason = c.finish_reason
@@ -254,9 +255,13 @@ class OpenAIServingChat(OpenAIServing):
                         deltas = deltas or [DeltaMessage()]
                     for j, delta in enumerate(deltas):
                         last = j == len(deltas) - 1
-                        yield chunk([ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs if j == 0 else None,
-                                                      finish_reason=finish_reason if last else None,
-                                                      stop_reason=c.stop_reason if last else None)], usage(c.index))
+                        events.append(chunk([ChatStreamChoice(index=c.index, delta=delta,
+                                                              logprobs=logprobs if j == 0 else None,
+                                                              finish_reason=finish_reason if last else None,
+                                                              stop_reason=c.stop_reason if last else None)],
+                                            usage(c.index)))
+                if events:
+                    yield "".join(events)
             if req.include_usage:
                 yield chunk([], UsageInfo.of(n_prompt, sum(num_tokens)))
         except EngineDeadError as e:

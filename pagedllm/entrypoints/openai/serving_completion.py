@@ -121,6 +121,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield sse(error.body())
                     yield SSE_DONE
                     return  # leaving the merge aborts the other prompts
+                events = []  # this output's events (one per choice), sent as one write
                 for c in out.outputs:
                     index = prompt_idx * req.n + c.index
                     if index in finished:
@@ -140,8 +141,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     usage = None
                     if req.continuous_usage:
                         usage = UsageInfo.of(len(prepared[prompt_idx].prompt_token_ids), num_tokens[index])
-                    yield sse(CompletionResponse(id=request_id, created=created,
-                                                 model=self.response_model(req.model), choices=[choice], usage=usage))
+                    events.append(sse(CompletionResponse(id=request_id, created=created,
+                                                         model=self.response_model(req.model), choices=[choice],
+                                                         usage=usage)))
+                if events:
+                    yield "".join(events)
             if req.include_usage:
                 usage = UsageInfo.of(sum(len(p.prompt_token_ids) for p in prepared), sum(num_tokens.values()))
                 yield sse(CompletionResponse(id=request_id, created=created,
