@@ -302,15 +302,17 @@ def test_a_library_from_another_header_is_skipped(
 def test_the_first_line_of_a_first_run_is_the_build_notice(tmp_path: Path) -> None:
     """``pagedllm generate`` with an empty kernel cache: logging is on before the flags are
     checked (which picks the kernels), so the command's own first line is followed at once by
-    the build notice, not minutes of silence. The fake compiler fails, then the model path
-    does: nothing slow runs."""
+    the build notice, not minutes of silence. The fake compiler fails, then the model file
+    (empty: a path that does not exist is refused before the kernels are picked) does:
+    nothing slow runs."""
     import subprocess
     import sys
 
     env = {**os.environ, "PAGEDLLM_CACHE": str(tmp_path / "cache"), "CXX": str(fake_compiler(tmp_path, "-c "))}
     for name in ("PAGEDLLM_CPU_ISA", "PAGEDLLM_DISABLE_NATIVE", "PAGEDLLM_REBUILD_NATIVE"):
         env.pop(name, None)
-    command = ["generate", "--prompt", "hi", "--model", str(tmp_path / "none.gguf")]
+    (tmp_path / "empty.gguf").touch()
+    command = ["generate", "--prompt", "hi", "--model", str(tmp_path / "empty.gguf")]
     done = subprocess.run(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", *command], capture_output=True, text=True, env=env, timeout=300
     )
