@@ -92,6 +92,10 @@ def test_malformed_and_oversized_bodies(http: httpx.Client) -> None:
     # a UTF-16 byte order mark: json's guess of the encoding must not move the offset (was 28)
     _check_error(http.post("/v1/completions", content=b'\xff\xfe{"model":"x","prompt":"hi"}', headers=headers), 400,
                  "the request body is not UTF-8: byte 0xff at offset 0")
+    # UTF-8, but a NUL byte first: json reads it as UTF-16 and fails on its odd length (was
+    # "not UTF-8: byte 0x7d at offset 16")
+    _check_error(http.post("/v1/completions", content=b'\x00{"max_tokens":1}', headers=headers), 400,
+                 "the request body is not JSON: a NUL byte among its first bytes")
     _check_error(http.post("/v1/completions", content=b"[" * 5000 + b"]" * 5000, headers=headers), 400,
                  "nests JSON arrays or objects too deeply")
     _check_error(http.post("/v1/completions", content=b'{"max_tokens": ' + b"9" * 5000 + b"}", headers=headers), 400,

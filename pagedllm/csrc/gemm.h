@@ -44,6 +44,16 @@ constexpr int64_t q4_group_bytes(bool symmetric) { return symmetric ? Q4S_BYTES 
 template <int R>
 constexpr int kWeightLocality = R == 1 ? 2 : 3;
 
+// f.template operator()<flag>() for a flag known at run time (f: a lambda templated on one
+// bool): the one branch between a tile's two instantiations, as linear.cpp and moe.cpp take it.
+template <class F>
+inline void with_flag(bool flag, const F& f) {
+  if (flag)
+    f.template operator()<true>();
+  else
+    f.template operator()<false>();
+}
+
 template <int R>
 inline void store(F32x16 (&acc)[R][2], float* y, int64_t ldy, int64_t ncols) {
   for (int r = 0; r < R; ++r) {

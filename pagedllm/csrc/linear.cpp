@@ -277,7 +277,7 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
   const int64_t G = (K + QG - 1) / QG, kq = G * QG / 4;
   const QuantizedRows xq = quantize_rows<true>(x, ldx, M, K);
   const int64_t chunk = chunk_rows_i8(kq);  // as linear_w8a8
-  const auto run = [&]<bool kSymmetric>() {
+  with_flag(symmetric != 0, [&]<bool kSymmetric>() {
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t rows = std::min(chunk, M - m0);
       for_panel_tiles<kGemmRowsQ4>(N, rows, bias, [&](auto r, int64_t m, int64_t p, int64_t ncols, const float* b,
@@ -289,11 +289,7 @@ void linear_q4a8(const float* x, int64_t ldx, const uint8_t* packed, const float
                                                   next < 0 ? nullptr : packed + next * panel);
       });
     }
-  };
-  if (symmetric)
-    run.template operator()<true>();
-  else
-    run.template operator()<false>();
+  });
 }
 
 // x: [M, K] float32 with row stride ldx; y: [M, N] float32; bias: null or float32 padded to

@@ -138,7 +138,7 @@ void run_item(const LinearDesc& l, const Acts& a, const Item& it, float* y, int6
       break;
     }
     default: {  // Q4A8, Q4A8_SYMMETRIC
-      const auto tiles = [&]<bool kSymmetric>() {
+      with_flag(l.kind == PAGEDLLM_LINEAR_Q4A8_SYMMETRIC, [&]<bool kSymmetric>() {
         const uint8_t* panel = static_cast<const uint8_t*>(l.w) + p * G * q4_group_bytes(kSymmetric);
         panel_rows<kGemmRowsQ4>(it.rows, [&](auto r, int64_t m) {
           const int64_t at = (it.row0 + m) * G;
@@ -146,11 +146,7 @@ void run_item(const LinearDesc& l, const Acts& a, const Item& it, float* y, int6
                                                     a.q4.sum.data() + at, a.q4.csum.data() + at, panel, G, bias,
                                                     out + m * ldy, ldy, ncols);
         });
-      };
-      if (l.kind == PAGEDLLM_LINEAR_Q4A8_SYMMETRIC)
-        tiles.template operator()<true>();
-      else
-        tiles.template operator()<false>();
+      });
     }
   }
 }

@@ -121,14 +121,16 @@ def _body_fault(cause: BaseException | None) -> str | None:
     """What is wrong with a body that FastAPI could not parse and answered only "There was an
     error parsing the body" for (the error it raised from), else None."""
     if isinstance(cause, UnicodeDecodeError):
-        # json.loads guesses UTF-16 or UTF-32 from a body's first bytes (a byte order mark) and
-        # reports its offsets in that encoding: name the first byte that is not UTF-8 instead.
-        body, at = bytes(cause.object), cause.start
+        # json.loads guesses UTF-16 or UTF-32 from a body's first bytes (a byte order mark, or
+        # a NUL byte among the first two) and reports its offsets in that encoding: name the
+        # first byte that is not UTF-8 instead, or the NUL byte where the body is UTF-8.
+        body = bytes(cause.object)
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as e:
-            at = e.start
-        return f"the request body is not UTF-8: byte {body[at]:#04x} at offset {at}"
+            return f"the request body is not UTF-8: byte {body[e.start]:#04x} at offset {e.start}"
+        return ("the request body is not JSON: a NUL byte among its first bytes, which JSON readers take for "
+                "UTF-16 or UTF-32")
     if isinstance(cause, RecursionError):
         return "the request body nests JSON arrays or objects too deeply"
     if isinstance(cause, ValueError) and "digits" in str(cause):
