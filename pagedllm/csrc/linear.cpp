@@ -69,7 +69,9 @@ constexpr int64_t kPanelBlock = 8, kPanelBlockRows = 128;
 // panel: the first tile of a panel streams it from memory and the others reread it from L1,
 // so without this each panel's first tile waited on memory while nothing was in flight during
 // the others (in a harness over 30 layers, batch 8-16 w4a8 GEMMs 1.10x, the Q8_0 lm_head
-// 1.17-1.45x; docs/benchmarks.md, session 49). A lone tile (up to MR rows) streams alone.
+// 1.17-1.45x; docs/benchmarks.md, session 49). A lone tile of 2 to MR rows asks for it too
+// (the lm_head at 2-5 rows 1.7-1.9x, session 52); a single row streams alone (asking, its
+// GEMV ran slower: session 49).
 template <int MR, typename Tile>
 void for_panel_tiles(int64_t N, int64_t rows, const float* bias, Tile tile) {
   const int64_t panels = (N + NB - 1) / NB, block = rows >= kPanelBlockRows ? kPanelBlock : 1;
@@ -77,7 +79,7 @@ void for_panel_tiles(int64_t N, int64_t rows, const float* bias, Tile tile) {
     for (int64_t p0 = begin; p0 < end; p0 += block) {
       const int64_t p1 = std::min(end, p0 + block);
       panel_rows<MR>(rows, [&](auto r, int64_t m) {
-        const int64_t next = block == 1 && m == MR && p0 + 1 < end ? p0 + 1 : -1;
+        const int64_t next = block == 1 && (m == MR || (rows > 1 && rows <= MR)) && p0 + 1 < end ? p0 + 1 : -1;
         for (int64_t p = p0; p < p1; ++p)
           tile(r, m, p, std::min(NB, N - p * NB), bias ? bias + p * NB : nullptr, next);
       });
