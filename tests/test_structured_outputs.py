@@ -273,3 +273,20 @@ def test_draft_masks_with_a_forbidden_last_draft(llm):
     masks = fill_bitmask([state], vocab, [[yes, z]])
     assert torch.equal(masks, torch.stack([start, after_yes, after_yes]))
     assert not state.matcher.is_error() and torch.equal(fill_bitmask([state], vocab), start.unsqueeze(0))
+
+
+def test_a_schema_with_integers_past_64_bits_reaches_the_engine_core() -> None:
+    """msgpack, which carries a request to the engine core process, holds no integer past 64
+    bits; a schema holding one (``default``, ``const``, ``enum``, bounds) travels as its JSON
+    text (a server answered such a schema with a 500, "OverflowError"). NaN in a schema given
+    as a dict is refused by name."""
+    import msgspec
+
+    big = {"type": "integer", "default": 10**20, "enum": [10**20, -(2**70)], "minimum": -(2**70)}
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=big))
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert json.loads(back.structured_outputs.json) == big
+    assert back.structured_outputs.key == params.structured_outputs.key
+    with pytest.raises(InvalidParamError, match="NaN and Infinity") as e:
+        StructuredOutputsParams(json={"type": "number", "maximum": float("nan")})
+    assert e.value.param == "json"

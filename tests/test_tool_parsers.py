@@ -44,6 +44,10 @@ TEXTS = [
     ('{"name": "f"}', None, [ParsedToolCall("f", "{}")]),
     ('<tool_call>{"name": "f", "arguments": {"a": "</tool_call"}}</tool_call>x', "x",
      [ParsedToolCall("f", '{"a": "</tool_call"}')]),
+    # Only whitespace outside the calls: no content (streamed, a "\n" was sent between them).
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n',
+     None, [ParsedToolCall("f", "{}")] * 2),
+    ('\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n Then text.', '\n\n Then text.', [ParsedToolCall("f", "{}")]),
 ]
 
 
@@ -58,7 +62,15 @@ def test_hermes_whole_and_streamed_agree(text: str, content: str | None, calls: 
         streamed += piece
         got += more
     piece, more = streaming.finish()
-    assert (streamed + piece or None, got + more) == (content, calls)
+    streamed += piece
+    assert (streamed if streamed.strip() else None, got + more) == (content, calls)
+    # What a client receives: ToolStream's content deltas, joined, are the message's content.
+    stream, deltas = ToolStream("auto", parser(NAMES)), []
+    for i in range(0, len(text), step):
+        deltas += stream.update(text[i : i + step], i + step >= len(text))
+    sent = "".join(d.content for d in deltas if d.content is not None)
+    assert (sent or None) == content
+    assert [(c.function.name) for d in deltas for c in d.tool_calls or [] if c.function.name] == [c.name for c in calls]
 
 
 def _streamed(text: str, step: int) -> tuple[str, list[ParsedToolCall]]:
@@ -148,7 +160,15 @@ def test_generic_whole_and_streamed_agree(text: str, content: str | None, calls:
         streamed += piece
         got += more
     piece, more = streaming.finish()
-    assert (streamed + piece or None, got + more) == (content, calls)
+    streamed += piece
+    assert (streamed if streamed.strip() else None, got + more) == (content, calls)
+    # What a client receives: ToolStream's content deltas, joined, are the message's content.
+    stream, deltas = ToolStream("auto", GenericToolParser(NAMES)), []
+    for i in range(0, len(text), step):
+        deltas += stream.update(text[i : i + step], i + step >= len(text))
+    sent = "".join(d.content for d in deltas if d.content is not None)
+    assert (sent or None) == content
+    assert [(c.function.name) for d in deltas for c in d.tool_calls or [] if c.function.name] == [c.name for c in calls]
 
 
 def test_generic_text_streams_as_it_comes() -> None:
@@ -189,9 +209,9 @@ def test_parallel_tool_calls_false_allows_one_call() -> None:
     for parallel in (None, True, False):
         req = ChatCompletionRequest.model_validate(body | {"tool_choice": "required", "parallel_tool_calls": parallel})
         req.check()
-        schema = tool_constraint(req).json
+        schema = json.loads(tool_constraint(req).json)
         jsonschema.validate(one, schema)
-        generic = tool_constraint(req, generic=True).json
+        generic = json.loads(tool_constraint(req, generic=True).json)
         jsonschema.validate(generic_one, generic)
         if parallel is False:
             with pytest.raises(jsonschema.ValidationError):
@@ -229,3 +249,62 @@ def test_streamed_call_deltas_after_the_first_carry_only_index_and_arguments(mod
     assert firsts and all(p["type"] == "function" and p["function"]["name"] for p in firsts)
     later = [p for p in pieces if "id" not in p]
     assert later and all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"} for p in later)
+
+
+ITEM = {"type": "object", "properties": {"qty": {"type": "integer"}}, "required": ["qty"]}
+NESTED = {"type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"], "$defs": {"Item": ITEM}}
+TREE = {"type": "object", "properties": {"v": {"type": "integer"}, "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["v", "child"], "additionalProperties": False}
+
+
+def test_tool_parameters_that_refer_into_themselves_keep_their_meaning() -> None:
+    """Parameters with ``$ref``s into themselves (a nested pydantic model's ``$defs``, a tree's
+    "#") resolve inside their own schema once embedded in a "required" or generic call schema
+    (they resolved against the call schema's root: "Pointer '/$defs/Item' does not exist", or a
+    tree's child constrained to be a whole call); each compiles, and the calls validate as the
+    functions' own arguments do."""
+    import jsonschema
+
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.tools import tool_constraint
+    from pagedllm.structured_output import StructuredOutputsParams, backend
+
+    tools = [{"type": "function", "function": {"name": "order", "parameters": NESTED}},
+             {"type": "function", "function": {"name": "tree", "parameters": TREE}},
+             {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "go"}], "tools": tools}
+    order = {"item": {"qty": 2}}
+    tree = {"v": 1, "child": {"v": 2, "child": None}}
+    wrong = [{"item": {"qty": "two"}}, {"v": 1, "child": {"name": "tree", "arguments": {"v": 2, "child": None}}}]
+    for mode, key, generic in (("required", "parameters", False), ("required", "arguments", True)):
+        req = ChatCompletionRequest.model_validate(body | {"tool_choice": mode})
+        constraint = tool_constraint(req, generic=generic)
+        backend.check(constraint)
+        schema = json.loads(constraint.json)
+        for name, args in (("order", order), ("tree", tree), ("f", {})):
+            jsonschema.validate([{"name": name, key: args}], schema)
+        for name, args in zip(("order", "tree"), wrong):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate([{"name": name, key: args}], schema)
+    auto = tool_constraint(ChatCompletionRequest.model_validate(body), generic=True)
+    backend.check(auto)
+    backend.check(StructuredOutputsParams(json=NESTED))  # named: the parameters alone, as before
+
+
+def test_tool_parameters_must_describe_an_object() -> None:
+    """A function's arguments are a JSON object (OpenAI refuses other parameter types): a
+    "required" constraint allowed an array the call parser then dropped (no call came back)."""
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.tools import check_tools
+    from pagedllm.errors import InvalidParamError
+
+    for parameters in ({"type": "array"}, {"type": "string"}, {"type": ["object", "null"]}):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "go"}], "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+            {"type": "function", "function": {"name": "g", "parameters": parameters}}]})
+        with pytest.raises(InvalidParamError, match='a function\'s arguments are a JSON object') as e:
+            check_tools(req)
+        assert e.value.param == "tools.1.function.parameters"
+    for parameters in ({"type": "object"}, {"properties": {"a": {"type": "string"}}}, None):
+        check_tools(ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "go"}], "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": parameters}}]}))

@@ -61,27 +61,68 @@ def _closed(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON schema of one call: ``{"name": <a tool's name>, "arguments": <its parameters>}``."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "arguments": _closed(parameters(t))},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+# Keywords whose values are maps of names to schemas, and keywords whose values are data.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("const", "enum", "default", "examples")
+
+
+def _rebased(schema: Any, at: str) -> Any:
+    """``schema`` with each JSON-pointer ``$ref`` into itself ("#" or "#/...") pointing at the
+    same place once the schema sits at JSON pointer ``at`` of a larger document. Other
+    references (anchors, URIs) and data (``const``, ``enum``, ``default``, ``examples``) are
+    left as they are."""
+    if isinstance(schema, list):
+        return [_rebased(s, at) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = "#" + at + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(s, at) for name, s in value.items()}
+        elif key in _DATA:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, at)
+    return out
+
+
+def embedded(schemas: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Schemas (tools' parameters) to place inside one larger document, and the ``$defs`` that
+    document's root must hold: a schema that refers into itself ("#", "#/$defs/...", as a
+    nested pydantic model's does) would resolve against the document's root, so it moves under
+    the root's ``$defs`` with its references rebased, and a ``$ref`` to it takes its place;
+    any other schema is placed as it is."""
+    placed, defs = [], {}
+    for i, schema in enumerate(schemas):
+        key = f"parameters_{i}"
+        moved = _rebased(schema, f"/$defs/{key}")
+        if moved == schema:
+            placed.append(schema)
+        else:
+            defs[key] = moved
+            placed.append({"$ref": f"#/$defs/{key}"})
+    return placed, defs
 
 
 def calls_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
-    """The JSON schema of a reply that calls: one call object, or a non-empty list of them;
-    one call object only unless ``parallel`` (OpenAI's ``parallel_tool_calls: false``)."""
-    call = call_schema(tools)
-    if not parallel:
-        return call | {"x-guidance": _JSON_OPTIONS}
-    return {"anyOf": [call, {"type": "array", "minItems": 1, "items": call}], "x-guidance": _JSON_OPTIONS}
+    """The JSON schema of a reply that calls: one call object ``{"name": <a tool's name>,
+    "arguments": <its parameters>}``, or a non-empty list of them; one call object only unless
+    ``parallel`` (OpenAI's ``parallel_tool_calls: false``)."""
+    arguments, defs = embedded([_closed(parameters(t)) for t in tools])
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, "arguments": args},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t, args in zip(tools, arguments)
+    ]
+    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = call if not parallel else {"anyOf": [call, {"type": "array", "minItems": 1, "items": call}]}
+    return schema | {"x-guidance": _JSON_OPTIONS} | ({"$defs": defs} if defs else {})
 
 
 def reply_grammar(tools: list[dict[str, Any]], parallel: bool = True) -> str:

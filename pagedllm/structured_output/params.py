@@ -20,7 +20,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``SamplingParams``.
 
     Attributes:
-        json: a JSON schema, as a dict or its JSON text.
+        json: a JSON schema, as a dict or its JSON text; a dict is kept as its JSON text
+            (msgpack, which carries the params to the engine core, holds no integer past 64
+            bits, and a schema may: ``"default": 100000000000000000000``).
         regex: a regular expression the whole output matches (Rust ``regex`` syntax).
         choice: the output is exactly one of these strings.
         grammar: a context-free grammar, in Lark syntax (llguidance's) or GBNF/EBNF.
@@ -39,6 +41,13 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def __post_init__(self) -> None:
         self.check()
+        if isinstance(self.json, dict):
+            try:
+                self.json = jsonlib.dumps(self.json, ensure_ascii=False, allow_nan=False)
+            except ValueError:
+                raise InvalidParamError("json", "json: NaN and Infinity are not JSON values") from None
+            except TypeError as e:
+                raise InvalidParamError("json", f"json must be a JSON schema: {e}") from None
 
     def check(self) -> None:
         """Exactly one constraint, of the right type (run again before queueing).

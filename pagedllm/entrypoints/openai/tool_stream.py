@@ -30,6 +30,9 @@ class ToolStream:
         self.max_calls = max_calls
         self.num_calls = 0
         self._pieces: list[str] = []  # "required": the output so far
+        # "auto": content held back while all of it is whitespace: the non-streamed message's
+        # content is None then (``ToolParser.extract``), so such a stream sends none either.
+        self._blank: str | None = ""
 
     def update(self, delta: str, finished: bool) -> list[DeltaMessage]:
         """The deltas to send for this piece of output text (``finished``: it is the last)."""
@@ -53,6 +56,11 @@ class ToolStream:
         if finished:
             rest, more = self.parser.finish()
             content, calls = content + rest, calls + more
+        if self._blank is not None:
+            if content.strip():
+                content, self._blank = self._blank + content, None
+            else:
+                content, self._blank = "", self._blank + content
         return ([DeltaMessage(content=content)] if content else []) + self._calls(calls)
 
     def _calls(self, calls: list[ParsedToolCall]) -> list[DeltaMessage]:

@@ -38,13 +38,22 @@ def check_tools(req: ChatCompletionRequest) -> None:
 
     Raises:
         InvalidParamError: ``tool_choice`` other than "none" without ``tools`` (as vLLM), a named
-            function not in ``tools``, two tools of one name, a tool choice that constrains
+            function not in ``tools``, two tools of one name, parameters whose ``type`` is not
+            "object" (OpenAI's rule: the arguments are an object), a tool choice that constrains
             together with another structured output field, parameters that are not a
             JSON schema the grammar engine compiles (``tools.i.function.parameters``), or
             tools whose union is beyond the grammar limits (``tools``).
     """
     tools = req.tools or []
     names = check_tool_names(tools)
+    for i, tool in enumerate(tools):
+        kind = _parameters(tool).get("type", "object")
+        if kind != "object":
+            raise InvalidParamError(
+                f"tools.{i}.function.parameters",
+                f"tools.{i}.function.parameters: a function's arguments are a JSON object (\"type\": \"object\"), "
+                f"got \"type\": {json.dumps(kind)}",
+            )
     mode = req.tool_mode
     if mode != "none" and not tools:
         raise InvalidParamError("tool_choice", f"tool_choice {mode!r} needs tools")
@@ -105,16 +114,17 @@ def tool_constraint(req: ChatCompletionRequest, generic: bool = False) -> Struct
         return None
     if mode != "required":
         return None
+    parameters, defs = generic_tools.embedded([_parameters(t) for t in req.tools])
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+            "properties": {"name": {"const": t.function.name}, "parameters": params},
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for t in req.tools
+        for t, params in zip(req.tools, parameters)
     ]
-    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({"$defs": defs} if defs else {})
     return StructuredOutputsParams(json=array if req.parallel_calls else array | {"maxItems": 1})
 
 
