@@ -287,6 +287,6 @@ def test_a_schema_with_integers_past_64_bits_reaches_the_engine_core() -> None:
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
     assert json.loads(back.structured_outputs.json) == big
     assert back.structured_outputs.key == params.structured_outputs.key
-    with pytest.raises(InvalidParamError, match="NaN and Infinity") as e:
+    with pytest.raises(InvalidParamError, match="NaN or Infinity") as e:
         StructuredOutputsParams(json={"type": "number", "maximum": float("nan")})
     assert e.value.param == "json"

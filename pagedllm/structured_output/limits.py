@@ -92,7 +92,8 @@ def _check_schema(schema: Any, limits: GrammarLimits) -> None:
     while stack:
         node, depth, owner = stack.pop()
         if depth > limits.max_depth:
-            raise _too("json", "nesting depth", depth, limits.max_depth)
+            raise _too("json", "the JSON nesting depth (every object and array, each keyword's included)", depth,
+                       limits.max_depth)
         if isinstance(node, list):
             stack.extend((item, depth + 1, owner) for item in node)
             continue

@@ -45,7 +45,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             try:
                 self.json = jsonlib.dumps(self.json, ensure_ascii=False, allow_nan=False)
             except ValueError:
-                raise InvalidParamError("json", "json: NaN and Infinity are not JSON values") from None
+                raise InvalidParamError("json", "the schema holds NaN or Infinity, which are not JSON values") from None
             except TypeError as e:
                 raise InvalidParamError("json", f"json must be a JSON schema: {e}") from None
 
