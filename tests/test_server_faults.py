@@ -77,6 +77,9 @@ def test_chat_cut_mid_character(http: httpx.Client, max_tokens: int) -> None:
     with http.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as s:
         chunks = [e for e in _sse(s.iter_lines()) if e != "[DONE]" and e["choices"]]
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    # Deltas carry only their keys (they sent "role": null and "tool_calls": null beside content).
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant" and all(None not in d.values() for d in deltas)
     streamed_lp = [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["content"]]
 
     assert choice["finish_reason"] == "length" and len(content) == max_tokens

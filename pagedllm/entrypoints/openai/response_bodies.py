@@ -125,9 +125,12 @@ class DeltaToolCall(OpenAIBaseModel):
 
 
 class DeltaMessage(OpenAIBaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
+    """A piece of a streamed message: only the keys it carries (as vLLM's and OpenAI's chunks;
+    ``"role": null`` beside every piece of content was noise to clients)."""
+
+    role: Literal["assistant"] | None = _absent()
+    content: str | None = _absent()
+    tool_calls: list[DeltaToolCall] | None = _absent()
 
 
 class ChatStreamChoice(OpenAIBaseModel):
