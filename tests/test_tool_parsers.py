@@ -51,6 +51,16 @@ TEXTS = [
 ]
 
 
+def _sent(stream: ToolStream, text: str, step: int) -> tuple[str | None, list[str]]:
+    """What a client receives of ``text`` streamed in pieces of ``step``: the content deltas
+    joined (None if none), and the names of the calls."""
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += stream.update(text[i : i + step], i + step >= len(text))
+    content = "".join(d.content for d in deltas if d.content is not None)
+    return content or None, [c.function.name for d in deltas for c in d.tool_calls or [] if c.function.name]
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), TEXTS)
 @pytest.mark.parametrize("step", [1, 3, 7, 1000])
 def test_hermes_whole_and_streamed_agree(text: str, content: str | None, calls: list, step: int) -> None:
@@ -64,13 +74,7 @@ def test_hermes_whole_and_streamed_agree(text: str, content: str | None, calls: 
     piece, more = streaming.finish()
     streamed += piece
     assert (streamed if streamed.strip() else None, got + more) == (content, calls)
-    # What a client receives: ToolStream's content deltas, joined, are the message's content.
-    stream, deltas = ToolStream("auto", parser(NAMES)), []
-    for i in range(0, len(text), step):
-        deltas += stream.update(text[i : i + step], i + step >= len(text))
-    sent = "".join(d.content for d in deltas if d.content is not None)
-    assert (sent or None) == content
-    assert [(c.function.name) for d in deltas for c in d.tool_calls or [] if c.function.name] == [c.name for c in calls]
+    assert _sent(ToolStream("auto", parser(NAMES)), text, step) == (content, [c.name for c in calls])
 
 
 def _streamed(text: str, step: int) -> tuple[str, list[ParsedToolCall]]:
@@ -162,13 +166,7 @@ def test_generic_whole_and_streamed_agree(text: str, content: str | None, calls:
     piece, more = streaming.finish()
     streamed += piece
     assert (streamed if streamed.strip() else None, got + more) == (content, calls)
-    # What a client receives: ToolStream's content deltas, joined, are the message's content.
-    stream, deltas = ToolStream("auto", GenericToolParser(NAMES)), []
-    for i in range(0, len(text), step):
-        deltas += stream.update(text[i : i + step], i + step >= len(text))
-    sent = "".join(d.content for d in deltas if d.content is not None)
-    assert (sent or None) == content
-    assert [(c.function.name) for d in deltas for c in d.tool_calls or [] if c.function.name] == [c.name for c in calls]
+    assert _sent(ToolStream("auto", GenericToolParser(NAMES)), text, step) == (content, [c.name for c in calls])
 
 
 def test_generic_text_streams_as_it_comes() -> None:
