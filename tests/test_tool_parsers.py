@@ -306,3 +306,20 @@ def test_tool_parameters_must_describe_an_object() -> None:
     for parameters in ({"type": "object"}, {"properties": {"a": {"type": "string"}}}, None):
         check_tools(ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "go"}], "tools": [
             {"type": "function", "function": {"name": "f", "parameters": parameters}}]}))
+
+
+def test_parameters_nested_past_the_recursion_limit_are_refused_by_name() -> None:
+    """Rebasing a tool's ``$ref``s walks its parameters; parameters deeper than Python's
+    recursion limit (one HTTP body can nest that deep) are a 400 naming the tool, not a 500."""
+    from pagedllm.entrypoints.generic_tools import call_objects
+    from pagedllm.errors import InvalidParamError
+    from pagedllm.structured_output import StructuredOutputsParams
+
+    deep: dict = {"type": "object"}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(InvalidParamError, match="nests too deeply") as e:
+        call_objects([("f", {"type": "object"}), ("g", deep)], "arguments")
+    assert e.value.param == "tools.1.function.parameters"
+    with pytest.raises(InvalidParamError, match="nests too deeply"):
+        StructuredOutputsParams(json=deep)

@@ -19,6 +19,8 @@ import json
 import weakref
 from typing import Any
 
+from pagedllm.errors import InvalidParamError
+
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 # Compact JSON without free whitespace, as every other constraint (structured_output.grammar).
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -88,38 +90,36 @@ def _rebased(schema: Any, at: str) -> Any:
     return out
 
 
-def embedded(schemas: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Schemas (tools' parameters) to place inside one larger document, and the ``$defs`` that
-    document's root must hold: a schema that refers into itself ("#", "#/$defs/...", as a
-    nested pydantic model's does) would resolve against the document's root, so it moves under
-    the root's ``$defs`` with its references rebased, and a ``$ref`` to it takes its place;
-    any other schema is placed as it is."""
-    placed, defs = [], {}
-    for i, schema in enumerate(schemas):
-        key = f"parameters_{i}"
-        moved = _rebased(schema, f"/$defs/{key}")
-        if moved == schema:
-            placed.append(schema)
-        else:
-            defs[key] = moved
-            placed.append({"$ref": f"#/$defs/{key}"})
-    return placed, defs
+def call_objects(functions: list[tuple[str, dict[str, Any]]], key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One call's JSON schema per (function name, parameters schema): ``{"name": <the name>,
+    <key>: <the parameters>}`` and nothing else; and the ``$defs`` the document holding them must
+    have at its root. Parameters that refer into themselves ("#", "#/$defs/...", as a nested
+    pydantic model's do) would resolve against that document's root instead: they move under
+    its ``$defs``, their references rebased, and a ``$ref`` takes their place.
+
+    Raises:
+        InvalidParamError: parameters nested past Python's recursion limit (``tools``).
+    """
+    calls, defs = [], {}
+    for i, (name, schema) in enumerate(functions):
+        at = f"parameters_{i}"
+        try:
+            moved = _rebased(schema, f"/$defs/{at}")
+            if moved != schema:
+                defs[at], schema = moved, {"$ref": f"#/$defs/{at}"}
+        except RecursionError:
+            raise InvalidParamError(f"tools.{i}.function.parameters",
+                                    f"tools.{i}.function.parameters: the schema nests too deeply") from None
+        calls.append({"type": "object", "properties": {"name": {"const": name}, key: schema},
+                      "required": ["name", key], "additionalProperties": False})
+    return calls, defs
 
 
 def calls_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
     """The JSON schema of a reply that calls: one call object ``{"name": <a tool's name>,
     "arguments": <its parameters>}``, or a non-empty list of them; one call object only unless
     ``parallel`` (OpenAI's ``parallel_tool_calls: false``)."""
-    arguments, defs = embedded([_closed(parameters(t)) for t in tools])
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "arguments": args},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t, args in zip(tools, arguments)
-    ]
+    calls, defs = call_objects([(t["function"]["name"], _closed(parameters(t))) for t in tools], "arguments")
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = call if not parallel else {"anyOf": [call, {"type": "array", "minItems": 1, "items": call}]}
     return schema | {"x-guidance": _JSON_OPTIONS} | ({"$defs": defs} if defs else {})

@@ -48,6 +48,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise InvalidParamError("json", "the schema holds NaN or Infinity, which are not JSON values") from None
             except TypeError as e:
                 raise InvalidParamError("json", f"json must be a JSON schema: {e}") from None
+            except RecursionError:
+                raise InvalidParamError("json", "the schema nests too deeply") from None
 
     def check(self) -> None:
         """Exactly one constraint, of the right type (run again before queueing).

@@ -114,16 +114,7 @@ def tool_constraint(req: ChatCompletionRequest, generic: bool = False) -> Struct
         return None
     if mode != "required":
         return None
-    parameters, defs = generic_tools.embedded([_parameters(t) for t in req.tools])
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t.function.name}, "parameters": params},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for t, params in zip(req.tools, parameters)
-    ]
+    calls, defs = generic_tools.call_objects([(t.function.name, _parameters(t)) for t in req.tools], "parameters")
     array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({"$defs": defs} if defs else {})
     return StructuredOutputsParams(json=array if req.parallel_calls else array | {"maxItems": 1})
 
