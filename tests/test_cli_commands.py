@@ -84,3 +84,30 @@ def test_generate_chat_with_an_inline_chat_template(capsys: pytest.CaptureFixtur
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["prompt"] == "<|im_start|>user\nHi<|im_end|>\nReply:"
 
+
+
+def test_a_broken_hf_checkpoint_is_one_line_and_exit_2(tmp_path, tokenizer_dir,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A config.json that is not JSON, and a checkpoint without one of the model's tensors,
+    are named in one line (exit 2), not transformers' or torch's tracebacks (exit 1)."""
+    import safetensors.torch
+
+    from tests.models_util import save_checkpoint, tiny_llama
+
+    llama = tiny_llama(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+    save_checkpoint(llama, tmp_path, tokenizer_dir)
+    weights = next(tmp_path.glob("*.safetensors"))
+    tensors = safetensors.torch.load_file(weights)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    safetensors.torch.save_file(tensors, weights)
+    argv = ["generate", "--prompt", "Hi", "--model", str(tmp_path), "--dtype", "float32", "--kv-cache-memory", "64MiB"]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "error: the checkpoint lacks layers.1.mlp.down_proj.weight" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"{tmp_path / 'config.json'} is not valid JSON" in capsys.readouterr().err

@@ -118,7 +118,8 @@ def resolve_model(model: str) -> ResolvedModel:
 
     Raises:
         ValueError: unknown name, package not installed (with the pip command), hash mismatch,
-            a directory without config.json or without ``*.safetensors`` weights.
+            a directory without config.json, with a config.json that is not a JSON object, or
+            without ``*.safetensors`` weights.
     """
     path = Path(model).expanduser()
     if path.is_file():
@@ -127,6 +128,12 @@ def resolve_model(model: str) -> ResolvedModel:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not an HF checkpoint directory: it has no config.json")
+        try:  # before the tokenizer, which reads it too and fails with tracebacks of its own
+            config = json.loads((path / "config.json").read_bytes())
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{path / 'config.json'} is not a JSON object")
         if not any(path.glob("*.safetensors")):  # before the tokenizer, whose error would not say so
             raise ValueError(f"{path} is not an HF checkpoint directory: it has no *.safetensors weights")
         path = path.resolve()
@@ -337,13 +344,17 @@ def load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerBase:
     (keyed by file content and transformers version) and reloaded from there next time.
 
     Raises:
-        ValueError: a GGUF file that is not one, or is truncated or corrupt (``GGUFFile``).
+        ValueError: a GGUF file that is not one, or is truncated or corrupt (``GGUFFile``); an
+            HF directory whose tokenizer does not load.
     """
     import transformers
     from transformers import AutoTokenizer
 
     if resolved.kind == "hf":
-        return AutoTokenizer.from_pretrained(resolved.path)
+        try:
+            return AutoTokenizer.from_pretrained(resolved.path)
+        except (OSError, ValueError) as e:  # no or broken tokenizer files: transformers' message, one line
+            raise ValueError(f"{resolved.path}: the tokenizer does not load: {str(e).strip().splitlines()[0]}") from None
     if resolved.sha256:
         key = resolved.sha256
     else:

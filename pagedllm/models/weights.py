@@ -59,8 +59,8 @@ def load_fused(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], d
     """Cast each (our name, tensor) to ``dtype``, stack the fused projections, load strictly.
 
     Raises:
-        ValueError: a fused projection misses some of its shards.
-        RuntimeError: a parameter is missing or unexpected (``load_state_dict(strict=True)``).
+        ValueError: a fused projection misses some of its shards; the checkpoint lacks a
+            parameter of the model or holds one the model has no place for (named).
     """
     state: dict[str, torch.Tensor] = {}
     shards: dict[str, dict[int, torch.Tensor]] = {}
@@ -78,4 +78,12 @@ def load_fused(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], d
         if len(pieces) != num:
             raise ValueError(f"checkpoint has {len(pieces)} of the {num} projections fused into {name}")
         state[name] = torch.cat([pieces[i] for i in range(num)])
-    module.load_state_dict(state, strict=True, assign=True)
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    if missing:
+        raise ValueError(f"the checkpoint lacks {listed(missing)} (the parameters as this model names them)")
+    if unexpected:
+        raise ValueError(f"the checkpoint holds {listed(unexpected)}, which this model has no place for")
