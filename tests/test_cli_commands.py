@@ -24,6 +24,20 @@ def test_bench_kv_memory_runs_on_the_default_model(capsys: pytest.CaptureFixture
     assert on.removeprefix("[release on]") == off.removeprefix("[release off]")
 
 
+def test_bench_long_context_skips_lengths_past_the_context(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its default lengths (up to 16384) failed on the default model (8192 tokens) as typed, and
+    a --max-model-len given was overridden: lengths past either are reported as skipped."""
+    main(["bench", "long-context", "--no-llama-cpp", "--context-lens", "64,20000", "--output-len", "2",
+          "--batch-sizes", "1", "--kv-cache-memory", "64MiB"])
+    out = capsys.readouterr().out
+    assert "context 20000 skipped: with --output-len 2 it is past the model's context (8192 tokens)" in out
+    assert "context     64: prefill" in out
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "long-context", "--no-llama-cpp", "--context-lens", "64", "--max-model-len", "32"])
+    assert e.value.code == 2
+    assert "every length with --output-len 32 is past --max-model-len (32 tokens)" in capsys.readouterr().err
+
+
 def test_bench_serve_without_a_server_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     """Every request failing printed a report of zeros and exited 0, which scripts took for a run."""
     with socket.socket() as closed:  # bound, not listening: connections are refused

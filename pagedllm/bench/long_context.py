@@ -1,8 +1,9 @@
 """``pagedllm bench long-context``: prefill, time to first token and decode speed as context grows.
 
 For each KV cache dtype (``--kv-cache-dtypes``, default the engine's ``--kv-cache-dtype``)
-one engine is built with ``max_model_len`` = the longest context + ``--output-len``, and at
-each context length L of ``--context-lens``:
+one engine is built with ``max_model_len`` = the longest context + ``--output-len`` (or the
+``--max-model-len`` given), and at each context length L of ``--context-lens`` that fits it (a
+longer one, past the model's context or that flag, is reported as skipped):
 - prefill: one prompt of L random token ids and ``max_tokens=N`` (``--output-len``); TTFT is
   the request's first-token time minus its arrival time, and prefill tokens/s is L / TTFT;
 - decode at batch 1: the same run's (N - 1) tokens over its last-token time minus its
@@ -37,7 +38,8 @@ from pagedllm.engine.arg_utils import positive_int, positive_int_list
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-lens", type=positive_int_list, default="1024,4096,8192,16384",
-                        help="comma-separated prompt lengths, tokens")
+                        help="comma-separated prompt lengths, tokens; those past the model's context (or "
+                             "--max-model-len) with --output-len are skipped")
     parser.add_argument("--batch-sizes", type=positive_int_list, default="1,8",
                         help="comma-separated decode batch sizes")
     parser.add_argument("--output-len", type=positive_int, default=32, help="tokens decoded per request in the decode runs")
@@ -150,16 +152,25 @@ def _measure(llm, kv_dtype: str, context: int, args: argparse.Namespace) -> Long
 def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.models.loader import resolve_model
+    from pagedllm.models.loader import load_config, resolve_model
 
-    contexts = args.context_lens
+    resolved = resolve_model(args.model)
+    limit = args.max_model_len or load_config(resolved).max_position_embeddings
+    what = "--max-model-len" if args.max_model_len else "the model's context"
+    contexts = [c for c in args.context_lens if c + args.output_len <= limit]
+    for context in args.context_lens:
+        if context not in contexts:
+            print(f"context {context} skipped: with --output-len {args.output_len} it is past {what} ({limit} tokens)")
+    if not contexts:
+        raise ValueError(f"--context-lens: every length with --output-len {args.output_len} is past {what} "
+                         f"({limit} tokens)")
     base = EngineArgs.from_cli_args(args).kwargs()
     dtypes = args.kv_cache_dtypes.split(",") if args.kv_cache_dtypes else [base.get("kv_cache_dtype", "auto")]
     prefill_prompts: dict[tuple[int, int], list[int]] = {}  # (context, repeat) -> the prefill runs' prompt
     for kv_dtype in dtypes:
         kwargs = base | {
             "kv_cache_dtype": kv_dtype,
-            "max_model_len": max(contexts) + args.output_len,
+            "max_model_len": args.max_model_len or max(contexts) + args.output_len,
             "enable_prefix_caching": True,  # the batch-b decode runs find their prompts cached
         }
         llm = LLM(**kwargs)
@@ -177,7 +188,6 @@ def run(args: argparse.Namespace) -> None:
                     prefill_prompts[context, i] = _prompts(llm, 1, context, args.seed + i)[0]
         finally:
             llm.shutdown()
-    resolved = resolve_model(args.model)
     if args.no_llama_cpp or resolved.kind != "gguf":
         return
     try:
