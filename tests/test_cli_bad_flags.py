@@ -194,3 +194,13 @@ def test_a_mistyped_flag_is_named_before_a_missing_one(argv: list[str], message:
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_lora_flags_are_the_servers(capsys: pytest.CaptureFixture[str]) -> None:
+    """Only requests name adapters: generate took --enable-lora and the other LoRA flags and did
+    nothing with them; they are serve's (bench lora sets its own)."""
+    for flag in ("--enable-lora", "--max-loras=3", "--max-lora-rank=8", "--max-cpu-loras=2", "--lora-dtype=float32"):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--prompt", "hi", flag])
+        assert e.value.code == 2
+        assert f"unrecognized arguments: {flag}" in capsys.readouterr().err

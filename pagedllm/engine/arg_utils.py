@@ -266,17 +266,21 @@ class EngineArgs:
         "STRICT_PACK", "Ray placement group strategy for the ranks (one bundle each)",
         choices=("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
     )
+    # LoRA: serve only, where requests name adapters (generate, chat and bench throughput have
+    # no way to pick one; bench lora sets these itself).
     enable_lora: bool = _flag(
-        False, "serve LoRA adapters (PEFT folders, llama.cpp GGUF files) on top of the model", action="store_true"
+        False, "serve LoRA adapters (PEFT folders, llama.cpp GGUF files) on top of the model", action="store_true",
+        serve_only=True,
     )
-    max_loras: int = _flag(1, "most distinct LoRA adapters in one engine step", type=positive_int)
-    max_lora_rank: int = _flag(16, "largest LoRA rank an adapter may have", type=positive_int)
+    max_loras: int = _flag(1, "most distinct LoRA adapters in one engine step", type=positive_int, serve_only=True)
+    max_lora_rank: int = _flag(16, "largest LoRA rank an adapter may have", type=positive_int, serve_only=True)
     max_cpu_loras: int | None = _flag(
-        None, "LoRA adapters kept loaded, least recently used dropped beyond (default: --max-loras)", type=positive_int
+        None, "LoRA adapters kept loaded, least recently used dropped beyond (default: --max-loras)", type=positive_int,
+        serve_only=True,
     )
     lora_dtype: str = _flag(
         "auto", "LoRA adapters' A and B in memory: auto (bfloat16 with --dtype auto on the native kernels, else the "
-        "model's dtype) | float32 | bfloat16", choices=("auto", "float32", "bfloat16"),
+        "model's dtype) | float32 | bfloat16", choices=("auto", "float32", "bfloat16"), serve_only=True,
     )
     worker_timeout_s: float = _flag(
         120.0, "seconds the tensor-parallel ranks wait for a hung rank in a collective before the engine fails",
@@ -287,8 +291,9 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser, serve: bool = False) -> None:
         """Add one flag per field. ``serve``: the model is also an optional positional
         (``pagedllm serve MODEL``, and ``--model`` as vLLM still takes it), given once, and the
-        fields marked ``serve_only`` (what only requests that leave fields unset read) are
-        flags too; other commands leave them at their defaults (``from_cli_args``)."""
+        fields marked ``serve_only`` (what only requests read: defaults of the fields they leave
+        unset, the LoRA adapters they name) are flags too; other commands leave them at their
+        defaults (``from_cli_args``)."""
         for f in dataclasses.fields(cls):
             spec = dict(f.metadata)
             if spec.pop("serve_only", False) and not serve:
