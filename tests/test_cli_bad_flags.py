@@ -52,6 +52,8 @@ BAD_FLAGS = [
     (["bench", "perplexity", "--compare", "int8,int3"], "argument --compare: unknown modes ['int3']; choose from"),
     (["bench", "spec", "--batch-sizes", "1,0"], "argument --batch-sizes: must be at least 1, got 0"),
     (["bench", "spec", "--workloads", "copy,nope"], "argument --workloads: must be a comma list of copy, open"),
+    (["bench", "spec", "--num-prompts", "9"], "argument --num-prompts: a workload holds 8 prompts, got 9"),  # ran 8
+    (["serve", "--served-model-name", "a", "b", "a"], "--served-model-name: 'a' is given twice"),  # listed twice
     (["bench", "step", "--batch-sizes", "-1"], "argument --batch-sizes: must be at least 1, got -1"),
     (["bench", "long-context", "--context-lens", "4k"], "argument --context-lens: must be an integer, got '4k'"),
     (["bench", "lora", "--adapter-counts", "x"], "argument --adapter-counts: must be an integer, got 'x'"),

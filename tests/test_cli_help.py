@@ -44,6 +44,7 @@ def test_help_shows_every_default() -> None:
             shown = formatter._get_help_string(action)
             assert "%(default)" in shown or "(default: " in shown, (parser.prog, action.dest)
             assert shown.count("(default: ") == 1, (parser.prog, action.dest, shown)  # once, not twice
+        assert "(default: )" not in " ".join(parser.format_help().split()), parser.prog  # an empty list: "none"
 
 
 def test_block_size_help_names_the_prefill_kernel_limit() -> None:

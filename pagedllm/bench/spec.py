@@ -68,6 +68,7 @@ OPEN_PROMPTS = [
     "What would happen if the moon disappeared?",
 ]
 WORKLOADS = {"copy": COPY_PROMPTS, "open": OPEN_PROMPTS}
+PROMPTS_PER_WORKLOAD = min(map(len, WORKLOADS.values()))
 
 
 @dataclass
@@ -178,6 +179,14 @@ def run(args: argparse.Namespace) -> None:
             )
 
 
+def _num_prompts(text: str) -> int:
+    """argparse type of --num-prompts: 1 to the prompts a workload holds."""
+    value = positive_int(text)
+    if value > PROMPTS_PER_WORKLOAD:
+        raise argparse.ArgumentTypeError(f"a workload holds {PROMPTS_PER_WORKLOAD} prompts, got {value}")
+    return value
+
+
 def _workloads(text: str) -> list[str]:
     """argparse type of --workloads: a comma list of WORKLOADS' names."""
     names = [name.strip() for name in text.split(",") if name.strip()]
@@ -194,7 +203,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="speculative config of the 'on' runs when --speculative-config is not given",
     )
     parser.add_argument("--batch-sizes", type=positive_int_list, default=[1, 8])
-    parser.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per workload (at most 8)")
+    parser.add_argument("--num-prompts", type=_num_prompts, default=PROMPTS_PER_WORKLOAD,
+                        help=f"prompts per workload (1 to {PROMPTS_PER_WORKLOAD})")
     parser.add_argument("--output-len", type=positive_int, default=128, help="max tokens per request")
     parser.add_argument(
         "--repeats", type=positive_int, default=1, help="off/on pairs per case; each side's fastest is reported"

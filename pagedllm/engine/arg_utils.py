@@ -220,7 +220,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = _flag(
         0, "most tokens one request computes in a step (0: no cap beyond the budget)", type=non_negative_int
     )
-    kv_cache_memory: str = _flag("2GiB", "KV cache budget, e.g. 2GiB or 512MiB")
+    kv_cache_memory: str = _flag("2GiB", "KV cache budget, e.g. 2GiB or 512MiB (units of 1024: 2GB and 2G are 2GiB)")
     block_size: int = _flag(
         16,
         # kernels.attention.MAX_PREFILL_BLOCK, read from the header: this module imports no torch.

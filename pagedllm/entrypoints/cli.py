@@ -30,7 +30,7 @@ logger = logging.getLogger("pagedllm")
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each flag's default once: a help text that states its default in words
     ("... (default: the model argument)") is left as it is. A list default is shown as the
-    flag takes it, comma separated (``1,8``, not ``[1, 8]``)."""
+    flag takes it, comma separated (``1,8``, not ``[1, 8]``); an empty list or text as "none"."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if "(default" in (action.help or ""):
@@ -38,9 +38,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
     def _expand_help(self, action: argparse.Action) -> str:
-        if isinstance(action.default, (list, tuple)):
+        if isinstance(action.default, (list, tuple, str)):
             action = copy.copy(action)
-            action.default = ",".join(map(str, action.default))
+            shown = action.default if isinstance(action.default, str) else ",".join(map(str, action.default))
+            action.default = shown or "none"
         return super()._expand_help(action)
 
 

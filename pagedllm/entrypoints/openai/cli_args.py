@@ -84,7 +84,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise ValueError(f"--max-request-body-size: {e}") from None
     grammar_limits(args)
-    taken = set(served_model_names(args))
+    names = served_model_names(args)
+    if len(set(names)) < len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"--served-model-name: {twice!r} is given twice")
+    taken = set(names)
     for item in args.lora_modules:
         name = parse_lora_module(item).name
         if name in taken:
@@ -107,7 +111,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="model names in the API, any of which the `model` field may give; responses to a "
                         "request that gives none name the first (default: the model argument)")
     parser.add_argument("--api-key", type=api_key, default=None,
-                        help="require `Authorization: Bearer KEY` on every route but /health, /metrics, /version")
+                        help="require `Authorization: Bearer KEY` on every route but /health, /ping, /metrics, /version")
     parser.add_argument("--max-request-body-size", default="16MiB", help="larger request bodies get 413")
     # vLLM's CORS flags; middleware.CorsPolicy says why no origin is the default.
     parser.add_argument("--allowed-origins", type=json_str_list, default="[]", metavar="JSON",
