@@ -237,6 +237,9 @@ class EngineConfig:
                 "ray_placement_strategy must be STRICT_PACK, PACK, SPREAD or STRICT_SPREAD, got "
                 f"{self.ray_placement_strategy!r}"
             )
+        if self.ray_placement_strategy != "STRICT_PACK" and self.distributed_executor_backend != "ray":
+            raise ValueError(f"ray_placement_strategy {self.ray_placement_strategy} places Ray actors: it needs "
+                             f"distributed_executor_backend ray, not {self.distributed_executor_backend}")
 
     @property
     def kv_dtype(self) -> torch.dtype:

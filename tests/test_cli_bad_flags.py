@@ -53,6 +53,11 @@ BAD_FLAGS = [
     (["bench", "spec", "--batch-sizes", "1,0"], "argument --batch-sizes: must be at least 1, got 0"),
     (["bench", "spec", "--workloads", "copy,nope"], "argument --workloads: must be a comma list of copy, open"),
     (["bench", "spec", "--num-prompts", "9"], "argument --num-prompts: a workload holds 8 prompts, got 9"),  # ran 8
+    (["generate", "--prompt", "hi", "--worker-timeout-s", "0"], "--worker-timeout-s must be above 0, got 0.0"),
+    (["generate", "--prompt", "hi", "--ray-placement-strategy", "SPREAD"],  # ignored without Ray
+     "--ray-placement-strategy SPREAD places Ray actors: it needs distributed_executor_backend ray, not uni"),
+    (["bench", "throughput", "--compare-kv-cache-dtype", "fp8"],  # ignored without --compare kv-cache-dtype
+     "--compare-kv-cache-dtype is the second run of --compare kv-cache-dtype, which is not given"),
     (["serve", "--served-model-name", "a", "b", "a"], "--served-model-name: 'a' is given twice"),  # listed twice
     (["bench", "step", "--batch-sizes", "-1"], "argument --batch-sizes: must be at least 1, got -1"),
     (["bench", "long-context", "--context-lens", "4k"], "argument --context-lens: must be an integer, got '4k'"),

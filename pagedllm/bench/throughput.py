@@ -156,6 +156,8 @@ def run(args: argparse.Namespace) -> None:
     from pagedllm.engine.arg_utils import EngineArgs
 
     sampling(args, 1, 0)  # a sampling flag out of range fails before the model loads
+    if args.compare_kv_cache_dtype is not None and args.compare != "kv-cache-dtype":
+        raise ValueError("--compare-kv-cache-dtype is the second run of --compare kv-cache-dtype, which is not given")
     kwargs = EngineArgs.from_cli_args(args).kwargs() | {"trace": args.trace}
     if args.compare == "prefix-caching":
         kwargs["enable_prefix_caching"] = True
@@ -175,7 +177,7 @@ def run(args: argparse.Namespace) -> None:
     if args.compare == "kv-cache-dtype":
         print(_pool_report(llm, requests))
         llm.shutdown()
-        llm = LLM(**(kwargs | {"kv_cache_dtype": args.compare_kv_cache_dtype}))
+        llm = LLM(**(kwargs | {"kv_cache_dtype": args.compare_kv_cache_dtype or "int8"}))
         results.append(run_pagedllm(requests, llm, args, f"pagedllm, kv {llm.engine.core.kv_config.dtype}"))
         print(_pool_report(llm, requests))
     llm.shutdown()
@@ -217,8 +219,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "run with --kv-cache-dtype, then --compare-kv-cache-dtype, in the same --kv-cache-memory (each pool's "
         "blocks, requests held at once and preemptions printed); print the ratio",
     )
-    parser.add_argument("--compare-kv-cache-dtype", type=kv_cache_dtype, default="int8",
-                        help="kv-cache-dtype: the second run's KV dtype")
+    parser.add_argument("--compare-kv-cache-dtype", type=kv_cache_dtype, default=None,
+                        help="with --compare kv-cache-dtype: the second run's KV dtype (default: int8)")
     parser.add_argument("--hf-batch-size", type=positive_int, default=16, help="static batch size of the hf backend")
     parser.add_argument("--result-json", type=output_file, default=None)
     parser.add_argument(

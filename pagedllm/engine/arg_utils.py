@@ -330,6 +330,8 @@ class EngineArgs:
             raise ValueError(f"--kv-cache-memory: {e}") from None
         QuantizationConfig.parse(self.quantization, self.quantization_group_size)
         SpeculativeConfig.parse(self.speculative_config)
+        if not self.worker_timeout_s > 0:
+            raise ValueError(f"--worker-timeout-s must be above 0, got {self.worker_timeout_s}")
 
     def kwargs(self) -> dict[str, Any]:
         """``LLM(**kwargs)``: every field, but ``quantize_lm_head`` only where the flag was given
