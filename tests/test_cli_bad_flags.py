@@ -54,6 +54,9 @@ BAD_FLAGS = [
     (["bench", "spec", "--workloads", "copy,nope"], "argument --workloads: must be a comma list of copy, open"),
     (["bench", "spec", "--num-prompts", "9"], "argument --num-prompts: a workload holds 8 prompts, got 9"),  # ran 8
     (["generate", "--prompt", "hi", "--worker-timeout-s", "0"], "--worker-timeout-s must be above 0, got 0.0"),
+    (["generate", "--prompt", "hi", "--speculative-config",
+      '{"method": "draft_model", "model": "/no/draft.gguf", "num_speculative_tokens": 2}'],
+     "--speculative-config: the draft model '/no/draft.gguf': no such file or directory"),  # unnamed, after loading
     (["generate", "--prompt", "hi", "--ray-placement-strategy", "SPREAD"],  # ignored without Ray
      "--ray-placement-strategy SPREAD places Ray actors: it needs distributed_executor_backend ray, not uni"),
     (["bench", "throughput", "--compare-kv-cache-dtype", "fp8"],  # ignored without --compare kv-cache-dtype

@@ -329,7 +329,12 @@ class EngineArgs:
         except ValueError as e:
             raise ValueError(f"--kv-cache-memory: {e}") from None
         QuantizationConfig.parse(self.quantization, self.quantization_group_size)
-        SpeculativeConfig.parse(self.speculative_config)
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None and speculative.model is not None:
+            try:
+                check_model_path(speculative.model)
+            except ValueError as e:
+                raise ValueError(f"--speculative-config: the draft {e}") from None
         if not self.worker_timeout_s > 0:
             raise ValueError(f"--worker-timeout-s must be above 0, got {self.worker_timeout_s}")
 
