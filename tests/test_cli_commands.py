@@ -45,9 +45,11 @@ def test_bench_serve_without_a_server_exits_1(capsys: pytest.CaptureFixture[str]
         url = f"http://127.0.0.1:{closed.getsockname()[1]}"
         with pytest.raises(SystemExit) as e:
             main(["bench", "serve", "--base-url", url, "--num-prompts", "2", "--input-len-range", "4",
-                  "--output-len-range", "2"])
+                  "--output-len-range", "2", "--request-rate", "50", "--max-concurrency", "1"])
     assert e.value.code == "error: none of the 2 requests succeeded (their errors are above)"
-    assert "Failed requests                                                  2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Failed requests                                                  2" in out
+    assert "50.0 req/s, max concurrency 1" in out  # both, as vLLM's (they were refused together)
 
 
 def test_serve_refuses_a_setting_the_model_cannot_take_in_one_line() -> None:

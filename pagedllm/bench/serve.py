@@ -64,10 +64,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--suffix-len", type=non_negative_int, default=64, help="per-request suffix tokens (prefix-repetition)"
     )
     parser.add_argument("--num-prefixes", type=positive_int, default=4, help="distinct prefixes (prefix-repetition)")
-    load = parser.add_mutually_exclusive_group()
-    load.add_argument("--request-rate", type=positive_float, default=float("inf"),
-                      help="requests/s (default: all at once)")
-    load.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
+    parser.add_argument("--request-rate", type=positive_float, default=float("inf"),
+                        help="requests/s arriving (default: all at once)")
+    parser.add_argument("--max-concurrency", type=positive_int, default=None,
+                        help="most requests in flight; arrivals beyond wait (with --request-rate too, as vLLM's)")
     parser.add_argument("--burstiness", type=positive_float, default=1.0,
                         help="gamma shape of inter-arrival times: 1 = Poisson, <1 burstier, >1 steadier")
     parser.add_argument("--seed", type=non_negative_int, default=0)
@@ -216,11 +216,19 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float]
     }
 
 
+def _load(args: argparse.Namespace) -> str:
+    """The arrival rate, the concurrency cap, or both (an unlimited rate is left out beside a cap)."""
+    rate, cap = f"{args.request_rate} req/s", f"max concurrency {args.max_concurrency}"
+    if not args.max_concurrency:
+        return rate
+    return cap if args.request_rate == float("inf") else f"{rate}, {cap}"
+
+
 def format_report(m: dict, args: argparse.Namespace) -> str:
     rows = [
         ("Base URL", args.base_url),
         ("Dataset", args.dataset),
-        ("Load", f"max concurrency {args.max_concurrency}" if args.max_concurrency else f"{args.request_rate} req/s"),
+        ("Load", _load(args)),
         ("Successful requests", m["completed"]),
         ("Failed requests", m["failed"]),
         ("Benchmark duration (s)", f"{m['duration_s']:.2f}"),
