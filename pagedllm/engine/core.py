@@ -78,9 +78,11 @@ class EngineCore:
         self.num_blocks = kv.num_blocks
         self.max_model_len = kv.max_model_len
         logger.info(
-            "KV cache: %d blocks of %d tokens x %d layers, %.2f GiB in %s; %d group(s) with windows %s; "
+            "KV cache: %d blocks of %d tokens x %d layers, %.2f %s in %s; %d group(s) with windows %s; "
             "longest request %d tokens",
-            kv.num_blocks, kv.block_size, len(kv.groups[0].layers), kv.num_bytes / 1024**3, kv.dtype, len(kv.groups),
+            kv.num_blocks, kv.block_size, len(kv.groups[0].layers),
+            *((kv.num_bytes / 1024**3, "GiB") if kv.num_bytes >= 1024**3 else (kv.num_bytes / 1024**2, "MiB")),
+            kv.dtype, len(kv.groups),
             [g.window for g in kv.groups], kv.max_model_len,
         )
         if kv.block_size > MAX_PREFILL_BLOCK:
