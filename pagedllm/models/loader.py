@@ -143,7 +143,11 @@ def resolve_model(model: str) -> ResolvedModel:
         if key == package.name.lower() or key in package.aliases:
             file = _packaged_file(package)
             return ResolvedModel("gguf", file, file.parent, file.name, package.name, package.sha256)
-    known = "; ".join(f"{p.name} (also {', '.join(p.aliases)}; install: {p.pip})" for p in _PACKAGES)
+    def listed(p: _Package) -> str:
+        others = [a for a in p.aliases if a != p.name.lower()]
+        return f"{p.name} ({'also ' + ', '.join(others) + '; ' if others else ''}install: {p.pip})"
+
+    known = "; ".join(map(listed, _PACKAGES))
     raise ValueError(
         f"unknown model {model!r}: not a file, not a directory, not a known alias. Aliases: {known}"
     )
@@ -161,7 +165,7 @@ def _packaged_file(package: _Package) -> Path:
         spec = importlib.util.find_spec(module)  # finds without importing (no side effects)
         if spec is None or not spec.submodule_search_locations:
             raise ValueError(
-                f"model {package.name} needs the package {module!r}; install it with: {package.pip}"
+                f"model {package.name} is not installed (no module {module!r}); install it with: {package.pip}"
             )
         source = Path(spec.submodule_search_locations[0]) / rel
         if not source.is_file():
