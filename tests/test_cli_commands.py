@@ -101,6 +101,14 @@ def test_generate_chat_with_an_inline_chat_template(capsys: pytest.CaptureFixtur
     assert record["prompt"] == "<|im_start|>user\nHi<|im_end|>\nReply:"
 
 
+def test_generate_json_names_the_stop_string_that_ended_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """With several --stop strings, which one fired was not in the record (vLLM's stop_reason)."""
+    main(["generate", "--prompt", "One, two, three,", "--stop", " four", "--stop", "five", "--json",
+          "--max-tokens", "20", *SMALL])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (record["finish_reason"], record["stop_reason"]) == ("stop", " four")
+
+
 
 def test_a_broken_hf_checkpoint_is_one_line_and_exit_2(tmp_path, tokenizer_dir,
                                                         capsys: pytest.CaptureFixture[str]) -> None:

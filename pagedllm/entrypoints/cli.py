@@ -92,7 +92,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     for out in outputs:
         for c in out.outputs:
             if args.json:
-                record = {"prompt": out.prompt, "text": c.text, "finish_reason": c.finish_reason}
+                record = {"prompt": out.prompt, "text": c.text, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}  # the --stop string (or token id) that ended it
                 print(json.dumps(record | ({"error": c.error} if c.error else {})))
             else:
                 reason = f"{c.finish_reason}: {c.error}" if c.error else c.finish_reason
@@ -113,7 +114,7 @@ def _add_generate(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     add_chat_template_arg(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object per output")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per output: prompt, text, finish_reason, stop_reason")
     parser.add_argument(
         "--json-schema", default=None, help="constrain each output to this JSON schema: a file path or JSON text"
     )
