@@ -148,17 +148,21 @@ void test_linear() {
     std::tie(d16[i], d[i]) = f16(1 + int(std::fabs(rng.normal()) * 300.f) % 1000, 12);
     std::tie(m16[i], mn[i]) = f16(int(rng.normal() * 300.f) % 1000, 10);
   }
-  const auto q4_reference = [&] {
+  // ref[m, n] = b[n] + sum_g xscale[m, g] (dg[n, g] sum_k xc w + mg[n, g] sum_k xc) over the
+  // rows of xr ([M, Kr], quantized as the kernels do), code(n, k) the weight's integer code;
+  // mg null: no m term (Q8_0). The Q4 and Q8_0 GEMMs' reference in plain integers.
+  const auto group_reference = [&](const float* xr, int64_t Kr, auto code, const float* dg, const float* mg) {
+    const int64_t Gr = (Kr + 31) / 32;
     for (int64_t m = 0; m < M; ++m) {
       std::vector<int8_t> xc;
       std::vector<float> xsc;
-      quantize(x.data() + m * K, K, xc, xsc);
+      quantize(xr + m * Kr, Kr, xc, xsc);
       for (int64_t n = 0; n < N; ++n) {
         double s = b[n];
-        for (int64_t g = 0; g < G; ++g) {
+        for (int64_t g = 0; g < Gr; ++g) {
           int32_t dot = 0, sum = 0;
-          for (int64_t k = g * 32; k < K && k < (g + 1) * 32; ++k) dot += int32_t(xc[k]) * codes[n * K + k], sum += xc[k];
-          s += double(xsc[g]) * (double(d[n * G + g]) * dot + double(mn[n * G + g]) * sum);
+          for (int64_t k = g * 32; k < Kr && k < (g + 1) * 32; ++k) dot += int32_t(xc[k]) * code(n, k), sum += xc[k];
+          s += double(xsc[g]) * (double(dg[n * Gr + g]) * dot + (mg ? double(mg[n * Gr + g]) * sum : 0.0));
         }
         ref[m * N + n] = float(s);
       }
@@ -169,7 +173,7 @@ void test_linear() {
     if (symmetric) {  // Q4_0's blocks, every m = -8 d: packed without m, the -8 into the integer sums
       for (int64_t i = 0; i < N * G; ++i) m16[i] = uint16_t(0x8000 | (d16[i] + (3 << 10))), mn[i] = -8.f * d[i];
     }
-    q4_reference();
+    group_reference(x.data(), K, [&](int64_t n, int64_t k) { return int32_t(codes[n * K + k]); }, d.data(), mn.data());
     linear_pack_q4a8(codes.data(), d16.data(), symmetric ? nullptr : m16.data(), q4.data(), N, K);
     std::fill(y.begin(), y.end(), 0.f);
     linear_q4a8(xs_rows.data(), ldx, q4.data(), bias.data(), y.data(), M, N, K, symmetric, M);
@@ -192,20 +196,7 @@ void test_linear() {
       blocks[i * 34 + 2 + j] = uint8_t(q8[i * 32 + j]);
     }
   }
-  for (int64_t m = 0; m < M; ++m) {
-    std::vector<int8_t> xc;
-    std::vector<float> xsc;
-    quantize(x8.data() + m * K8, K8, xc, xsc);
-    for (int64_t n = 0; n < N; ++n) {
-      double s = b[n];
-      for (int64_t g = 0; g < G8; ++g) {
-        int32_t dot = 0;
-        for (int64_t k = g * 32; k < (g + 1) * 32; ++k) dot += int32_t(xc[k]) * q8[n * K8 + k];
-        s += double(xsc[g]) * double(d8[n * G8 + g]) * dot;
-      }
-      ref[m * N + n] = float(s);
-    }
-  }
+  group_reference(x8.data(), K8, [&](int64_t n, int64_t k) { return int32_t(q8[n * K8 + k]); }, d8.data(), nullptr);
   std::vector<int8_t> p8(panels * 32 * K8);
   std::vector<uint16_t> pd(panels * G8 * 32);
   const int packed_q8 = linear_pack_q8_0(blocks.data(), p8.data(), pd.data(), N, K8);
